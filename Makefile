@@ -1,0 +1,39 @@
+# Every target builds .venv first and installs through constraints.txt, so a fresh
+# machine with Python 3.11 needs nothing else.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install demo test test-slow lint bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -c constraints.txt torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/nesa-node demo --nodes 3
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: $(STAMP) lint
+	$(PY) -m pytest -q tests
+	$(PY) -O -m pytest -q tests/unit
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
+
+bench: $(STAMP)
+	$(PY) bench/inference.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,184 @@
+"""`DistributedModelForCausalLM`: a Hugging Face style causal LM whose transformer blocks run on the swarm.
+
+The client holds only the embeddings, the final norm and the LM head. `generate` is transformers' own
+generation (greedy, sampling, beam-free strategies): every call of `forward` sends only the tokens the remote
+caches have not seen yet through an inference session, so each step moves one token's hidden states.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.client.swarm import SwarmClient
+from nesa_node.errors import SessionStateError
+from nesa_node.routing.chain import Chain, ChainRequest, select_chain
+from nesa_node.sharding.blocks import load_client_edges, load_config
+
+logger = logging.getLogger(__name__)
+
+
+def _default_dht_prefix(model_path: str) -> str:
+    name = Path(model_path).resolve().name or "model"
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name)
+
+
+class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
+    """Causal LM over a swarm. Build it with `from_pretrained(path, initial_peers=[...])`; close it when done."""
+
+    main_input_name = "input_ids"
+    _supports_cache_class = False
+
+    def __init__(self, config, edges, swarm: SwarmClient, *, mode: str = "direct", chain_selector=select_chain):
+        super().__init__(config)
+        self.model_edges = edges
+        self.swarm = swarm
+        self.mode = mode
+        self.chain_selector = chain_selector  # (snapshot, request) -> Chain; the routing issue swaps it
+        self.active_session: RemoteInferenceSession | None = None
+        self._history: torch.Tensor | None = None  # (batch, position) tokens the active session has seen
+        self.last_chain: Chain | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str | Path,
+        *,
+        initial_peers: list[str],
+        dht_prefix: str | None = None,
+        mode: str = "direct",
+        dtype: str = "float32",
+        request_timeout_s: float = 30.0,
+        **unused,
+    ) -> DistributedModelForCausalLM:
+        """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`."""
+        if unused:
+            logger.debug("ignoring from_pretrained arguments %s", sorted(unused))
+        model_path = str(model_path)
+        config = load_config(model_path)
+        edges = load_client_edges(model_path, dtype=dtype, config=config)
+        swarm = SwarmClient(
+            list(initial_peers), dht_prefix=dht_prefix or _default_dht_prefix(model_path), request_timeout_s=request_timeout_s
+        )
+        model = cls(config, edges, swarm, mode=mode)
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(model_path)
+        return model.eval()
+
+    # ---- transformers plumbing ----------------------------------------------------------------------------
+
+    def get_input_embeddings(self):
+        return self.model_edges.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.model_edges.lm_head
+
+    @property
+    def device(self) -> torch.device:
+        return self.model_edges.embed_tokens.weight.device
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+        # The caches live on the nodes: forward always gets the full sequence and sends only what is new.
+        return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+    # ---- routing and sessions -----------------------------------------------------------------------------
+
+    def choose_chain(self, *, batch: int = 1, max_length: int = 0, exclude: frozenset[str] = frozenset()) -> Chain:
+        snapshot = self.swarm.snapshot(self.config.num_hidden_layers)
+        chain = self.chain_selector(snapshot, ChainRequest(batch=batch, max_length=max_length, exclude=exclude))
+        self.last_chain = chain
+        return chain
+
+    @contextlib.contextmanager
+    def inference_session(self, *, max_length: int, batch: int = 1) -> Iterator[RemoteInferenceSession]:
+        """Open one session along a chain; `generate` calls inside the block share it (and its caches)."""
+        if self.active_session is not None:
+            raise SessionStateError("an inference session is already active on this model")
+        chain = self.choose_chain(batch=batch, max_length=max_length)
+        session = RemoteInferenceSession(self.swarm, chain, batch=batch, max_length=max_length, mode=self.mode)
+        with session:
+            self.active_session, self._history = session, None
+            try:
+                yield session
+            finally:
+                self.active_session, self._history = None, None
+
+    @torch.inference_mode()
+    def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
+        """transformers' generate, run through the swarm.
+
+        Outside `inference_session` a session sized for this call is opened and closed. Inside one, `inputs`
+        may repeat the session's tokens or hold only new ones: the session's tokens are then put in front.
+        """
+        input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        kwargs["use_cache"] = False  # generation must not build a local cache; the nodes hold it
+        if self.active_session is not None:
+            if input_ids is not None and self._history is not None and not self._extends_history(input_ids):
+                input_ids = torch.cat([self._history, input_ids.to(self._history.device)], dim=1)
+                kwargs.pop("attention_mask", None)
+            return super().generate(input_ids, *args, **kwargs)
+        if input_ids is None:
+            raise SessionStateError("generate needs input_ids outside an inference session")
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        max_new = kwargs.get("max_new_tokens") or generation_config.max_new_tokens
+        max_length = input_ids.shape[1] + max_new if max_new else kwargs.get("max_length") or generation_config.max_length
+        with self.inference_session(max_length=max_length, batch=input_ids.shape[0]):
+            return super().generate(input_ids, *args, **kwargs)
+
+    def _extends_history(self, input_ids: torch.Tensor) -> bool:
+        history = self._history
+        return (
+            input_ids.shape[0] == history.shape[0]
+            and input_ids.shape[1] >= history.shape[1]
+            and torch.equal(input_ids[:, : history.shape[1]].to(history.device), history)
+        )
+
+    # ---- forward ------------------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Logits of the tokens the active session has not seen (all tokens without a session)."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise SessionStateError("padded batches are not supported yet: give rows of equal length")
+        session = self.active_session
+        if session is None:
+            hidden = self.model_edges.embed_tokens(input_ids)  # (batch, seq, hidden)
+            hidden = self.remote_forward(hidden)
+            return CausalLMOutputWithPast(logits=self.model_edges.lm_head(self.model_edges.norm(hidden)))
+        seen = session.position
+        if self._history is not None and not self._extends_history(input_ids):
+            raise SessionStateError("input_ids do not extend the tokens this inference session has processed")
+        new_tokens = input_ids[:, seen:]
+        if new_tokens.shape[1] == 0:
+            raise SessionStateError("no new tokens to process in this inference session")
+        hidden = self.model_edges.embed_tokens(new_tokens)  # (batch, new, hidden)
+        hidden = session.step(hidden)
+        self._history = input_ids.clone()
+        logits = self.model_edges.lm_head(self.model_edges.norm(hidden))  # (batch, new, vocab)
+        return CausalLMOutputWithPast(logits=logits)
+
+    def remote_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run hidden states (batch, seq, hidden) through every block without caches (client-relayed)."""
+        chain = self.choose_chain(batch=hidden.shape[0])
+
+        async def run(hidden: torch.Tensor) -> torch.Tensor:
+            for hop in chain.hops:
+                hidden, _ = await self.swarm.forward_async(hop.peer_id, hidden)
+            return hidden
+
+        return self.swarm.call(run(hidden))
+
+    def close(self) -> None:
+        self.swarm.close()
+
+    def __enter__(self) -> DistributedModelForCausalLM:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

@@ -1,0 +1,165 @@
+"""The client's view of the swarm: a P2P host and a client-mode DHT node on a background event loop.
+
+The SDK is synchronous (Hugging Face style); every network call runs on this object's loop and is awaited
+with a timeout through `call`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Coroutine
+from typing import Any
+
+import torch
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+
+from nesa_node.dht_records import NodeRecord, fetch_node_infos, make_validator
+from nesa_node.errors import PeerUnavailableError
+from nesa_node.records import NodeInfo, NodeState
+from nesa_node.routing.chain import NodeView, SwarmSnapshot
+from nesa_node.wire import (
+    RPC_FORWARD,
+    RPC_INFO,
+    raise_if_error,
+    tensor_from_proto,
+    tensor_to_proto,
+    unpack_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class SwarmClient:
+    """Owns the client's event loop thread, P2P host and DHT node. Close it (or use `with`) to stop them."""
+
+    def __init__(self, initial_peers: list[str], *, dht_prefix: str, request_timeout_s: float = 30.0):
+        if not initial_peers:
+            raise ValueError("initial_peers is empty: give the multiaddr of at least one swarm peer")
+        self.dht_prefix = dht_prefix
+        self.request_timeout_s = request_timeout_s
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="nesa-client-loop", daemon=True)
+        self._thread.start()
+        self.rtt_ms: dict[str, float] = {}
+        try:
+            self.p2p, self.dht = self.call(self._start(list(initial_peers)), timeout=60)
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
+
+    async def _start(self, initial_peers: list[str]) -> tuple[P2P, DHTNode]:
+        p2p = await P2P.create(initial_peers=initial_peers, dht_mode="client")
+        try:
+            dht = await DHTNode.create(
+                p2p=p2p,
+                initial_peers=initial_peers,
+                client_mode=True,
+                record_validator=make_validator(None, [self.dht_prefix]),
+            )
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        return p2p, dht
+
+    def call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
+        """Run `coroutine` on the client loop and wait for it (from any thread but the loop's)."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise PeerUnavailableError(f"no answer within {timeout} s") from None
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    # ---- swarm state --------------------------------------------------------------------------------------
+
+    def node_records(self) -> list[NodeRecord]:
+        return self.call(fetch_node_infos(self.dht, self.dht_prefix), timeout=self.request_timeout_s)
+
+    def snapshot(self, num_blocks: int) -> SwarmSnapshot:
+        """Freeze the current records (online nodes, with the client's measured rtts) for routing."""
+        nodes = []
+        for record in self.node_records():
+            info = record.info
+            nodes.append(
+                NodeView(
+                    peer_id=info.peer_id,
+                    start_block=info.start_block,
+                    end_block=info.end_block,
+                    online=info.state == NodeState.online,
+                    inference_tps=info.inference_tps,
+                    cache_tokens_left=info.cache_tokens_left,
+                    max_length=info.max_length,
+                    rtt_ms=self.rtt_ms.get(info.peer_id),
+                )
+            )
+        return SwarmSnapshot(num_blocks=num_blocks, nodes=tuple(sorted(nodes, key=lambda node: node.peer_id)))
+
+    # ---- RPCs ---------------------------------------------------------------------------------------------
+
+    async def _unary(self, peer_id: str, name: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+        started = time.perf_counter()
+        try:
+            response = await asyncio.wait_for(
+                self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse
+                ),
+                timeout=self.request_timeout_s,
+            )
+        except Exception as exc:
+            logger.debug("%s to %s failed: %r", name, peer_id, exc)
+            raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
+        self.rtt_ms[peer_id] = (time.perf_counter() - started) * 1000
+        return response
+
+    def info(self, peer_id: str) -> NodeInfo:
+        """The live NodeInfo of a peer, asked directly (not from the DHT)."""
+        response = self.call(self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest()))
+        metadata = unpack_metadata(response.metadata)
+        raise_if_error(metadata)
+        return NodeInfo.from_wire(metadata.get("info"))
+
+    async def forward_async(self, peer_id: str, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+        request = runtime_pb2.ExpertRequest(tensors=[tensor_to_proto(hidden)])
+        response = await self._unary(peer_id, RPC_FORWARD, request)
+        metadata = unpack_metadata(response.metadata)
+        raise_if_error(metadata)
+        output = tensor_from_proto(
+            response.tensors[0], allowed_dtypes=("float32", "float16", "bfloat16"), max_elements=hidden.numel(), rank=3
+        )
+        return output, float(metadata.get("compute_s", 0.0))
+
+    def close(self) -> None:
+        if not self.loop.is_running():
+            return
+
+        async def stop() -> None:
+            for closer in (self.dht.shutdown, self.p2p.shutdown):
+                try:
+                    await asyncio.wait_for(closer(), timeout=10)
+                except Exception as exc:
+                    logger.debug("client shutdown: %r", exc)
+
+        try:
+            self.call(stop(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> SwarmClient:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+__all__ = ["SwarmClient"]

@@ -1,0 +1,125 @@
+"""Storing and reading `NodeInfo` records on the hivemind DHT.
+
+Layout: one DHT dictionary per model, key `"{dht_prefix}.nodes"`; each node writes only its own subkey,
+`"{peer_id}" + "[owner:<its RSA public key>]"`. hivemind's RSASignatureValidator makes the subkey writable only
+by the holder of that key; `NodeInfoValidator` then checks the value against the NodeInfo schema and that the
+record's peer_id is the peer id of the signing key, so no peer can write another node's record.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidatorBase
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPublicKey
+
+from nesa_node.identity import peer_id_of_public_key
+from nesa_node.records import NodeInfo
+
+logger = logging.getLogger(__name__)
+
+MAX_RECORD_TTL_S = 600.0  # a record may not claim to live longer than this (seconds)
+
+
+def model_key(dht_prefix: str) -> str:
+    return f"{dht_prefix}.nodes"
+
+
+class NodeInfoValidator(RecordValidatorBase):
+    """Schema and identity check of NodeInfo records under the given model keys.
+
+    Runs after the signature validator (lower priority), so it sees the value with the signature stripped.
+    """
+
+    def __init__(self, dht_prefixes: list[str] | tuple[str, ...] = ()):
+        self._key_ids = {DHTID.generate(source=model_key(prefix)).to_bytes() for prefix in dht_prefixes}
+
+    def add_prefix(self, dht_prefix: str) -> None:
+        self._key_ids.add(DHTID.generate(source=model_key(dht_prefix)).to_bytes())
+
+    def validate(self, record: DHTRecord) -> bool:
+        if record.key not in self._key_ids:
+            return True
+        if not (math.isfinite(record.expiration_time) and record.expiration_time <= get_dht_time() + MAX_RECORD_TTL_S):
+            logger.debug("rejected NodeInfo record with expiration %r", record.expiration_time)
+            return False
+        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+            return False  # the model key holds only per-node subkeys
+        try:
+            subkey = DHTProtocol.serializer.loads(record.subkey)
+            info = NodeInfo.from_wire(DHTProtocol.serializer.loads(record.value))
+            owner = owner_peer_id(subkey)
+        except Exception as exc:  # any malformed record is simply invalid
+            logger.debug("rejected NodeInfo record: %r", exc)
+            return False
+        if owner is None or owner != info.peer_id or not subkey.startswith(info.peer_id.encode()):
+            logger.debug("rejected NodeInfo record of %s signed by %s", info.peer_id, owner)
+            return False
+        return True
+
+    @property
+    def priority(self) -> int:
+        return 0  # below RSASignatureValidator (10): validate after the signature is checked and stripped
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        if isinstance(other, NodeInfoValidator):
+            self._key_ids |= other._key_ids
+            return True
+        return False
+
+
+def owner_peer_id(subkey: object) -> str | None:
+    """Peer id (base58) of the RSA key named in a subkey's owner tag, or None if there is none."""
+    if not isinstance(subkey, bytes):
+        return None
+    found = RSASignatureValidator._PUBLIC_KEY_RE.findall(subkey)
+    if len(found) != 1:
+        return None
+    return peer_id_of_public_key(RSAPublicKey.from_bytes(found[0])).to_base58()
+
+
+def make_validator(signature_validator: RSASignatureValidator | None, dht_prefixes: list[str]) -> CompositeValidator:
+    """Signature check (and stripping) first, then the NodeInfo schema. Peers that write no records of their own
+    (clients, bootstrap peers) still verify and strip signatures, with a throwaway key."""
+    return CompositeValidator([NodeInfoValidator(dht_prefixes), signature_validator or RSASignatureValidator()])
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    info: NodeInfo
+    expiration_time: float  # DHT time
+
+
+async def store_node_info(
+    dht: DHTNode, dht_prefix: str, info: NodeInfo, signature_validator: RSASignatureValidator, ttl_s: float
+) -> bool:
+    """Store `info` under the model key as this node's owner-protected subkey; True if a replica took it."""
+    subkey = info.peer_id.encode() + signature_validator.local_public_key
+    return await dht.store(model_key(dht_prefix), info.to_wire(), get_dht_time() + ttl_s, subkey=subkey)
+
+
+async def fetch_node_infos(dht: DHTNode, dht_prefix: str) -> list[NodeRecord]:
+    """Every valid, unexpired NodeInfo under the model key (invalid entries are dropped and logged)."""
+    found = await dht.get(model_key(dht_prefix), latest=True)
+    if found is None or not hasattr(found.value, "items"):
+        return []
+    now = get_dht_time()
+    records: list[NodeRecord] = []
+    for subkey, entry in found.value.items():
+        try:
+            info = NodeInfo.from_wire(entry.value)
+            if owner_peer_id(subkey) != info.peer_id:
+                raise ValueError("record not signed by its peer")
+        except Exception as exc:
+            logger.debug("ignoring a bad NodeInfo record: %r", exc)
+            continue
+        if entry.expiration_time > now:
+            records.append(NodeRecord(info=info, expiration_time=entry.expiration_time))
+    return records

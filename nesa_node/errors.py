@@ -1,0 +1,95 @@
+"""Every error a peer or a user can cause, each with a stable code.
+
+    NesaError (code)
+    ├── ModelLoadError              model_load       bad model folder, missing weights, bad block range
+    │   └── UnsupportedModelError   unsupported_model
+    ├── RequestError                                  a request a node refuses; travels back over the wire
+    │   ├── BadRequestError         bad_request      malformed message, wrong shape/dtype, NaN/Inf, bad position
+    │   ├── CacheBudgetError        cache_budget     the session does not fit the node's KV cache budget
+    │   ├── SessionNotFoundError    unknown_session
+    │   └── TooManySessionsError    too_many_sessions
+    ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
+    ├── NoRouteError                no_route         no chain of online nodes covers every block
+    └── SessionStateError           session_state    client-side misuse of an inference session
+
+Errors that cross the wire are sent as (code, message) and rebuilt on the other side by `error_from_code`.
+"""
+
+from __future__ import annotations
+
+
+class NesaError(Exception):
+    code = "error"
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"[{self.code}] {self.message}"
+
+
+class ModelLoadError(NesaError):
+    code = "model_load"
+
+
+class UnsupportedModelError(ModelLoadError):
+    code = "unsupported_model"
+
+
+class RequestError(NesaError):
+    code = "request"
+
+
+class BadRequestError(RequestError):
+    code = "bad_request"
+
+
+class CacheBudgetError(RequestError):
+    code = "cache_budget"
+
+
+class SessionNotFoundError(RequestError):
+    code = "unknown_session"
+
+
+class TooManySessionsError(RequestError):
+    code = "too_many_sessions"
+
+
+class PeerUnavailableError(NesaError):
+    code = "peer_unavailable"
+
+
+class NoRouteError(NesaError):
+    code = "no_route"
+
+
+class SessionStateError(NesaError):
+    code = "session_state"
+
+
+_BY_CODE = {
+    cls.code: cls
+    for cls in (
+        ModelLoadError,
+        UnsupportedModelError,
+        RequestError,
+        BadRequestError,
+        CacheBudgetError,
+        SessionNotFoundError,
+        TooManySessionsError,
+        PeerUnavailableError,
+        NoRouteError,
+        SessionStateError,
+    )
+}
+
+
+def error_from_code(code: str, message: str) -> NesaError:
+    """Rebuild an error received from a peer; unknown codes become a generic RequestError."""
+    cls = _BY_CODE.get(code, RequestError)
+    error = cls(message)
+    if cls is RequestError and code != RequestError.code:
+        error.code = code
+    return error

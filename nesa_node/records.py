@@ -1,0 +1,100 @@
+"""Records that cross peer boundaries: the `NodeInfo` a node announces on the DHT, and the swarm snapshot.
+
+DHT records ignore unknown fields so that newer peers stay readable; types are strict so a peer cannot sneak a
+string where a number belongs.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import NewType
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PeerIdText = NewType("PeerIdText", str)  # base58 libp2p peer id
+SessionId = NewType("SessionId", str)
+BlockIndex = NewType("BlockIndex", int)
+
+MAX_RECORD_BYTES = 32 * 1024  # a record with every list full stays far below this
+MAX_LIST_ITEMS = 64  # codecs, adapters, links: enough for any real node, small enough to bound a record
+
+
+class NodeState(enum.StrEnum):
+    joining = "joining"
+    online = "online"
+    draining = "draining"
+    offline = "offline"
+
+
+class LoadInfo(BaseModel):
+    """C_A of eq. 18: how busy the node is."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+    cpu_percent: float = Field(0.0, ge=0, le=100 * 1024)  # summed over cores
+    gpu_percent: float = Field(0.0, ge=0, le=100)
+    queue: int = Field(0, ge=0)  # steps waiting
+    sessions: int = Field(0, ge=0)  # open inference sessions
+
+
+class LinkInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+    peer_id: str = Field(max_length=128)
+    rtt_ms: float = Field(ge=0, allow_inf_nan=False)
+    bandwidth_mbps: float | None = Field(None, ge=0, allow_inf_nan=False)
+
+
+class NodeInfo(BaseModel):
+    """What a node announces about itself every announce period."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore", use_enum_values=False)
+
+    peer_id: str = Field(min_length=1, max_length=128)
+    state: NodeState
+    start_block: int = Field(ge=0)
+    end_block: int = Field(ge=1)
+    dtype: str = Field(max_length=16)
+    quantization: str = Field("none", max_length=16)
+    compression: tuple[str, ...] = Field(("none",), max_length=MAX_LIST_ITEMS)
+    weights_hash: str = Field("", max_length=64)
+    gpu_total_mb: float = Field(0.0, ge=0, allow_inf_nan=False)
+    gpu_free_mb: float = Field(0.0, ge=0, allow_inf_nan=False)  # G_A of eq. 18
+    load: LoadInfo = LoadInfo()
+    ram_total_mb: float = Field(0.0, ge=0, allow_inf_nan=False)
+    ram_free_mb: float = Field(0.0, ge=0, allow_inf_nan=False)
+    forward_tps: float = Field(0.0, ge=0, allow_inf_nan=False)  # tokens/s, batch forward
+    inference_tps: float = Field(0.0, ge=0, allow_inf_nan=False)  # tokens/s, one token at a time
+    cache_tokens_left: int = Field(0, ge=0)
+    uptime_s: float = Field(0.0, ge=0, allow_inf_nan=False)
+    reputation: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    adapters: tuple[str, ...] = Field((), max_length=MAX_LIST_ITEMS)
+    version: str = Field("", max_length=32)
+    location: tuple[float, float] | None = None  # (lat, lon)
+    links: tuple[LinkInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)
+    max_length: int = Field(0, ge=0)  # longest session the node accepts, tokens
+
+    @model_validator(mode="after")
+    def _check_span(self) -> NodeInfo:
+        if self.start_block >= self.end_block:
+            raise ValueError(f"start_block {self.start_block} must be < end_block {self.end_block}")
+        return self
+
+    @property
+    def blocks(self) -> range:
+        return range(self.start_block, self.end_block)
+
+    def to_wire(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def from_wire(cls, value: object) -> NodeInfo:
+        """Parse a record read from the DHT or a peer; strict JSON typing, bounded size.
+
+        Raises ValueError (pydantic's ValidationError is one) for anything that is not a valid record.
+        """
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", errors="strict")
+        if not isinstance(value, str):
+            raise ValueError(f"a NodeInfo record is JSON text, got {type(value).__name__}")
+        if len(value) > MAX_RECORD_BYTES:
+            raise ValueError(f"record of {len(value)} bytes exceeds {MAX_RECORD_BYTES}")
+        return cls.model_validate_json(value, strict=True)

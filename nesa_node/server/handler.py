@@ -1,0 +1,281 @@
+"""The node's RPC handlers: info, forward, streaming inference with a KV cache, and push between nodes.
+
+Protocol of `rpc_inference` (one stream per session):
+  1. the client sends an open message: metadata {session_id, batch, max_length, upstream, next?};
+  2. the node reserves the session's cache bytes and answers {ok: true, cache_tokens_left} or an error;
+  3. steps arrive as {step_id, position} + hidden states (batch, seq, hidden), either on this stream (first
+     node, or client-relayed mode) or pushed by the upstream node through `rpc_push` (direct chain);
+  4. each step's output goes to `next` through `rpc_push`, or back on this stream when there is no next node;
+  5. the cache is freed when the stream ends, on error, or after `session_timeout_s` without a step.
+A step whose step_id equals the previous one is a duplicate: its stored output is sent again, not recomputed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer detects streams by typing's name
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import runtime_pb2
+
+from nesa_node.compression.codec import WIRE_DTYPES, all_finite
+from nesa_node.errors import (
+    BadRequestError,
+    NesaError,
+    PeerUnavailableError,
+    RequestError,
+    SessionNotFoundError,
+    TooManySessionsError,
+)
+from nesa_node.server.config import NodeConfig
+from nesa_node.server.session import END_OF_SESSION, ServerSession
+from nesa_node.sharding.kv_cache import CacheBudget
+from nesa_node.wire import (
+    RPC_PUSH,
+    error_response,
+    field,
+    pack_metadata,
+    raise_if_error,
+    tensor_from_proto,
+    tensor_to_proto,
+    unpack_metadata,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_ID_LENGTH = 128
+
+
+class BlockHandler(ServicerBase):
+    """Serves one BlockSpan over hivemind P2P. Compute runs on one worker thread so the event loop stays free."""
+
+    def __init__(self, span, config: NodeConfig, budget: CacheBudget, info_provider, p2p: P2P):
+        self.span = span
+        self.config = config
+        self.budget = budget
+        self.info_provider = info_provider  # () -> NodeInfo, the live record
+        self.p2p = p2p
+        self.sessions: dict[str, ServerSession] = {}
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nesa-compute")
+        self.compute_seconds = 0.0  # total time spent in the blocks
+        self.steps_served = 0
+        self.draining = False
+
+    # ---- unary -------------------------------------------------------------------------------------------
+
+    async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        return runtime_pb2.ExpertResponse(metadata=pack_metadata({"info": self.info_provider().to_wire()}))
+
+    async def rpc_forward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        """Run the span on a whole sequence without a cache (positions from 0)."""
+        try:
+            hidden = self._read_hidden(request, batch=None)
+            output, seconds = await self._compute(hidden, None, 0)
+            return runtime_pb2.ExpertResponse(
+                tensors=[tensor_to_proto(output)], metadata=pack_metadata({"compute_s": seconds})
+            )
+        except RequestError as exc:
+            return error_response(exc)
+
+    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """A step pushed by the upstream node of a direct chain; queued into its session."""
+        try:
+            metadata = unpack_metadata(request.metadata)
+            session_id = field(metadata, "session_id", str)
+            session = self.sessions.get(session_id)
+            if session is None:
+                raise SessionNotFoundError(f"no open session {session_id[:MAX_ID_LENGTH]!r} on this node")
+            if context.remote_id.to_base58() != session.upstream_peer:
+                raise BadRequestError("push from a peer that is not this session's upstream")
+            session.inbox.put_nowait((request, metadata))
+            return runtime_pb2.ExpertResponse()
+        except RequestError as exc:
+            return error_response(exc)
+
+    # ---- streaming inference ------------------------------------------------------------------------------
+
+    async def rpc_inference(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        try:
+            first = await asyncio.wait_for(anext(requests), timeout=self.config.peer_timeout_s)
+            session = self._open_session(first, context)
+        except (StopAsyncIteration, TimeoutError):
+            return
+        except RequestError as exc:
+            yield error_response(exc)
+            return
+        reader = asyncio.create_task(self._read_stream(requests, session))
+        try:
+            yield runtime_pb2.ExpertResponse(
+                metadata=pack_metadata({"ok": True, "cache_tokens_left": self.budget.tokens_left})
+            )
+            while True:
+                try:
+                    item = await asyncio.wait_for(session.inbox.get(), timeout=self.config.session_timeout_s)
+                except TimeoutError:
+                    logger.info("session %s idle for %.0f s, closing", session.session_id, self.config.session_timeout_s)
+                    break
+                if item is END_OF_SESSION:
+                    break
+                request, metadata = item
+                step_id = metadata.get("step_id")
+                try:
+                    start = session.position
+                    output, seconds = await self._inference_step(session, request, metadata)
+                    upstream_s = metadata.get("compute_s", 0.0)  # compute time of the nodes before this one
+                    upstream_s = float(upstream_s) if isinstance(upstream_s, float | int) and upstream_s >= 0 else 0.0
+                    reply = {"step_id": step_id, "position": start, "compute_s": seconds + upstream_s}
+                    if session.next_peer is not None:
+                        await self._push(session, output, reply)
+                    else:
+                        yield runtime_pb2.ExpertResponse(tensors=[tensor_to_proto(output)], metadata=pack_metadata(reply))
+                except NesaError as exc:
+                    yield error_response(exc, step_id=step_id)
+        finally:
+            reader.cancel()
+            self._close_session(session)
+
+    def _open_session(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> ServerSession:
+        metadata = unpack_metadata(request.metadata)
+        session_id = field(metadata, "session_id", str)
+        batch = field(metadata, "batch", int)
+        max_length = field(metadata, "max_length", int)
+        client_peer = context.remote_id.to_base58()
+        upstream = field(metadata, "upstream", str, default=client_peer)
+        next_peer = field(metadata, "next", (str, type(None)), default=None)
+        if not 0 < len(session_id) <= MAX_ID_LENGTH or len(upstream) > MAX_ID_LENGTH:
+            raise BadRequestError("session_id and upstream must be non-empty ids of at most 128 characters")
+        if next_peer is not None:
+            try:
+                PeerID.from_base58(next_peer)
+            except Exception:
+                raise BadRequestError("next is not a valid peer id") from None
+        if self.draining:
+            raise TooManySessionsError("node is draining and accepts no new sessions")
+        if session_id in self.sessions:
+            raise BadRequestError(f"session {session_id!r} is already open on this node")
+        if len(self.sessions) >= self.config.max_sessions:
+            raise TooManySessionsError(f"node has {len(self.sessions)} open sessions, its limit")
+        if not 0 < batch <= self.config.max_batch:
+            raise BadRequestError(f"batch must be in 1..{self.config.max_batch}, got {batch}")
+        if not 0 < max_length <= self.config.max_length:
+            raise BadRequestError(f"max_length must be in 1..{self.config.max_length}, got {max_length}")
+        reserved = self.budget.reserve(batch, max_length)  # raises CacheBudgetError
+        session = ServerSession(
+            session_id=session_id,
+            batch=batch,
+            max_length=max_length,
+            reserved_bytes=reserved,
+            cache=self.span.new_cache(),
+            client_peer=client_peer,
+            upstream_peer=upstream,
+            next_peer=next_peer,
+        )
+        self.sessions[session_id] = session
+        logger.debug("opened session %s (batch %d, max_length %d)", session_id, batch, max_length)
+        return session
+
+    def _close_session(self, session: ServerSession) -> None:
+        if self.sessions.get(session.session_id) is session:
+            del self.sessions[session.session_id]
+            self.budget.release(session.reserved_bytes)
+            session.cache = None
+            session.last_output = None
+            logger.debug("closed session %s", session.session_id)
+
+    async def _read_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], session: ServerSession) -> None:
+        try:
+            async for request in requests:
+                try:
+                    metadata = unpack_metadata(request.metadata)
+                except RequestError as exc:
+                    metadata = {"_error": exc}
+                session.inbox.put_nowait((request, metadata))
+        except Exception as exc:  # the client went away: a normal event
+            logger.debug("stream of session %s ended: %r", session.session_id, exc)
+        finally:
+            session.inbox.put_nowait(END_OF_SESSION)
+
+    async def _inference_step(
+        self, session: ServerSession, request: runtime_pb2.ExpertRequest, metadata: dict
+    ) -> tuple[torch.Tensor, float]:
+        if "_error" in metadata:
+            raise metadata["_error"]
+        step_id = field(metadata, "step_id", str)
+        position = field(metadata, "position", int)
+        if step_id == session.last_step_id and session.last_output is not None:
+            return session.last_output, 0.0  # a duplicate delivery: same output, computed once
+        if position != session.position:
+            raise BadRequestError(f"step at position {position}, but the session's cache holds {session.position}")
+        hidden = self._read_hidden(request, batch=session.batch)
+        if position + hidden.shape[1] > session.max_length:
+            raise BadRequestError(
+                f"step would reach {position + hidden.shape[1]} tokens, over the session's max_length "
+                f"{session.max_length}"
+            )
+        output, seconds = await self._compute(hidden, session.cache, position)
+        session.position += hidden.shape[1]
+        session.last_step_id, session.last_output = step_id, output
+        return output, seconds
+
+    def _read_hidden(self, request: runtime_pb2.ExpertRequest, *, batch: int | None) -> torch.Tensor:
+        if len(request.tensors) != 1:
+            raise BadRequestError(f"expected one tensor of hidden states, got {len(request.tensors)}")
+        hidden = tensor_from_proto(
+            request.tensors[0],
+            allowed_dtypes=tuple(WIRE_DTYPES),
+            max_elements=self.config.max_tokens_per_step * self.span.hidden_size,
+            rank=3,
+        )
+        rows, seq, width = hidden.shape  # (batch, seq, hidden)
+        if width != self.span.hidden_size:
+            raise BadRequestError(f"hidden size {width} does not match the model's {self.span.hidden_size}")
+        if seq == 0 or rows == 0:
+            raise BadRequestError("hidden states must hold at least one token")
+        if batch is not None and rows != batch:
+            raise BadRequestError(f"batch of {rows} rows in a session opened with {batch}")
+        if not all_finite(hidden):
+            raise BadRequestError("hidden states contain NaN or Inf")
+        return hidden
+
+    async def _compute(self, hidden: torch.Tensor, cache, position: int) -> tuple[torch.Tensor, float]:
+        def run() -> tuple[torch.Tensor, float]:
+            started = time.perf_counter()
+            output = self.span(hidden, cache, position)
+            return output, time.perf_counter() - started
+
+        output, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        self.compute_seconds += seconds
+        self.steps_served += 1
+        return output, seconds
+
+    async def _push(self, session: ServerSession, output: torch.Tensor, reply: dict) -> None:
+        request = runtime_pb2.ExpertRequest(
+            tensors=[tensor_to_proto(output)],
+            metadata=pack_metadata({**reply, "session_id": session.session_id}),
+        )
+        try:
+            response = await asyncio.wait_for(
+                self.p2p.call_protobuf_handler(
+                    PeerID.from_base58(session.next_peer), RPC_PUSH, request, runtime_pb2.ExpertResponse
+                ),
+                timeout=self.config.peer_timeout_s,
+            )
+        except Exception as exc:
+            logger.debug("push to %s failed: %r", session.next_peer, exc)
+            raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {exc!r}") from None
+        raise_if_error(unpack_metadata(response.metadata))
+
+    async def shutdown(self) -> None:
+        for session in list(self.sessions.values()):
+            session.inbox.put_nowait(END_OF_SESSION)
+        with contextlib.suppress(Exception):
+            self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,195 @@
+"""The node daemon's composition root: `Node.create(config)` wires every component explicitly.
+
+Components: the BlockSpan (weights of this node's blocks), the KV cache budget, a hivemind P2P host (one p2pd
+process shared by the DHT and the block handlers), a DHTNode whose records are signed with the node's identity
+key, the BlockHandler serving RPCs, and the announcer that refreshes the node's NodeInfo record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P
+
+from nesa_node import __version__
+from nesa_node.dht_records import make_validator, store_node_info
+from nesa_node.identity import ensure_identity, load_private_key
+from nesa_node.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.server.config import NodeConfig
+from nesa_node.server.handler import BlockHandler
+from nesa_node.server.throughput import cached_measure
+from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
+from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
+
+logger = logging.getLogger(__name__)
+
+
+def default_dht_prefix(model_path: str) -> str:
+    name = Path(model_path).resolve().name or "model"
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name)
+
+
+class Node:
+    def __init__(self, config, span, budget, p2p, dht, handler, signature_validator, throughput, identity_tmp):
+        self.config = config
+        self.span = span
+        self.budget = budget
+        self.p2p = p2p
+        self.dht = dht
+        self.handler = handler
+        self.signature_validator = signature_validator
+        self.throughput = throughput
+        self._identity_tmp = identity_tmp
+        self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model_path)
+        self.started_at = time.monotonic()
+        self.state = NodeState.joining
+        self._stopped = asyncio.Event()
+        self._announcer: asyncio.Task | None = None
+        self._process = psutil.Process()
+
+    @classmethod
+    async def create(cls, config: NodeConfig) -> Node:
+        """Load the blocks, measure them, start P2P and the DHT, register the handlers. Announces nothing yet."""
+        model_config = load_config(config.model_path)
+        span = await asyncio.to_thread(
+            load_block_span,
+            config.model_path,
+            SpanSpec(config.start_block, config.end_block, config.dtype, config.device),
+            config=model_config,
+        )
+        if config.measure_throughput:
+            cache_path = Path(config.throughput_cache) if config.throughput_cache else None
+            throughput = await asyncio.to_thread(cached_measure, span, cache_path)
+        else:
+            throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
+        element_bytes = DTYPES[config.dtype].itemsize
+        bytes_per_token = kv_bytes_per_token_for(model_config, config.end_block - config.start_block, element_bytes)
+        budget = CacheBudget.for_tokens(config.max_cache_tokens, bytes_per_token)
+
+        identity_tmp = None
+        identity_path = config.identity_path
+        if identity_path is None:  # a fresh identity for this run, removed at shutdown
+            identity_tmp = tempfile.TemporaryDirectory(prefix="nesa-node-")
+            identity_path = os.path.join(identity_tmp.name, "identity.key")
+        ensure_identity(identity_path)
+        signature_validator = RSASignatureValidator(load_private_key(identity_path))
+
+        if not config.initial_peers and not config.new_swarm:
+            raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        p2p = await P2P.create(
+            initial_peers=list(config.initial_peers),
+            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
+            identity_path=identity_path,
+            check_if_identity_free=False,
+        )
+        dht = None
+        try:
+            prefix = config.dht_prefix or default_dht_prefix(config.model_path)
+            dht = await DHTNode.create(
+                p2p=p2p,
+                initial_peers=list(config.initial_peers),
+                record_validator=make_validator(signature_validator, [prefix]),
+            )
+            node = cls(config, span, budget, p2p, dht, None, signature_validator, throughput, identity_tmp)
+            node.handler = BlockHandler(span, config, budget, node.current_info, p2p)
+            await node.handler.add_p2p_handlers(p2p)
+        except BaseException:
+            if dht is not None:
+                await dht.shutdown()
+            await p2p.shutdown()
+            raise
+        return node
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
+
+    def current_info(self) -> NodeInfo:
+        memory = psutil.virtual_memory()
+        return NodeInfo(
+            peer_id=self.peer_id,
+            state=self.state,
+            start_block=self.config.start_block,
+            end_block=self.config.end_block,
+            dtype=self.config.dtype,
+            weights_hash=self.span.weights_hash,
+            ram_total_mb=memory.total / 2**20,
+            ram_free_mb=memory.available / 2**20,
+            load=LoadInfo(
+                cpu_percent=min(self._process.cpu_percent(None), 100.0 * 1024),
+                queue=sum(session.inbox.qsize() for session in self.handler.sessions.values()),
+                sessions=len(self.handler.sessions),
+            ),
+            forward_tps=float(self.throughput["forward_tps"]),
+            inference_tps=float(self.throughput["inference_tps"]),
+            cache_tokens_left=self.budget.tokens_left,
+            uptime_s=time.monotonic() - self.started_at,
+            version=__version__,
+            max_length=self.config.max_length,
+        )
+
+    async def announce(self) -> bool:
+        ok = await store_node_info(
+            self.dht, self.dht_prefix, self.current_info(), self.signature_validator, self.config.record_ttl_s
+        )
+        if not ok:
+            logger.debug("no DHT peer stored the announcement")
+        return ok
+
+    async def _announce_loop(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                await asyncio.wait_for(self.announce(), timeout=self.config.peer_timeout_s)
+            except Exception as exc:
+                logger.warning("announce failed: %r", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), timeout=self.config.announce_period_s)
+
+    async def start(self) -> None:
+        """Go online: announce now and every announce period; write the address file."""
+        self.state = NodeState.online
+        await self.announce()
+        self._announcer = asyncio.create_task(self._announce_loop())
+        if self.config.address_file:
+            maddrs = await self.visible_maddrs()
+            tmp = Path(self.config.address_file + ".tmp")
+            tmp.write_text("".join(f"{addr}\n" for addr in maddrs))
+            tmp.replace(self.config.address_file)  # atomic: readers never see a half-written file
+
+    async def run(self) -> None:
+        await self.start()
+        await self._stopped.wait()
+
+    def request_stop(self) -> None:
+        self._stopped.set()
+
+    async def shutdown(self) -> None:
+        """Announce offline, close sessions, stop the DHT and P2P."""
+        self._stopped.set()
+        if self._announcer is not None:
+            self._announcer.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._announcer
+        self.state = NodeState.offline
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.announce(), timeout=5)
+        if self.handler is not None:
+            await self.handler.shutdown()
+        with contextlib.suppress(Exception):
+            await self.dht.shutdown()
+        with contextlib.suppress(Exception):
+            await self.p2p.shutdown()
+        if self._identity_tmp is not None:
+            self._identity_tmp.cleanup()

@@ -1,0 +1,29 @@
+"""Server-side inference sessions: the KV cache of one client's generation on this node's span."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+END_OF_SESSION = object()  # put in the inbox when the client's stream ends
+
+
+@dataclass
+class ServerSession:
+    session_id: str
+    batch: int  # rows, fixed for the session
+    max_length: int  # tokens, reserved in the cache budget
+    reserved_bytes: int
+    cache: object  # transformers DynamicCache for this span
+    client_peer: str  # base58 peer id that opened the session
+    upstream_peer: str  # the only peer allowed to push steps (the previous node, or the client)
+    next_peer: str | None  # direct chain: push results here; None: answer on the client's stream
+    position: int = 0  # tokens already in the cache
+    last_step_id: str | None = None
+    last_output: torch.Tensor | None = None
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)

@@ -1,0 +1,245 @@
+"""A contiguous span of transformer blocks loaded from a Hugging Face model folder.
+
+Only the tensors of blocks [start, end) are read from the safetensors files, so a node never holds the whole
+model. The blocks are transformers' own decoder layers (Llama, Mistral and Qwen2 families), run with
+transformers' own masks and rotary embeddings, so a chain of spans computes what the full model computes.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nesa_node.errors import ModelLoadError, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
+
+# model_type -> (modeling module, class name prefix); classes are <prefix>DecoderLayer, RotaryEmbedding, RMSNorm
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("transformers.models.llama.modeling_llama", "Llama"),
+    "mistral": ("transformers.models.mistral.modeling_mistral", "Mistral"),
+    "qwen2": ("transformers.models.qwen2.modeling_qwen2", "Qwen2"),
+}
+EMBED_WEIGHT, NORM_WEIGHT, HEAD_WEIGHT = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+LAYER_PREFIX = "model.layers.{index}."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def load_config(model_path: str | Path):
+    from transformers import AutoConfig
+
+    path = Path(model_path)
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json; point --model at a Hugging Face model folder")
+    config = AutoConfig.from_pretrained(path)
+    if config.model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model type {config.model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return config
+
+
+def family_class(config, suffix: str) -> type[nn.Module]:
+    """The family's transformers class `<Prefix><suffix>`, e.g. LlamaDecoderLayer for suffix "DecoderLayer"."""
+    module_name, prefix = FAMILIES[config.model_type]
+    return getattr(importlib.import_module(module_name), prefix + suffix)
+
+
+def layer_types(config) -> list[str]:
+    """Attention type of every block of the model ("full_attention" or "sliding_attention")."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return list(types)
+    kind = "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+    return [kind] * config.num_hidden_layers
+
+
+def span_config(config, start: int, end: int):
+    """A copy of `config` that describes only blocks [start, end), numbered from 0."""
+    sub = copy.deepcopy(config)
+    types = layer_types(config)[start:end]
+    sub.num_hidden_layers = end - start
+    if getattr(config, "layer_types", None):
+        sub.layer_types = types
+    if getattr(sub, "_attn_implementation", None) in (None, "eager") and config._attn_implementation is None:
+        sub._attn_implementation = "sdpa"  # what from_pretrained picks on this stack; keeps node == reference
+    return sub
+
+
+class SafetensorsIndex:
+    """Maps tensor names to the safetensors file that holds them, and reads single tensors."""
+
+    def __init__(self, model_path: str | Path):
+        self.path = Path(model_path)
+        index_file = self.path / "model.safetensors.index.json"
+        single_file = self.path / "model.safetensors"
+        if index_file.is_file():
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            self.weight_map = {name: self.path / file for name, file in weight_map.items()}
+        elif single_file.is_file():
+            from safetensors import safe_open
+
+            with safe_open(single_file, framework="pt") as handle:
+                self.weight_map = {name: single_file for name in handle.keys()}
+        else:
+            raise ModelLoadError(f"{self.path} has no model.safetensors or model.safetensors.index.json")
+
+    def names_with_prefix(self, prefix: str) -> list[str]:
+        return sorted(name for name in self.weight_map if name.startswith(prefix))
+
+    def read(self, names: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in self.weight_map:
+                raise ModelLoadError(f"tensor {name} is missing from {self.path}")
+            by_file.setdefault(self.weight_map[name], []).append(name)
+        tensors = {}
+        for file, file_names in by_file.items():
+            with safe_open(file, framework="pt") as handle:
+                for name in file_names:
+                    tensors[name] = handle.get_tensor(name)
+        return tensors
+
+
+@dataclass(frozen=True)
+class SpanSpec:
+    start: int  # first block served, inclusive
+    end: int  # last block served, exclusive
+    dtype: str = "float32"
+    device: str = "cpu"
+
+
+class BlockSpan(nn.Module):
+    """Blocks [start, end) of a decoder-only model, with their rotary embedding.
+
+    `forward(hidden, cache, position)` runs the blocks on `hidden` (batch, seq, hidden) whose first token sits at
+    absolute `position`, updating `cache` (a transformers DynamicCache sized for this span) when given.
+    """
+
+    def __init__(self, config, spec: SpanSpec, layers: list[nn.Module], weights_hash: str):
+        super().__init__()
+        self.config = config
+        self.spec = spec
+        self.start, self.end = spec.start, spec.end
+        self.sub_config = span_config(config, spec.start, spec.end)
+        self.types = layer_types(config)[spec.start : spec.end]
+        self.layers = nn.ModuleList(layers)
+        self.rotary = family_class(config, "RotaryEmbedding")(config=config).to(spec.device)
+        self.weights_hash = weights_hash
+        self.dtype_ = DTYPES[spec.dtype]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.sub_config)
+
+    @torch.inference_mode()
+    def forward(self, hidden: torch.Tensor, cache=None, position: int = 0) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        hidden = hidden.to(self.spec.device, self.dtype_)  # (batch, seq, hidden)
+        seq = hidden.shape[1]
+        position_ids = torch.arange(position, position + seq, device=hidden.device).unsqueeze(0)  # (1, seq)
+        position_embeddings = self.rotary(hidden, position_ids=position_ids)
+        mask_kwargs = dict(
+            config=self.sub_config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=cache,
+            position_ids=position_ids,
+        )
+        masks = {}
+        if "full_attention" in self.types:
+            masks["full_attention"] = create_causal_mask(**mask_kwargs)
+        if "sliding_attention" in self.types:
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
+        for layer, kind in zip(self.layers, self.types, strict=True):
+            hidden = layer(
+                hidden,
+                attention_mask=masks[kind],
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+        return hidden
+
+
+def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> BlockSpan:
+    """Read only the weights of blocks [spec.start, spec.end) and build them on `spec.device` in `spec.dtype`.
+
+    Raises ModelLoadError for a bad folder or range, UnsupportedModelError for another model family.
+    """
+    config = config if config is not None else load_config(model_path)
+    if not 0 <= spec.start < spec.end <= config.num_hidden_layers:
+        raise ModelLoadError(
+            f"blocks {spec.start}:{spec.end} are outside the model's 0:{config.num_hidden_layers} range"
+        )
+    if spec.dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}")
+    layer_cls = family_class(config, "DecoderLayer")
+    sub_config = span_config(config, spec.start, spec.end)
+    index = SafetensorsIndex(model_path)
+    digest = hashlib.sha256()
+    layers = []
+    for local, block in enumerate(range(spec.start, spec.end)):
+        prefix = LAYER_PREFIX.format(index=block)
+        names = index.names_with_prefix(prefix)
+        if not names:
+            raise ModelLoadError(f"no weights for block {block} (prefix {prefix!r}) in {model_path}")
+        tensors = index.read(names)
+        state = {}
+        for name in names:
+            tensor = tensors[name]
+            digest.update(name.encode())
+            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            state[name[len(prefix) :]] = tensor.to(DTYPES[spec.dtype])
+        with torch.device("meta"):
+            layer = layer_cls(sub_config, local)
+        missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
+        if missing or unexpected:
+            raise ModelLoadError(f"block {block}: missing weights {missing}, unexpected weights {unexpected}")
+        layers.append(layer.to(spec.device).eval())
+    span = BlockSpan(config, spec, layers, weights_hash=digest.hexdigest()[:16])
+    logger.info("loaded blocks %d:%d of %s (%s, %s)", spec.start, spec.end, model_path, spec.dtype, spec.device)
+    return span
+
+
+class ClientEdges(nn.Module):
+    """What a client holds locally: the token embeddings, the final norm and the LM head."""
+
+    def __init__(self, embed: nn.Embedding, norm: nn.Module, lm_head: nn.Linear):
+        super().__init__()
+        self.embed_tokens = embed
+        self.norm = norm
+        self.lm_head = lm_head
+
+
+def load_client_edges(model_path: str | Path, *, dtype: str = "float32", config=None) -> ClientEdges:
+    """Read only the embeddings, final norm and LM head (tied to the embeddings when the model ties them)."""
+    config = config if config is not None else load_config(model_path)
+    index = SafetensorsIndex(model_path)
+    tied = getattr(config, "tie_word_embeddings", False) or HEAD_WEIGHT not in index.weight_map
+    tensors = index.read([EMBED_WEIGHT, NORM_WEIGHT] + ([] if tied else [HEAD_WEIGHT]))
+    torch_dtype = DTYPES[dtype]
+    embed = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+    embed.weight = nn.Parameter(tensors[EMBED_WEIGHT].to(torch_dtype), requires_grad=False)
+    norm = family_class(config, "RMSNorm")(config.hidden_size, eps=config.rms_norm_eps)
+    norm.weight = nn.Parameter(tensors[NORM_WEIGHT].to(torch_dtype), requires_grad=False)
+    lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
+    lm_head.weight = embed.weight if tied else nn.Parameter(tensors[HEAD_WEIGHT].to(torch_dtype), requires_grad=False)
+    return ClientEdges(embed, norm, lm_head).eval()
