@@ -123,7 +123,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             if input_ids is not None and self._history is not None and not self._extends_history(input_ids):
                 input_ids = torch.cat([self._history, input_ids.to(self._history.device)], dim=1)
                 kwargs.pop("attention_mask", None)
-            return super().generate(input_ids, *args, **kwargs)
+            output = super().generate(input_ids, *args, **kwargs)
+            # the last generated token is not in the caches yet; the next call must start from it
+            self._history = (output.sequences if hasattr(output, "sequences") else output).clone()
+            return output
         if input_ids is None:
             raise SessionStateError("generate needs input_ids outside an inference session")
         generation_config = kwargs.get("generation_config") or self.generation_config

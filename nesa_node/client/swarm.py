@@ -148,6 +148,10 @@ class SwarmClient:
                     await asyncio.wait_for(closer(), timeout=10)
                 except Exception as exc:
                     logger.debug("client shutdown: %r", exc)
+            others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in others:  # hivemind's background refreshers
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
         try:
             self.call(stop(), timeout=30)

@@ -1,0 +1,274 @@
+"""The `nesa-node` command line: run a node, a bootstrap DHT peer, generate, inspect the swarm, make models.
+
+Logging handlers and environment variables are handled here only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from nesa_node.errors import NesaError
+
+logger = logging.getLogger("nesa_node.cli")
+
+
+def _parse_span(text: str) -> tuple[int, int]:
+    try:
+        start, end = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"blocks must look like START:END, got {text!r}") from None
+    if not 0 <= start < end:
+        raise argparse.ArgumentTypeError(f"need 0 <= START < END, got {start}:{end}")
+    return start, end
+
+
+def _add_peer_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
+    parser.add_argument("--model", required=True, help="Hugging Face model folder (config, tokenizer, safetensors)")
+    parser.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the folder's name)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="nesa-node",
+        description="Peer-to-peer swarm serving large language models split by transformer blocks.",
+    )
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
+    tiny = model.add_parser("init-tiny", help="write a small random model and tokenizer (no downloads)")
+    tiny.add_argument("path")
+    tiny.add_argument("--arch", choices=["llama", "mistral", "qwen2"], default="llama")
+    tiny.add_argument("--layers", type=int, default=4, help="transformer blocks (default 4)")
+    tiny.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
+    tiny.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    tiny.add_argument("--kv-heads", type=int, default=2, help="key/value heads (default 2: grouped-query)")
+    tiny.add_argument("--intermediate", type=int, default=None, help="MLP width (default 2 x hidden)")
+    tiny.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
+    tiny.add_argument("--seed", type=int, default=0)
+
+    run = commands.add_parser("run", help="serve a span of blocks (the node daemon)")
+    run.add_argument("--model", required=True, help="Hugging Face model folder; only the span's weights are read")
+    run.add_argument("--blocks", required=True, type=_parse_span, metavar="START:END", help="blocks [START, END)")
+    run.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
+    run.add_argument("--new-swarm", action="store_true", help="start a new swarm (no initial peers)")
+    run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    run.add_argument("--port", type=int, default=0, help="TCP port (default 0: any free port)")
+    run.add_argument("--identity", default=None, metavar="FILE", help="key file; created if missing, keeps the peer id")
+    run.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    run.add_argument("--max-cache-tokens", type=int, default=8192, help="KV cache budget, tokens of batch 1")
+    run.add_argument("--max-length", type=int, default=4096, help="longest session accepted, tokens")
+    run.add_argument("--announce-period", type=float, default=10.0, metavar="S", help="seconds between announcements")
+    run.add_argument("--address-file", default=None, help="write the listening multiaddrs here once ready")
+    run.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the model folder's name)")
+    run.add_argument("--throughput-cache", default=None, help="file caching measured throughput")
+    run.add_argument("--no-measure", action="store_true", help="skip the throughput measurement")
+
+    dht = commands.add_parser("dht", help="run a bootstrap DHT peer that serves no blocks")
+    dht.add_argument("--host", default="127.0.0.1")
+    dht.add_argument("--port", type=int, default=0)
+    dht.add_argument("--identity", default=None, metavar="FILE")
+    dht.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
+    dht.add_argument("--address-file", default=None)
+
+    generate = commands.add_parser("generate", help="generate text through the swarm")
+    _add_peer_args(generate)
+    generate.add_argument("--prompt", required=True)
+    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    generate.add_argument("--temperature", type=float, default=1.0)
+    generate.add_argument("--mode", choices=["direct", "relay"], default="direct", help="chain routing mode")
+
+    status = commands.add_parser("status", help="table of nodes and block coverage")
+    _add_peer_args(status)
+
+    demo = commands.add_parser("demo", help="start a local swarm, generate, compare with one process, stop")
+    demo.add_argument("--nodes", type=int, default=3)
+    demo.add_argument("--model", default=None, help="model folder (default: a tiny random Llama)")
+    demo.add_argument("--prompt", default="Beautiful is better than ugly.")
+    demo.add_argument("--max-new-tokens", type=int, default=32)
+    return parser
+
+
+def _configure_logging(verbosity: int) -> None:
+    level = logging.WARNING - 10 * min(verbosity, 2)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    if verbosity < 2:
+        for noisy in ("hivemind", "transformers"):
+            logging.getLogger(noisy).setLevel(logging.ERROR)
+
+
+async def _serve_until_signal(start, shutdown) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await start()
+        await stop.wait()
+    finally:
+        await shutdown()
+
+
+async def _run_node(args) -> None:
+    from nesa_node.server.config import NodeConfig
+    from nesa_node.server.node import Node
+
+    config = NodeConfig(
+        model_path=args.model,
+        start_block=args.blocks[0],
+        end_block=args.blocks[1],
+        dht_prefix=args.dht_prefix,
+        initial_peers=tuple(args.initial_peers),
+        new_swarm=args.new_swarm,
+        host=args.host,
+        port=args.port,
+        identity_path=args.identity,
+        device=args.device,
+        dtype=args.dtype,
+        max_cache_tokens=args.max_cache_tokens,
+        max_length=args.max_length,
+        announce_period_s=args.announce_period,
+        address_file=args.address_file,
+        throughput_cache=args.throughput_cache,
+        measure_throughput=not args.no_measure,
+    )
+    print(f"loading blocks {config.start_block}:{config.end_block} of {config.model_path}", flush=True)
+    node = await Node.create(config)
+
+    async def start() -> None:
+        await node.start()
+        print(f"peer id {node.peer_id}", flush=True)
+        for addr in await node.visible_maddrs():
+            print(f"listening on {addr}", flush=True)
+        print(
+            f"serving blocks {config.start_block}:{config.end_block}, "
+            f"{node.throughput['inference_tps']:.1f} tokens/s inference, "
+            f"{node.budget.tokens_left} cache tokens",
+            flush=True,
+        )
+
+    await _serve_until_signal(start, node.shutdown)
+
+
+async def _run_dht(args) -> None:
+    from nesa_node.bootstrap import BootstrapPeer
+
+    peer = await BootstrapPeer.create(
+        host=args.host, port=args.port, identity_path=args.identity, initial_peers=tuple(args.initial_peers)
+    )
+
+    async def start() -> None:
+        for addr in await peer.visible_maddrs():
+            print(f"listening on {addr}", flush=True)
+        if args.address_file:
+            await peer.write_address_file(args.address_file)
+
+    await _serve_until_signal(start, peer.shutdown)
+
+
+def _generate(args) -> int:
+    from transformers import AutoTokenizer
+
+    from nesa_node.client.model import DistributedModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    with DistributedModelForCausalLM.from_pretrained(
+        args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, mode=args.mode
+    ) as model:
+        input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
+        output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, **sampling)
+        print(tokenizer.decode(output[0], skip_special_tokens=True))
+    return 0
+
+
+def _status(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from nesa_node.client.model import _default_dht_prefix
+    from nesa_node.client.swarm import SwarmClient
+    from nesa_node.routing.chain import ChainRequest, missing_blocks
+    from nesa_node.sharding.blocks import load_config
+
+    num_blocks = load_config(args.model).num_hidden_layers
+    with SwarmClient(args.initial_peers, dht_prefix=args.dht_prefix or _default_dht_prefix(args.model)) as swarm:
+        records = swarm.node_records()
+        snapshot = swarm.snapshot(num_blocks)
+    table = Table(title=f"{len(records)} nodes, {num_blocks} blocks")
+    for column in ("peer", "blocks", "state", "inference tok/s", "forward tok/s", "cache left", "load"):
+        table.add_column(column)
+    for record in sorted(records, key=lambda record: (record.info.start_block, record.info.peer_id)):
+        info = record.info
+        table.add_row(
+            info.peer_id,
+            f"{info.start_block}:{info.end_block}",
+            info.state.value,
+            f"{info.inference_tps:.1f}",
+            f"{info.forward_tps:.1f}",
+            str(info.cache_tokens_left),
+            f"cpu {info.load.cpu_percent:.0f}%, {info.load.sessions} sessions",
+        )
+    console = Console()
+    console.print(table)
+    missing = missing_blocks(snapshot, ChainRequest())
+    if missing:
+        console.print(f"missing blocks: {', '.join(map(str, missing))}")
+        return 1
+    console.print(f"all {num_blocks} blocks covered")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _configure_logging(args.verbose)
+    try:
+        if args.command == "model":
+            from nesa_node.model_init import TinyModelSpec, init_tiny_model
+
+            spec = TinyModelSpec(
+                arch=args.arch,
+                layers=args.layers,
+                hidden=args.hidden,
+                heads=args.heads,
+                kv_heads=args.kv_heads,
+                intermediate=args.intermediate or 2 * args.hidden,
+                vocab=args.vocab,
+                seed=args.seed,
+            )
+            print(f"wrote {init_tiny_model(args.path, spec)}")
+            return 0
+        if args.command == "run":
+            asyncio.run(_run_node(args))
+            return 0
+        if args.command == "dht":
+            asyncio.run(_run_dht(args))
+            return 0
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "status":
+            return _status(args)
+        if args.command == "demo":
+            from nesa_node.demo import run_demo
+
+            return run_demo(nodes=args.nodes, model=args.model, prompt=args.prompt, max_new_tokens=args.max_new_tokens)
+    except NesaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 1
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(KeyboardInterrupt):
+        sys.exit(main())

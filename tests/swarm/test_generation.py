@@ -1,0 +1,155 @@
+"""Generation through real local swarms equals single-process transformers generation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from tests.conftest import ARCHES
+from tests.swarm.conftest import wait_for_chain
+
+SPLITS = {
+    1: [(0, 4)],
+    2: [(0, 2), (2, 4)],
+    3: [(0, 1), (1, 3), (3, 4)],
+    4: [(0, 1), (1, 2), (2, 3), (3, 4)],
+}
+PROMPT_LENGTH, NEW_TOKENS = 16, 64
+
+
+def prompt(seed: int = 0, length: int = PROMPT_LENGTH) -> torch.Tensor:
+    return torch.randint(3, 1000, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(scope="module")
+def swarm(module_swarm, tiny_models):
+    """Per architecture and chain length k: k nodes splitting the 4 blocks, under DHT prefix '<arch>-k<k>'."""
+    for arch, path in tiny_models.items():
+        for hops, spans in SPLITS.items():
+            for start, end in spans:
+                module_swarm.start_node(path, start, end, dht_prefix=f"{arch}-k{hops}", announce_period_s=5.0)
+    return module_swarm
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    """Single-process greedy generation per architecture: sequences and the logits of every step."""
+    results = {}
+    for arch, path in tiny_models.items():
+        model = AutoModelForCausalLM.from_pretrained(path)
+        with torch.inference_mode():
+            results[arch] = model.generate(
+                prompt(),
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+    return results
+
+
+def connect(swarm, path: str, prefix: str, **kwargs) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, dht_prefix=prefix, **kwargs)
+
+
+@pytest.mark.parametrize("hops", sorted(SPLITS))
+@pytest.mark.parametrize("arch", ARCHES)
+def test_greedy_generation_equals_single_process(swarm, tiny_models, references, arch, hops):
+    with connect(swarm, tiny_models[arch], f"{arch}-k{hops}") as model:
+        chain = wait_for_chain(model, hops=hops, max_length=PROMPT_LENGTH + NEW_TOKENS)
+        assert [(hop.start_block, hop.end_block) for hop in chain.hops] == SPLITS[hops]
+        output = model.generate(
+            prompt(),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    reference = references[arch]
+    assert output.sequences.shape == (1, PROMPT_LENGTH + NEW_TOKENS)
+    assert torch.equal(output.sequences, reference.sequences)
+    torch.testing.assert_close(output.logits[-1], reference.logits[-1], atol=1e-4, rtol=0)
+    torch.testing.assert_close(output.logits[0], reference.logits[0], atol=1e-4, rtol=0)
+
+
+def test_client_relayed_mode_equals_direct(swarm, tiny_models, references):
+    with connect(swarm, tiny_models["llama"], "llama-k3", mode="relay") as model:
+        wait_for_chain(model, hops=3)
+        output = model.generate(prompt(), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    assert torch.equal(output, references["llama"].sequences)
+
+
+def test_sampling_with_a_seed_equals_single_process(swarm, tiny_models):
+    path = tiny_models["qwen2"]
+    reference_model = AutoModelForCausalLM.from_pretrained(path)
+    torch.manual_seed(7)
+    with torch.inference_mode():
+        reference = reference_model.generate(prompt(3), max_new_tokens=24, do_sample=True, temperature=1.5, top_k=0)
+    with connect(swarm, path, "qwen2-k2") as model:
+        wait_for_chain(model, hops=2)
+        torch.manual_seed(7)
+        output = model.generate(prompt(3), max_new_tokens=24, do_sample=True, temperature=1.5, top_k=0)
+    assert torch.equal(output, reference)
+
+
+def test_inference_session_is_shared_by_generate_calls(swarm, tiny_models, references):
+    reference = references["mistral"].sequences
+    with connect(swarm, tiny_models["mistral"], "mistral-k2") as model:
+        wait_for_chain(model, hops=2)
+        with model.inference_session(max_length=PROMPT_LENGTH + NEW_TOKENS) as session:
+            first = model.generate(prompt(), max_new_tokens=20, min_new_tokens=20, do_sample=False)
+            assert session.position == PROMPT_LENGTH + 19  # the last token is not yet in the caches
+            # only new tokens are given: the session puts its own tokens in front
+            second = model.generate(
+                reference[:, first.shape[1] : first.shape[1] + 4], max_new_tokens=10, min_new_tokens=10, do_sample=False
+            )
+    assert torch.equal(first, reference[:, : PROMPT_LENGTH + 20])
+    assert torch.equal(second, reference[:, : PROMPT_LENGTH + 34])
+
+
+def test_two_clients_at_once_get_their_reference_tokens(swarm, tiny_models):
+    path = tiny_models["llama"]
+    reference_model = AutoModelForCausalLM.from_pretrained(path)
+    prompts = [prompt(11), prompt(12, length=9)]
+    with torch.inference_mode():
+        expected = [reference_model.generate(p, max_new_tokens=40, min_new_tokens=40, do_sample=False) for p in prompts]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def client(index: int) -> None:
+        try:
+            with connect(swarm, path, "llama-k2") as model:
+                wait_for_chain(model, hops=2)
+                barrier.wait(timeout=60)
+                results[index] = model.generate(prompts[index], max_new_tokens=40, min_new_tokens=40, do_sample=False)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=180)
+    assert not errors, errors
+    for index in range(2):
+        assert torch.equal(results[index], expected[index])
+
+
+def test_forward_without_session_matches_full_model(swarm, tiny_models):
+    path = tiny_models["qwen2"]
+    reference_model = AutoModelForCausalLM.from_pretrained(path)
+    input_ids = torch.randint(3, 1000, (3, 20), generator=torch.Generator().manual_seed(5))
+    with torch.inference_mode():
+        expected = reference_model(input_ids).logits
+    with connect(swarm, path, "qwen2-k3") as model:
+        wait_for_chain(model, hops=3)
+        with torch.inference_mode():
+            logits = model(input_ids).logits
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
