@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from pathlib import Path
 
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
 from nesa_node.dht_records import make_validator
 from nesa_node.identity import ensure_identity
+from nesa_node.launcher import write_address_file
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,7 @@ class BootstrapPeer:
         return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
 
     async def write_address_file(self, path: str) -> None:
-        tmp = Path(path + ".tmp")
-        tmp.write_text("".join(f"{addr}\n" for addr in await self.visible_maddrs()))
-        tmp.replace(path)
+        await asyncio.to_thread(write_address_file, path, await self.visible_maddrs())
 
     async def shutdown(self) -> None:
         try:

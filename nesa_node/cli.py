@@ -194,13 +194,13 @@ def _status(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from nesa_node.client.model import _default_dht_prefix
     from nesa_node.client.swarm import SwarmClient
+    from nesa_node.dht_records import default_dht_prefix
     from nesa_node.routing.chain import ChainRequest, missing_blocks
     from nesa_node.sharding.blocks import load_config
 
     num_blocks = load_config(args.model).num_hidden_layers
-    with SwarmClient(args.initial_peers, dht_prefix=args.dht_prefix or _default_dht_prefix(args.model)) as swarm:
+    with SwarmClient(args.initial_peers, dht_prefix=args.dht_prefix or default_dht_prefix(args.model)) as swarm:
         records = swarm.node_records()
         snapshot = swarm.snapshot(num_blocks)
     table = Table(title=f"{len(records)} nodes, {num_blocks} blocks")
@@ -217,7 +217,7 @@ def _status(args) -> int:
             str(info.cache_tokens_left),
             f"cpu {info.load.cpu_percent:.0f}%, {info.load.sessions} sessions",
         )
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes get whole peer ids
     console.print(table)
     missing = missing_blocks(snapshot, ChainRequest())
     if missing:

@@ -70,7 +70,10 @@ def run_demo(*, nodes: int = 3, model: str | None = None, prompt: str, max_new_t
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.5)
-            print("chain: " + " -> ".join(f"{hop.peer_id[:12]}..[{hop.start_block}:{hop.end_block})" for hop in chain.hops))
+            print(
+                "chain: "
+                + " -> ".join(f"{hop.peer_id[:12]}..[{hop.start_block}:{hop.end_block})" for hop in chain.hops)
+            )
             clock = _TokenClock()
             started = time.perf_counter()
             output = swarm_model.generate(

@@ -28,6 +28,14 @@ logger = logging.getLogger(__name__)
 MAX_RECORD_TTL_S = 600.0  # a record may not claim to live longer than this (seconds)
 
 
+def default_dht_prefix(model_path: str) -> str:
+    """The model key prefix nodes and clients use unless told otherwise: the model folder's name, sanitised."""
+    from pathlib import Path
+
+    name = Path(model_path).resolve().name or "model"
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name)
+
+
 def model_key(dht_prefix: str) -> str:
     return f"{dht_prefix}.nodes"
 

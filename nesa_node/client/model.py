@@ -18,16 +18,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.client.swarm import SwarmClient
+from nesa_node.dht_records import default_dht_prefix
 from nesa_node.errors import SessionStateError
 from nesa_node.routing.chain import Chain, ChainRequest, select_chain
 from nesa_node.sharding.blocks import load_client_edges, load_config
 
 logger = logging.getLogger(__name__)
-
-
-def _default_dht_prefix(model_path: str) -> str:
-    name = Path(model_path).resolve().name or "model"
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name)
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -65,7 +61,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         config = load_config(model_path)
         edges = load_client_edges(model_path, dtype=dtype, config=config)
         swarm = SwarmClient(
-            list(initial_peers), dht_prefix=dht_prefix or _default_dht_prefix(model_path), request_timeout_s=request_timeout_s
+            list(initial_peers),
+            dht_prefix=dht_prefix or default_dht_prefix(model_path),
+            request_timeout_s=request_timeout_s,
         )
         model = cls(config, edges, swarm, mode=mode)
         with contextlib.suppress(OSError):
@@ -131,7 +129,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise SessionStateError("generate needs input_ids outside an inference session")
         generation_config = kwargs.get("generation_config") or self.generation_config
         max_new = kwargs.get("max_new_tokens") or generation_config.max_new_tokens
-        max_length = input_ids.shape[1] + max_new if max_new else kwargs.get("max_length") or generation_config.max_length
+        max_length = (
+            input_ids.shape[1] + max_new if max_new else kwargs.get("max_length") or generation_config.max_length
+        )
         with self.inference_session(max_length=max_length, batch=input_ids.shape[0]):
             return super().generate(input_ids, *args, **kwargs)
 

@@ -110,9 +110,7 @@ class SwarmClient:
         started = time.perf_counter()
         try:
             response = await asyncio.wait_for(
-                self.p2p.call_protobuf_handler(
-                    PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse
-                ),
+                self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse),
                 timeout=self.request_timeout_s,
             )
         except Exception as exc:

@@ -16,8 +16,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer detects streams by typing's name
 from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer detects streams by typing's name
 
 import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
@@ -71,9 +71,7 @@ class BlockHandler(ServicerBase):
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         return runtime_pb2.ExpertResponse(metadata=pack_metadata({"info": self.info_provider().to_wire()}))
 
-    async def rpc_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
+    async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Run the span on a whole sequence without a cache (positions from 0)."""
         try:
             hidden = self._read_hidden(request, batch=None)
@@ -121,7 +119,9 @@ class BlockHandler(ServicerBase):
                 try:
                     item = await asyncio.wait_for(session.inbox.get(), timeout=self.config.session_timeout_s)
                 except TimeoutError:
-                    logger.info("session %s idle for %.0f s, closing", session.session_id, self.config.session_timeout_s)
+                    logger.info(
+                        "session %s idle for %.0f s, closing", session.session_id, self.config.session_timeout_s
+                    )
                     break
                 if item is END_OF_SESSION:
                     break
@@ -136,7 +136,9 @@ class BlockHandler(ServicerBase):
                     if session.next_peer is not None:
                         await self._push(session, output, reply)
                     else:
-                        yield runtime_pb2.ExpertResponse(tensors=[tensor_to_proto(output)], metadata=pack_metadata(reply))
+                        yield runtime_pb2.ExpertResponse(
+                            tensors=[tensor_to_proto(output)], metadata=pack_metadata(reply)
+                        )
                 except NesaError as exc:
                     yield error_response(exc, step_id=step_id)
         finally:

@@ -21,8 +21,9 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
 from nesa_node import __version__
-from nesa_node.dht_records import make_validator, store_node_info
+from nesa_node.dht_records import default_dht_prefix, make_validator, store_node_info
 from nesa_node.identity import ensure_identity, load_private_key
+from nesa_node.launcher import write_address_file
 from nesa_node.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.handler import BlockHandler
@@ -31,11 +32,6 @@ from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_co
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
 
 logger = logging.getLogger(__name__)
-
-
-def default_dht_prefix(model_path: str) -> str:
-    name = Path(model_path).resolve().name or "model"
-    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in name)
 
 
 class Node:
@@ -163,10 +159,7 @@ class Node:
         await self.announce()
         self._announcer = asyncio.create_task(self._announce_loop())
         if self.config.address_file:
-            maddrs = await self.visible_maddrs()
-            tmp = Path(self.config.address_file + ".tmp")
-            tmp.write_text("".join(f"{addr}\n" for addr in maddrs))
-            tmp.replace(self.config.address_file)  # atomic: readers never see a half-written file
+            await asyncio.to_thread(write_address_file, self.config.address_file, await self.visible_maddrs())
 
     async def run(self) -> None:
         await self.start()

@@ -54,7 +54,9 @@ def references(tiny_models):
 
 
 def connect(swarm, path: str, prefix: str, **kwargs) -> DistributedModelForCausalLM:
-    return DistributedModelForCausalLM.from_pretrained(path, initial_peers=swarm.initial_peers, dht_prefix=prefix, **kwargs)
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=prefix, **kwargs
+    )
 
 
 @pytest.mark.parametrize("hops", sorted(SPLITS))

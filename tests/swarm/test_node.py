@@ -1,0 +1,141 @@
+"""Node daemon behaviour: cache budget, identity across restarts, signed records, status, demo."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from nesa_node.routing.chain import Chain, Hop
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.dht_records import fetch_node_infos
+from nesa_node.errors import CacheBudgetError, NoRouteError
+from tests.swarm.conftest import wait_for_chain
+
+
+def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 4, max_cache_tokens=64, dht_prefix="budget")
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="budget"
+    ) as model:
+        wait_for_chain(model)
+        swarm = model.swarm
+        baseline = swarm.info(node.peer_id).cache_tokens_left
+        assert baseline == 64
+        chain = Chain(hops=(Hop(node.peer_id, 0, 4),))
+        with pytest.raises(CacheBudgetError) as refused:
+            RemoteInferenceSession(swarm, chain, batch=1, max_length=65).open()
+        assert refused.value.code == "cache_budget"
+        assert swarm.info(node.peer_id).cache_tokens_left == baseline
+        # routing does not pick a node whose cache cannot hold the session
+        with pytest.raises(NoRouteError, match="blocks 0-3"):
+            model.choose_chain(max_length=65)
+
+        first = RemoteInferenceSession(swarm, chain, batch=1, max_length=24).open()
+        second = RemoteInferenceSession(swarm, chain, batch=2, max_length=16).open()
+        first.step(torch.randn(1, 5, 64))
+        assert swarm.info(node.peer_id).cache_tokens_left == baseline - 24 - 32
+        with pytest.raises(CacheBudgetError):
+            RemoteInferenceSession(swarm, chain, batch=1, max_length=9).open()
+        first.close()
+        second.close()
+        wait_until(lambda: swarm.info(node.peer_id).cache_tokens_left == baseline)
+        # generation still works on the freed budget
+        output = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False)
+        assert output.shape == (1, 11)
+        wait_until(lambda: swarm.info(node.peer_id).cache_tokens_left == baseline)
+    assert node.handler.sessions == {}
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)
+
+
+def test_restart_with_identity_file_keeps_peer_id_and_is_routable(local_swarm, tiny_llama, tmp_path):
+    identity = str(tmp_path / "node.key")
+    node = local_swarm.start_node(tiny_llama, 0, 4, identity_path=identity, dht_prefix="restart")
+    first_id = node.peer_id
+    assert os.stat(identity).st_mode & 0o077 == 0  # owner-only key file
+    local_swarm.stop_node(node)
+    node = local_swarm.start_node(tiny_llama, 0, 4, identity_path=identity, dht_prefix="restart")
+    assert node.peer_id == first_id
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    input_ids = torch.tensor([[9, 8, 7, 6]])
+    with torch.inference_mode():
+        expected = reference.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="restart"
+    ) as model:
+        wait_until(lambda: _online_peers(model) == {first_id}, timeout_s=30)
+        output = model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert model.last_chain.peer_ids == (first_id,)
+    assert torch.equal(output, expected)
+
+
+def _online_peers(model) -> set[str]:
+    return {record.info.peer_id for record in model.swarm.node_records() if record.info.state.value == "online"}
+
+
+def test_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix="forgery")
+    other = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix="forgery")
+    records = local_swarm.run(fetch_node_infos(node.dht, "forgery"))
+    assert {record.info.peer_id for record in records} == {node.peer_id, other.peer_id}
+    # `other` signs a record claiming to be `node`, with inflated throughput: honest peers refuse it
+    forged = node.current_info().model_copy(update={"inference_tps": 1e9})
+    from nesa_node.dht_records import store_node_info
+
+    local_swarm.run(store_node_info(other.dht, "forgery", forged, other.signature_validator, 30))
+    for reader in (node, other):
+        records = local_swarm.run(fetch_node_infos(reader.dht, "forgery"))
+        assert {record.info.peer_id for record in records} == {node.peer_id, other.peer_id}
+        assert all(record.info.inference_tps < 1e9 for record in records)
+    # the forged record never reaches the storage of a node that knows the model key
+    forged_subkey = forged.peer_id.encode() + other.signature_validator.local_public_key
+    from hivemind.dht.routing import DHTID
+
+    from nesa_node.dht_records import model_key
+
+    stored = node.dht.protocol.storage.get(DHTID.generate(source=model_key("forgery")))
+    assert stored is not None and forged_subkey not in dict(stored.value.items())
+
+
+def test_status_command_lists_nodes_and_missing_blocks(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 3, dht_prefix="status")
+    command = [sys.executable, "-m", "nesa_node.cli", "status", "--model", tiny_llama, "--dht-prefix", "status"]
+    result = subprocess.run(
+        [*command, "--initial-peers", *local_swarm.initial_peers], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1, result.stderr
+    assert "missing blocks: 3" in result.stdout
+    assert "0:3" in result.stdout and node.peer_id[:10] in result.stdout
+
+
+def test_demo_exits_zero_and_leaves_no_process(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "nesa_node.cli", "demo", "--nodes", "3", "--max-new-tokens", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "tokens equal the single-process reference: yes" in result.stdout
+    pids = [int(pid) for pid in re.search(r"started pids: ([\d ]+)", result.stdout).group(1).split()]
+    assert len(pids) == 4  # bootstrap + 3 nodes
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(ProcessLookupError):  # nor any child left in its process group (p2pd)
+            os.killpg(pid, 0)

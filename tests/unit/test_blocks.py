@@ -1,0 +1,52 @@
+import pytest
+import torch
+from nesa_node.sharding.blocks import SafetensorsIndex, SpanSpec, load_block_span, load_client_edges
+from transformers import AutoModelForCausalLM
+
+from nesa_node.errors import ModelLoadError
+from tests.conftest import ARCHES
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_chained_spans_equal_the_full_model(tiny_models, arch):
+    path = tiny_models[arch]
+    reference = AutoModelForCausalLM.from_pretrained(path)
+    edges = load_client_edges(path)
+    spans = [load_block_span(path, SpanSpec(start, end)) for start, end in [(0, 1), (1, 3), (3, 4)]]
+    input_ids = torch.randint(3, 1000, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        expected = reference(input_ids).logits
+        # prefill 8 tokens, then 4 one-token steps with each span's cache
+        caches = [span.new_cache() for span in spans]
+        logits = []
+        for start, end in [(0, 8), (8, 9), (9, 10), (10, 11), (11, 12)]:
+            hidden = edges.embed_tokens(input_ids[:, start:end])
+            for span, cache in zip(spans, caches, strict=True):
+                hidden = span(hidden, cache, start)
+            logits.append(edges.lm_head(edges.norm(hidden)))
+    torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
+
+
+def test_a_span_holds_only_its_blocks(tiny_llama):
+    span = load_block_span(tiny_llama, SpanSpec(1, 3))
+    index = SafetensorsIndex(tiny_llama)
+    expected = len(index.names_with_prefix("model.layers.1.")) + len(index.names_with_prefix("model.layers.2."))
+    assert len(span.layers.state_dict()) == expected
+    assert len(span.layers) == 2
+
+
+def test_bad_ranges_and_folders_raise_model_load_error(tiny_llama, tmp_path):
+    with pytest.raises(ModelLoadError, match="outside"):
+        load_block_span(tiny_llama, SpanSpec(2, 9))
+    with pytest.raises(ModelLoadError, match="outside"):
+        load_block_span(tiny_llama, SpanSpec(3, 3))
+    with pytest.raises(ModelLoadError, match="config.json"):
+        load_block_span(tmp_path, SpanSpec(0, 1))
+    with pytest.raises(ModelLoadError, match="dtype"):
+        load_block_span(tiny_llama, SpanSpec(0, 1, dtype="int8"))
+
+
+def test_bfloat16_span_runs(tiny_llama):
+    span = load_block_span(tiny_llama, SpanSpec(0, 2, dtype="bfloat16"))
+    output = span(torch.randn(1, 3, 64))
+    assert output.dtype == torch.bfloat16 and output.shape == (1, 3, 64)

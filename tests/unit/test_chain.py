@@ -1,0 +1,70 @@
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from nesa_node.routing.chain import ChainRequest, NodeView, SwarmSnapshot, select_chain
+
+from nesa_node.errors import NoRouteError
+
+
+def node(peer: str, start: int, end: int, **kwargs) -> NodeView:
+    return NodeView(peer_id=peer, start_block=start, end_block=end, cache_tokens_left=10_000, **kwargs)
+
+
+def test_fewest_hops_wins_then_latency():
+    snapshot = SwarmSnapshot(
+        num_blocks=8,
+        nodes=(
+            node("a", 0, 4),
+            node("b", 4, 8),
+            node("c", 0, 2),
+            node("d", 2, 8, rtt_ms=0.1),
+            node("e", 0, 8, rtt_ms=90),
+        ),
+    )
+    assert select_chain(snapshot, ChainRequest()).peer_ids == ("e",)
+    without_e = ChainRequest(exclude=frozenset({"e"}))
+    # a->b and c->d both take two hops; c->d has the lower latency (d measured at 0.1 ms)
+    assert select_chain(snapshot, without_e).peer_ids == ("c", "d")
+
+
+def test_missing_blocks_are_named():
+    snapshot = SwarmSnapshot(num_blocks=10, nodes=(node("a", 0, 3), node("b", 5, 10), node("c", 3, 5, online=False)))
+    with pytest.raises(NoRouteError, match="blocks 3-4"):
+        select_chain(snapshot, ChainRequest())
+
+
+def test_nodes_without_cache_room_are_skipped():
+    snapshot = SwarmSnapshot(num_blocks=2, nodes=(node("a", 0, 2),))
+    assert select_chain(snapshot, ChainRequest(max_length=10_000)).peer_ids == ("a",)
+    with pytest.raises(NoRouteError):
+        select_chain(snapshot, ChainRequest(batch=2, max_length=10_000))
+
+
+spans = st.lists(st.tuples(st.integers(0, 11), st.integers(1, 6), st.booleans()), max_size=14)
+
+
+@given(spans)
+def test_a_returned_chain_covers_every_block_contiguously_with_usable_nodes(raw):
+    nodes = tuple(
+        node(f"p{index}", start, min(start + length, 12), online=up) for index, (start, length, up) in enumerate(raw)
+    )
+    snapshot = SwarmSnapshot(num_blocks=12, nodes=nodes)
+    reachable, frontier = {0}, [0]  # block boundaries reachable from 0 through online spans
+    while frontier:
+        position = frontier.pop()
+        for n in nodes:
+            if n.online and n.start_block == position and n.end_block not in reachable:
+                reachable.add(n.end_block)
+                frontier.append(n.end_block)
+    try:
+        chain = select_chain(snapshot, ChainRequest())
+    except NoRouteError:
+        assert 12 not in reachable
+        return
+    position = 0
+    by_id = {n.peer_id: n for n in nodes}
+    for hop in chain.hops:
+        assert hop.start_block == position and by_id[hop.peer_id].online
+        position = hop.end_block
+    assert position == 12
+    assert len(set(chain.peer_ids)) == len(chain.peer_ids)

@@ -1,0 +1,45 @@
+import subprocess
+import sys
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nesa_node.cli import build_parser
+
+
+def test_import_is_light():
+    code = (
+        "import sys, nesa_node; heavy = [m for m in ('torch', 'hivemind', 'transformers', 'bitsandbytes', 'gudhi')"
+        " if m in sys.modules]; print(heavy)"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
+
+
+def test_every_command_has_help(capsys):
+    parser = build_parser()
+    for command in (["run"], ["dht"], ["generate"], ["status"], ["demo"], ["model", "init-tiny"]):
+        try:
+            parser.parse_args([*command, "--help"])
+        except SystemExit as exit_:
+            assert exit_.code == 0
+        assert "usage: nesa-node" in capsys.readouterr().out
+
+
+def test_init_tiny_writes_a_loadable_model(tmp_path):
+    from nesa_node.cli import main
+
+    assert main(["model", "init-tiny", str(tmp_path / "m"), "--arch", "qwen2", "--layers", "3", "--hidden", "32"]) == 0
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "m")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 3
+    assert tokenizer.decode(tokenizer("hello swarm").input_ids) == "hello swarm"
+
+
+def test_bad_block_range_is_a_usage_error(capsys):
+    parser = build_parser()
+    try:
+        parser.parse_args(["run", "--model", "m", "--blocks", "5:2"])
+    except SystemExit as exit_:
+        assert exit_.code == 2
+    assert "START < END" in capsys.readouterr().err

@@ -1,0 +1,76 @@
+import json
+
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.protocol import DHTProtocol
+from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+from pydantic import ValidationError
+
+from nesa_node.dht_records import make_validator, model_key
+from nesa_node.identity import peer_id_of_public_key
+from nesa_node.records import NodeInfo, NodeState
+
+
+def make_info(**overrides) -> NodeInfo:
+    fields = dict(peer_id="QmPeer", state=NodeState.online, start_block=0, end_block=4, dtype="float32")
+    return NodeInfo(**{**fields, **overrides})
+
+
+def test_wire_roundtrip_and_unknown_fields_are_ignored():
+    info = make_info(cache_tokens_left=12, location=(1.5, -2.0))
+    assert NodeInfo.from_wire(info.to_wire()) == info
+    newer = json.loads(info.to_wire()) | {"field_from_a_newer_version": [1, 2]}
+    assert NodeInfo.from_wire(json.dumps(newer)) == info
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"start_block": "0"},
+        {"start_block": 4},
+        {"start_block": -1},
+        {"state": "sleeping"},
+        {"cache_tokens_left": -5},
+        {"forward_tps": "fast"},
+        {"adapters": ["a"] * 65},
+        {"reputation": 2.0},
+    ],
+)
+def test_schema_violations_are_rejected(change):
+    record = json.loads(make_info().to_wire()) | change
+    with pytest.raises(ValidationError):
+        NodeInfo.from_wire(json.dumps(record))
+
+
+def test_non_json_and_oversized_records_are_rejected():
+    with pytest.raises(ValueError):
+        NodeInfo.from_wire({"peer_id": "x"})
+    with pytest.raises(ValueError):
+        NodeInfo.from_wire("x" * 40000)
+
+
+def _signed_record(signer: RSASignatureValidator, info: NodeInfo, prefix: str, expiration: float) -> DHTRecord:
+    record = DHTRecord(
+        key=DHTID.generate(source=model_key(prefix)).to_bytes(),
+        subkey=DHTProtocol.serializer.dumps(info.peer_id.encode() + signer.local_public_key),
+        value=DHTProtocol.serializer.dumps(info.to_wire()),
+        expiration_time=expiration,
+    )
+    validator = make_validator(signer, [prefix])
+    return DHTRecord(record.key, record.subkey, validator.sign_value(record), record.expiration_time)
+
+
+def test_validator_accepts_own_record_and_rejects_forged_or_bad_expiration():
+    owner_key, other_key = RSAPrivateKey(), RSAPrivateKey()
+    owner, other = RSASignatureValidator(owner_key), RSASignatureValidator(other_key)
+    owner_id = peer_id_of_public_key(owner_key.get_public_key()).to_base58()
+    reader = make_validator(None, ["model"])
+    now = get_dht_time()
+    assert reader.validate(_signed_record(owner, make_info(peer_id=owner_id), "model", now + 30))
+    # another key signing a record that names the owner's peer id
+    assert not reader.validate(_signed_record(other, make_info(peer_id=owner_id), "model", now + 30))
+    for expiration in (float("nan"), float("inf"), now + 10**6):
+        assert not reader.validate(_signed_record(owner, make_info(peer_id=owner_id), "model", expiration))
