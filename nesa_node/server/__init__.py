@@ -1,0 +1,4 @@
+"""The node daemon: configuration, the RPC handler with per-session KV caches, and the `Node` composition root.
+
+Never imported by the client.
+"""

@@ -1,0 +1,172 @@
+"""Inference benchmark: single-process transformers vs the swarm with 1, 2 and 3 nodes (direct and relayed).
+
+Prints one JSON line. Speeds are also given as ratios to the single-process baseline measured in the same run,
+since absolute timings on a shared machine are noisy.
+
+    python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
+from nesa_node.errors import NoRouteError  # noqa: E402
+from nesa_node.launcher import ProcessGroup, split_blocks  # noqa: E402
+from nesa_node.model_init import TinyModelSpec, init_tiny_model  # noqa: E402
+
+
+class TokenClock:
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value) -> None:
+        if self.prompt_seen:
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self) -> None:
+        pass
+
+
+def timed_generate(model, input_ids, new_tokens: int) -> dict:
+    clock = TokenClock()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        output = model.generate(
+            input_ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, streamer=clock
+        )
+    return {
+        "ttft_s": clock.times[0] - started,
+        "decode_tps": (len(clock.times) - 1) / (clock.times[-1] - clock.times[0]),
+        "tokens": output,
+    }
+
+
+def timed_forward(model, input_ids, repeats: int) -> float:
+    with torch.inference_mode():
+        model(input_ids)  # warm-up
+        seconds = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            model(input_ids)
+            seconds.append(time.perf_counter() - started)
+    return input_ids.numel() / statistics.median(seconds)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--prompt-tokens", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
+    args = parser.parse_args()
+    torch.manual_seed(0)
+
+    with tempfile.TemporaryDirectory(prefix="nesa-bench-") as workdir, ProcessGroup(workdir) as group:
+        spec = TinyModelSpec(
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=8,
+            kv_heads=8,
+            intermediate=int(args.hidden * 2.75),
+            vocab=args.vocab,
+            seed=0,
+        )
+        path = str(init_tiny_model(Path(workdir) / "bench-llama", spec))
+        from transformers import AutoModelForCausalLM
+
+        baseline_model = AutoModelForCausalLM.from_pretrained(path)
+        input_ids = torch.randint(3, 1000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+        batch_ids = torch.randint(3, 1000, (8, 128), generator=torch.Generator().manual_seed(1))
+
+        runs = [timed_generate(baseline_model, input_ids, args.new_tokens) for _ in range(args.repeats)]
+        baseline = {
+            "decode_tps": statistics.median(run["decode_tps"] for run in runs),
+            "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
+            "forward_8x128_tps": timed_forward(baseline_model, batch_ids, args.repeats),
+        }
+        reference_tokens = runs[0]["tokens"]
+
+        bootstrap, address_file = group.start("dht", ["dht"])
+        peers = group.wait_address(bootstrap, address_file)
+        launched = []
+        for count in args.nodes:
+            for index, (start, end) in enumerate(split_blocks(args.layers, count)):
+                node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
+                node_args += ["--dht-prefix", f"bench-{count}", "--announce-period", "5", "--no-measure"]
+                launched.append(group.start(f"n{count}-{index}", node_args))
+        for process, node_address in launched:
+            group.wait_address(process, node_address, timeout_s=300)
+
+        swarm_results = {}
+        for count in args.nodes:
+            for mode in ("direct", "relay"):
+                with DistributedModelForCausalLM.from_pretrained(
+                    path, initial_peers=peers, dht_prefix=f"bench-{count}", mode=mode
+                ) as model:
+                    deadline = time.monotonic() + 120
+                    while True:
+                        try:
+                            if len(model.choose_chain(max_length=128).hops) == count:
+                                break
+                        except NoRouteError:
+                            pass
+                        if time.monotonic() > deadline:
+                            raise RuntimeError(f"swarm of {count} nodes did not come up")
+                        time.sleep(0.5)
+                    timed_generate(model, input_ids, 8)  # warm-up: connections, first-call costs
+                    runs, overheads = [], []
+                    for _ in range(args.repeats):
+                        with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
+                            runs.append(timed_generate(model, input_ids, args.new_tokens))
+                            overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
+                    hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
+                    decode = statistics.median(run["decode_tps"] for run in runs)
+                    forward_tps = timed_forward(model, batch_ids, args.repeats)
+                    swarm_results[f"{mode}_{count}"] = {
+                        "nodes": count,
+                        "mode": mode,
+                        "tokens_match": all(torch.equal(run["tokens"], reference_tokens) for run in runs),
+                        "decode_tps": round(decode, 2),
+                        "decode_vs_baseline": round(decode / baseline["decode_tps"], 3),
+                        "ttft_ms": round(1000 * statistics.median(run["ttft_s"] for run in runs), 2),
+                        "forward_8x128_tps": round(forward_tps, 1),
+                        "forward_vs_baseline": round(forward_tps / baseline["forward_8x128_tps"], 3),
+                        "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
+                        "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
+                        "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
+                        "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
+                    }
+    result = {
+        "bench": "inference",
+        "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "baseline": {key: round(value, 2) for key, value in baseline.items()},
+        "swarm": swarm_results,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
