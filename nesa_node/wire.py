@@ -18,6 +18,7 @@ RPC_INFO = "BlockHandler.rpc_info"
 RPC_FORWARD = "BlockHandler.rpc_forward"
 RPC_INFERENCE = "BlockHandler.rpc_inference"
 RPC_PUSH = "BlockHandler.rpc_push"
+RPC_PUSH_STREAM = "BlockHandler.rpc_push_stream"
 
 MAX_METADATA_BYTES = 16 * 1024  # metadata is a handful of ids and integers
 MAX_METADATA_KEYS = 32
@@ -90,9 +91,13 @@ def error_response(error: NesaError, **extra: Any) -> runtime_pb2.ExpertResponse
     return runtime_pb2.ExpertResponse(metadata=pack_metadata({"error": error.code, "message": error.message, **extra}))
 
 
+def error_from_metadata(metadata: dict[str, Any]) -> NesaError:
+    return error_from_code(str(metadata.get("error")), str(metadata.get("message", "")))
+
+
 def raise_if_error(metadata: dict[str, Any]) -> None:
     if "error" in metadata:
-        raise error_from_code(str(metadata.get("error")), str(metadata.get("message", "")))
+        raise error_from_metadata(metadata)
 
 
 __all__ = [

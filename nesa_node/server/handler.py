@@ -4,8 +4,9 @@ Protocol of `rpc_inference` (one stream per session):
   1. the client sends an open message: metadata {session_id, batch, max_length, upstream, next?};
   2. the node reserves the session's cache bytes and answers {ok: true, cache_tokens_left} or an error;
   3. steps arrive as {step_id, position} + hidden states (batch, seq, hidden), either on this stream (first
-     node, or client-relayed mode) or pushed by the upstream node through `rpc_push` (direct chain);
-  4. each step's output goes to `next` through `rpc_push`, or back on this stream when there is no next node;
+     node, or client-relayed mode) or pushed by the upstream node (direct chain) over one `rpc_push_stream`
+     per session (`rpc_push` takes single steps);
+  4. each step's output goes to `next` over that push stream, or back on this stream when there is no next node;
   5. the cache is freed when the stream ends, on error, or after `session_timeout_s` without a step.
 A step whose step_id equals the previous one is a duplicate: its stored output is sent again, not recomputed.
 """
@@ -33,14 +34,14 @@ from nesa_node.errors import (
     TooManySessionsError,
 )
 from nesa_node.server.config import NodeConfig
-from nesa_node.server.session import END_OF_SESSION, ServerSession
+from nesa_node.server.session import END_OF_SESSION, ServerSession, drain
 from nesa_node.sharding.kv_cache import CacheBudget
 from nesa_node.wire import (
-    RPC_PUSH,
+    RPC_PUSH_STREAM,
+    error_from_metadata,
     error_response,
     field,
     pack_metadata,
-    raise_if_error,
     tensor_from_proto,
     tensor_to_proto,
     unpack_metadata,
@@ -85,17 +86,30 @@ class BlockHandler(ServicerBase):
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """A step pushed by the upstream node of a direct chain; queued into its session."""
         try:
-            metadata = unpack_metadata(request.metadata)
-            session_id = field(metadata, "session_id", str)
-            session = self.sessions.get(session_id)
-            if session is None:
-                raise SessionNotFoundError(f"no open session {session_id[:MAX_ID_LENGTH]!r} on this node")
-            if context.remote_id.to_base58() != session.upstream_peer:
-                raise BadRequestError("push from a peer that is not this session's upstream")
-            session.inbox.put_nowait((request, metadata))
+            self._accept_push(request, context)
             return runtime_pb2.ExpertResponse()
         except RequestError as exc:
             return error_response(exc)
+
+    async def rpc_push_stream(
+        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
+    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
+        """Steps pushed by the upstream node over one long-lived stream (no per-step stream setup)."""
+        async for request in requests:
+            try:
+                self._accept_push(request, context)
+            except RequestError as exc:
+                yield error_response(exc)
+
+    def _accept_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> None:
+        metadata = unpack_metadata(request.metadata)
+        session_id = field(metadata, "session_id", str)
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise SessionNotFoundError(f"no open session {session_id[:MAX_ID_LENGTH]!r} on this node")
+        if context.remote_id.to_base58() != session.upstream_peer:
+            raise BadRequestError("push from a peer that is not this session's upstream")
+        session.inbox.put_nowait((request, metadata))
 
     # ---- streaming inference ------------------------------------------------------------------------------
 
@@ -143,6 +157,10 @@ class BlockHandler(ServicerBase):
                     yield error_response(exc, step_id=step_id)
         finally:
             reader.cancel()
+            if session.push_outbox is not None:
+                session.push_outbox.put_nowait(END_OF_SESSION)
+            if session.push_reader is not None:
+                session.push_reader.cancel()
             self._close_session(session)
 
     def _open_session(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> ServerSession:
@@ -264,17 +282,34 @@ class BlockHandler(ServicerBase):
             tensors=[tensor_to_proto(output)],
             metadata=pack_metadata({**reply, "session_id": session.session_id}),
         )
+        if session.push_outbox is None:
+            outbox: asyncio.Queue = asyncio.Queue()
+            try:
+                responses = await asyncio.wait_for(
+                    self.p2p.iterate_protobuf_handler(
+                        PeerID.from_base58(session.next_peer),
+                        RPC_PUSH_STREAM,
+                        drain(outbox),
+                        runtime_pb2.ExpertResponse,
+                    ),
+                    timeout=self.config.peer_timeout_s,
+                )
+            except Exception as exc:
+                logger.debug("push stream to %s failed: %r", session.next_peer, exc)
+                raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {exc!r}") from None
+            session.push_outbox = outbox
+            session.push_reader = asyncio.create_task(self._read_push_errors(session, responses))
+        session.push_outbox.put_nowait(request)
+
+    async def _read_push_errors(self, session: ServerSession, responses) -> None:
+        """The next node answers a push stream only to refuse a step; report that to the client."""
         try:
-            response = await asyncio.wait_for(
-                self.p2p.call_protobuf_handler(
-                    PeerID.from_base58(session.next_peer), RPC_PUSH, request, runtime_pb2.ExpertResponse
-                ),
-                timeout=self.config.peer_timeout_s,
-            )
+            async for response in responses:
+                metadata = unpack_metadata(response.metadata)
+                if "error" in metadata:
+                    session.inbox.put_nowait((None, {"_error": error_from_metadata(metadata)}))
         except Exception as exc:
-            logger.debug("push to %s failed: %r", session.next_peer, exc)
-            raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {exc!r}") from None
-        raise_if_error(unpack_metadata(response.metadata))
+            logger.debug("push stream of session %s ended: %r", session.session_id, exc)
 
     async def shutdown(self) -> None:
         for session in list(self.sessions.values()):

@@ -10,7 +10,16 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-END_OF_SESSION = object()  # put in the inbox when the client's stream ends
+END_OF_SESSION = object()  # put in the inbox when the client's stream ends; in a push outbox, ends the stream
+
+
+async def drain(queue: asyncio.Queue):
+    """Yield items of `queue` until END_OF_SESSION: the request side of an outgoing stream."""
+    while True:
+        item = await queue.get()
+        if item is END_OF_SESSION:
+            return
+        yield item
 
 
 @dataclass
@@ -27,3 +36,5 @@ class ServerSession:
     last_step_id: str | None = None
     last_output: torch.Tensor | None = None
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    push_outbox: asyncio.Queue | None = None  # steps for next_peer, over one stream opened at the first push
+    push_reader: asyncio.Task | None = None
