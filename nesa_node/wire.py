@@ -55,6 +55,15 @@ def tensor_from_proto(
         raise BadRequestError(str(exc)) from None
 
 
+async def drain(queue, end: object):
+    """Yield items of an asyncio queue until `end`: the request side of an outgoing stream."""
+    while True:
+        item = await queue.get()
+        if item is end:
+            return
+        yield item
+
+
 def pack_metadata(metadata: dict[str, Any]) -> bytes:
     return MSGPackSerializer.dumps(metadata)
 

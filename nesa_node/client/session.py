@@ -24,6 +24,7 @@ from nesa_node.errors import NesaError, PeerUnavailableError, SessionStateError
 from nesa_node.routing.chain import Chain
 from nesa_node.wire import (
     RPC_INFERENCE,
+    drain,
     pack_metadata,
     raise_if_error,
     tensor_from_proto,
@@ -93,7 +94,7 @@ class RemoteInferenceSession:
             try:
                 stream = await asyncio.wait_for(
                     self.swarm.p2p.iterate_protobuf_handler(
-                        PeerID.from_base58(peer), RPC_INFERENCE, _drain(outbox), runtime_pb2.ExpertResponse
+                        PeerID.from_base58(peer), RPC_INFERENCE, drain(outbox, _CLOSE), runtime_pb2.ExpertResponse
                     ),
                     timeout=self.swarm.request_timeout_s,
                 )
@@ -192,11 +193,3 @@ class RemoteInferenceSession:
             )
             compute_s += float(metadata.get("compute_s", 0.0))
         return hidden, compute_s
-
-
-async def _drain(outbox: asyncio.Queue):
-    while True:
-        item = await outbox.get()
-        if item is _CLOSE:
-            return
-        yield item

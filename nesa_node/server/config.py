@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,6 @@ class NodeConfig:
     address_file: str | None = None  # written with the listening multiaddrs once ready
     throughput_cache: str | None = None  # JSON file of measured throughputs; None: ~/.cache/nesa-node
     measure_throughput: bool = True  # False: announce 0 tokens/s (tests that start many nodes)
-    extra: dict = field(default_factory=dict)
 
     @property
     def record_ttl_s(self) -> float:

@@ -34,10 +34,11 @@ from nesa_node.errors import (
     TooManySessionsError,
 )
 from nesa_node.server.config import NodeConfig
-from nesa_node.server.session import END_OF_SESSION, ServerSession, drain
+from nesa_node.server.session import END_OF_SESSION, ServerSession
 from nesa_node.sharding.kv_cache import CacheBudget
 from nesa_node.wire import (
     RPC_PUSH_STREAM,
+    drain,
     error_from_metadata,
     error_response,
     field,
@@ -289,7 +290,7 @@ class BlockHandler(ServicerBase):
                     self.p2p.iterate_protobuf_handler(
                         PeerID.from_base58(session.next_peer),
                         RPC_PUSH_STREAM,
-                        drain(outbox),
+                        drain(outbox, END_OF_SESSION),
                         runtime_pb2.ExpertResponse,
                     ),
                     timeout=self.config.peer_timeout_s,

@@ -13,15 +13,6 @@ logger = logging.getLogger(__name__)
 END_OF_SESSION = object()  # put in the inbox when the client's stream ends; in a push outbox, ends the stream
 
 
-async def drain(queue: asyncio.Queue):
-    """Yield items of `queue` until END_OF_SESSION: the request side of an outgoing stream."""
-    while True:
-        item = await queue.get()
-        if item is END_OF_SESSION:
-            return
-        yield item
-
-
 @dataclass
 class ServerSession:
     session_id: str
