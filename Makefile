@@ -34,6 +34,7 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/inference.py
+	$(PY) bench/compression.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -78,7 +78,11 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compression", default="none", help="hidden-state codec (default none: a lossless wire)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
+    # 0: torch's default (all cores) per node; nodes sleep their idle OpenMP threads (OMP_WAIT_POLICY=PASSIVE, set
+    # by `nesa-node run`), so nodes sharing this machine do not spin against the one computing
+    parser.add_argument("--node-threads", type=int, default=0, help="torch threads per node process (0: default)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -114,6 +118,7 @@ def main() -> None:
             for index, (start, end) in enumerate(split_blocks(args.layers, count)):
                 node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
                 node_args += ["--dht-prefix", f"bench-{count}", "--announce-period", "5", "--no-measure"]
+                node_args += ["--torch-threads", str(args.node_threads)] if args.node_threads else []
                 launched.append(group.start(f"n{count}-{index}", node_args))
         for process, node_address in launched:
             group.wait_address(process, node_address, timeout_s=300)
@@ -122,7 +127,7 @@ def main() -> None:
         for count in args.nodes:
             for mode in ("direct", "relay"):
                 with DistributedModelForCausalLM.from_pretrained(
-                    path, initial_peers=peers, dht_prefix=f"bench-{count}", mode=mode
+                    path, initial_peers=peers, dht_prefix=f"bench-{count}", mode=mode, compression=args.compression
                 ) as model:
                     deadline = time.monotonic() + 120
                     while True:
@@ -162,6 +167,8 @@ def main() -> None:
         "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
+        "compression": args.compression,
+        "node_threads": args.node_threads,
         "baseline": {key: round(value, 2) for key, value in baseline.items()},
         "swarm": swarm_results,
     }

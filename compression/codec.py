@@ -1,16 +1,36 @@
 """Tensor codecs for hidden states on the wire (pure: bytes in, tensors out, no I/O).
 
-A codec turns a tensor into an `EncodedTensor` (codec name, dtype name, shape, payload bytes) and back.
-`decode` validates everything a peer controls before allocating: codec and dtype must be known, the shape must
-have the expected rank and element count within the limit, and the payload length must match the shape.
-It never casts silently: a dtype outside `allowed_dtypes` is an error.
+A codec turns a tensor into an `EncodedTensor` (codec name, codec parameters, dtype name, shape, payload bytes) and
+back. Registered codecs (`CODECS`), with their payload size for n elements of a dtype w bytes wide:
+
+    none        raw little-endian elements, lossless                               n * w
+    fp16, bf16  elements cast to float16 / bfloat16; non-finite or out of range    n * 2
+                values are refused rather than sent as inf
+    blockwise8  per block of `block_size`: float32 absmax, then int8 linear codes   n + 4 * ceil(n / block_size)
+    dynamic8    per block of `block_size`: float32 scale, then uint8 codes of the   n + 4 * ceil(n / block_size)
+                dynamic map (Dettmers et al. 2022)
+
+Quantized payloads hold all block scales first, then one code per element; the zero padding of the last block is not
+sent. Lossy codecs refuse nan and inf; "none" passes them through (receivers check finiteness separately).
+
+`decode` validates everything a peer controls before allocating: codec, parameters and dtype must be known and
+allowed, the shape must have the expected rank and element count within the limit, the payload length must match
+the shape and parameters, and block scales must be finite and within the dtype's range. It never casts silently:
+the result has the dtype named in the `EncodedTensor`, and a dtype outside `allowed_dtypes` is an error.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
+from types import MappingProxyType
+from typing import Any
 
 import torch
+from nesa_node.compression import quantize
+from nesa_node.compression.names import CODECS, DEFAULT_CODEC
 
 # dtype name on the wire -> (torch dtype, bytes per element)
 WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
@@ -19,17 +39,38 @@ WIRE_DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "bfloat16": (torch.bfloat16, 2),
 }
 
+_SCALE_BYTES = 4  # one float32 per block
+
 
 class CodecError(ValueError):
-    """A tensor that cannot be decoded as declared; callers turn it into a typed request error."""
+    """A tensor that cannot be encoded or decoded as declared; callers turn it into a typed request error."""
 
 
 @dataclass(frozen=True)
 class EncodedTensor:
-    codec: str  # codec name, e.g. "none"
+    codec: str  # codec name, one of CODECS
     dtype: str  # element type of the decoded tensor
     shape: tuple[int, ...]
     payload: bytes
+    params: tuple[
+        tuple[str, int], ...
+    ] = ()  # codec parameters as sorted (name, value) pairs, e.g. (("block_size", 64),)
+
+
+@dataclass(frozen=True)
+class _Range:
+    default: int
+    low: int
+    high: int
+
+
+@dataclass(frozen=True)
+class _Codec:
+    params: Mapping[str, _Range]
+    payload_bytes: Callable[[int, int, dict[str, int]], int]  # (elements, dtype width, params) -> bytes
+    encode: Callable[[torch.Tensor, dict[str, int]], torch.Tensor]  # flat tensor -> uint8 payload, same device
+    # (uint8 payload on the CPU, elements, dtype, params, device) -> flat tensor; raises CodecError on bad content
+    decode: Callable[[torch.Tensor, int, torch.dtype, dict[str, int], torch.device], torch.Tensor]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -39,14 +80,197 @@ def _dtype_name(dtype: torch.dtype) -> str:
     raise CodecError(f"dtype {dtype} cannot be sent; allowed: {', '.join(WIRE_DTYPES)}")
 
 
-def encode(tensor: torch.Tensor, codec: str = "none") -> EncodedTensor:
-    """Encode `tensor` losslessly ("none" codec: raw little-endian elements)."""
-    if codec != "none":
-        raise CodecError(f"unknown codec {codec!r}")
+def _refuse_non_finite() -> CodecError:
+    return CodecError("a lossy codec cannot encode nan or inf; send it with codec 'none' or fix the values")
+
+
+def _encode_raw(flat: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
+    return flat.contiguous().view(torch.uint8)
+
+
+def _decode_raw(raw: torch.Tensor, elements: int, dtype: torch.dtype, params: dict[str, int], device) -> torch.Tensor:
+    return raw.view(dtype).to(device)
+
+
+def _encode_cast(wire_dtype: torch.dtype, flat: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
+    cast = flat.to(wire_dtype)
+    if not all_finite(cast):
+        if not all_finite(flat):
+            raise _refuse_non_finite()
+        raise CodecError(
+            f"values beyond the {wire_dtype} range (|x| <= {torch.finfo(wire_dtype).max:g}) would arrive as inf; "
+            "use codec 'none' or a block codec"
+        )
+    return cast.view(torch.uint8)
+
+
+def _decode_cast(
+    wire_dtype: torch.dtype, raw: torch.Tensor, elements: int, dtype: torch.dtype, params: dict[str, int], device
+) -> torch.Tensor:
+    return raw.view(wire_dtype).to(device=device, dtype=dtype)
+
+
+def _block_count(elements: int, block_size: int) -> int:
+    return -(-elements // block_size)
+
+
+def _blockwise_bytes(elements: int, width: int, params: dict[str, int]) -> int:
+    return elements + _SCALE_BYTES * _block_count(elements, params["block_size"])
+
+
+def _encode_blocks(
+    quantizer: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    flat: torch.Tensor,
+    params: dict[str, int],
+) -> torch.Tensor:
+    elements, block_size = flat.numel(), params["block_size"]
+    blocks = _block_count(elements, block_size)
+    values = flat.to(torch.float32)
+    if blocks * block_size != elements:
+        values = torch.nn.functional.pad(values, (0, blocks * block_size - elements))  # zeros leave absmax unchanged
+    codes, scales = quantizer(values.view(blocks, block_size))  # (blocks, block_size), (blocks,)
+    if not bool(torch.isfinite(scales).all()):  # a nan or inf element makes its block's scale nan or inf
+        raise _refuse_non_finite()
+    return torch.cat([scales.view(torch.uint8), codes.view(torch.uint8).view(-1)[:elements]])
+
+
+def _decode_blocks(
+    signed_scales: bool,
+    code_dtype: torch.dtype,
+    dequantizer: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    raw: torch.Tensor,
+    elements: int,
+    dtype: torch.dtype,
+    params: dict[str, int],
+    device,
+) -> torch.Tensor:
+    block_size = params["block_size"]
+    blocks = _block_count(elements, block_size)
+    scales = raw[: _SCALE_BYTES * blocks].view(torch.float32)  # (blocks,)
+    codes = raw[_SCALE_BYTES * blocks :].view(code_dtype)  # (elements,)
+    # the decoded values are at most |scale|, so a finite scale within the dtype's range keeps them finite
+    if not bool(torch.isfinite(scales).all()):
+        raise CodecError("block scales must be finite")
+    if not signed_scales and bool((scales < 0).any()):
+        raise CodecError("block scales of codec 'blockwise8' must be >= 0")
+    if float(scales.abs().max()) > torch.finfo(dtype).max:
+        raise CodecError(f"a block scale exceeds the {dtype} range")
+    if code_dtype == torch.int8 and int(codes.min()) < -127:
+        raise CodecError("code -128 is not a linear code (codes are -127..127)")
+    if blocks * block_size != elements:
+        codes = torch.nn.functional.pad(codes, (0, blocks * block_size - elements))
+    values = dequantizer(codes.to(device).view(blocks, block_size), scales.to(device))  # (blocks, block_size)
+    return values.view(-1)[:elements].to(dtype)
+
+
+_NO_PARAMS: Mapping[str, _Range] = MappingProxyType({})
+# block_size: 64 elements share a float32 scale, 1/16 byte per element, and an outlier coarsens only its own 64
+# neighbours (guess, to be checked against bench/compression.py); below 16 the scales cost over 1/4 byte per element,
+# above 4096 one scale spans more than a whole hidden vector of a 7B model
+_BLOCK_PARAMS: Mapping[str, _Range] = MappingProxyType({"block_size": _Range(default=64, low=16, high=4096)})
+
+_REGISTRY: Mapping[str, _Codec] = MappingProxyType(
+    {
+        "none": _Codec(_NO_PARAMS, lambda elements, width, params: elements * width, _encode_raw, _decode_raw),
+        "fp16": _Codec(
+            _NO_PARAMS,
+            lambda elements, width, params: elements * 2,
+            partial(_encode_cast, torch.float16),
+            partial(_decode_cast, torch.float16),
+        ),
+        "bf16": _Codec(
+            _NO_PARAMS,
+            lambda elements, width, params: elements * 2,
+            partial(_encode_cast, torch.bfloat16),
+            partial(_decode_cast, torch.bfloat16),
+        ),
+        "blockwise8": _Codec(
+            _BLOCK_PARAMS,
+            _blockwise_bytes,
+            partial(_encode_blocks, quantize.quantize_linear),
+            partial(_decode_blocks, False, torch.int8, quantize.dequantize_linear),
+        ),
+        "dynamic8": _Codec(
+            _BLOCK_PARAMS,
+            _blockwise_bytes,
+            partial(_encode_blocks, quantize.quantize_dynamic),
+            partial(_decode_blocks, True, torch.uint8, quantize.dequantize_dynamic),
+        ),
+    }
+)
+if tuple(_REGISTRY) != CODECS:  # names.py lists them for light importers (the CLI); keep the two in step
+    raise ImportError(f"codec registry {tuple(_REGISTRY)} differs from compression.names.CODECS {CODECS}")
+
+
+def _codec(name: str) -> _Codec:
+    spec = _REGISTRY.get(name) if isinstance(name, str) else None
+    if spec is None:
+        raise CodecError(f"unknown codec {name!r}; known: {', '.join(CODECS)}")
+    return spec
+
+
+def _resolve_params(name: str, spec: _Codec, given: Any) -> dict[str, int]:
+    """Check codec parameters (a mapping or (name, value) pairs, possibly from a peer) and fill in defaults."""
+    try:
+        pairs = list(given.items()) if isinstance(given, Mapping) else [tuple(pair) for pair in given]
+    except TypeError:
+        raise CodecError("codec parameters must be (name, value) pairs") from None
+    resolved: dict[str, int] = {}
+    for pair in pairs:
+        if len(pair) != 2:
+            raise CodecError("codec parameters must be (name, value) pairs")
+        key, value = pair
+        allowed = spec.params.get(key) if isinstance(key, str) else None
+        if allowed is None:
+            known = ", ".join(spec.params) or "none"
+            raise CodecError(f"codec {name!r} has no parameter {key!r}; its parameters: {known}")
+        if key in resolved:
+            raise CodecError(f"parameter {key!r} given twice")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise CodecError(f"parameter {key!r} must be an integer, got {value!r}")
+        if not allowed.low <= value <= allowed.high:
+            raise CodecError(f"parameter {key}={value} is outside {allowed.low}..{allowed.high}")
+        resolved[key] = value
+    for key, allowed in spec.params.items():
+        resolved.setdefault(key, allowed.default)
+    return resolved
+
+
+def _element_count(shape: Any, rank: int | None, max_elements: int) -> tuple[tuple[int, ...], int]:
+    try:
+        dims = tuple(operator.index(dim) for dim in shape)
+    except TypeError:
+        raise CodecError(f"shape must be a sequence of integers, got {shape!r}") from None
+    if rank is not None and len(dims) != rank:
+        raise CodecError(f"expected a tensor of rank {rank}, got shape {list(dims)}")
+    if any(dim < 0 for dim in dims):
+        raise CodecError(f"negative dimension in shape {list(dims)}")
+    elements = 1
+    for dim in dims:
+        elements *= dim
+        if elements > max_elements:
+            raise CodecError(f"tensor of shape {list(dims)} exceeds the limit of {max_elements} elements")
+    return dims, elements
+
+
+def encode(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedTensor:
+    """Encode a float32, float16 or bfloat16 tensor of any shape and device for the wire.
+
+    The work runs on the tensor's device; only the payload bytes move to the CPU. `params` are the codec's
+    parameters (blockwise8, dynamic8: `block_size`, 16..4096 elements, default 64); the result records all of them.
+    Per-element error: none exact; fp16 / bf16 one rounding to the wire dtype; blockwise8 |x - x'| <= absmax / 254
+    and dynamic8 |x - x'| <= 0.00703125 * absmax, absmax taken over the element's block (see `quantize`).
+    Raises CodecError for an unknown codec, bad parameters, a dtype not in WIRE_DTYPES, nan or inf with a lossy codec,
+    and values beyond the float16 / bfloat16 range with fp16 / bf16.
+    """
+    spec = _codec(codec)
+    resolved = _resolve_params(codec, spec, params)
     name = _dtype_name(tensor.dtype)
-    flat = tensor.detach().to("cpu").contiguous()
-    payload = flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    return EncodedTensor(codec=codec, dtype=name, shape=tuple(flat.shape), payload=payload)
+    flat = tensor.detach().reshape(-1)  # (elements,)
+    payload = spec.encode(flat, resolved).cpu().numpy().tobytes() if flat.numel() else b""
+    return EncodedTensor(
+        codec=codec, dtype=name, shape=tuple(tensor.shape), payload=payload, params=tuple(sorted(resolved.items()))
+    )
 
 
 def decode(
@@ -55,36 +279,66 @@ def decode(
     allowed_dtypes: tuple[str, ...] = tuple(WIRE_DTYPES),
     max_elements: int = 1 << 26,
     rank: int | None = None,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Decode and validate; raises CodecError with a message naming the problem."""
-    if encoded.codec != "none":
-        raise CodecError(f"unknown codec {encoded.codec!r}")
+    """Validate and decode a tensor that may come from a peer; the result is on `device` (default CPU).
+
+    Checks, before allocating anything the size of the tensor: known codec, known parameters within range, dtype in
+    `allowed_dtypes`, rank (when given), no negative dimension, at most `max_elements` elements, payload length
+    exactly what shape and parameters require; then for block codecs that every scale is finite, within the dtype's
+    range (and >= 0 for blockwise8), and that no int8 code is -128. Raises CodecError with a message naming the
+    problem. Decoded values may still be nan or inf with codecs "none", "fp16" and "bf16": check with `all_finite`.
+    """
+    spec = _codec(encoded.codec)
+    params = _resolve_params(encoded.codec, spec, encoded.params)
     if encoded.dtype not in WIRE_DTYPES or encoded.dtype not in allowed_dtypes:
         raise CodecError(f"dtype {encoded.dtype!r} is not allowed; allowed: {', '.join(allowed_dtypes)}")
-    shape = tuple(encoded.shape)
-    if rank is not None and len(shape) != rank:
-        raise CodecError(f"expected a tensor of rank {rank}, got shape {list(shape)}")
-    if any(int(dim) < 0 for dim in shape):
-        raise CodecError(f"negative dimension in shape {list(shape)}")
-    elements = 1
-    for dim in shape:
-        elements *= int(dim)
-        if elements > max_elements:
-            raise CodecError(f"tensor of shape {list(shape)} exceeds the limit of {max_elements} elements")
+    shape, elements = _element_count(encoded.shape, rank, max_elements)
     torch_dtype, width = WIRE_DTYPES[encoded.dtype]
-    if len(encoded.payload) != elements * width:
+    expected = spec.payload_bytes(elements, width, params)
+    if len(encoded.payload) != expected:
         raise CodecError(
-            f"payload has {len(encoded.payload)} bytes but shape {list(shape)} of {encoded.dtype} needs "
-            f"{elements * width}"
+            f"payload has {len(encoded.payload)} bytes but shape {list(shape)} of {encoded.dtype} with codec "
+            f"{encoded.codec!r} needs {expected}"
         )
+    target = torch.device(device) if device is not None else torch.device("cpu")
     if elements == 0:
-        return torch.empty(shape, dtype=torch_dtype)
-    raw = torch.frombuffer(bytearray(encoded.payload), dtype=torch.uint8)
-    return raw.view(torch_dtype).reshape(shape)
+        return torch.empty(shape, dtype=torch_dtype, device=target)
+    raw = torch.frombuffer(bytearray(encoded.payload), dtype=torch.uint8)  # (payload bytes,)
+    return spec.decode(raw, elements, torch_dtype, params, target).reshape(shape)
+
+
+def wire_bytes(codec: str, shape: tuple[int, ...], dtype: str | torch.dtype = "float32", **params: int) -> int:
+    """Payload size in bytes of a tensor of `shape` and `dtype` sent with `codec` (raises CodecError when invalid)."""
+    spec = _codec(codec)
+    resolved = _resolve_params(codec, spec, params)
+    name = _dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
+    if name not in WIRE_DTYPES:
+        raise CodecError(f"dtype {name!r} cannot be sent; allowed: {', '.join(WIRE_DTYPES)}")
+    _, elements = _element_count(shape, None, 1 << 62)
+    return spec.payload_bytes(elements, WIRE_DTYPES[name][1], resolved)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    return bool(torch.isfinite(tensor).all()) if tensor.numel() else True
+    """True when no element is nan or inf."""
+    if not tensor.numel():
+        return True
+    # nan and inf propagate through a sum, so a finite sum proves every element finite at the cost of one read (an
+    # isfinite mask costs several times more); only a non-finite sum, which huge finite values can also cause,
+    # pays for the exact check
+    if bool(torch.isfinite(tensor.sum(dtype=torch.float32))):
+        return True
+    return bool(torch.isfinite(tensor).all())
 
 
-__all__ = ["EncodedTensor", "CodecError", "encode", "decode", "all_finite", "WIRE_DTYPES"]
+__all__ = [
+    "CODECS",
+    "DEFAULT_CODEC",
+    "WIRE_DTYPES",
+    "CodecError",
+    "EncodedTensor",
+    "all_finite",
+    "decode",
+    "encode",
+    "wire_bytes",
+]

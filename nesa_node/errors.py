@@ -2,7 +2,8 @@
 
     NesaError (code)
     ├── ModelLoadError              model_load       bad model folder, missing weights, bad block range
-    │   └── UnsupportedModelError   unsupported_model
+    │   ├── UnsupportedModelError   unsupported_model
+    │   └── QuantizationUnsupportedError  unsupported_quantization: a --quant mode bitsandbytes cannot run here
     ├── RequestError                                  a request a node refuses; travels back over the wire
     │   ├── BadRequestError         bad_request      malformed message, wrong shape/dtype, NaN/Inf, bad position
     │   ├── CacheBudgetError        cache_budget     the session does not fit the node's KV cache budget
@@ -35,6 +36,10 @@ class ModelLoadError(NesaError):
 
 class UnsupportedModelError(ModelLoadError):
     code = "unsupported_model"
+
+
+class QuantizationUnsupportedError(ModelLoadError):
+    code = "unsupported_quantization"
 
 
 class RequestError(NesaError):
@@ -74,6 +79,7 @@ _BY_CODE = {
     for cls in (
         ModelLoadError,
         UnsupportedModelError,
+        QuantizationUnsupportedError,
         RequestError,
         BadRequestError,
         CacheBudgetError,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sysconfig
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,8 +46,11 @@ def _corpus_lines() -> list[str]:
     return lines
 
 
-def build_tokenizer(vocab_size: int):
-    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens; returns a transformers tokenizer."""
+def build_tokenizer(vocab_size: int, corpus_lines: Iterable[str] | None = None):
+    """Train a byte-level BPE tokenizer of at most `vocab_size` tokens; returns a transformers tokenizer.
+
+    `corpus_lines` is the training text (default: a few standard-library sources, see `_CORPUS_MODULES`).
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -60,7 +64,8 @@ def build_tokenizer(vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_corpus_lines(), trainer=trainer)
+    lines = _corpus_lines() if corpus_lines is None else list(corpus_lines)
+    tokenizer.train_from_iterator(lines, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="</s>"
     )

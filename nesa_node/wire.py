@@ -4,13 +4,14 @@ msgpack metadata map. Everything read from a peer is validated here before use.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 
-from nesa_node.compression.codec import CodecError, EncodedTensor, decode, encode
+from nesa_node.compression.codec import CODECS, CodecError, EncodedTensor, decode, encode, wire_bytes
 from nesa_node.errors import BadRequestError, NesaError, RequestError, error_from_code
 
 # handler names registered by the node (hivemind ServicerBase names them "<class>.<method>")
@@ -23,30 +24,82 @@ RPC_PUSH_STREAM = "BlockHandler.rpc_push_stream"
 MAX_METADATA_BYTES = 16 * 1024  # metadata is a handful of ids and integers
 MAX_METADATA_KEYS = 32
 
-_CODEC_BY_COMPRESSION = {runtime_pb2.CompressionType.NONE: "none"}
-_COMPRESSION_BY_CODEC = {name: value for value, name in _CODEC_BY_COMPRESSION.items()}
+MAX_CODEC_PARAMS = 4
 
 
-def tensor_to_proto(tensor: torch.Tensor, codec: str = "none") -> runtime_pb2.Tensor:
-    encoded = encode(tensor, codec)
+@dataclass(frozen=True)
+class WireCodec:
+    """A codec with its parameters, as named in a message's metadata: {"name": "blockwise8", "block_size": 64}.
+
+    Tensors on the wire are opaque bytes to hivemind (its own compression field stays NONE); the codec that
+    encoded a message's tensor travels in the message's metadata under "codec" (absent: "none").
+    """
+
+    name: str = "none"
+    params: tuple[tuple[str, int], ...] = ()
+
+    @classmethod
+    def of(cls, name: str, **params: int) -> WireCodec:
+        """A checked codec choice (raises CodecError for an unknown codec or bad parameters)."""
+        wire_bytes(name, (0,), **params)  # validates name and parameters
+        return cls(name, tuple(sorted(params.items())))
+
+    def to_metadata(self) -> dict[str, Any] | None:
+        """The metadata value naming this codec; None (fewer bytes) for "none"."""
+        return None if self.name == "none" else {"name": self.name, **dict(self.params)}
+
+    @classmethod
+    def from_metadata(cls, value: Any, *, accepted: tuple[str, ...] = CODECS) -> WireCodec:
+        """Read a codec named by a peer; BadRequestError unless it is known, accepted and well-formed."""
+        if value is None:
+            value = {"name": "none"}
+        if not isinstance(value, dict) or len(value) > MAX_CODEC_PARAMS + 1:
+            raise BadRequestError("codec must be a small map: {name, parameters}")
+        name = value.get("name")
+        if not isinstance(name, str) or name not in CODECS:
+            raise BadRequestError(f"unknown codec {str(name)[:32]!r}; known: {', '.join(CODECS)}")
+        if name not in accepted:
+            raise BadRequestError(f"codec {name!r} is not accepted here; accepted: {', '.join(accepted)}")
+        params = {key: item for key, item in value.items() if key != "name"}
+        try:
+            return cls.of(name, **params)
+        except (CodecError, TypeError) as exc:
+            raise BadRequestError(f"bad codec parameters: {exc}") from None
+
+
+NO_CODEC = WireCodec()
+
+
+def tensor_to_proto(tensor: torch.Tensor, codec: WireCodec = NO_CODEC) -> runtime_pb2.Tensor:
+    """Encode a tensor with `codec`; the caller names the codec in the message metadata (`codec.to_metadata()`)."""
+    try:
+        encoded = encode(tensor, codec.name, **dict(codec.params))
+    except CodecError as exc:  # e.g. nan/inf or values beyond fp16's range under a lossy codec
+        raise BadRequestError(f"cannot encode the tensor with codec {codec.name!r}: {exc}") from None
     return runtime_pb2.Tensor(
         buffer=encoded.payload,
         size=list(encoded.shape),
         dtype=encoded.dtype,
-        compression=_COMPRESSION_BY_CODEC[encoded.codec],
+        compression=runtime_pb2.CompressionType.NONE,
     )
 
 
 def tensor_from_proto(
-    proto: runtime_pb2.Tensor, *, allowed_dtypes: tuple[str, ...], max_elements: int, rank: int | None = None
+    proto: runtime_pb2.Tensor,
+    *,
+    allowed_dtypes: tuple[str, ...],
+    max_elements: int,
+    rank: int | None = None,
+    codec: WireCodec = NO_CODEC,
 ) -> torch.Tensor:
     """Decode a tensor from a peer; raises BadRequestError (never casts, never trusts the declared shape)."""
-    codec = _CODEC_BY_COMPRESSION.get(proto.compression)
-    if codec is None:
-        raise BadRequestError(f"unsupported tensor compression {proto.compression}")
+    if proto.compression != runtime_pb2.CompressionType.NONE:
+        raise BadRequestError(f"unsupported hivemind tensor compression {proto.compression}; name a codec instead")
     try:
         return decode(
-            EncodedTensor(codec=codec, dtype=proto.dtype, shape=tuple(proto.size), payload=proto.buffer),
+            EncodedTensor(
+                codec=codec.name, dtype=proto.dtype, shape=tuple(proto.size), payload=proto.buffer, params=codec.params
+            ),
             allowed_dtypes=allowed_dtypes,
             max_elements=max_elements,
             rank=rank,
@@ -110,7 +163,9 @@ def raise_if_error(metadata: dict[str, Any]) -> None:
 
 
 __all__ = [
+    "NO_CODEC",
     "RequestError",
+    "WireCodec",
     "error_response",
     "field",
     "pack_metadata",

@@ -28,6 +28,7 @@ class NodeView:
     cache_tokens_left: int = 0
     max_length: int = 0  # 0: unknown/unlimited
     rtt_ms: float | None = None  # measured by the client
+    codecs: tuple[str, ...] = ("none",)  # hidden-state codecs the node accepts
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class Hop:
     peer_id: str
     start_block: int
     end_block: int
+    codecs: tuple[str, ...] = ("none",)  # hidden-state codecs the node accepts
 
 
 @dataclass(frozen=True)
@@ -107,7 +109,7 @@ def select_chain(snapshot: SwarmSnapshot, request: ChainRequest, *, rng=None) ->
             cost = (hops + 1, latency + _hop_latency_ms(node), ids + (node.peer_id,))
             if cost < best.get(node.end_block, (float("inf"),)):
                 best[node.end_block] = cost
-                hop = Hop(node.peer_id, node.start_block, node.end_block)
+                hop = Hop(node.peer_id, node.start_block, node.end_block, node.codecs)
                 heapq.heappush(queue, (*cost, node.end_block, path + (hop,)))
     missing = missing_blocks(snapshot, request)
     if missing:

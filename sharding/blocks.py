@@ -14,11 +14,15 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from nesa_node.errors import ModelLoadError, UnsupportedModelError
+
+if TYPE_CHECKING:
+    from nesa_node.compression.weights import QuantizationReport
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +121,7 @@ class SpanSpec:
     end: int  # last block served, exclusive
     dtype: str = "float32"
     device: str = "cpu"
+    quant: str = "none"  # weights of the blocks' linear layers: none, int8 (LLM.int8) or nf4; see compression.weights
 
 
 class BlockSpan(nn.Module):
@@ -124,9 +129,17 @@ class BlockSpan(nn.Module):
 
     `forward(hidden, cache, position)` runs the blocks on `hidden` (batch, seq, hidden) whose first token sits at
     absolute `position`, updating `cache` (a transformers DynamicCache sized for this span) when given.
+    `quantization` is what quantizing the blocks' weights saved (None when spec.quant is "none").
     """
 
-    def __init__(self, config, spec: SpanSpec, layers: list[nn.Module], weights_hash: str):
+    def __init__(
+        self,
+        config,
+        spec: SpanSpec,
+        layers: list[nn.Module],
+        weights_hash: str,
+        quantization: QuantizationReport | None = None,
+    ):
         super().__init__()
         self.config = config
         self.spec = spec
@@ -136,6 +149,7 @@ class BlockSpan(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.rotary = family_class(config, "RotaryEmbedding")(config=config).to(spec.device)
         self.weights_hash = weights_hash
+        self.quantization = quantization
         self.dtype_ = DTYPES[spec.dtype]
 
     @property
@@ -182,7 +196,13 @@ class BlockSpan(nn.Module):
 def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> BlockSpan:
     """Read only the weights of blocks [spec.start, spec.end) and build them on `spec.device` in `spec.dtype`.
 
-    Raises ModelLoadError for a bad folder or range, UnsupportedModelError for another model family.
+    With spec.quant "int8" or "nf4" each block's linear layers are quantized with bitsandbytes as the block is read,
+    so the full-precision span is never held whole. `weights_hash` (16 hex characters) starts from the sha256 of the
+    source tensors' names and bytes as read from the folder; with quantization it is sha256("<source sha256>:<mode>:
+    <served digest>"), where the served digest (`quantized_state_digest`) covers the quantized weights, their scales and
+    settings: two nodes announce the same hash only when they serve the same checkpoint quantized the same way.
+    Raises ModelLoadError for a bad folder or range, UnsupportedModelError for another model family,
+    QuantizationUnsupportedError for a quantization mode this device or bitsandbytes cannot run.
     """
     config = config if config is not None else load_config(model_path)
     if not 0 <= spec.start < spec.end <= config.num_hidden_layers:
@@ -191,6 +211,12 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
         )
     if spec.dtype not in DTYPES:
         raise ModelLoadError(f"dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}")
+    quantizer = None
+    if spec.quant != "none":
+        from nesa_node.compression import weights as quantizer  # bitsandbytes is loaded for quantized spans only
+
+        quantizer.check_quantization_supported(spec.quant, spec.device, DTYPES[spec.dtype])
+    report = None
     layer_cls = family_class(config, "DecoderLayer")
     sub_config = span_config(config, spec.start, spec.end)
     index = SafetensorsIndex(model_path)
@@ -213,9 +239,29 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
         missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
         if missing or unexpected:
             raise ModelLoadError(f"block {block}: missing weights {missing}, unexpected weights {unexpected}")
-        layers.append(layer.to(spec.device).eval())
-    span = BlockSpan(config, spec, layers, weights_hash=digest.hexdigest()[:16])
+        if quantizer is None:
+            layers.append(layer.to(spec.device).eval())
+            continue
+        layer_report = quantizer.quantize_linear_layers(
+            layer.eval(), spec.quant, device=spec.device, dtype=DTYPES[spec.dtype]
+        )
+        report = layer_report if report is None else report + layer_report
+        layers.append(layer)
+    weights_hash = digest.hexdigest()[:16]
+    if quantizer is not None:
+        served = quantizer.quantized_state_digest(nn.ModuleList(layers))
+        weights_hash = hashlib.sha256(f"{digest.hexdigest()}:{spec.quant}:{served}".encode()).hexdigest()[:16]
+    span = BlockSpan(config, spec, layers, weights_hash=weights_hash, quantization=report)
     logger.info("loaded blocks %d:%d of %s (%s, %s)", spec.start, spec.end, model_path, spec.dtype, spec.device)
+    if report is not None:
+        logger.info(
+            "quantized %d linear layers to %s: %d -> %d bytes (%.2fx)",
+            report.layers,
+            report.mode,
+            report.bytes_before,
+            report.bytes_after,
+            report.ratio,
+        )
     return span
 
 

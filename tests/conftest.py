@@ -19,3 +19,12 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> str:
     return tiny_models["llama"]
+
+
+@pytest.fixture(scope="session")
+def trained_model() -> str:
+    """The trained tiny Llama of `nesa-node model train-tiny` (4 blocks, hidden 128), trained once per machine and
+    cached under ~/.cache/nesa-node/trained: honest activations for accuracy tests."""
+    from nesa_node.model_train import train_tiny_model
+
+    return str(train_tiny_model(progress=False).path)

@@ -16,12 +16,14 @@ import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.client.session import RemoteInferenceSession, codec_for
 from nesa_node.client.swarm import SwarmClient
+from nesa_node.compression.codec import DEFAULT_CODEC
 from nesa_node.dht_records import default_dht_prefix
 from nesa_node.errors import SessionStateError
 from nesa_node.routing.chain import Chain, ChainRequest, select_chain
 from nesa_node.sharding.blocks import load_client_edges, load_config
+from nesa_node.wire import WireCodec
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +34,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     main_input_name = "input_ids"
     _supports_cache_class = False
 
-    def __init__(self, config, edges, swarm: SwarmClient, *, mode: str = "direct", chain_selector=select_chain):
+    def __init__(
+        self,
+        config,
+        edges,
+        swarm: SwarmClient,
+        *,
+        mode: str = "direct",
+        compression: str | WireCodec = DEFAULT_CODEC,
+        chain_selector=select_chain,
+    ):
         super().__init__(config)
+        # hidden-state codec asked of every hop that accepts it (others get "none"); a name or a WireCodec
+        self.compression = compression if isinstance(compression, WireCodec) else WireCodec.of(compression)
         self.model_edges = edges
         self.swarm = swarm
         self.mode = mode
@@ -50,11 +63,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         initial_peers: list[str],
         dht_prefix: str | None = None,
         mode: str = "direct",
+        compression: str | WireCodec = DEFAULT_CODEC,
         dtype: str = "float32",
         request_timeout_s: float = 30.0,
         **unused,
     ) -> DistributedModelForCausalLM:
-        """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`."""
+        """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
+
+        `compression` names the codec for hidden states on every hop that accepts it ("none" elsewhere);
+        see `nesa_node.compression.codec.CODECS`. Raises CodecError for an unknown codec.
+        """
         if unused:
             logger.debug("ignoring from_pretrained arguments %s", sorted(unused))
         model_path = str(model_path)
@@ -65,7 +83,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             dht_prefix=dht_prefix or default_dht_prefix(model_path),
             request_timeout_s=request_timeout_s,
         )
-        model = cls(config, edges, swarm, mode=mode)
+        try:
+            model = cls(config, edges, swarm, mode=mode, compression=compression)
+        except BaseException:
+            swarm.close()
+            raise
         with contextlib.suppress(OSError):
             model.generation_config = GenerationConfig.from_pretrained(model_path)
         return model.eval()
@@ -82,9 +104,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def device(self) -> torch.device:
         return self.model_edges.embed_tokens.weight.device
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, logits_to_keep=0, **kwargs):
         # The caches live on the nodes: forward always gets the full sequence and sends only what is new.
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep}
 
     # ---- routing and sessions -----------------------------------------------------------------------------
 
@@ -100,7 +122,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if self.active_session is not None:
             raise SessionStateError("an inference session is already active on this model")
         chain = self.choose_chain(batch=batch, max_length=max_length)
-        session = RemoteInferenceSession(self.swarm, chain, batch=batch, max_length=max_length, mode=self.mode)
+        session = RemoteInferenceSession(
+            self.swarm, chain, batch=batch, max_length=max_length, mode=self.mode, compression=self.compression
+        )
         with session:
             self.active_session, self._history = session, None
             try:
@@ -145,15 +169,25 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ---- forward ------------------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
-        """Logits of the tokens the active session has not seen (all tokens without a session)."""
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ):
+        """Logits of the tokens the active session has not seen (all tokens without a session).
+
+        `logits_to_keep` > 0 computes logits for that many last positions only, as transformers' models do:
+        generate asks for 1, which spares the LM head (hidden x vocab per token) on every prompt token.
+        """
         if attention_mask is not None and not bool(attention_mask.all()):
             raise SessionStateError("padded batches are not supported yet: give rows of equal length")
         session = self.active_session
         if session is None:
             hidden = self.model_edges.embed_tokens(input_ids)  # (batch, seq, hidden)
             hidden = self.remote_forward(hidden)
-            return CausalLMOutputWithPast(logits=self.model_edges.lm_head(self.model_edges.norm(hidden)))
+            return CausalLMOutputWithPast(logits=self._logits(hidden, logits_to_keep))
         seen = session.position
         if self._history is not None and not self._extends_history(input_ids):
             raise SessionStateError("input_ids do not extend the tokens this inference session has processed")
@@ -163,8 +197,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         hidden = self.model_edges.embed_tokens(new_tokens)  # (batch, new, hidden)
         hidden = session.step(hidden)
         self._history = input_ids.clone()
-        logits = self.model_edges.lm_head(self.model_edges.norm(hidden))  # (batch, new, vocab)
-        return CausalLMOutputWithPast(logits=logits)
+        return CausalLMOutputWithPast(logits=self._logits(hidden, logits_to_keep))
+
+    def _logits(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
+            hidden = hidden[:, -logits_to_keep:]  # (batch, kept, hidden)
+        return self.model_edges.lm_head(self.model_edges.norm(hidden))  # (batch, kept, vocab)
 
     def remote_forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """Run hidden states (batch, seq, hidden) through every block without caches (client-relayed)."""
@@ -172,7 +210,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
         async def run(hidden: torch.Tensor) -> torch.Tensor:
             for hop in chain.hops:
-                hidden, _ = await self.swarm.forward_async(hop.peer_id, hidden)
+                codec, output_codec = codec_for(None, hop, self.compression), codec_for(hop, None, self.compression)
+                hidden, _ = await self.swarm.forward_async(hop.peer_id, hidden, codec, output_codec)
             return hidden
 
         return self.swarm.call(run(hidden))

@@ -21,9 +21,11 @@ from hivemind.proto import runtime_pb2
 
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.errors import NesaError, PeerUnavailableError, SessionStateError
-from nesa_node.routing.chain import Chain
+from nesa_node.routing.chain import Chain, Hop
 from nesa_node.wire import (
+    NO_CODEC,
     RPC_INFERENCE,
+    WireCodec,
     drain,
     pack_metadata,
     raise_if_error,
@@ -42,14 +44,35 @@ _CLOSE = object()
 class StepTiming:
     wall_s: float  # client-observed time of the step
     compute_s: float  # time the nodes report spending in their blocks
+    bytes_sent: int = 0  # serialized request bytes the client sent for this step
+    bytes_received: int = 0  # serialized response bytes the client received for this step
+
+
+def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) -> WireCodec:
+    """The codec for hidden states going from `sender` to `receiver`: `preferred` when both ends accept it, else
+    "none". None stands for the client, which accepts every codec."""
+    for hop in (sender, receiver):
+        if hop is not None and preferred.name not in hop.codecs:
+            return NO_CODEC
+    return preferred
 
 
 class RemoteInferenceSession:
     """An open inference session along `chain`. Not thread-safe: one generation at a time."""
 
-    def __init__(self, swarm: SwarmClient, chain: Chain, *, batch: int, max_length: int, mode: str = "direct"):
+    def __init__(
+        self,
+        swarm: SwarmClient,
+        chain: Chain,
+        *,
+        batch: int,
+        max_length: int,
+        mode: str = "direct",
+        compression: WireCodec = NO_CODEC,
+    ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.compression = compression
         self.swarm = swarm
         self.chain = chain
         self.batch = batch
@@ -81,7 +104,10 @@ class RemoteInferenceSession:
         peers = [hop.peer_id for hop in hops]
         for index, peer in enumerate(peers):
             direct = self.mode == "direct"
+            # who decodes this node's output: the next node in a direct chain, else the client
+            receiver = hops[index + 1] if direct and index + 1 < len(hops) else None
             metadata = {
+                "output_codec": codec_for(hops[index], receiver, self.compression).to_metadata(),
                 "session_id": self.session_id,
                 "batch": self.batch,
                 "max_length": self.max_length,
@@ -120,7 +146,8 @@ class RemoteInferenceSession:
 
     async def _next_response(self) -> tuple[int, dict, runtime_pb2.ExpertResponse]:
         try:
-            index, item = await asyncio.wait_for(self._responses.get(), timeout=self.swarm.request_timeout_s)
+            async with asyncio.timeout(self.swarm.request_timeout_s):  # no task per step, unlike wait_for
+                index, item = await self._responses.get()
         except TimeoutError:
             raise PeerUnavailableError(f"no answer from the chain within {self.swarm.request_timeout_s} s") from None
         if isinstance(item, BaseException):
@@ -164,20 +191,26 @@ class RemoteInferenceSession:
                 f"{self.position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}"
             )
         started = time.perf_counter()
-        output, compute_s = self.swarm.call(self._step(hidden))
-        self.timings.append(StepTiming(wall_s=time.perf_counter() - started, compute_s=compute_s))
+        output, compute_s, sent, received = self.swarm.call(self._step(hidden))
+        self.timings.append(
+            StepTiming(
+                wall_s=time.perf_counter() - started, compute_s=compute_s, bytes_sent=sent, bytes_received=received
+            )
+        )
         self.position += hidden.shape[1]
         return output
 
-    async def _step(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
+    async def _step(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float, int, int]:
         step_id = f"{self.session_id}:{self.position}"
         hops = range(len(self.chain.hops)) if self.mode == "relay" else [0]
-        compute_s = 0.0
+        compute_s, sent, received = 0.0, 0, 0
         for index in hops:
+            codec = codec_for(None, self.chain.hops[index], self.compression)
             request = runtime_pb2.ExpertRequest(
-                tensors=[tensor_to_proto(hidden)],
-                metadata=pack_metadata({"step_id": step_id, "position": self.position}),
+                tensors=[tensor_to_proto(hidden, codec)],
+                metadata=pack_metadata({"step_id": step_id, "position": self.position, "codec": codec.to_metadata()}),
             )
+            sent += request.ByteSize()
             self._outboxes[index].put_nowait(request)
             expected = index if self.mode == "relay" else len(self.chain.hops) - 1
             while True:
@@ -185,11 +218,15 @@ class RemoteInferenceSession:
                 raise_if_error(metadata)
                 if answered == expected and metadata.get("step_id") == step_id:
                     break
+            received += response.ByteSize()
+            if len(response.tensors) != 1:
+                raise PeerUnavailableError(f"node {self.chain.hops[answered].peer_id} sent a malformed answer")
             hidden = tensor_from_proto(
                 response.tensors[0],
                 allowed_dtypes=("float32", "float16", "bfloat16"),
                 max_elements=hidden.numel(),
                 rank=3,
+                codec=WireCodec.from_metadata(metadata.get("codec")),
             )
             compute_s += float(metadata.get("compute_s", 0.0))
-        return hidden, compute_s
+        return hidden, compute_s, sent, received

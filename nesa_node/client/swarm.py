@@ -24,8 +24,11 @@ from nesa_node.errors import PeerUnavailableError
 from nesa_node.records import NodeInfo, NodeState
 from nesa_node.routing.chain import NodeView, SwarmSnapshot
 from nesa_node.wire import (
+    NO_CODEC,
     RPC_FORWARD,
     RPC_INFO,
+    WireCodec,
+    pack_metadata,
     raise_if_error,
     tensor_from_proto,
     tensor_to_proto,
@@ -100,6 +103,7 @@ class SwarmClient:
                     cache_tokens_left=info.cache_tokens_left,
                     max_length=info.max_length,
                     rtt_ms=self.rtt_ms.get(info.peer_id),
+                    codecs=info.compression,
                 )
             )
         return SwarmSnapshot(num_blocks=num_blocks, nodes=tuple(sorted(nodes, key=lambda node: node.peer_id)))
@@ -126,13 +130,25 @@ class SwarmClient:
         raise_if_error(metadata)
         return NodeInfo.from_wire(metadata.get("info"))
 
-    async def forward_async(self, peer_id: str, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
-        request = runtime_pb2.ExpertRequest(tensors=[tensor_to_proto(hidden)])
+    async def forward_async(
+        self, peer_id: str, hidden: torch.Tensor, codec: WireCodec = NO_CODEC, output_codec: WireCodec = NO_CODEC
+    ) -> tuple[torch.Tensor, float]:
+        """Run a node's span on `hidden` (batch, seq, hidden) without a cache; returns (output, compute seconds)."""
+        request = runtime_pb2.ExpertRequest(
+            tensors=[tensor_to_proto(hidden, codec)],
+            metadata=pack_metadata({"codec": codec.to_metadata(), "output_codec": output_codec.to_metadata()}),
+        )
         response = await self._unary(peer_id, RPC_FORWARD, request)
         metadata = unpack_metadata(response.metadata)
         raise_if_error(metadata)
+        if len(response.tensors) != 1:
+            raise PeerUnavailableError(f"peer {peer_id} sent a malformed answer to {RPC_FORWARD}")
         output = tensor_from_proto(
-            response.tensors[0], allowed_dtypes=("float32", "float16", "bfloat16"), max_elements=hidden.numel(), rank=3
+            response.tensors[0],
+            allowed_dtypes=("float32", "float16", "bfloat16"),
+            max_elements=hidden.numel(),
+            rank=3,
+            codec=WireCodec.from_metadata(metadata.get("codec")),
         )
         return output, float(metadata.get("compute_s", 0.0))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nesa_node.compression.codec import CODECS
+
 
 @dataclass(frozen=True)
 class NodeConfig:
@@ -18,6 +20,7 @@ class NodeConfig:
     identity_path: str | None = None  # RSA key file; created if missing; None: a fresh key per run
     device: str = "cpu"
     dtype: str = "float32"
+    quant: str = "none"  # weights of the blocks' linear layers: none, int8 (LLM.int8 with outliers) or nf4
     max_cache_tokens: int = 8192  # KV cache budget in tokens of batch 1 (converted to bytes with eq. 4)
     max_length: int = 4096  # longest inference session accepted, tokens
     max_batch: int = 64  # rows per session
@@ -29,6 +32,12 @@ class NodeConfig:
     address_file: str | None = None  # written with the listening multiaddrs once ready
     throughput_cache: str | None = None  # JSON file of measured throughputs; None: ~/.cache/nesa-node
     measure_throughput: bool = True  # False: announce 0 tokens/s (tests that start many nodes)
+    # A step expected to compute for less than this runs on the event loop itself: handing it to the compute
+    # thread and back costs two thread wake-ups (0.2-0.6 ms measured on a loaded 2-core host), more than a short
+    # stall of the loop costs. 0 sends every step to the compute thread.
+    inline_compute_ms: float = 15.0
+    # codecs the node accepts for hidden states (and will produce when a client asks); "none" is always included
+    compression: tuple[str, ...] = CODECS
 
     @property
     def record_ttl_s(self) -> float:

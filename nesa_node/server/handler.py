@@ -38,6 +38,7 @@ from nesa_node.server.session import END_OF_SESSION, ServerSession
 from nesa_node.sharding.kv_cache import CacheBudget
 from nesa_node.wire import (
     RPC_PUSH_STREAM,
+    WireCodec,
     drain,
     error_from_metadata,
     error_response,
@@ -51,6 +52,7 @@ from nesa_node.wire import (
 logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
+SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (NodeConfig.inline_compute_ms)
 
 
 class BlockHandler(ServicerBase):
@@ -66,7 +68,9 @@ class BlockHandler(ServicerBase):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nesa-compute")
         self.compute_seconds = 0.0  # total time spent in the blocks
         self.steps_served = 0
+        self._small_step_s: float | None = None  # moving average compute time of small steps, seconds
         self.draining = False
+        self.accepted_codecs = tuple(dict.fromkeys(("none", *config.compression)))  # "none" always works
 
     # ---- unary -------------------------------------------------------------------------------------------
 
@@ -76,10 +80,13 @@ class BlockHandler(ServicerBase):
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Run the span on a whole sequence without a cache (positions from 0)."""
         try:
-            hidden = self._read_hidden(request, batch=None)
+            metadata = unpack_metadata(request.metadata)
+            hidden = self._read_hidden(request, metadata, batch=None)
+            output_codec = self._codec(metadata.get("output_codec", metadata.get("codec")))
             output, seconds = await self._compute(hidden, None, 0)
             return runtime_pb2.ExpertResponse(
-                tensors=[tensor_to_proto(output)], metadata=pack_metadata({"compute_s": seconds})
+                tensors=[tensor_to_proto(output, output_codec)],
+                metadata=pack_metadata({"compute_s": seconds, "codec": output_codec.to_metadata()}),
             )
         except RequestError as exc:
             return error_response(exc)
@@ -132,7 +139,11 @@ class BlockHandler(ServicerBase):
             )
             while True:
                 try:
-                    item = await asyncio.wait_for(session.inbox.get(), timeout=self.config.session_timeout_s)
+                    if session.inbox.empty():  # asyncio.timeout: no task per step, unlike wait_for
+                        async with asyncio.timeout(self.config.session_timeout_s):
+                            item = await session.inbox.get()
+                    else:
+                        item = session.inbox.get_nowait()
                 except TimeoutError:
                     logger.info(
                         "session %s idle for %.0f s, closing", session.session_id, self.config.session_timeout_s
@@ -147,12 +158,17 @@ class BlockHandler(ServicerBase):
                     output, seconds = await self._inference_step(session, request, metadata)
                     upstream_s = metadata.get("compute_s", 0.0)  # compute time of the nodes before this one
                     upstream_s = float(upstream_s) if isinstance(upstream_s, float | int) and upstream_s >= 0 else 0.0
-                    reply = {"step_id": step_id, "position": start, "compute_s": seconds + upstream_s}
+                    reply = {
+                        "step_id": step_id,
+                        "position": start,
+                        "compute_s": seconds + upstream_s,
+                        "codec": session.output_codec.to_metadata(),
+                    }
                     if session.next_peer is not None:
                         await self._push(session, output, reply)
                     else:
                         yield runtime_pb2.ExpertResponse(
-                            tensors=[tensor_to_proto(output)], metadata=pack_metadata(reply)
+                            tensors=[tensor_to_proto(output, session.output_codec)], metadata=pack_metadata(reply)
                         )
                 except NesaError as exc:
                     yield error_response(exc, step_id=step_id)
@@ -172,6 +188,7 @@ class BlockHandler(ServicerBase):
         client_peer = context.remote_id.to_base58()
         upstream = field(metadata, "upstream", str, default=client_peer)
         next_peer = field(metadata, "next", (str, type(None)), default=None)
+        output_codec = self._codec(metadata.get("output_codec"))
         if not 0 < len(session_id) <= MAX_ID_LENGTH or len(upstream) > MAX_ID_LENGTH:
             raise BadRequestError("session_id and upstream must be non-empty ids of at most 128 characters")
         if next_peer is not None:
@@ -199,6 +216,7 @@ class BlockHandler(ServicerBase):
             client_peer=client_peer,
             upstream_peer=upstream,
             next_peer=next_peer,
+            output_codec=output_codec,
         )
         self.sessions[session_id] = session
         logger.debug("opened session %s (batch %d, max_length %d)", session_id, batch, max_length)
@@ -236,7 +254,7 @@ class BlockHandler(ServicerBase):
             return session.last_output, 0.0  # a duplicate delivery: same output, computed once
         if position != session.position:
             raise BadRequestError(f"step at position {position}, but the session's cache holds {session.position}")
-        hidden = self._read_hidden(request, batch=session.batch)
+        hidden = self._read_hidden(request, metadata, batch=session.batch)
         if position + hidden.shape[1] > session.max_length:
             raise BadRequestError(
                 f"step would reach {position + hidden.shape[1]} tokens, over the session's max_length "
@@ -247,7 +265,11 @@ class BlockHandler(ServicerBase):
         session.last_step_id, session.last_output = step_id, output
         return output, seconds
 
-    def _read_hidden(self, request: runtime_pb2.ExpertRequest, *, batch: int | None) -> torch.Tensor:
+    def _codec(self, value) -> WireCodec:
+        """A codec named by a peer, checked against the codecs this node accepts (BadRequestError otherwise)."""
+        return WireCodec.from_metadata(value, accepted=self.accepted_codecs)
+
+    def _read_hidden(self, request: runtime_pb2.ExpertRequest, metadata: dict, *, batch: int | None) -> torch.Tensor:
         if len(request.tensors) != 1:
             raise BadRequestError(f"expected one tensor of hidden states, got {len(request.tensors)}")
         hidden = tensor_from_proto(
@@ -255,6 +277,7 @@ class BlockHandler(ServicerBase):
             allowed_dtypes=tuple(WIRE_DTYPES),
             max_elements=self.config.max_tokens_per_step * self.span.hidden_size,
             rank=3,
+            codec=self._codec(metadata.get("codec")),
         )
         rows, seq, width = hidden.shape  # (batch, seq, hidden)
         if width != self.span.hidden_size:
@@ -268,19 +291,28 @@ class BlockHandler(ServicerBase):
         return hidden
 
     async def _compute(self, hidden: torch.Tensor, cache, position: int) -> tuple[torch.Tensor, float]:
+        """Run the span; short steps on the loop itself, others on the compute thread (see inline_compute_ms)."""
+
         def run() -> tuple[torch.Tensor, float]:
             started = time.perf_counter()
             output = self.span(hidden, cache, position)
             return output, time.perf_counter() - started
 
-        output, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
+        if small and self._small_step_s is not None and self._small_step_s * 1000 < self.config.inline_compute_ms:
+            output, seconds = run()
+        else:
+            output, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        if small:  # moving average of recent small steps: what the next one will likely cost
+            previous = self._small_step_s
+            self._small_step_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
         self.compute_seconds += seconds
         self.steps_served += 1
         return output, seconds
 
     async def _push(self, session: ServerSession, output: torch.Tensor, reply: dict) -> None:
         request = runtime_pb2.ExpertRequest(
-            tensors=[tensor_to_proto(output)],
+            tensors=[tensor_to_proto(output, session.output_codec)],
             metadata=pack_metadata({**reply, "session_id": session.session_id}),
         )
         if session.push_outbox is None:

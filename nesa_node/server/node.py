@@ -59,7 +59,7 @@ class Node:
         span = await asyncio.to_thread(
             load_block_span,
             config.model_path,
-            SpanSpec(config.start_block, config.end_block, config.dtype, config.device),
+            SpanSpec(config.start_block, config.end_block, config.dtype, config.device, config.quant),
             config=model_config,
         )
         if config.measure_throughput:
@@ -120,6 +120,8 @@ class Node:
             start_block=self.config.start_block,
             end_block=self.config.end_block,
             dtype=self.config.dtype,
+            compression=self.handler.accepted_codecs,
+            quantization=self.config.quant,
             weights_hash=self.span.weights_hash,
             ram_total_mb=memory.total / 2**20,
             ram_free_mb=memory.available / 2**20,

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nesa_node.wire import NO_CODEC, WireCodec
+
 logger = logging.getLogger(__name__)
 
 END_OF_SESSION = object()  # put in the inbox when the client's stream ends; in a push outbox, ends the stream
@@ -23,6 +25,7 @@ class ServerSession:
     client_peer: str  # base58 peer id that opened the session
     upstream_peer: str  # the only peer allowed to push steps (the previous node, or the client)
     next_peer: str | None  # direct chain: push results here; None: answer on the client's stream
+    output_codec: WireCodec = NO_CODEC  # how this node encodes its outputs, chosen by the client at open
     position: int = 0  # tokens already in the cache
     last_step_id: str | None = None
     last_output: torch.Tensor | None = None

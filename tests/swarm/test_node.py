@@ -76,7 +76,7 @@ def test_restart_with_identity_file_keeps_peer_id_and_is_routable(local_swarm, t
     with torch.inference_mode():
         expected = reference.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     with DistributedModelForCausalLM.from_pretrained(
-        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="restart"
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="restart", compression="none"
     ) as model:
         wait_until(lambda: _online_peers(model) == {first_id}, timeout_s=30)
         output = model.generate(input_ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)

@@ -1,0 +1,218 @@
+"""Codec benchmark: speed, bytes on the wire and error of each hidden-state codec.
+
+Prints one JSON line. For each tensor shape and codec: encode and decode throughput (GB/s of input), median times,
+(encode + decode) time as a ratio to `torch.clone` of the same tensor measured in the same run (absolute timings on a
+shared machine are noisy), payload bytes, and the max / mean absolute error on a seeded randn tensor and on a
+heavy-tailed one (randn with a few outliers x20, as in LLM activations).
+
+Then, unless --no-swarm, the swarm section: the trained tiny model (`nesa-node model train-tiny`, cached) served by
+3 node processes on loopback; per codec, decode tokens/s of a 64-token greedy generation (median of --swarm-repeats),
+bytes per decoded token over all 4 transfers of a direct chain, the transfer time those bytes cost on a 100 Mbit/s
+link (and saved against "none"), the same for a 4096-wide model, and the accuracy table (top-1 agreement, held-out
+perplexity) of nesa_node.evaluation.
+
+    python bench/compression.py [--repeats 20] [--seed 0] [--device cpu] [--threads N] [--no-swarm]
+
+On a CPU shared with other work, --threads 1 avoids stalls of torch's thread pool that swamp the kernels' cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nesa_node.compression.codec import CODECS, decode, encode, wire_bytes  # noqa: E402
+
+LINK_BITS_PER_S = 100e6  # the simulated 100 Mbit/s link
+WIDE_HIDDEN = 4096  # hidden size of a 7B-class model, for the computed transfer times
+
+SHAPES = {"8x128x4096": (8, 128, 4096), "1x1x4096": (1, 1, 4096)}  # a prefill chunk and one decode step of a 7B
+OUTLIER_FRACTION = 1e-3  # share of elements scaled x20: a few outlier features per token (guess)
+OUTLIER_FACTOR = 20.0
+
+
+def _median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
+    run()  # warm-up: lookup tables, allocator
+    seconds = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds)
+
+
+def _inputs(shape: tuple[int, ...], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    gaussian = torch.randn(shape, generator=generator)  # (*shape,)
+    heavy = gaussian.clone().view(-1)
+    count = max(1, int(heavy.numel() * OUTLIER_FRACTION))
+    heavy[torch.randperm(heavy.numel(), generator=generator)[:count]] *= OUTLIER_FACTOR
+    return {"randn": gaussian.to(device), "outliers": heavy.view(shape).to(device)}
+
+
+def _errors(tensor: torch.Tensor, codec: str, device: torch.device) -> dict[str, float]:
+    decoded = decode(encode(tensor, codec), device=device).to(torch.float32)
+    error = (decoded - tensor.to(torch.float32)).abs()
+    return {
+        "max_abs_error": float(error.max()),
+        "mean_abs_error": float(error.mean()),
+        "relative_rms_error": float(error.norm() / tensor.to(torch.float32).norm()),
+    }
+
+
+def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
+    """Per shape and codec: throughput, times, ratio to clone, bytes on the wire and errors (see module docstring)."""
+    target = torch.device(device)
+    table: dict = {
+        "device": str(target),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "seed": seed,
+        "repeats": repeats,
+        "outliers": {"fraction": OUTLIER_FRACTION, "factor": OUTLIER_FACTOR},
+        "shapes": {},
+    }
+    for label, shape in SHAPES.items():
+        inputs = _inputs(shape, seed, target)
+        tensor = inputs["randn"]
+        input_bytes = tensor.numel() * tensor.element_size()
+        clone_s = _median_seconds(tensor.clone, repeats, target)
+        row: dict = {"input_bytes": input_bytes, "clone_ms": clone_s * 1e3, "codecs": {}}
+        for codec in CODECS:
+            encoded = encode(tensor, codec)
+            encode_s = _median_seconds(lambda codec=codec, tensor=tensor: encode(tensor, codec), repeats, target)
+            decode_s = _median_seconds(lambda encoded=encoded: decode(encoded, device=target), repeats, target)
+            row["codecs"][codec] = {
+                "encode_gbps": input_bytes / encode_s / 1e9,
+                "decode_gbps": input_bytes / decode_s / 1e9,
+                "encode_ms": encode_s * 1e3,
+                "decode_ms": decode_s * 1e3,
+                "roundtrip_ms": (encode_s + decode_s) * 1e3,
+                "roundtrip_vs_clone": (encode_s + decode_s) / clone_s,
+                "wire_bytes": len(encoded.payload),
+                "compression": input_bytes / len(encoded.payload),
+                **{kind: _errors(values, codec, target) for kind, values in inputs.items()},
+            }
+        table["shapes"][label] = row
+    return table
+
+
+def _rounded(value):
+    if isinstance(value, float):
+        return float(f"{value:.4g}")
+    if isinstance(value, dict):
+        return {key: _rounded(item) for key, item in value.items()}
+    return value
+
+
+def swarm_table(*, nodes: int = 3, new_tokens: int = 64, repeats: int = 3) -> dict:
+    """Decode speed, bytes and accuracy per codec through `nodes` node processes serving the trained tiny model."""
+    from transformers import AutoTokenizer
+
+    from nesa_node.client.model import DistributedModelForCausalLM
+    from nesa_node.errors import NoRouteError
+    from nesa_node.evaluation import accuracy_row, greedy_continuations
+    from nesa_node.launcher import ProcessGroup, split_blocks
+    from nesa_node.model_train import heldout_token_windows, train_tiny_model
+
+    path = str(train_tiny_model(progress=False).path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = heldout_token_windows(tokenizer, 24, 20)
+    windows = heldout_token_windows(tokenizer, 128, 32)
+    layers = json.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+    hidden = json.loads((Path(path) / "config.json").read_text())["hidden_size"]
+    transfers = nodes + 1  # client -> first node -> ... -> last node -> client
+    table: dict = {"model": {"layers": layers, "hidden": hidden}, "nodes": nodes, "new_tokens": new_tokens}
+    with ProcessGroup() as group:
+        bootstrap, address_file = group.start("dht", ["dht"])
+        peers = group.wait_address(bootstrap, address_file)
+        launched = []
+        for index, (start, end) in enumerate(split_blocks(layers, nodes)):
+            node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
+            launched.append(group.start(f"node{index}", node_args + ["--no-measure", "--dht-prefix", "bench-codec"]))
+        for process, node_address in launched:
+            group.wait_address(process, node_address, timeout_s=300)
+        continuations, reference, rows = None, None, {}
+        for codec in CODECS:
+            with DistributedModelForCausalLM.from_pretrained(
+                path, initial_peers=peers, dht_prefix="bench-codec", compression=codec
+            ) as model:
+                deadline = time.monotonic() + 120
+                while True:
+                    try:
+                        if len(model.choose_chain(max_length=256).hops) == nodes:
+                            break
+                    except NoRouteError:
+                        if time.monotonic() > deadline:
+                            raise
+                    time.sleep(0.5)
+                if continuations is None:
+                    continuations = greedy_continuations(model, prompts, 32)
+                accuracy = accuracy_row(codec, model, prompts, continuations, windows, reference)
+                reference = reference if reference is not None else accuracy.perplexity
+                speeds = []
+                for repeat in range(repeats + 1):  # the first run warms up
+                    with torch.inference_mode(), model.inference_session(max_length=24 + new_tokens) as session:
+                        started = time.perf_counter()
+                        model.generate(
+                            prompts[repeat % len(prompts)][None],
+                            max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens,
+                            do_sample=False,
+                        )
+                        # decode time: the whole generation less its first (prompt) step
+                        decode_s = time.perf_counter() - started - session.timings[0].wall_s
+                    if repeat:
+                        speeds.append((len(session.timings) - 1) / decode_s)
+                client_bytes = accuracy.bytes_per_token  # client -> first node, and last node -> client
+                total_bytes = client_bytes * transfers / 2  # every transfer carries one token's hidden states
+                wide_bytes = transfers * (wire_bytes(codec, (1, 1, WIDE_HIDDEN)) + 80)  # + ids and metadata
+                rows[codec] = {
+                    **accuracy.as_dict(),
+                    "decode_tps": statistics.median(speeds),
+                    "bytes_per_token_all_hops": total_bytes,
+                    "link_ms_per_token_100mbit": total_bytes * 8 / LINK_BITS_PER_S * 1000,
+                    "hidden4096_link_ms_per_token_100mbit": wide_bytes * 8 / LINK_BITS_PER_S * 1000,
+                }
+    for row in rows.values():
+        row["link_ms_saved_100mbit"] = rows["none"]["link_ms_per_token_100mbit"] - row["link_ms_per_token_100mbit"]
+        row["hidden4096_link_ms_saved_100mbit"] = (
+            rows["none"]["hidden4096_link_ms_per_token_100mbit"] - row["hidden4096_link_ms_per_token_100mbit"]
+        )
+        row["decode_vs_none"] = row["decode_tps"] / rows["none"]["decode_tps"]
+    table["codecs"] = rows
+    return table
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    parser.add_argument("--no-swarm", action="store_true", help="codec kernels only, no swarm section")
+    parser.add_argument("--swarm-repeats", type=int, default=3, help="generations timed per codec")
+    args = parser.parse_args()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    result = {"bench": "compression", "codecs": codec_table(seed=args.seed, repeats=args.repeats, device=args.device)}
+    if not args.no_swarm:
+        result["swarm"] = swarm_table(repeats=args.swarm_repeats)
+    print(json.dumps(_rounded(result)))
+
+
+if __name__ == "__main__":
+    main()

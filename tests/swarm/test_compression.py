@@ -1,0 +1,95 @@
+"""Hidden-state codecs through real swarms: negotiation with the nodes, and bytes on the wire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from nesa_node.compression.codec import wire_bytes
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.errors import BadRequestError
+from nesa_node.model_init import TinyModelSpec, init_tiny_model
+from nesa_node.wire import RPC_FORWARD, WireCodec, pack_metadata, raise_if_error, tensor_to_proto, unpack_metadata
+from tests.swarm.conftest import wait_for_chain
+
+WIDE = TinyModelSpec(layers=2, hidden=1024, heads=8, kv_heads=8, intermediate=256, vocab=512, seed=3)
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """Hidden size 1024, so one token's hidden states (4 KB in float32) dominate a step's message."""
+    return str(init_tiny_model(tmp_path_factory.mktemp("wide") / "wide-llama", WIDE))
+
+
+def step_bytes(model: DistributedModelForCausalLM, codec: str) -> tuple[int, int]:
+    """Serialized bytes the client sent and received for one decode step of batch 1 with `codec`."""
+    chain = model.choose_chain(max_length=8)
+    session = RemoteInferenceSession(model.swarm, chain, batch=1, max_length=8, compression=WireCodec.of(codec))
+    with session.open():
+        session.step(torch.randn(1, 4, WIDE.hidden))  # prefill
+        session.step(torch.randn(1, 1, WIDE.hidden))  # one decode step
+    last = session.timings[-1]
+    return last.bytes_sent, last.bytes_received
+
+
+def test_quantized_codecs_cut_the_bytes_of_a_decode_step(module_swarm, wide_model):
+    module_swarm.start_node(wide_model, 0, 1, dht_prefix="wide")
+    module_swarm.start_node(wide_model, 1, 2, dht_prefix="wide")
+    with DistributedModelForCausalLM.from_pretrained(
+        wide_model, initial_peers=module_swarm.initial_peers, dht_prefix="wide", compression="none"
+    ) as model:
+        wait_for_chain(model, hops=2)
+        measured = {codec: step_bytes(model, codec) for codec in ("none", "fp16", "blockwise8", "dynamic8")}
+    print({codec: sizes for codec, sizes in measured.items()})
+    for codec in ("blockwise8", "dynamic8"):
+        for direction in (0, 1):  # request to the first node, answer from the last one
+            # payload alone: 1 byte per element + a float32 scale per 64 elements = 3.76x fewer than float32
+            assert wire_bytes("none", (1, 1, WIDE.hidden)) / wire_bytes(codec, (1, 1, WIDE.hidden)) > 3.7
+            # whole serialized messages, ids and metadata included
+            assert measured["none"][direction] / measured[codec][direction] > 3.3
+            assert measured["fp16"][direction] / measured[codec][direction] > 1.7
+
+
+def test_node_refuses_a_codec_it_does_not_accept(module_swarm, tiny_llama):
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="plain-only", compression=("none",))
+    assert node.current_info().compression == ("none",)
+    hidden = torch.randn(1, 3, 64)
+    codec = WireCodec.of("blockwise8")
+    request = runtime_pb2.ExpertRequest(
+        tensors=[tensor_to_proto(hidden, codec)], metadata=pack_metadata({"codec": codec.to_metadata()})
+    )
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="plain-only"
+    ) as model:
+        wait_for_chain(model)
+        response = model.swarm.call(
+            model.swarm.p2p.call_protobuf_handler(
+                PeerID.from_base58(node.peer_id), RPC_FORWARD, request, runtime_pb2.ExpertResponse
+            )
+        )
+        metadata = unpack_metadata(response.metadata)
+        with pytest.raises(BadRequestError, match="not accepted"):
+            raise_if_error(metadata)
+        assert metadata["error"] == "bad_request"
+
+
+def test_client_falls_back_to_none_for_nodes_without_its_codec(module_swarm, tiny_llama):
+    """The client asks for dynamic8, but these nodes accept only none: the wire stays lossless."""
+    module_swarm.start_node(tiny_llama, 0, 2, dht_prefix="fallback", compression=("none",))
+    module_swarm.start_node(tiny_llama, 2, 4, dht_prefix="fallback", compression=("none",))
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    input_ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.inference_mode():
+        expected = reference.generate(input_ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="fallback", compression="dynamic8"
+    ) as model:
+        wait_for_chain(model, hops=2)
+        assert all(hop.codecs == ("none",) for hop in model.choose_chain().hops)
+        output = model.generate(input_ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    assert torch.equal(output, expected)

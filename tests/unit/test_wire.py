@@ -1,0 +1,91 @@
+"""Messages between peers: codec naming in metadata, tensor protos, metadata limits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+from nesa_node.routing.chain import Hop
+
+from nesa_node.client.session import codec_for
+from nesa_node.errors import BadRequestError
+from nesa_node.wire import (
+    NO_CODEC,
+    WireCodec,
+    pack_metadata,
+    tensor_from_proto,
+    tensor_to_proto,
+    unpack_metadata,
+)
+
+
+@pytest.mark.parametrize("name", ["none", "fp16", "bf16", "blockwise8", "dynamic8"])
+def test_codec_named_in_metadata_round_trips_a_tensor(name):
+    codec = WireCodec.of(name)
+    named = unpack_metadata(pack_metadata({"codec": codec.to_metadata()}))["codec"]
+    assert WireCodec.from_metadata(named) == codec
+    hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
+    proto = runtime_pb2.Tensor.FromString(tensor_to_proto(hidden, codec).SerializeToString())
+    decoded = tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=10_000, rank=3, codec=codec)
+    assert decoded.shape == hidden.shape and decoded.dtype == hidden.dtype
+    tolerance = {"none": 0.0, "fp16": 1e-3, "bf16": 1e-2, "blockwise8": 0.02, "dynamic8": 0.03}[name]
+    assert (decoded - hidden).abs().max().item() <= tolerance * hidden.abs().max().item()
+
+
+def test_block_size_travels_with_the_codec():
+    codec = WireCodec.of("blockwise8", block_size=128)
+    assert codec.to_metadata() == {"name": "blockwise8", "block_size": 128}
+    assert WireCodec.from_metadata(codec.to_metadata()).params == (("block_size", 128),)
+    hidden = torch.randn(1, 1, 256)
+    proto = tensor_to_proto(hidden, codec)
+    assert len(proto.buffer) == 256 + 2 * 4  # one byte per element, one float32 scale per 128 elements
+    with pytest.raises(BadRequestError, match="bytes"):  # decoded with the wrong block size: payload mismatch
+        tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=1000, codec=WireCodec.of("blockwise8"))
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ({"name": "zstd"}, "unknown codec"),
+        ({"name": 7}, "unknown codec"),
+        ("blockwise8", "small map"),
+        ({"name": "blockwise8", "block_size": 3}, "bad codec parameters"),
+        ({"name": "blockwise8", "block_size": True}, "bad codec parameters"),
+        ({"name": "blockwise8", "window": 64}, "bad codec parameters"),
+        ({"name": "blockwise8", **{f"k{i}": 1 for i in range(8)}}, "small map"),
+    ],
+)
+def test_malformed_codec_from_a_peer_is_a_typed_error(value, message):
+    with pytest.raises(BadRequestError, match=message) as error:
+        WireCodec.from_metadata(value)
+    assert error.value.code == "bad_request"
+
+
+def test_codec_outside_the_accepted_list_is_refused():
+    assert WireCodec.from_metadata(None, accepted=("none",)) == NO_CODEC
+    with pytest.raises(BadRequestError, match="not accepted"):
+        WireCodec.from_metadata({"name": "dynamic8"}, accepted=("none", "fp16"))
+
+
+def test_non_finite_tensor_under_a_lossy_codec_is_a_typed_error():
+    hidden = torch.tensor([[[1.0, float("nan")]]])
+    with pytest.raises(BadRequestError, match="cannot encode"):
+        tensor_to_proto(hidden, WireCodec.of("blockwise8"))
+
+
+def test_hivemind_compression_field_is_not_trusted():
+    proto = tensor_to_proto(torch.zeros(1, 1, 4))
+    proto.compression = runtime_pb2.CompressionType.FLOAT16
+    with pytest.raises(BadRequestError, match="hivemind tensor compression"):
+        tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=100)
+
+
+def test_each_hop_gets_the_preferred_codec_only_when_both_ends_accept_it():
+    preferred = WireCodec.of("dynamic8")
+    everything = Hop("a", 0, 1, codecs=("none", "fp16", "dynamic8"))
+    plain = Hop("b", 1, 2, codecs=("none",))
+    assert codec_for(None, everything, preferred) == preferred  # client -> node
+    assert codec_for(everything, None, preferred) == preferred  # node -> client
+    assert codec_for(everything, plain, preferred) == NO_CODEC  # the receiver cannot decode it
+    assert codec_for(plain, everything, preferred) == NO_CODEC  # the sender will not produce it
+    assert codec_for(None, plain, NO_CODEC) == NO_CODEC
