@@ -42,6 +42,8 @@ class ChainRequest:
     batch: int = 1
     max_length: int = 0  # tokens the session reserves; 0: a cacheless forward
     exclude: frozenset[str] = field(default_factory=frozenset)  # peer ids not to use
+    start_block: int = 0  # the chain covers blocks [start_block, end_block): a sub-range replaces a lost span
+    end_block: int | None = None  # None: the model's last block + 1
 
 
 @dataclass(frozen=True)
@@ -78,30 +80,41 @@ def _hop_latency_ms(node: NodeView) -> float:
     return rtt + compute
 
 
+def _bounds(snapshot: SwarmSnapshot, request: ChainRequest) -> tuple[int, int]:
+    end = snapshot.num_blocks if request.end_block is None else min(request.end_block, snapshot.num_blocks)
+    return max(request.start_block, 0), end
+
+
 def missing_blocks(snapshot: SwarmSnapshot, request: ChainRequest) -> list[int]:
+    """Blocks of the request's range that no usable node serves."""
+    first, end = _bounds(snapshot, request)
     covered = set()
     for node in snapshot.nodes:
         if _usable(node, request):
-            covered.update(range(max(node.start_block, 0), min(node.end_block, snapshot.num_blocks)))
-    return [block for block in range(snapshot.num_blocks) if block not in covered]
+            covered.update(range(max(node.start_block, first), min(node.end_block, end)))
+    return [block for block in range(first, end) if block not in covered]
 
 
 def select_chain(snapshot: SwarmSnapshot, request: ChainRequest, *, rng=None) -> Chain:
-    """The chain covering blocks [0, num_blocks) with fewest hops, then least latency.
+    """The chain covering blocks [request.start_block, request.end_block) (default: every block) with fewest hops,
+    then least latency.
 
     `rng` is accepted for interface compatibility with stochastic selectors and unused: the rule is
     deterministic. Raises NoRouteError naming the blocks no usable node serves.
     """
+    first, end = _bounds(snapshot, request)
+    if not first < end:
+        raise NoRouteError(f"empty block range {first}:{end}")
     edges: dict[int, list[NodeView]] = {}
     for node in snapshot.nodes:
-        if _usable(node, request) and 0 <= node.start_block < node.end_block <= snapshot.num_blocks:
+        if _usable(node, request) and first <= node.start_block < node.end_block <= end:
             edges.setdefault(node.start_block, []).append(node)
     # Dijkstra over block boundaries with lexicographic cost (hops, latency, peer ids)
-    best: dict[int, tuple] = {0: (0, 0.0, ())}
-    queue: list[tuple] = [(0, 0.0, (), 0, ())]
+    best: dict[int, tuple] = {first: (0, 0.0, ())}
+    queue: list[tuple] = [(0, 0.0, (), first, ())]
     while queue:
         hops, latency, ids, position, path = heapq.heappop(queue)
-        if position == snapshot.num_blocks:
+        if position == end:
             return Chain(hops=path)
         if best.get(position, (hops, latency, ids)) < (hops, latency, ids):
             continue
@@ -114,7 +127,7 @@ def select_chain(snapshot: SwarmSnapshot, request: ChainRequest, *, rng=None) ->
     missing = missing_blocks(snapshot, request)
     if missing:
         raise NoRouteError(f"no online node with enough cache serves blocks {_ranges(missing)}")
-    raise NoRouteError("the nodes' spans do not join into a chain from block 0 to the last block")
+    raise NoRouteError(f"the nodes' spans do not join into a chain from block {first} to block {end}")
 
 
 def _ranges(blocks: list[int]) -> str:

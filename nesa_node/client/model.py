@@ -10,13 +10,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from nesa_node.client.session import RemoteInferenceSession, codec_for
+from nesa_node.client.session import LinkFailed, RemoteInferenceSession, codec_for
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.compression.codec import DEFAULT_CODEC
 from nesa_node.dht_records import default_dht_prefix
@@ -45,6 +46,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         chain_selector=select_chain,
     ):
         super().__init__(config)
+        self.max_failovers = 3  # node failures survived per step (each bans the node and replaces its span)
         # hidden-state codec asked of every hop that accepts it (others get "none"); a name or a WireCodec
         self.compression = compression if isinstance(compression, WireCodec) else WireCodec.of(compression)
         self.model_edges = edges
@@ -111,26 +113,51 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # ---- routing and sessions -----------------------------------------------------------------------------
 
     def choose_chain(self, *, batch: int = 1, max_length: int = 0, exclude: frozenset[str] = frozenset()) -> Chain:
-        snapshot = self.swarm.snapshot(self.config.num_hidden_layers)
-        chain = self.chain_selector(snapshot, ChainRequest(batch=batch, max_length=max_length, exclude=exclude))
+        request = ChainRequest(batch=batch, max_length=max_length, exclude=exclude | self.swarm.banned())
+        chain = self.reroute(request)
         self.last_chain = chain
         return chain
+
+    def reroute(self, request: ChainRequest) -> Chain:
+        """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm."""
+        request = replace(request, exclude=request.exclude | self.swarm.banned())
+        return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers), request)
 
     @contextlib.contextmanager
     def inference_session(self, *, max_length: int, batch: int = 1) -> Iterator[RemoteInferenceSession]:
         """Open one session along a chain; `generate` calls inside the block share it (and its caches)."""
         if self.active_session is not None:
             raise SessionStateError("an inference session is already active on this model")
-        chain = self.choose_chain(batch=batch, max_length=max_length)
-        session = RemoteInferenceSession(
-            self.swarm, chain, batch=batch, max_length=max_length, mode=self.mode, compression=self.compression
-        )
+        session = self._open_session(batch=batch, max_length=max_length)
         with session:
             self.active_session, self._history = session, None
             try:
                 yield session
             finally:
                 self.active_session, self._history = None, None
+
+    def _open_session(self, *, batch: int, max_length: int) -> RemoteInferenceSession:
+        """Open a session on a chosen chain; a node that fails to open is banned and another chain chosen."""
+        for attempt in range(self.max_failovers + 1):
+            chain = self.choose_chain(batch=batch, max_length=max_length)  # NoRouteError when nothing is left
+            session = RemoteInferenceSession(
+                self.swarm,
+                chain,
+                batch=batch,
+                max_length=max_length,
+                mode=self.mode,
+                compression=self.compression,
+                reroute=self.reroute,
+                max_failovers=self.max_failovers,
+            )
+            try:
+                return session.open()
+            except LinkFailed as failure:
+                if failure.link is None or attempt == self.max_failovers:
+                    raise
+                logger.info("could not open a session on %s: %s", failure.link.hop.peer_id, failure)
+                self.swarm.ban(failure.link.hop.peer_id)
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     @torch.inference_mode()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):

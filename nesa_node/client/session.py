@@ -13,6 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from hivemind.proto import runtime_pb2
 
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.errors import NesaError, PeerUnavailableError, SessionStateError
-from nesa_node.routing.chain import Chain, Hop
+from nesa_node.routing.chain import Chain, ChainRequest, Hop
 from nesa_node.wire import (
     NO_CODEC,
     RPC_INFERENCE,
@@ -37,6 +38,9 @@ from nesa_node.wire import (
 logger = logging.getLogger(__name__)
 
 MODES = ("direct", "relay")
+MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
+MIN_STEP_DEADLINE_S = 1.0  # a decode step is ms on a healthy chain; 1 s leaves room for a GC pause (guess)
+REPLAY_CHUNK_TOKENS = 1024  # history replayed per message: well under a node's max_tokens_per_step
 _CLOSE = object()
 
 
@@ -57,8 +61,35 @@ def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) ->
     return preferred
 
 
+class _Link:
+    """The client's stream to one node of the chain."""
+
+    def __init__(self, hop: Hop):
+        self.hop = hop
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.reader: asyncio.Task | None = None
+
+
+class LinkFailed(PeerUnavailableError):
+    """A node of the chain failed (stream closed or errored); `link` is None when the chain as a whole went quiet."""
+
+    def __init__(self, message: str, link: _Link | None):
+        super().__init__(message)
+        self.link = link
+
+
+Rerouter = Callable[[ChainRequest], Chain]  # picks a chain for a block range, excluding banned peers
+
+
 class RemoteInferenceSession:
-    """An open inference session along `chain`. Not thread-safe: one generation at a time."""
+    """An open inference session along `chain`. Not thread-safe: one generation at a time.
+
+    Failover (direct mode, when `reroute` is given): when a node fails during a step, the client bans it, asks
+    `reroute` for nodes covering exactly the lost span, rebuilds their caches by replaying the span's input history
+    (the previous node's outputs, kept by that node, or the client's own inputs for the first span), points the
+    previous node at the replacement, and sends the step again under the same step id: nodes that already did it
+    answer from their record, so every cache advances exactly once. At most `max_failovers` per step.
+    """
 
     def __init__(
         self,
@@ -69,6 +100,10 @@ class RemoteInferenceSession:
         max_length: int,
         mode: str = "direct",
         compression: WireCodec = NO_CODEC,
+        reroute: Rerouter | None = None,
+        max_failovers: int = 3,
+        step_timeout_s: float | None = None,
+        probe_timeout_s: float = 1.0,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -78,12 +113,17 @@ class RemoteInferenceSession:
         self.batch = batch
         self.max_length = max_length
         self.mode = mode
+        self.reroute = reroute
+        self.max_failovers = max_failovers
+        self.step_timeout_s = step_timeout_s  # None: adaptive, see _deadline
+        self.probe_timeout_s = probe_timeout_s  # rpc_info to find which node of a silent chain is gone
         self.session_id = uuid.uuid4().hex
         self.position = 0  # tokens the nodes' caches hold
         self.timings: list[StepTiming] = []
-        self._outboxes: list[asyncio.Queue] = []
+        self.failovers: list[dict] = []  # one entry per recovery: failed peer, replacements, seconds
+        self._inputs: list[torch.Tensor] = []  # what the client sent to the first span, per step (for replay)
+        self._links: list[_Link] = []
         self._responses: asyncio.Queue | None = None
-        self._readers: list[asyncio.Task] = []
         self._closed = False
         self._opened = False
 
@@ -98,78 +138,104 @@ class RemoteInferenceSession:
         self._opened = True
         return self
 
-    async def _open(self) -> None:
-        self._responses = asyncio.Queue()
-        hops = self.chain.hops
-        peers = [hop.peer_id for hop in hops]
-        for index, peer in enumerate(peers):
-            direct = self.mode == "direct"
-            # who decodes this node's output: the next node in a direct chain, else the client
-            receiver = hops[index + 1] if direct and index + 1 < len(hops) else None
-            metadata = {
-                "output_codec": codec_for(hops[index], receiver, self.compression).to_metadata(),
-                "session_id": self.session_id,
-                "batch": self.batch,
-                "max_length": self.max_length,
-                "upstream": peers[index - 1] if direct and index > 0 else self.swarm.peer_id,
-                "next": peers[index + 1] if direct and index + 1 < len(peers) else None,
-            }
-            outbox: asyncio.Queue = asyncio.Queue()
-            outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata(metadata)))
-            self._outboxes.append(outbox)
+    def _open_metadata(self, index: int, hops: tuple[Hop, ...], upstream: str, downstream: Hop | None) -> dict:
+        direct = self.mode == "direct"
+        # who decodes this node's output: the next node in a direct chain, else the client
+        receiver = (hops[index + 1] if index + 1 < len(hops) else downstream) if direct else None
+        return {
+            "output_codec": codec_for(hops[index], receiver, self.compression).to_metadata(),
+            "session_id": self.session_id,
+            "batch": self.batch,
+            "max_length": self.max_length,
+            "upstream": (hops[index - 1].peer_id if index > 0 else upstream) if direct else self.swarm.peer_id,
+            "next": receiver.peer_id if receiver is not None else None,
+        }
+
+    async def _open_links(self, hops: tuple[Hop, ...], upstream: str, downstream: Hop | None) -> list[_Link]:
+        """Open a session stream on each hop (a chain segment between `upstream` and `downstream`); wait for acks."""
+        links = []
+        for index, hop in enumerate(hops):
+            link = _Link(hop)
+            metadata = self._open_metadata(index, hops, upstream, downstream)
+            link.outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata(metadata)))
+            links.append(link)
             try:
                 stream = await asyncio.wait_for(
                     self.swarm.p2p.iterate_protobuf_handler(
-                        PeerID.from_base58(peer), RPC_INFERENCE, drain(outbox, _CLOSE), runtime_pb2.ExpertResponse
+                        PeerID.from_base58(hop.peer_id),
+                        RPC_INFERENCE,
+                        drain(link.outbox, _CLOSE),
+                        runtime_pb2.ExpertResponse,
                     ),
                     timeout=self.swarm.request_timeout_s,
                 )
             except Exception as exc:
-                raise PeerUnavailableError(f"could not open a session on {peer}: {exc!r}") from None
-            self._readers.append(asyncio.create_task(self._read(index, stream)))
+                self._close_links(links)
+                raise LinkFailed(f"could not open a session on {hop.peer_id}: {exc!r}", link) from None
+            link.reader = asyncio.create_task(self._read(link, stream))
         # every node acknowledges the open (cache reserved) or refuses it with a typed error
-        acknowledged = set()
-        while len(acknowledged) < len(peers):
-            index, metadata, _ = await self._next_response()
-            raise_if_error(metadata)
-            if metadata.get("ok"):
-                acknowledged.add(index)
+        pending = set(map(id, links))
+        try:
+            while pending:
+                link, metadata, _ = await self._next_response(self.swarm.request_timeout_s)
+                raise_if_error(metadata)
+                if metadata.get("ok"):
+                    pending.discard(id(link))
+        except BaseException:
+            self._close_links(links)
+            raise
+        return links
 
-    async def _read(self, index: int, stream) -> None:
+    async def _open(self) -> None:
+        self._responses = asyncio.Queue()
+        self._links = await self._open_links(self.chain.hops, self.swarm.peer_id, None)
+
+    async def _read(self, link: _Link, stream) -> None:
         try:
             async for response in stream:
-                self._responses.put_nowait((index, response))
+                self._responses.put_nowait((link, response))
         except Exception as exc:
-            self._responses.put_nowait((index, exc))
+            self._responses.put_nowait((link, exc))
             return
-        self._responses.put_nowait((index, PeerUnavailableError(f"node {self.chain.hops[index].peer_id} closed")))
+        self._responses.put_nowait((link, PeerUnavailableError(f"node {link.hop.peer_id} closed the session")))
 
-    async def _next_response(self) -> tuple[int, dict, runtime_pb2.ExpertResponse]:
-        try:
-            async with asyncio.timeout(self.swarm.request_timeout_s):  # no task per step, unlike wait_for
-                index, item = await self._responses.get()
-        except TimeoutError:
-            raise PeerUnavailableError(f"no answer from the chain within {self.swarm.request_timeout_s} s") from None
-        if isinstance(item, BaseException):
-            if isinstance(item, NesaError):
-                raise item
-            raise PeerUnavailableError(f"stream to {self.chain.hops[index].peer_id} failed: {item!r}")
-        return index, unpack_metadata(item.metadata), item
+    async def _next_response(self, timeout_s: float) -> tuple[_Link, dict, runtime_pb2.ExpertResponse]:
+        while True:
+            try:
+                async with asyncio.timeout(timeout_s):  # no task per step, unlike wait_for
+                    link, item = await self._responses.get()
+            except TimeoutError:
+                raise LinkFailed(f"no answer from the chain within {timeout_s} s", None) from None
+            if isinstance(link, _Link) and link.reader is None:
+                continue  # a link closed by failover: its last words no longer matter
+            if isinstance(item, BaseException):
+                if isinstance(item, NesaError) and not isinstance(item, PeerUnavailableError):
+                    raise item
+                raise LinkFailed(f"stream to {link.hop.peer_id} failed: {item!r}", link)
+            return link, unpack_metadata(item.metadata), item
+
+    def _close_links(self, links: list[_Link]) -> None:
+        for link in links:
+            link.outbox.put_nowait(_CLOSE)
+            if link.reader is not None:
+                link.reader.cancel()
+                link.reader = None
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self._outboxes or self._readers:
+        if self._links:
             with contextlib.suppress(Exception):
                 self.swarm.call(self._close(), timeout=10)
 
     async def _close(self) -> None:
-        for outbox in self._outboxes:
-            outbox.put_nowait(_CLOSE)
-        if self._readers:
-            await asyncio.wait(self._readers, timeout=5)
-        for reader in self._readers:
+        for link in self._links:
+            link.outbox.put_nowait(_CLOSE)
+        readers = [link.reader for link in self._links if link.reader is not None]
+        if readers:
+            await asyncio.wait(readers, timeout=5)
+        for reader in readers:
             reader.cancel()
 
     def __enter__(self) -> RemoteInferenceSession:
@@ -191,42 +257,172 @@ class RemoteInferenceSession:
                 f"{self.position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}"
             )
         started = time.perf_counter()
-        output, compute_s, sent, received = self.swarm.call(self._step(hidden))
+        failovers = 0
+        deadline = self._deadline(hidden.shape[0] * hidden.shape[1])
+        while True:
+            try:
+                output, compute_s, sent, received = self.swarm.call(self._step(hidden, deadline))
+                break
+            except LinkFailed as failure:
+                if self.mode != "direct" or self.reroute is None or failovers >= self.max_failovers:
+                    raise PeerUnavailableError(f"{failure.message} (no failover left)") from None
+                failovers += 1
+                self._recover(failure)
         self.timings.append(
             StepTiming(
                 wall_s=time.perf_counter() - started, compute_s=compute_s, bytes_sent=sent, bytes_received=received
             )
         )
+        self._inputs.append(hidden.detach().clone())
         self.position += hidden.shape[1]
         return output
 
-    async def _step(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float, int, int]:
-        step_id = f"{self.session_id}:{self.position}"
-        hops = range(len(self.chain.hops)) if self.mode == "relay" else [0]
+    def _deadline(self, tokens: int) -> float:
+        """Seconds a step may take before the chain is presumed broken (a node killed mid-step may leave its
+        stream open). Given, or: for a decode step once a few are measured, 10x the slowest recent one and at
+        least MIN_STEP_DEADLINE_S; the request timeout otherwise (prefill can be slow)."""
+        if self.step_timeout_s is not None:
+            return self.step_timeout_s
+        recent = [timing.wall_s for timing in self.timings[-8:]]
+        if tokens <= 8 and len(recent) >= 3:
+            return max(MIN_STEP_DEADLINE_S, 10 * max(recent))
+        return self.swarm.request_timeout_s
+
+    async def _step(self, hidden: torch.Tensor, deadline_s: float) -> tuple[torch.Tensor, float, int, int]:
+        step_id = f"{self.session_id}:{self.position}"  # the same on a retry: nodes that did it answer from record
+        links = self._links if self.mode == "relay" else self._links[:1]
         compute_s, sent, received = 0.0, 0, 0
-        for index in hops:
-            codec = codec_for(None, self.chain.hops[index], self.compression)
+        for link in links:
+            codec = codec_for(None, link.hop, self.compression)
             request = runtime_pb2.ExpertRequest(
                 tensors=[tensor_to_proto(hidden, codec)],
                 metadata=pack_metadata({"step_id": step_id, "position": self.position, "codec": codec.to_metadata()}),
             )
             sent += request.ByteSize()
-            self._outboxes[index].put_nowait(request)
-            expected = index if self.mode == "relay" else len(self.chain.hops) - 1
+            link.outbox.put_nowait(request)
+            expected = link if self.mode == "relay" else self._links[-1]
             while True:
-                answered, metadata, response = await self._next_response()
+                answered, metadata, response = await self._next_response(deadline_s)
                 raise_if_error(metadata)
-                if answered == expected and metadata.get("step_id") == step_id:
+                if answered is expected and metadata.get("step_id") == step_id:
                     break
             received += response.ByteSize()
-            if len(response.tensors) != 1:
-                raise PeerUnavailableError(f"node {self.chain.hops[answered].peer_id} sent a malformed answer")
-            hidden = tensor_from_proto(
-                response.tensors[0],
-                allowed_dtypes=("float32", "float16", "bfloat16"),
-                max_elements=hidden.numel(),
-                rank=3,
-                codec=WireCodec.from_metadata(metadata.get("codec")),
-            )
+            hidden = self._read_hidden(answered, response, metadata, hidden.numel())
             compute_s += float(metadata.get("compute_s", 0.0))
         return hidden, compute_s, sent, received
+
+    def _read_hidden(self, link: _Link, response, metadata: dict, max_elements: int) -> torch.Tensor:
+        if len(response.tensors) != 1:
+            raise LinkFailed(f"node {link.hop.peer_id} sent a malformed answer", link)
+        return tensor_from_proto(
+            response.tensors[0],
+            allowed_dtypes=("float32", "float16", "bfloat16"),
+            max_elements=max_elements,
+            rank=3,
+            codec=WireCodec.from_metadata(metadata.get("codec")),
+        )
+
+    # ---- failover -----------------------------------------------------------------------------------------
+
+    def _recover(self, failure: LinkFailed) -> None:
+        started = time.perf_counter()
+        index = self._find_failed(failure)
+        lost = self._links[index].hop
+        self.swarm.ban(lost.peer_id)
+        logger.info(
+            "node %s failed (%s); replacing blocks %d:%d", lost.peer_id, failure, lost.start_block, lost.end_block
+        )
+        request = ChainRequest(
+            batch=self.batch,
+            max_length=self.max_length,
+            exclude=self.swarm.banned() | {link.hop.peer_id for link in self._links},
+            start_block=lost.start_block,
+            end_block=lost.end_block,
+        )
+        replacement = self.reroute(request)  # raises NoRouteError naming the missing blocks
+        self.swarm.call(self._replace(index, replacement.hops), timeout=self.swarm.request_timeout_s * 4)
+        self.failovers.append(
+            {
+                "failed": lost.peer_id,
+                "replacements": [hop.peer_id for hop in replacement.hops],
+                "blocks": [lost.start_block, lost.end_block],
+                "position": self.position,
+                "seconds": time.perf_counter() - started,
+            }
+        )
+
+    def _find_failed(self, failure: LinkFailed) -> int:
+        """Index of the failed node: the one whose stream broke, else the first that does not answer rpc_info."""
+        if failure.link is not None and failure.link in self._links:
+            return self._links.index(failure.link)
+        for index, link in enumerate(self._links):
+            try:
+                self.swarm.info(link.hop.peer_id, timeout_s=self.probe_timeout_s)
+            except Exception:
+                return index
+        raise PeerUnavailableError(f"{failure.message}; every node of the chain still answers") from None
+
+    async def _replace(self, index: int, hops: tuple[Hop, ...]) -> None:
+        previous = self._links[index - 1] if index > 0 else None
+        following = self._links[index + 1].hop if index + 1 < len(self._links) else None
+        self._close_links([self._links[index]])
+        # the lost span's inputs: the previous node's outputs, or what the client sent to the first span
+        if self.position == 0:
+            history = None
+        elif previous is None:
+            history = torch.cat(self._inputs, dim=1)  # (batch, position, hidden)
+        else:
+            previous.outbox.put_nowait(
+                runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "history", "position": self.position}))
+            )
+            history = await self._control_answer(previous, "history", self.position * self.batch * MAX_HIDDEN)
+        upstream = previous.hop.peer_id if previous is not None else self.swarm.peer_id
+        new_links = await self._open_links(hops, upstream, following)
+        try:
+            if history is not None:
+                await self._replay(new_links, history)
+            # the neighbours now talk to the replacement: previous pushes to it, following accepts its pushes
+            if previous is not None:
+                await self._retarget(previous, next=new_links[0].hop.peer_id)
+            if index + 1 < len(self._links):
+                await self._retarget(self._links[index + 1], upstream=new_links[-1].hop.peer_id)
+        except BaseException:
+            self._close_links(new_links)
+            raise
+        self._links[index : index + 1] = new_links
+        self.chain = Chain(hops=tuple(link.hop for link in self._links))
+
+    async def _retarget(self, link: _Link, **peers: str) -> None:
+        link.outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "retarget", **peers})))
+        await self._control_answer(link, "retarget", 0)
+
+    async def _control_answer(self, link: _Link, control: str, max_elements: int) -> torch.Tensor | None:
+        while True:
+            answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
+            raise_if_error(metadata)
+            if answered is link and metadata.get("control") == control:
+                break
+        if control != "history":
+            return None
+        return self._read_hidden(link, response, metadata, max_elements)
+
+    async def _replay(self, links: list[_Link], history: torch.Tensor) -> None:
+        """Rebuild the replacement nodes' caches: the history goes through them one by one, via the client."""
+        for link in links:
+            outputs = []
+            for start in range(0, history.shape[1], REPLAY_CHUNK_TOKENS):
+                chunk = history[:, start : start + REPLAY_CHUNK_TOKENS]  # (batch, <= chunk, hidden)
+                step_id = f"{self.session_id}:replay:{start}"
+                link.outbox.put_nowait(
+                    runtime_pb2.ExpertRequest(
+                        tensors=[tensor_to_proto(chunk)],
+                        metadata=pack_metadata({"step_id": step_id, "position": start, "replay": True}),
+                    )
+                )
+                while True:
+                    answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
+                    raise_if_error(metadata)
+                    if answered is link and metadata.get("step_id") == step_id:
+                        break
+                outputs.append(self._read_hidden(link, response, metadata, chunk.numel()))
+            history = torch.cat(outputs, dim=1)

@@ -18,6 +18,7 @@ import torch
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
+from hivemind.utils import get_dht_time
 
 from nesa_node.dht_records import NodeRecord, fetch_node_infos, make_validator
 from nesa_node.errors import PeerUnavailableError
@@ -50,6 +51,8 @@ class SwarmClient:
         self._thread = threading.Thread(target=self.loop.run_forever, name="nesa-client-loop", daemon=True)
         self._thread.start()
         self.rtt_ms: dict[str, float] = {}
+        self._records: dict[str, NodeRecord] = {}  # peer id -> newest unexpired record seen
+        self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
         try:
             self.p2p, self.dht = self.call(self._start(list(initial_peers)), timeout=60)
         except BaseException:
@@ -79,6 +82,21 @@ class SwarmClient:
             future.cancel()
             raise PeerUnavailableError(f"no answer within {timeout} s") from None
 
+    def ban(self, peer_id: str, *, base_s: float = 15.0, max_s: float = 600.0) -> float:
+        """Keep `peer_id` out of new chains for a while: base_s, doubling on each repeat ban up to max_s.
+
+        15 s covers a restart of a node that crashed (guess); a peer that keeps failing stays out for minutes.
+        Returns the ban length in seconds."""
+        now = time.monotonic()
+        until, last = self._bans.get(peer_id, (0.0, 0.0))
+        length = min(max_s, last * 2) if until > now - max_s and last else base_s
+        self._bans[peer_id] = (now + length, length)
+        return length
+
+    def banned(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(peer for peer, (until, _) in self._bans.items() if until > now)
+
     @property
     def peer_id(self) -> str:
         return self.p2p.peer_id.to_base58()
@@ -86,7 +104,18 @@ class SwarmClient:
     # ---- swarm state --------------------------------------------------------------------------------------
 
     def node_records(self) -> list[NodeRecord]:
-        return self.call(fetch_node_infos(self.dht, self.dht_prefix), timeout=self.request_timeout_s)
+        """The nodes' records: a fresh DHT read merged with earlier reads whose records have not expired yet.
+
+        A DHT lookup can miss replicas now and then; a record stays valid until its own expiration, so a
+        momentarily empty answer does not make live nodes vanish from routing."""
+        fresh = self.call(fetch_node_infos(self.dht, self.dht_prefix), timeout=self.request_timeout_s)
+        for record in fresh:
+            known = self._records.get(record.info.peer_id)
+            if known is None or record.expiration_time >= known.expiration_time:
+                self._records[record.info.peer_id] = record
+        now = get_dht_time()
+        self._records = {peer: record for peer, record in self._records.items() if record.expiration_time > now}
+        return list(self._records.values())
 
     def snapshot(self, num_blocks: int) -> SwarmSnapshot:
         """Freeze the current records (online nodes, with the client's measured rtts) for routing."""
@@ -110,12 +139,14 @@ class SwarmClient:
 
     # ---- RPCs ---------------------------------------------------------------------------------------------
 
-    async def _unary(self, peer_id: str, name: str, request: runtime_pb2.ExpertRequest) -> runtime_pb2.ExpertResponse:
+    async def _unary(
+        self, peer_id: str, name: str, request: runtime_pb2.ExpertRequest, timeout_s: float | None = None
+    ) -> runtime_pb2.ExpertResponse:
         started = time.perf_counter()
         try:
             response = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse),
-                timeout=self.request_timeout_s,
+                timeout=timeout_s or self.request_timeout_s,
             )
         except Exception as exc:
             logger.debug("%s to %s failed: %r", name, peer_id, exc)
@@ -123,9 +154,9 @@ class SwarmClient:
         self.rtt_ms[peer_id] = (time.perf_counter() - started) * 1000
         return response
 
-    def info(self, peer_id: str) -> NodeInfo:
-        """The live NodeInfo of a peer, asked directly (not from the DHT)."""
-        response = self.call(self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest()))
+    def info(self, peer_id: str, *, timeout_s: float | None = None) -> NodeInfo:
+        """The live NodeInfo of a peer, asked directly (not from the DHT); PeerUnavailableError after timeout_s."""
+        response = self.call(self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest(), timeout_s))
         metadata = unpack_metadata(response.metadata)
         raise_if_error(metadata)
         return NodeInfo.from_wire(metadata.get("info"))

@@ -117,6 +117,8 @@ class BlockHandler(ServicerBase):
             raise SessionNotFoundError(f"no open session {session_id[:MAX_ID_LENGTH]!r} on this node")
         if context.remote_id.to_base58() != session.upstream_peer:
             raise BadRequestError("push from a peer that is not this session's upstream")
+        if "control" in metadata or "replay" in metadata:
+            raise BadRequestError("session control and replay come from the session's client only")
         session.inbox.put_nowait((request, metadata))
 
     # ---- streaming inference ------------------------------------------------------------------------------
@@ -154,8 +156,11 @@ class BlockHandler(ServicerBase):
                 request, metadata = item
                 step_id = metadata.get("step_id")
                 try:
-                    start = session.position
+                    if "control" in metadata:
+                        yield self._control(session, metadata)
+                        continue
                     output, seconds = await self._inference_step(session, request, metadata)
+                    start = session.last_position  # of this step, also when it was a duplicate
                     upstream_s = metadata.get("compute_s", 0.0)  # compute time of the nodes before this one
                     upstream_s = float(upstream_s) if isinstance(upstream_s, float | int) and upstream_s >= 0 else 0.0
                     reply = {
@@ -164,7 +169,12 @@ class BlockHandler(ServicerBase):
                         "compute_s": seconds + upstream_s,
                         "codec": session.output_codec.to_metadata(),
                     }
-                    if session.next_peer is not None:
+                    if metadata.get("replay") is True:  # rebuilding this node's cache: the output goes to the client
+                        yield runtime_pb2.ExpertResponse(
+                            tensors=[tensor_to_proto(output, session.output_codec)],
+                            metadata=pack_metadata({**reply, "replayed": True}),
+                        )
+                    elif session.next_peer is not None:
                         await self._push(session, output, reply)
                     else:
                         yield runtime_pb2.ExpertResponse(
@@ -179,6 +189,43 @@ class BlockHandler(ServicerBase):
             if session.push_reader is not None:
                 session.push_reader.cancel()
             self._close_session(session)
+
+    def _control(self, session: ServerSession, metadata: dict) -> runtime_pb2.ExpertResponse:
+        """Session control from the client, in order with its steps (failover of a neighbouring node):
+        "history" returns this node's outputs for the first `position` tokens (lossless), so a replacement for the
+        next span can rebuild its cache; "retarget" sets `next` (the peer this node pushes to) and/or `upstream`
+        (the only peer whose pushes it accepts), each when given."""
+        control = field(metadata, "control", str)
+        if control == "history":
+            upto = field(metadata, "position", int)
+            if not 0 < upto <= session.position:
+                raise BadRequestError(f"history position {upto} outside 1..{session.position}")
+            history = torch.cat(session.outputs, dim=1)[:, :upto]  # (batch, upto, hidden)
+            return runtime_pb2.ExpertResponse(
+                tensors=[tensor_to_proto(history)], metadata=pack_metadata({"control": control, "position": upto})
+            )
+        if control == "retarget":
+            peers = {
+                name: field(metadata, name, (str, type(None))) for name in ("next", "upstream") if name in metadata
+            }
+            for name, peer in peers.items():
+                if peer is None:
+                    continue
+                try:
+                    PeerID.from_base58(peer)
+                except Exception:
+                    raise BadRequestError(f"{name} is not a valid peer id") from None
+            if peers.get("upstream") is not None:
+                session.upstream_peer = peers["upstream"]
+            if "next" in peers:
+                if session.push_outbox is not None:
+                    session.push_outbox.put_nowait(END_OF_SESSION)
+                if session.push_reader is not None:
+                    session.push_reader.cancel()
+                session.push_outbox = session.push_reader = None
+                session.next_peer = peers["next"]
+            return runtime_pb2.ExpertResponse(metadata=pack_metadata({"control": control, "ok": True}))
+        raise BadRequestError(f"unknown session control {control[:32]!r}")
 
     def _open_session(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> ServerSession:
         metadata = unpack_metadata(request.metadata)
@@ -228,6 +275,7 @@ class BlockHandler(ServicerBase):
             self.budget.release(session.reserved_bytes)
             session.cache = None
             session.last_output = None
+            session.outputs.clear()
             logger.debug("closed session %s", session.session_id)
 
     async def _read_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], session: ServerSession) -> None:
@@ -251,7 +299,7 @@ class BlockHandler(ServicerBase):
         step_id = field(metadata, "step_id", str)
         position = field(metadata, "position", int)
         if step_id == session.last_step_id and session.last_output is not None:
-            return session.last_output, 0.0  # a duplicate delivery: same output, computed once
+            return session.last_output, 0.0  # a duplicate delivery (a retry): same output, computed once
         if position != session.position:
             raise BadRequestError(f"step at position {position}, but the session's cache holds {session.position}")
         hidden = self._read_hidden(request, metadata, batch=session.batch)
@@ -261,7 +309,9 @@ class BlockHandler(ServicerBase):
                 f"{session.max_length}"
             )
         output, seconds = await self._compute(hidden, session.cache, position)
+        session.last_position = position
         session.position += hidden.shape[1]
+        session.outputs.append(output)  # kept for a replacement of the next node (see _control "history")
         session.last_step_id, session.last_output = step_id, output
         return output, seconds
 

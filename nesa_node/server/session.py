@@ -28,7 +28,11 @@ class ServerSession:
     output_codec: WireCodec = NO_CODEC  # how this node encodes its outputs, chosen by the client at open
     position: int = 0  # tokens already in the cache
     last_step_id: str | None = None
+    last_position: int = 0  # where the last step started
     last_output: torch.Tensor | None = None
+    # outputs of every step (batch, seq, hidden), in order: one hidden vector per token, small next to the span's
+    # KV cache (2 * kv width per block per token); lets a replacement of the next node rebuild its cache
+    outputs: list[torch.Tensor] = field(default_factory=list)
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     push_outbox: asyncio.Queue | None = None  # steps for next_peer, over one stream opened at the first push
     push_reader: asyncio.Task | None = None

@@ -68,3 +68,23 @@ def test_a_returned_chain_covers_every_block_contiguously_with_usable_nodes(raw)
         position = hop.end_block
     assert position == 12
     assert len(set(chain.peer_ids)) == len(chain.peer_ids)
+
+
+def test_a_sub_range_request_replaces_exactly_a_lost_span():
+    from nesa_node.routing.chain import ChainRequest, NodeView, SwarmSnapshot, select_chain
+
+    nodes = (
+        NodeView("a", 0, 1, cache_tokens_left=100),
+        NodeView("b", 1, 3, cache_tokens_left=100),
+        NodeView("c", 1, 2, cache_tokens_left=100),
+        NodeView("d", 2, 3, cache_tokens_left=100),
+        NodeView("e", 3, 4, cache_tokens_left=100),
+        NodeView("f", 0, 4, cache_tokens_left=100),  # covers the range but starts outside it: unusable here
+    )
+    snapshot = SwarmSnapshot(num_blocks=4, nodes=nodes)
+    chain = select_chain(snapshot, ChainRequest(start_block=1, end_block=3, exclude=frozenset({"b"})))
+    assert [(hop.peer_id, hop.start_block, hop.end_block) for hop in chain.hops] == [("c", 1, 2), ("d", 2, 3)]
+    with pytest.raises(NoRouteError, match="block 1"):  # f covers block 1 but cannot start a chain there
+        select_chain(snapshot, ChainRequest(start_block=1, end_block=3, exclude=frozenset({"b", "c"})))
+    with pytest.raises(NoRouteError, match="blocks 1"):
+        select_chain(snapshot, ChainRequest(start_block=1, end_block=3, exclude=frozenset({"b", "c", "f"})))

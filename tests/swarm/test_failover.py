@@ -1,0 +1,124 @@
+"""Failover mid-generation (RELIABILITY.md A1, A4): node processes killed by pid while a client generates."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.errors import NoRouteError
+from nesa_node.launcher import ProcessGroup
+from tests.swarm.conftest import wait_for_chain
+
+SPANS = [(0, 1), (1, 3), (3, 4)]  # each served twice: a node and its spare
+PROMPT = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(5))
+NEW_TOKENS, KILL_AFTER = 128, 64
+RECOVERY_LIMIT_S = 2.0  # RELIABILITY.md A1: failed step to next good step
+
+
+class FailoverSwarm:
+    def __init__(self, group: ProcessGroup, peers: list[str], nodes: dict[str, object], spans: dict[str, tuple]):
+        self.group, self.initial_peers = group, peers
+        self.nodes, self.spans = nodes, spans  # peer id -> process, peer id -> (start, end)
+
+    def kill(self, peer_id: str) -> None:
+        """SIGKILL the node's whole process group (its p2pd too): a crash, not a goodbye."""
+        process = self.nodes.pop(peer_id)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+
+
+def _peer_id(group: ProcessGroup, process) -> str:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        for line in group.log_path(process).read_text(errors="replace").splitlines():
+            if line.startswith("peer id "):
+                return line.split()[-1]
+        time.sleep(0.1)
+    raise RuntimeError(f"node {process.pid} printed no peer id")
+
+
+@pytest.fixture(scope="module")
+def failover_swarm(tiny_llama):
+    with ProcessGroup() as group:
+        bootstrap, address_file = group.start("dht", ["dht"])
+        peers = group.wait_address(bootstrap, address_file)
+        launched = []
+        for start, end in SPANS:
+            for copy in ("main", "spare"):
+                args = ["run", "--model", tiny_llama, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
+                args += ["--no-measure", "--announce-period", "1", "--dht-prefix", "failover"]
+                launched.append((group.start(f"node{start}-{end}-{copy}", args), (start, end)))
+        nodes, spans = {}, {}
+        for (process, node_address), span in launched:
+            group.wait_address(process, node_address, timeout_s=120)
+            peer_id = _peer_id(group, process)
+            nodes[peer_id], spans[peer_id] = process, span
+        yield FailoverSwarm(group, peers, nodes, spans)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+class KillAfter:
+    """A generation streamer that runs `action` once `count` new tokens have been produced."""
+
+    def __init__(self, count: int, action):
+        self.count, self.action, self.seen = count, action, -1  # the first call carries the prompt
+
+    def put(self, value) -> None:
+        self.seen += 1
+        if self.seen == self.count:
+            self.action()
+
+    def end(self) -> None:
+        pass
+
+
+def connect(swarm: FailoverSwarm, path: str) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix="failover", compression="none"
+    )
+
+
+def test_a1_middle_node_killed_mid_generation_tokens_unchanged(failover_swarm, tiny_llama, reference):
+    with connect(failover_swarm, tiny_llama) as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
+        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
+            middle = session.chain.hops[1].peer_id
+            killer = KillAfter(KILL_AFTER, lambda: failover_swarm.kill(middle))
+            output = model.generate(
+                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, streamer=killer
+            )
+        assert torch.equal(output, reference)
+        assert len(session.failovers) == 1, session.failovers
+        failover = session.failovers[0]
+        assert failover["failed"] == middle and failover["blocks"] == [1, 3]
+        recovery_s = max(timing.wall_s for timing in session.timings)  # the failed step, retried included
+        print(f"\nrecovery: failed step to next good step {recovery_s:.3f} s (rebuild {failover['seconds']:.3f} s)")
+        assert recovery_s < RECOVERY_LIMIT_S
+        assert middle in model.swarm.banned()
+        assert not set(failover["replacements"]) & model.swarm.banned()  # the healthy replacement is not banned
+        assert session.chain.hops[1].peer_id in failover["replacements"]
+
+
+def test_a4_no_replacement_names_the_missing_blocks(failover_swarm, tiny_llama):
+    with connect(failover_swarm, tiny_llama) as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=64)
+        for peer_id in [peer for peer, span in failover_swarm.spans.items() if span == (3, 4)]:
+            failover_swarm.kill(peer_id)  # the last span and its spare: their records linger until they expire
+        started = time.monotonic()
+        with pytest.raises(NoRouteError, match="blocks 3"):
+            model.generate(PROMPT, max_new_tokens=8, do_sample=False)
+        elapsed = time.monotonic() - started
+        print(f"\nno-route error after {elapsed:.2f} s")
+        assert elapsed < 10.0
