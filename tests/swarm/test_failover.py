@@ -15,7 +15,7 @@ from nesa_node.errors import NoRouteError
 from nesa_node.launcher import ProcessGroup
 from tests.swarm.conftest import wait_for_chain
 
-SPANS = [(0, 1), (1, 3), (3, 4)]  # each served twice: a node and its spare
+SPANS = [(0, 1), (1, 3), (3, 4)]  # each served by a node and a spare (span 0: two spares)
 PROMPT = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(5))
 NEW_TOKENS, KILL_AFTER = 128, 64
 RECOVERY_LIMIT_S = 2.0  # RELIABILITY.md A1: failed step to next good step
@@ -50,7 +50,7 @@ def failover_swarm(tiny_llama):
         peers = group.wait_address(bootstrap, address_file)
         launched = []
         for start, end in SPANS:
-            for copy in ("main", "spare"):
+            for copy in ("main", "spare", "spare2")[: 3 if start == 0 else 2]:  # span 0 is killed twice
                 args = ["run", "--model", tiny_llama, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
                 args += ["--no-measure", "--announce-period", "1", "--dht-prefix", "failover"]
                 launched.append((group.start(f"node{start}-{end}-{copy}", args), (start, end)))
@@ -90,31 +90,38 @@ def connect(swarm: FailoverSwarm, path: str) -> DistributedModelForCausalLM:
     )
 
 
-def test_a1_middle_node_killed_mid_generation_tokens_unchanged(failover_swarm, tiny_llama, reference):
+@pytest.mark.parametrize(
+    "victim, kill_after",
+    [(1, KILL_AFTER), (0, KILL_AFTER), (2, KILL_AFTER), (0, 0)],
+    ids=["a1-middle", "a2-first", "a2-last", "a2-first-before-prefill"],
+)
+def test_a1_a2_node_killed_mid_generation_tokens_unchanged(failover_swarm, tiny_llama, reference, victim, kill_after):
+    """Each case kills the node of a different span that has a spare (each span has one), so they can share a swarm."""
     with connect(failover_swarm, tiny_llama) as model:
         wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
         with model.inference_session(max_length=16 + NEW_TOKENS) as session:
-            middle = session.chain.hops[1].peer_id
-            killer = KillAfter(KILL_AFTER, lambda: failover_swarm.kill(middle))
+            lost = session.chain.hops[victim]
+            killer = KillAfter(kill_after, lambda: failover_swarm.kill(lost.peer_id))
             output = model.generate(
                 PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, streamer=killer
             )
         assert torch.equal(output, reference)
         assert len(session.failovers) == 1, session.failovers
         failover = session.failovers[0]
-        assert failover["failed"] == middle and failover["blocks"] == [1, 3]
+        assert failover["failed"] == lost.peer_id and failover["blocks"] == [lost.start_block, lost.end_block]
+        assert failover["position"] == (0 if kill_after == 0 else 16 + kill_after - 1)  # tokens replayed
         recovery_s = max(timing.wall_s for timing in session.timings)  # the failed step, retried included
         print(f"\nrecovery: failed step to next good step {recovery_s:.3f} s (rebuild {failover['seconds']:.3f} s)")
         assert recovery_s < RECOVERY_LIMIT_S
-        assert middle in model.swarm.banned()
+        assert lost.peer_id in model.swarm.banned()
         assert not set(failover["replacements"]) & model.swarm.banned()  # the healthy replacement is not banned
-        assert session.chain.hops[1].peer_id in failover["replacements"]
+        assert session.chain.hops[victim].peer_id in failover["replacements"]
 
 
 def test_a4_no_replacement_names_the_missing_blocks(failover_swarm, tiny_llama):
     with connect(failover_swarm, tiny_llama) as model:
         wait_for_chain(model, hops=len(SPANS), max_length=64)
-        for peer_id in [peer for peer, span in failover_swarm.spans.items() if span == (3, 4)]:
+        for peer_id in [peer for peer in failover_swarm.nodes if failover_swarm.spans[peer] == (3, 4)]:
             failover_swarm.kill(peer_id)  # the last span and its spare: their records linger until they expire
         started = time.monotonic()
         with pytest.raises(NoRouteError, match="blocks 3"):
