@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -53,6 +54,16 @@ logger = logging.getLogger(__name__)
 
 MAX_ID_LENGTH = 128
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (NodeConfig.inline_compute_ms)
+
+
+def _step_digest(request: runtime_pb2.ExpertRequest, metadata: dict, position: int) -> bytes:
+    """What identifies a step's content: position, codec and the tensor bytes as sent (a retry sends the same)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(str((position, metadata.get("codec"))).encode())
+    for tensor in request.tensors:
+        digest.update(str((tensor.dtype, tuple(tensor.size))).encode())
+        digest.update(tensor.buffer)
+    return digest.digest()
 
 
 class BlockHandler(ServicerBase):
@@ -298,7 +309,10 @@ class BlockHandler(ServicerBase):
             raise metadata["_error"]
         step_id = field(metadata, "step_id", str)
         position = field(metadata, "position", int)
+        digest = _step_digest(request, metadata, position)
         if step_id == session.last_step_id and session.last_output is not None:
+            if digest != session.last_digest:
+                raise BadRequestError(f"step id {step_id[:MAX_ID_LENGTH]!r} was already used for different content")
             return session.last_output, 0.0  # a duplicate delivery (a retry): same output, computed once
         if position != session.position:
             raise BadRequestError(f"step at position {position}, but the session's cache holds {session.position}")
@@ -312,7 +326,7 @@ class BlockHandler(ServicerBase):
         session.last_position = position
         session.position += hidden.shape[1]
         session.outputs.append(output)  # kept for a replacement of the next node (see _control "history")
-        session.last_step_id, session.last_output = step_id, output
+        session.last_step_id, session.last_output, session.last_digest = step_id, output, digest
         return output, seconds
 
     def _codec(self, value) -> WireCodec:

@@ -1,0 +1,96 @@
+"""Step ids (RELIABILITY.md A7) and a client that dies (A5), against a real node on 127.0.0.1."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from hivemind.proto import runtime_pb2
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.errors import BadRequestError
+from nesa_node.wire import pack_metadata, raise_if_error, tensor_to_proto
+from tests.swarm.conftest import wait_for_chain
+
+
+def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="steps")
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="steps", compression="none"
+    ) as model:
+        chain = wait_for_chain(model)
+        session = RemoteInferenceSession(model.swarm, chain, batch=1, max_length=16).open()
+        link = session._links[0]
+        hidden = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(0))
+
+        def request(tensor: torch.Tensor) -> runtime_pb2.ExpertRequest:
+            return runtime_pb2.ExpertRequest(
+                tensors=[tensor_to_proto(tensor)], metadata=pack_metadata({"step_id": "s:0", "position": 0})
+            )
+
+        async def send(message: runtime_pb2.ExpertRequest):
+            link.outbox.put_nowait(message)
+            _, metadata, response = await session._next_response(10.0)
+            return metadata, response
+
+        try:
+            served = node.handler.steps_served
+            first_meta, first = model.swarm.call(send(request(hidden)))
+            again_meta, again = model.swarm.call(send(request(hidden)))
+            raise_if_error(first_meta)
+            raise_if_error(again_meta)
+            assert again.tensors[0].buffer == first.tensors[0].buffer  # the same output, from the record
+            assert again_meta["position"] == first_meta["position"] == 0
+            assert node.handler.steps_served == served + 1  # computed once
+            forged_meta, _ = model.swarm.call(send(request(hidden + 1)))  # same id, other content
+            with pytest.raises(BadRequestError, match="already used for different content"):
+                raise_if_error(forged_meta)
+            # the session is undisturbed: the next step continues from position 2
+            session.position = 2  # the two raw steps above went around the session's own bookkeeping
+            assert session.step(torch.randn(1, 1, 64)).shape == (1, 1, 64)
+        finally:
+            session.close()
+
+
+CLIENT = textwrap.dedent(
+    """
+    import sys, time, torch
+    from nesa_node import DistributedModelForCausalLM
+    model = DistributedModelForCausalLM.from_pretrained(sys.argv[1], initial_peers=sys.argv[3:], dht_prefix=sys.argv[2])
+    with model.inference_session(max_length=200):
+        model(torch.tensor([[5, 6, 7, 8]]))
+        print("session open", flush=True)
+        time.sleep(600)
+    """
+)
+
+
+def test_a5_a_dead_client_frees_every_node_cache(local_swarm, tiny_llama):
+    nodes = [
+        local_swarm.start_node(tiny_llama, start, end, dht_prefix="dead-client") for start, end in ((0, 2), (2, 4))
+    ]
+    baseline = [node.budget.tokens_left for node in nodes]
+    client = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, tiny_llama, "dead-client", *local_swarm.initial_peers],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert client.stdout.readline().strip() == "session open"
+        assert all(node.budget.tokens_left < left for node, left in zip(nodes, baseline, strict=True))
+        client.kill()  # SIGKILL: no goodbye, its p2pd dies with it
+        client.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while [node.budget.tokens_left for node in nodes] != baseline and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [node.budget.tokens_left for node in nodes] == baseline
+        assert all(not node.handler.sessions for node in nodes)
+    finally:
+        client.kill()
+        client.wait(timeout=10)
