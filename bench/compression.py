@@ -19,6 +19,7 @@ On a CPU shared with other work, --threads 1 avoids stalls of torch's thread poo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -118,7 +119,7 @@ def _rounded(value):
     return value
 
 
-def swarm_table(*, nodes: int = 3, new_tokens: int = 64, repeats: int = 3) -> dict:
+def swarm_table(*, nodes: int = 3, new_tokens: int = 64, repeats: int = 5) -> dict:
     """Decode speed, bytes and accuracy per codec through `nodes` node processes serving the trained tiny model."""
     from transformers import AutoTokenizer
 
@@ -145,26 +146,33 @@ def swarm_table(*, nodes: int = 3, new_tokens: int = 64, repeats: int = 3) -> di
             launched.append(group.start(f"node{index}", node_args + ["--no-measure", "--dht-prefix", "bench-codec"]))
         for process, node_address in launched:
             group.wait_address(process, node_address, timeout_s=300)
-        continuations, reference, rows = None, None, {}
-        for codec in CODECS:
-            with DistributedModelForCausalLM.from_pretrained(
-                path, initial_peers=peers, dht_prefix="bench-codec", compression=codec
-            ) as model:
-                deadline = time.monotonic() + 120
-                while True:
-                    try:
-                        if len(model.choose_chain(max_length=256).hops) == nodes:
-                            break
-                    except NoRouteError:
-                        if time.monotonic() > deadline:
-                            raise
-                    time.sleep(0.5)
-                if continuations is None:
-                    continuations = greedy_continuations(model, prompts, 32)
-                accuracy = accuracy_row(codec, model, prompts, continuations, windows, reference)
-                reference = reference if reference is not None else accuracy.perplexity
-                speeds = []
-                for repeat in range(repeats + 1):  # the first run warms up
+        with contextlib.ExitStack() as stack:
+            models = {
+                codec: stack.enter_context(
+                    DistributedModelForCausalLM.from_pretrained(
+                        path, initial_peers=peers, dht_prefix="bench-codec", compression=codec
+                    )
+                )
+                for codec in CODECS
+            }
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if len(models["none"].choose_chain(max_length=256).hops) == nodes:
+                        break
+                except NoRouteError:
+                    if time.monotonic() > deadline:
+                        raise
+                time.sleep(0.5)
+            continuations = greedy_continuations(models["none"], prompts, 32)
+            accuracy, reference = {}, None
+            for codec, model in models.items():  # "none" first: the reference
+                accuracy[codec] = accuracy_row(codec, model, prompts, continuations, windows, reference)
+                reference = reference if reference is not None else accuracy[codec].perplexity
+            # codecs take turns within each repeat, so drifts of a shared machine hit them alike
+            speeds: dict[str, list[float]] = {codec: [] for codec in CODECS}
+            for repeat in range(repeats + 1):  # the first round warms up
+                for codec, model in models.items():
                     with torch.inference_mode(), model.inference_session(max_length=24 + new_tokens) as session:
                         started = time.perf_counter()
                         model.generate(
@@ -176,17 +184,19 @@ def swarm_table(*, nodes: int = 3, new_tokens: int = 64, repeats: int = 3) -> di
                         # decode time: the whole generation less its first (prompt) step
                         decode_s = time.perf_counter() - started - session.timings[0].wall_s
                     if repeat:
-                        speeds.append((len(session.timings) - 1) / decode_s)
-                client_bytes = accuracy.bytes_per_token  # client -> first node, and last node -> client
-                total_bytes = client_bytes * transfers / 2  # every transfer carries one token's hidden states
-                wide_bytes = transfers * (wire_bytes(codec, (1, 1, WIDE_HIDDEN)) + 80)  # + ids and metadata
-                rows[codec] = {
-                    **accuracy.as_dict(),
-                    "decode_tps": statistics.median(speeds),
-                    "bytes_per_token_all_hops": total_bytes,
-                    "link_ms_per_token_100mbit": total_bytes * 8 / LINK_BITS_PER_S * 1000,
-                    "hidden4096_link_ms_per_token_100mbit": wide_bytes * 8 / LINK_BITS_PER_S * 1000,
-                }
+                        speeds[codec].append((len(session.timings) - 1) / decode_s)
+        rows = {}
+        for codec in CODECS:
+            client_bytes = accuracy[codec].bytes_per_token  # client -> first node, and last node -> client
+            total_bytes = client_bytes * transfers / 2  # every transfer carries one token's hidden states
+            wide_bytes = transfers * (wire_bytes(codec, (1, 1, WIDE_HIDDEN)) + 80)  # + ids and metadata
+            rows[codec] = {
+                **accuracy[codec].as_dict(),
+                "decode_tps": statistics.median(speeds[codec]),
+                "bytes_per_token_all_hops": total_bytes,
+                "link_ms_per_token_100mbit": total_bytes * 8 / LINK_BITS_PER_S * 1000,
+                "hidden4096_link_ms_per_token_100mbit": wide_bytes * 8 / LINK_BITS_PER_S * 1000,
+            }
     for row in rows.values():
         row["link_ms_saved_100mbit"] = rows["none"]["link_ms_per_token_100mbit"] - row["link_ms_per_token_100mbit"]
         row["hidden4096_link_ms_saved_100mbit"] = (
@@ -204,7 +214,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     parser.add_argument("--no-swarm", action="store_true", help="codec kernels only, no swarm section")
-    parser.add_argument("--swarm-repeats", type=int, default=3, help="generations timed per codec")
+    parser.add_argument("--swarm-repeats", type=int, default=5, help="generations timed per codec")
     args = parser.parse_args()
     if args.threads is not None:
         torch.set_num_threads(args.threads)
