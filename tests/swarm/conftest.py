@@ -108,3 +108,12 @@ def module_swarm():
         yield swarm
     finally:
         swarm.close()
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    """Poll `predicate` until true; AssertionError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.05)

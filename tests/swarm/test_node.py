@@ -16,7 +16,7 @@ from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.dht_records import fetch_node_infos
 from nesa_node.errors import CacheBudgetError, NoRouteError
-from tests.swarm.conftest import wait_for_chain
+from tests.swarm.conftest import wait_for_chain, wait_until
 
 
 def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swarm, tiny_llama):
@@ -51,16 +51,6 @@ def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swar
         assert output.shape == (1, 11)
         wait_until(lambda: swarm.info(node.peer_id).cache_tokens_left == baseline)
     assert node.handler.sessions == {}
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)
 
 
 def test_restart_with_identity_file_keeps_peer_id_and_is_routable(local_swarm, tiny_llama, tmp_path):
