@@ -47,6 +47,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         super().__init__(config)
         self.max_failovers = 3  # node failures survived per step (each bans the node and replaces its span)
+        # chains tried when opening a session: records of crashed nodes linger until they expire (3 announce
+        # periods), so several dead nodes can be met in a row after a crash; each failed one is banned
+        self.max_open_attempts = 8
         # hidden-state codec asked of every hop that accepts it (others get "none"); a name or a WireCodec
         self.compression = compression if isinstance(compression, WireCodec) else WireCodec.of(compression)
         self.model_edges = edges
@@ -138,7 +141,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _open_session(self, *, batch: int, max_length: int) -> RemoteInferenceSession:
         """Open a session on a chosen chain; a node that fails to open is banned and another chain chosen."""
-        for attempt in range(self.max_failovers + 1):
+        for attempt in range(self.max_open_attempts):
             chain = self.choose_chain(batch=batch, max_length=max_length)  # NoRouteError when nothing is left
             session = RemoteInferenceSession(
                 self.swarm,
@@ -153,7 +156,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             try:
                 return session.open()
             except LinkFailed as failure:
-                if failure.link is None or attempt == self.max_failovers:
+                if failure.link is None or attempt + 1 == self.max_open_attempts:
                     raise
                 logger.info("could not open a session on %s: %s", failure.link.hop.peer_id, failure)
                 self.swarm.ban(failure.link.hop.peer_id)
