@@ -81,6 +81,8 @@ class BlockHandler(ServicerBase):
         self.steps_served = 0
         self._small_step_s: float | None = None  # moving average compute time of small steps, seconds
         self.draining = False
+        self.idle = asyncio.Event()  # set while no session is open
+        self.idle.set()
         self.accepted_codecs = tuple(dict.fromkeys(("none", *config.compression)))  # "none" always works
 
     # ---- unary -------------------------------------------------------------------------------------------
@@ -277,6 +279,7 @@ class BlockHandler(ServicerBase):
             output_codec=output_codec,
         )
         self.sessions[session_id] = session
+        self.idle.clear()
         logger.debug("opened session %s (batch %d, max_length %d)", session_id, batch, max_length)
         return session
 
@@ -287,6 +290,8 @@ class BlockHandler(ServicerBase):
             session.cache = None
             session.last_output = None
             session.outputs.clear()
+            if not self.sessions:
+                self.idle.set()
             logger.debug("closed session %s", session.session_id)
 
     async def _read_stream(self, requests: AsyncIterator[runtime_pb2.ExpertRequest], session: ServerSession) -> None:
@@ -409,7 +414,12 @@ class BlockHandler(ServicerBase):
             logger.debug("push stream of session %s ended: %r", session.session_id, exc)
 
     async def shutdown(self) -> None:
+        """End every session after the steps already in its queue (the compute thread stays up: see close)."""
+        self.draining = True
         for session in list(self.sessions.values()):
             session.inbox.put_nowait(END_OF_SESSION)
+
+    def close(self) -> None:
+        """Stop the compute thread; steps still waiting for it are cancelled."""
         with contextlib.suppress(Exception):
             self.executor.shutdown(wait=False, cancel_futures=True)

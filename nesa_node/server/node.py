@@ -170,18 +170,28 @@ class Node:
     def request_stop(self) -> None:
         self._stopped.set()
 
-    async def shutdown(self) -> None:
-        """Announce offline, close sessions, stop the DHT and P2P."""
+    async def shutdown(self, *, drain_s: float = 5.0) -> None:
+        """Drain, then stop: announce `draining` and refuse new sessions, let the steps already queued finish and
+        end every session (clients re-route), wait up to `drain_s` for them to close, announce `offline`, stop the
+        DHT and P2P."""
         self._stopped.set()
         if self._announcer is not None:
             self._announcer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._announcer
+        if self.handler is not None:
+            self.handler.draining = True
+            self.state = NodeState.draining
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.announce(), timeout=5)
+            await self.handler.shutdown()  # ends each session after the steps already in its queue
+            if self.handler.sessions:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.handler.idle.wait(), timeout=drain_s)
+            self.handler.close()
         self.state = NodeState.offline
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.announce(), timeout=5)
-        if self.handler is not None:
-            await self.handler.shutdown()
         with contextlib.suppress(Exception):
             await self.dht.shutdown()
         with contextlib.suppress(Exception):

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.errors import NoRouteError
 from nesa_node.launcher import ProcessGroup
+from nesa_node.records import NodeState
 from tests.swarm.conftest import wait_for_chain
 
 SPANS = [(0, 1), (1, 3), (3, 4)]  # each served by a node and a spare (span 0: two spares)
@@ -129,3 +130,33 @@ def test_a4_no_replacement_names_the_missing_blocks(failover_swarm, tiny_llama):
         elapsed = time.monotonic() - started
         print(f"\nno-route error after {elapsed:.2f} s")
         assert elapsed < 10.0
+
+
+def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
+    """SIGTERM path (Node.shutdown): the node announces draining, refuses new sessions, ends its sessions after
+    their queued steps; the generating client re-routes to the spare and its tokens are unchanged."""
+    for span in ((0, 2), (2, 4), (2, 4)):  # the last span has a spare
+        local_swarm.start_node(tiny_llama, *span, dht_prefix="drain")
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="drain", compression="none"
+    ) as model:
+        wait_for_chain(model, hops=2, max_length=16 + NEW_TOKENS)
+        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
+            draining = next(node for node in local_swarm.nodes if node.peer_id == session.chain.hops[1].peer_id)
+            states = []
+
+            def drain() -> None:
+                local_swarm.stop_node(draining)
+                states.append(draining.state)
+
+            output = model.generate(
+                PROMPT,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                streamer=KillAfter(KILL_AFTER, drain),
+            )
+        assert torch.equal(output, reference)
+        assert [failover["failed"] for failover in session.failovers] == [draining.peer_id]
+        assert states == [NodeState.offline] and draining.handler.draining
+        assert not draining.handler.sessions
