@@ -303,13 +303,23 @@ class RemoteInferenceSession:
             expected = link if self.mode == "relay" else self._links[-1]
             while True:
                 answered, metadata, response = await self._next_response(deadline_s)
-                raise_if_error(metadata)
+                self._raise_step_error(answered, metadata)
                 if answered is expected and metadata.get("step_id") == step_id:
                     break
             received += response.ByteSize()
             hidden = self._read_hidden(answered, response, metadata, hidden.numel())
             compute_s += float(metadata.get("compute_s", 0.0))
         return hidden, compute_s, sent, received
+
+    def _raise_step_error(self, answered: _Link, metadata: dict) -> None:
+        """A node that could not push a step to its next node reports peer_unavailable: that next node failed."""
+        try:
+            raise_if_error(metadata)
+        except PeerUnavailableError as error:
+            index = self._links.index(answered) if answered in self._links else -1
+            if self.mode == "direct" and 0 <= index < len(self._links) - 1:
+                raise LinkFailed(error.message, self._links[index + 1]) from None
+            raise LinkFailed(error.message, answered) from None
 
     def _read_hidden(self, link: _Link, response, metadata: dict, max_elements: int) -> torch.Tensor:
         if len(response.tensors) != 1:
