@@ -116,8 +116,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     # ---- routing and sessions -----------------------------------------------------------------------------
 
     def choose_chain(self, *, batch: int = 1, max_length: int = 0, exclude: frozenset[str] = frozenset()) -> Chain:
-        request = ChainRequest(batch=batch, max_length=max_length, exclude=exclude | self.swarm.banned())
-        chain = self.reroute(request)
+        chain = self.reroute(ChainRequest(batch=batch, max_length=max_length, exclude=exclude))
         self.last_chain = chain
         return chain
 

@@ -273,7 +273,8 @@ class RemoteInferenceSession:
                 wall_s=time.perf_counter() - started, compute_s=compute_s, bytes_sent=sent, bytes_received=received
             )
         )
-        self._inputs.append(hidden.detach().clone())
+        if self.reroute is not None and self.mode == "direct":  # replayed if the first span fails
+            self._inputs.append(hidden.detach().clone())
         self.position += hidden.shape[1]
         return output
 
@@ -345,7 +346,7 @@ class RemoteInferenceSession:
         request = ChainRequest(
             batch=self.batch,
             max_length=self.max_length,
-            exclude=self.swarm.banned() | {link.hop.peer_id for link in self._links},
+            exclude=frozenset(link.hop.peer_id for link in self._links),  # reroute adds the banned peers
             start_block=lost.start_block,
             end_block=lost.end_block,
         )

@@ -56,6 +56,15 @@ MAX_ID_LENGTH = 128
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (NodeConfig.inline_compute_ms)
 
 
+def _end_push_stream(session: ServerSession) -> None:
+    """Close the session's push stream to its next node, if one is open (a later push opens a new one)."""
+    if session.push_outbox is not None:
+        session.push_outbox.put_nowait(END_OF_SESSION)
+    if session.push_reader is not None:
+        session.push_reader.cancel()
+    session.push_outbox = session.push_reader = None
+
+
 def _step_digest(request: runtime_pb2.ExpertRequest, metadata: dict, position: int) -> bytes:
     """What identifies a step's content: position, codec and the tensor bytes as sent (a retry sends the same)."""
     digest = hashlib.blake2b(digest_size=16)
@@ -197,10 +206,7 @@ class BlockHandler(ServicerBase):
                     yield error_response(exc, step_id=step_id)
         finally:
             reader.cancel()
-            if session.push_outbox is not None:
-                session.push_outbox.put_nowait(END_OF_SESSION)
-            if session.push_reader is not None:
-                session.push_reader.cancel()
+            _end_push_stream(session)
             self._close_session(session)
 
     def _control(self, session: ServerSession, metadata: dict) -> runtime_pb2.ExpertResponse:
@@ -211,8 +217,9 @@ class BlockHandler(ServicerBase):
         control = field(metadata, "control", str)
         if control == "history":
             upto = field(metadata, "position", int)
-            if not 0 < upto <= session.position:
-                raise BadRequestError(f"history position {upto} outside 1..{session.position}")
+            kept = sum(output.shape[1] for output in session.outputs)  # tokens; only nodes with a next node keep any
+            if not 0 < upto <= kept:
+                raise BadRequestError(f"history position {upto} outside 1..{kept} (the outputs this node keeps)")
             history = torch.cat(session.outputs, dim=1)[:, :upto]  # (batch, upto, hidden)
             return runtime_pb2.ExpertResponse(
                 tensors=[tensor_to_proto(history)], metadata=pack_metadata({"control": control, "position": upto})
@@ -231,11 +238,7 @@ class BlockHandler(ServicerBase):
             if peers.get("upstream") is not None:
                 session.upstream_peer = peers["upstream"]
             if "next" in peers:
-                if session.push_outbox is not None:
-                    session.push_outbox.put_nowait(END_OF_SESSION)
-                if session.push_reader is not None:
-                    session.push_reader.cancel()
-                session.push_outbox = session.push_reader = None
+                _end_push_stream(session)
                 session.next_peer = peers["next"]
             return runtime_pb2.ExpertResponse(metadata=pack_metadata({"control": control, "ok": True}))
         raise BadRequestError(f"unknown session control {control[:32]!r}")
@@ -330,7 +333,8 @@ class BlockHandler(ServicerBase):
         output, seconds = await self._compute(hidden, session.cache, position)
         session.last_position = position
         session.position += hidden.shape[1]
-        session.outputs.append(output)  # kept for a replacement of the next node (see _control "history")
+        if session.next_peer is not None:  # kept for a replacement of the next node (see _control "history")
+            session.outputs.append(output)
         session.last_step_id, session.last_output, session.last_digest = step_id, output, digest
         return output, seconds
 

@@ -180,11 +180,10 @@ class Node:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._announcer
         if self.handler is not None:
-            self.handler.draining = True
             self.state = NodeState.draining
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.announce(), timeout=5)
-            await self.handler.shutdown()  # ends each session after the steps already in its queue
+            await self.handler.shutdown()  # refuses new sessions; ends each after the steps already in its queue
             if self.handler.sessions:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.handler.idle.wait(), timeout=drain_s)

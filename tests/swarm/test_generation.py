@@ -19,6 +19,13 @@ SPLITS = {
     4: [(0, 1), (1, 2), (2, 3), (3, 4)],
 }
 PROMPT_LENGTH, NEW_TOKENS = 16, 64
+GREEDY_WITH_LOGITS = dict(
+    max_new_tokens=NEW_TOKENS,
+    min_new_tokens=NEW_TOKENS,
+    do_sample=False,
+    output_logits=True,
+    return_dict_in_generate=True,
+)
 
 
 def prompt(seed: int = 0, length: int = PROMPT_LENGTH) -> torch.Tensor:
@@ -42,14 +49,7 @@ def references(tiny_models):
     for arch, path in tiny_models.items():
         model = AutoModelForCausalLM.from_pretrained(path)
         with torch.inference_mode():
-            results[arch] = model.generate(
-                prompt(),
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
+            results[arch] = model.generate(prompt(), **GREEDY_WITH_LOGITS)
     return results
 
 
@@ -66,14 +66,7 @@ def test_greedy_generation_equals_single_process(swarm, tiny_models, references,
     with connect(swarm, tiny_models[arch], f"{arch}-k{hops}") as model:
         chain = wait_for_chain(model, hops=hops, max_length=PROMPT_LENGTH + NEW_TOKENS)
         assert [(hop.start_block, hop.end_block) for hop in chain.hops] == SPLITS[hops]
-        output = model.generate(
-            prompt(),
-            max_new_tokens=NEW_TOKENS,
-            min_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        output = model.generate(prompt(), **GREEDY_WITH_LOGITS)
     reference = references[arch]
     assert output.sequences.shape == (1, PROMPT_LENGTH + NEW_TOKENS)
     assert torch.equal(output.sequences, reference.sequences)

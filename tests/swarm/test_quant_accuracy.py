@@ -4,6 +4,7 @@ weight memory before and after, and accuracy against the unquantized swarm."""
 from __future__ import annotations
 
 import pytest
+import torch
 from transformers import AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
@@ -69,6 +70,7 @@ def test_quantized_nodes_shrink_weights_and_keep_accuracy(module_swarm, quantize
     assert by_mode["nf4"].agreement >= 0.9 and by_mode["nf4"].perplexity_ratio < 1.03, by_mode["nf4"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to ask for an impossible device")
 async def test_unsupported_quantization_is_refused_at_start(tiny_llama):
     config = NodeConfig(model_path=tiny_llama, start_block=0, end_block=4, device="cuda", quant="nf4", new_swarm=True)
     with pytest.raises(QuantizationUnsupportedError) as error:
