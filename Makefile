@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install sysdeps demo test test-slow lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -18,6 +18,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
+# tcpdump for the loopback-capture test (RELIABILITY.md C); installed where apt-get and root are available
+sysdeps:
+	@command -v tcpdump >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tcpdump >/dev/null; \
+		else echo "tcpdump is missing and cannot be installed here: the capture test will fail"; fi; }
+
 demo: $(STAMP)
 	$(VENV)/bin/nesa-node demo --nodes 3
 
@@ -25,11 +32,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: $(STAMP) lint
+test: $(STAMP) sysdeps lint
 	$(PY) -m pytest -q tests
 	$(PY) -O -m pytest -q tests/unit
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) sysdeps
 	$(PY) -m pytest -q -m slow tests
 
 bench: $(STAMP)

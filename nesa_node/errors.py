@@ -6,9 +6,11 @@
     │   └── QuantizationUnsupportedError  unsupported_quantization: a --quant mode bitsandbytes cannot run here
     ├── RequestError                                  a request a node refuses; travels back over the wire
     │   ├── BadRequestError         bad_request      malformed message, wrong shape/dtype, NaN/Inf, bad position
+    │   │   └── MessageTooLargeError  too_large      a frame over the node's byte limit, refused before it is read
     │   ├── CacheBudgetError        cache_budget     the session does not fit the node's KV cache budget
     │   ├── SessionNotFoundError    unknown_session
-    │   └── TooManySessionsError    too_many_sessions
+    │   ├── TooManySessionsError    too_many_sessions  the node's session limit, or it is draining
+    │   └── QuotaExceededError      quota            one peer's share of sessions, cache or queued steps used up
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
     ├── NoRouteError                no_route         no chain of online nodes covers every block
     └── SessionStateError           session_state    client-side misuse of an inference session
@@ -50,6 +52,10 @@ class BadRequestError(RequestError):
     code = "bad_request"
 
 
+class MessageTooLargeError(BadRequestError):
+    code = "too_large"
+
+
 class CacheBudgetError(RequestError):
     code = "cache_budget"
 
@@ -60,6 +66,10 @@ class SessionNotFoundError(RequestError):
 
 class TooManySessionsError(RequestError):
     code = "too_many_sessions"
+
+
+class QuotaExceededError(RequestError):
+    code = "quota"
 
 
 class PeerUnavailableError(NesaError):
@@ -82,9 +92,11 @@ _BY_CODE = {
         QuantizationUnsupportedError,
         RequestError,
         BadRequestError,
+        MessageTooLargeError,
         CacheBudgetError,
         SessionNotFoundError,
         TooManySessionsError,
+        QuotaExceededError,
         PeerUnavailableError,
         NoRouteError,
         SessionStateError,

@@ -240,7 +240,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         async def run(hidden: torch.Tensor) -> torch.Tensor:
             for hop in chain.hops:
                 codec, output_codec = codec_for(None, hop, self.compression), codec_for(hop, None, self.compression)
-                hidden, _ = await self.swarm.forward_async(hop.peer_id, hidden, codec, output_codec)
+                hidden, _ = await self.swarm.forward_async(hop, hidden, codec, output_codec)
             return hidden
 
         return self.swarm.call(run(hidden))

@@ -145,6 +145,7 @@ class RemoteInferenceSession:
         return {
             "output_codec": codec_for(hops[index], receiver, self.compression).to_metadata(),
             "session_id": self.session_id,
+            "blocks": list(range(hops[index].start_block, hops[index].end_block)),
             "batch": self.batch,
             "max_length": self.max_length,
             "upstream": (hops[index - 1].peer_id if index > 0 else upstream) if direct else self.swarm.peer_id,

@@ -23,7 +23,7 @@ from hivemind.utils import get_dht_time
 from nesa_node.dht_records import NodeRecord, fetch_node_infos, make_validator
 from nesa_node.errors import PeerUnavailableError
 from nesa_node.records import NodeInfo, NodeState
-from nesa_node.routing.chain import NodeView, SwarmSnapshot
+from nesa_node.routing.chain import Hop, NodeView, SwarmSnapshot
 from nesa_node.wire import (
     NO_CODEC,
     RPC_FORWARD,
@@ -162,13 +162,16 @@ class SwarmClient:
         return NodeInfo.from_wire(metadata.get("info"))
 
     async def forward_async(
-        self, peer_id: str, hidden: torch.Tensor, codec: WireCodec = NO_CODEC, output_codec: WireCodec = NO_CODEC
+        self, hop: Hop, hidden: torch.Tensor, codec: WireCodec = NO_CODEC, output_codec: WireCodec = NO_CODEC
     ) -> tuple[torch.Tensor, float]:
         """Run a node's span on `hidden` (batch, seq, hidden) without a cache; returns (output, compute seconds)."""
-        request = runtime_pb2.ExpertRequest(
-            tensors=[tensor_to_proto(hidden, codec)],
-            metadata=pack_metadata({"codec": codec.to_metadata(), "output_codec": output_codec.to_metadata()}),
-        )
+        peer_id = hop.peer_id
+        metadata = {
+            "blocks": list(range(hop.start_block, hop.end_block)),
+            "codec": codec.to_metadata(),
+            "output_codec": output_codec.to_metadata(),
+        }
+        request = runtime_pb2.ExpertRequest(tensors=[tensor_to_proto(hidden, codec)], metadata=pack_metadata(metadata))
         response = await self._unary(peer_id, RPC_FORWARD, request)
         metadata = unpack_metadata(response.metadata)
         raise_if_error(metadata)

@@ -26,6 +26,13 @@ class NodeConfig:
     max_batch: int = 64  # rows per session
     max_sessions: int = 256  # open inference sessions at once
     max_tokens_per_step: int = 8192  # batch * seq of one step or forward call
+    # longest frame a peer may send on a stream, bytes; 0: room for max_tokens_per_step float32 hidden states
+    max_message_bytes: int = 0
+    # one peer's share of this node (a guess at fairness: two busy clients can always both be served)
+    max_sessions_per_peer: int = 32
+    max_cache_share_per_peer: float = 0.5  # fraction of the KV cache budget one peer may reserve
+    max_queued_steps: int = 8  # steps of one session waiting for compute; more from a pusher are refused
+    max_step_errors: int = 16  # consecutive refused steps after which the node ends the session
     announce_period_s: float = 10.0  # how often the NodeInfo record is refreshed
     session_timeout_s: float = 300.0  # an idle inference session is closed after this
     peer_timeout_s: float = 30.0  # every await on another peer

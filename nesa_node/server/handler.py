@@ -1,14 +1,20 @@
 """The node's RPC handlers: info, forward, streaming inference with a KV cache, and push between nodes.
 
 Protocol of `rpc_inference` (one stream per session):
-  1. the client sends an open message: metadata {session_id, batch, max_length, upstream, next?};
-  2. the node reserves the session's cache bytes and answers {ok: true, cache_tokens_left} or an error;
+  1. the client sends an open message: metadata {session_id, blocks, batch, max_length, upstream, next?}, where
+     `blocks` lists the block ids the client expects this node to run (exactly its span);
+  2. the node reserves the session's cache bytes (within the node's budget and the peer's quota) and answers
+     {ok: true, cache_tokens_left} or an error;
   3. steps arrive as {step_id, position} + hidden states (batch, seq, hidden), either on this stream (first
      node, or client-relayed mode) or pushed by the upstream node (direct chain) over one `rpc_push_stream`
      per session (`rpc_push` takes single steps);
   4. each step's output goes to `next` over that push stream, or back on this stream when there is no next node;
   5. the cache is freed when the stream ends, on error, or after `session_timeout_s` without a step.
 A step whose step_id equals the previous one is a duplicate: its stored output is sent again, not recomputed.
+
+Limits, all checked before anything is allocated: frames over `max_message_bytes` (see nesa_node.transport),
+hidden states over `max_tokens_per_step`, at most `max_queued_steps` waiting steps per session (the client's
+stream then waits; a pusher is refused), and `max_step_errors` refused steps in a row end the session.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from nesa_node.errors import (
     BadRequestError,
     NesaError,
     PeerUnavailableError,
+    QuotaExceededError,
     RequestError,
     SessionNotFoundError,
     TooManySessionsError,
@@ -37,7 +44,9 @@ from nesa_node.errors import (
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.session import END_OF_SESSION, ServerSession
 from nesa_node.sharding.kv_cache import CacheBudget
+from nesa_node.transport import serve_stream
 from nesa_node.wire import (
+    MAX_METADATA_BYTES,
     RPC_PUSH_STREAM,
     WireCodec,
     drain,
@@ -93,6 +102,23 @@ class BlockHandler(ServicerBase):
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
         self.accepted_codecs = tuple(dict.fromkeys(("none", *config.compression)))  # "none" always works
+        # float32 hidden states of the largest step, plus metadata and protobuf framing
+        self.max_message_bytes = config.max_message_bytes or (
+            config.max_tokens_per_step * span.hidden_size * 4 + MAX_METADATA_BYTES + 1024
+        )
+        self.peer_cache_bytes = int(budget.capacity_bytes * config.max_cache_share_per_peer)
+
+    async def add_p2p_handlers(self, p2p: P2P, wrapper=None, *, namespace=None, balanced=False) -> None:
+        """Unary RPCs through hivemind (p2pd bounds their size); streams through `serve_stream`, which checks
+        each frame's length before reading it."""
+        self._collect_rpc_handlers()
+        for rpc in self._rpc_handlers:
+            name = self._get_handle_name(namespace, rpc.method_name)
+            method = getattr(self, rpc.method_name)
+            if rpc.stream_input:
+                await serve_stream(p2p, name, method, rpc.request_type, max_frame_bytes=self.max_message_bytes)
+            else:
+                await p2p.add_protobuf_handler(name, method, rpc.request_type, stream_output=rpc.stream_output)
 
     # ---- unary -------------------------------------------------------------------------------------------
 
@@ -103,6 +129,7 @@ class BlockHandler(ServicerBase):
         """Run the span on a whole sequence without a cache (positions from 0)."""
         try:
             metadata = unpack_metadata(request.metadata)
+            self._check_blocks(metadata)
             hidden = self._read_hidden(request, metadata, batch=None)
             output_codec = self._codec(metadata.get("output_codec", metadata.get("codec")))
             output, seconds = await self._compute(hidden, None, 0)
@@ -116,7 +143,7 @@ class BlockHandler(ServicerBase):
     async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """A step pushed by the upstream node of a direct chain; queued into its session."""
         try:
-            self._accept_push(request, context)
+            await self._accept_push(request, context)
             return runtime_pb2.ExpertResponse()
         except RequestError as exc:
             return error_response(exc)
@@ -127,11 +154,11 @@ class BlockHandler(ServicerBase):
         """Steps pushed by the upstream node over one long-lived stream (no per-step stream setup)."""
         async for request in requests:
             try:
-                self._accept_push(request, context)
+                await self._accept_push(request, context)
             except RequestError as exc:
                 yield error_response(exc)
 
-    def _accept_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> None:
+    async def _accept_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> None:
         metadata = unpack_metadata(request.metadata)
         session_id = field(metadata, "session_id", str)
         session = self.sessions.get(session_id)
@@ -141,6 +168,11 @@ class BlockHandler(ServicerBase):
             raise BadRequestError("push from a peer that is not this session's upstream")
         if "control" in metadata or "replay" in metadata:
             raise BadRequestError("session control and replay come from the session's client only")
+        if session.room.locked():
+            raise QuotaExceededError(
+                f"session {session_id[:MAX_ID_LENGTH]!r} already has {self.config.max_queued_steps} steps waiting"
+            )
+        await session.room.acquire()  # free, so this does not wait
         session.inbox.put_nowait((request, metadata))
 
     # ---- streaming inference ------------------------------------------------------------------------------
@@ -176,6 +208,8 @@ class BlockHandler(ServicerBase):
                 if item is END_OF_SESSION:
                     break
                 request, metadata = item
+                if request is not None:  # a peer's message (not a report from this node's own push stream)
+                    session.room.release()
                 step_id = metadata.get("step_id")
                 try:
                     if "control" in metadata:
@@ -202,8 +236,15 @@ class BlockHandler(ServicerBase):
                         yield runtime_pb2.ExpertResponse(
                             tensors=[tensor_to_proto(output, session.output_codec)], metadata=pack_metadata(reply)
                         )
+                    session.refused_in_a_row = 0
                 except NesaError as exc:
                     yield error_response(exc, step_id=step_id)
+                    session.refused_in_a_row += 1
+                    if session.refused_in_a_row >= self.config.max_step_errors:
+                        yield error_response(
+                            BadRequestError(f"{session.refused_in_a_row} refused steps in a row; session closed")
+                        )
+                        break
         finally:
             reader.cancel()
             _end_push_stream(session)
@@ -245,6 +286,7 @@ class BlockHandler(ServicerBase):
 
     def _open_session(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> ServerSession:
         metadata = unpack_metadata(request.metadata)
+        self._check_blocks(metadata)
         session_id = field(metadata, "session_id", str)
         batch = field(metadata, "batch", int)
         max_length = field(metadata, "max_length", int)
@@ -269,6 +311,20 @@ class BlockHandler(ServicerBase):
             raise BadRequestError(f"batch must be in 1..{self.config.max_batch}, got {batch}")
         if not 0 < max_length <= self.config.max_length:
             raise BadRequestError(f"max_length must be in 1..{self.config.max_length}, got {max_length}")
+        peer_sessions = [session for session in self.sessions.values() if session.client_peer == client_peer]
+        if len(peer_sessions) >= self.config.max_sessions_per_peer:
+            raise QuotaExceededError(
+                f"peer already has {len(peer_sessions)} open sessions here, the per-peer limit "
+                "(node setting max_sessions_per_peer)"
+            )
+        peer_bytes = sum(session.reserved_bytes for session in peer_sessions)
+        need = self.budget.session_bytes(batch, max_length)
+        if need <= self.budget.free_bytes and peer_bytes + need > self.peer_cache_bytes:  # else: CacheBudgetError
+            raise QuotaExceededError(
+                f"a cache of batch {batch} x {max_length} tokens would take this peer past its share of the node's "
+                f"cache ({self.peer_cache_bytes // self.budget.bytes_per_token} tokens of batch 1, of which "
+                f"{peer_bytes // self.budget.bytes_per_token} are reserved); use a shorter max_length"
+            )
         reserved = self.budget.reserve(batch, max_length)  # raises CacheBudgetError
         session = ServerSession(
             session_id=session_id,
@@ -280,6 +336,7 @@ class BlockHandler(ServicerBase):
             upstream_peer=upstream,
             next_peer=next_peer,
             output_codec=output_codec,
+            room=asyncio.Semaphore(self.config.max_queued_steps),
         )
         self.sessions[session_id] = session
         self.idle.clear()
@@ -304,11 +361,11 @@ class BlockHandler(ServicerBase):
                     metadata = unpack_metadata(request.metadata)
                 except RequestError as exc:
                     metadata = {"_error": exc}
+                await session.room.acquire()  # a client sending faster than the node computes waits here
                 session.inbox.put_nowait((request, metadata))
         except Exception as exc:  # the client went away: a normal event
             logger.debug("stream of session %s ended: %r", session.session_id, exc)
-        finally:
-            session.inbox.put_nowait(END_OF_SESSION)
+        session.inbox.put_nowait(END_OF_SESSION)  # not when cancelled: the session is over already
 
     async def _inference_step(
         self, session: ServerSession, request: runtime_pb2.ExpertRequest, metadata: dict
@@ -337,6 +394,22 @@ class BlockHandler(ServicerBase):
             session.outputs.append(output)
         session.last_step_id, session.last_output, session.last_digest = step_id, output, digest
         return output, seconds
+
+    def _check_blocks(self, metadata: dict) -> None:
+        """The block ids a client expects this node to run must be exactly its span, listed in order."""
+        blocks = field(metadata, "blocks", list)
+        total = self.span.config.num_hidden_layers
+        if not 0 < len(blocks) <= total or not all(type(block) is int for block in blocks):
+            raise BadRequestError(f"blocks must be a list of 1..{total} block ids")
+        unknown = [block for block in blocks if not 0 <= block < total]
+        if unknown:
+            raise BadRequestError(f"unknown block {unknown[0]}: the model has blocks 0..{total - 1}")
+        if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
+            raise BadRequestError(f"blocks must be contiguous and ascending, got {blocks[:8]}")
+        if (blocks[0], blocks[-1] + 1) != (self.span.start, self.span.end):
+            raise BadRequestError(
+                f"this node serves blocks {self.span.start}..{self.span.end - 1}, not {blocks[0]}..{blocks[-1]}"
+            )
 
     def _codec(self, value) -> WireCodec:
         """A codec named by a peer, checked against the codecs this node accepts (BadRequestError otherwise)."""

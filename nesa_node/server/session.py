@@ -37,3 +37,6 @@ class ServerSession:
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
     push_outbox: asyncio.Queue | None = None  # steps for next_peer, over one stream opened at the first push
     push_reader: asyncio.Task | None = None
+    # free places for peers' messages in `inbox` (the node's own reports always fit): NodeConfig.max_queued_steps
+    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
+    refused_in_a_row: int = 0  # consecutive refused steps; the session ends at NodeConfig.max_step_errors

@@ -59,7 +59,8 @@ def test_node_refuses_a_codec_it_does_not_accept(module_swarm, tiny_llama):
     hidden = torch.randn(1, 3, 64)
     codec = WireCodec.of("blockwise8")
     request = runtime_pb2.ExpertRequest(
-        tensors=[tensor_to_proto(hidden, codec)], metadata=pack_metadata({"codec": codec.to_metadata()})
+        tensors=[tensor_to_proto(hidden, codec)],
+        metadata=pack_metadata({"blocks": [0, 1, 2, 3], "codec": codec.to_metadata()}),
     )
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="plain-only"

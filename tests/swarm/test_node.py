@@ -20,7 +20,10 @@ from tests.swarm.conftest import wait_for_chain, wait_until
 
 
 def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swarm, tiny_llama):
-    node = local_swarm.start_node(tiny_llama, 0, 4, max_cache_tokens=64, dht_prefix="budget")
+    # one client takes most of the cache here: the per-peer share is lifted to test the node's own budget
+    node = local_swarm.start_node(
+        tiny_llama, 0, 4, max_cache_tokens=64, max_cache_share_per_peer=1.0, dht_prefix="budget"
+    )
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="budget"
     ) as model:
@@ -53,7 +56,7 @@ def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swar
     assert node.handler.sessions == {}
 
 
-def test_restart_with_identity_file_keeps_peer_id_and_is_routable(local_swarm, tiny_llama, tmp_path):
+def test_c_identity_file_is_owner_only_and_keeps_the_peer_id_across_restarts(local_swarm, tiny_llama, tmp_path):
     identity = str(tmp_path / "node.key")
     node = local_swarm.start_node(tiny_llama, 0, 4, identity_path=identity, dht_prefix="restart")
     first_id = node.peer_id

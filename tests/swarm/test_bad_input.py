@@ -1,0 +1,424 @@
+"""Bad input to a node (RELIABILITY.md section D): each case gets a typed error with a code, and nothing else is
+disturbed. One real node serves all four blocks of the tiny Llama with small limits; an honest client keeps one
+session open through the whole module, and after every test its next step must still equal a local run of the
+same blocks, while the node holds no session but the honest one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from hivemind.proto.p2pd_pb2 import RPCError
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.wire import RPC_INFERENCE, RPC_PUSH, drain, pack_metadata, tensor_to_proto, unpack_metadata
+from tests.swarm.conftest import wait_for_chain, wait_until
+
+HIDDEN = 64  # the tiny Llama's hidden size
+LIMITS = {
+    "max_tokens_per_step": 64,
+    "max_length": 64,
+    "max_batch": 4,
+    "max_sessions_per_peer": 3,
+    "max_cache_tokens": 1024,
+    "max_cache_share_per_peer": 0.5,  # 512 tokens of batch 1 per peer
+    "max_step_errors": 4,
+}
+_END = object()
+
+
+@dataclass
+class Target:
+    node: object
+    honest: RemoteInferenceSession
+    reference: object  # the same blocks, run locally
+    reference_cache: object
+    attacker: DistributedModelForCausalLM  # a second client: another peer id, so quotas are its own
+
+    @property
+    def p2p(self) -> P2P:
+        return self.attacker.swarm.p2p
+
+    @property
+    def peer(self) -> PeerID:
+        return PeerID.from_base58(self.node.peer_id)
+
+    def call(self, coroutine, timeout: float = 30.0):
+        return self.attacker.swarm.call(coroutine, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def target(module_swarm, tiny_llama):
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="bad-input", **LIMITS)
+    honest_client = DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="bad-input", compression="none"
+    )
+    attacker = DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="bad-input", compression="none"
+    )
+    try:
+        chain = wait_for_chain(honest_client)
+        honest = RemoteInferenceSession(honest_client.swarm, chain, batch=1, max_length=64).open()
+        reference = load_block_span(tiny_llama, SpanSpec(0, 4))
+        yield Target(node, honest, reference, reference.new_cache(), attacker)
+        honest.close()
+    finally:
+        attacker.close()
+        honest_client.close()
+
+
+@pytest.fixture(autouse=True)
+def others_undisturbed(target):
+    """After each test: the honest session's next step is still right, and no other session lingers."""
+    yield
+    hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(target.honest.position))
+    expected = target.reference(hidden, target.reference_cache, target.honest.position)
+    assert torch.allclose(target.honest.step(hidden), expected, atol=1e-5)
+    wait_until(lambda: set(target.node.handler.sessions) == {target.honest.session_id})
+    honest_bytes = target.node.handler.sessions[target.honest.session_id].reserved_bytes
+    assert target.node.budget.used_bytes == honest_bytes
+
+
+# ---- helpers --------------------------------------------------------------------------------------------------
+
+
+def opening(**changes) -> runtime_pb2.ExpertRequest:
+    metadata = {"session_id": uuid.uuid4().hex, "blocks": [0, 1, 2, 3], "batch": 1, "max_length": 16, **changes}
+    return runtime_pb2.ExpertRequest(metadata=pack_metadata(metadata))
+
+
+def step(position: int, hidden: torch.Tensor | None = None, **changes) -> runtime_pb2.ExpertRequest:
+    if hidden is None:
+        hidden = torch.randn(1, 1, HIDDEN)
+    return runtime_pb2.ExpertRequest(
+        tensors=[tensor_to_proto(hidden)],
+        metadata=pack_metadata({"step_id": f"s:{position}", "position": position, **changes}),
+    )
+
+
+def raw_tensor(shape: list[int], buffer: bytes, dtype: str = "float32") -> runtime_pb2.ExpertRequest:
+    tensor = runtime_pb2.Tensor(buffer=buffer, size=shape, dtype=dtype, compression=runtime_pb2.CompressionType.NONE)
+    return runtime_pb2.ExpertRequest(tensors=[tensor], metadata=pack_metadata({"step_id": "s:0", "position": 0}))
+
+
+def converse(target: Target, messages, *, answers: int | None = None, timeout: float = 20.0) -> list[dict]:
+    """Send `messages` (a list, or an async iterator) on one inference stream; the metadata of the node's answers,
+    `answers` of them or all until the node ends the stream."""
+
+    async def run() -> list[dict]:
+        if isinstance(messages, list):
+            outbox: asyncio.Queue = asyncio.Queue()
+            for message in messages:
+                outbox.put_nowait(message)
+            requests = drain(outbox, _END)
+        else:
+            outbox, requests = None, messages
+        stream = await target.p2p.iterate_protobuf_handler(
+            target.peer, RPC_INFERENCE, requests, runtime_pb2.ExpertResponse
+        )
+        received = []
+        try:
+            async with asyncio.timeout(timeout):
+                async for response in stream:
+                    received.append(unpack_metadata(response.metadata))
+                    if answers is not None and len(received) == answers:
+                        break
+        except ConnectionError:  # the node ended the stream while the client was still writing
+            pass
+        finally:
+            if outbox is not None:
+                outbox.put_nowait(_END)
+            await stream.aclose()
+        return received
+
+    return target.call(run(), timeout=timeout + 10)
+
+
+def refusal(target: Target, messages, *, answers: int) -> dict:
+    """The last of `answers` answers, which must be a typed error."""
+    received = converse(target, messages, answers=answers)
+    assert len(received) == answers, received
+    assert "error" in received[-1], received
+    return received[-1]
+
+
+def raw_frame(target: Target, frame: bytes) -> str:
+    """Write bytes on a fresh inference stream; the text of the error frame the node answers with."""
+
+    async def run() -> str:
+        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, RPC_INFERENCE)
+        try:
+            writer.write(frame)
+            await writer.drain()
+            async with asyncio.timeout(10):
+                marker = await reader.readexactly(1)
+                length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                payload = await reader.readexactly(length)
+            assert marker == P2P.ERROR_MARKER
+            error = RPCError()
+            error.ParseFromString(payload)
+            return error.message
+        finally:
+            writer.close()
+
+    return target.call(run())
+
+
+def frame(payload: bytes, declared: int | None = None) -> bytes:
+    length = len(payload) if declared is None else declared
+    return P2P.MESSAGE_MARKER + length.to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + payload
+
+
+# ---- framing ----------------------------------------------------------------------------------------------------
+
+
+def test_d_frame_larger_than_the_limit_is_refused_before_it_is_read(target):
+    limit = target.node.handler.max_message_bytes
+    assert limit == 64 * HIDDEN * 4 + 16 * 1024 + 1024
+    # a header declaring 1 TiB followed by a few bytes: the node must answer without waiting for the rest
+    message = raw_frame(target, frame(b"\x0a\x00", declared=1 << 40))
+    assert message == f"[too_large] frame of {1 << 40} bytes exceeds this node's limit of {limit} bytes"
+
+
+def test_d_unparseable_protobuf(target):
+    message = raw_frame(target, frame(b"\xff\xff\xff\xff\x0f"))
+    assert message.startswith("[bad_request] unparseable ExpertRequest protobuf")
+
+
+def test_d_endless_stream_ends_with_a_typed_error(target):
+    """A client that never stops sending steps: the node works through its session's max_length, refuses the
+    rest, and ends the session after `max_step_errors` refusals; the client's unread steps wait on TCP."""
+
+    async def endless():
+        yield opening(max_length=8)
+        position = 0
+        while True:
+            yield step(position)
+            position += 1
+
+    received = converse(target, endless())
+    assert received[0].get("ok") is True
+    served = [answer for answer in received[1:] if "error" not in answer]
+    refused = [answer for answer in received[1:] if "error" in answer]
+    assert len(served) == 8, received
+    assert [answer["error"] for answer in refused] == ["bad_request"] * (LIMITS["max_step_errors"] + 1)
+    assert "over the session's max_length" in refused[0]["message"]
+    assert refused[-1]["message"] == f"{LIMITS['max_step_errors']} refused steps in a row; session closed"
+
+
+# ---- metadata and blocks -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\x93\x01\x02\x03", pack_metadata({str(key): key for key in range(40)}), pack_metadata({1: "a"}), b"\xc1"],
+    ids=["a list", "forty keys", "integer keys", "not msgpack"],
+)
+def test_d_metadata_that_is_not_a_small_map(target, raw):
+    error = refusal(target, [runtime_pb2.ExpertRequest(metadata=raw)], answers=1)
+    assert error["error"] == "bad_request"
+    assert "small map" in error["message"] or "not valid msgpack" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "message"),
+    [
+        ([0, 1, 2, 9], "unknown block 9: the model has blocks 0..3"),
+        ([-1, 0, 1, 2], "unknown block -1: the model has blocks 0..3"),
+        ([1, 2, 3], "this node serves blocks 0..3, not 1..3"),
+        ([], "blocks must be a list of 1..4 block ids"),
+        ([0, 1, 2, True], "blocks must be a list of 1..4 block ids"),
+    ],
+    ids=["past the model", "negative", "another span", "empty", "not integers"],
+)
+def test_d_unknown_block_ids(target, blocks, message):
+    error = refusal(target, [opening(blocks=blocks)], answers=1)
+    assert (error["error"], error["message"]) == ("bad_request", message)
+
+
+@pytest.mark.parametrize("blocks", [[0, 1, 3, 2], [0, 2, 3], [3, 2, 1, 0]], ids=["swapped", "gap", "descending"])
+def test_d_non_contiguous_block_ids(target, blocks):
+    error = refusal(target, [opening(blocks=blocks)], answers=1)
+    assert error["error"] == "bad_request"
+    assert error["message"].startswith("blocks must be contiguous and ascending")
+
+
+# ---- tensors ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "int64", "uint8", "bool", ""])
+def test_d_tensor_dtype_outside_the_allowed_set(target, dtype):
+    error = refusal(target, [opening(), raw_tensor([1, 1, HIDDEN], bytes(8 * HIDDEN), dtype)], answers=2)
+    assert error["error"] == "bad_request"
+    assert error["message"].startswith(f"dtype {dtype!r} is not allowed")
+
+
+@pytest.mark.parametrize("shape", [[1, 2, HIDDEN], [1, 1, HIDDEN // 2], [2, 1, HIDDEN]])
+def test_d_declared_shape_does_not_match_the_buffer(target, shape):
+    one_token = bytes(4 * HIDDEN)
+    error = refusal(target, [opening(), raw_tensor(shape, one_token)], answers=2)
+    assert error["error"] == "bad_request"
+    assert "needs" in error["message"] and f"payload has {len(one_token)} bytes" in error["message"]
+
+
+def test_d_element_count_over_the_limit(target):
+    # the declared size alone is refused: the buffer holds one token, not 2**24
+    error = refusal(target, [opening(), raw_tensor([1, 1 << 24, HIDDEN], bytes(4 * HIDDEN))], answers=2)
+    assert error["error"] == "bad_request"
+    assert f"exceeds the limit of {64 * HIDDEN} elements" in error["message"]
+    error = refusal(target, [opening(max_length=64), step(0, torch.randn(1, 65, HIDDEN))], answers=2)
+    assert f"exceeds the limit of {64 * HIDDEN} elements" in error["message"]
+
+
+@pytest.mark.parametrize("shape", [[HIDDEN], [1, HIDDEN], [1, 1, 1, HIDDEN]])
+def test_d_wrong_rank(target, shape):
+    error = refusal(target, [opening(), raw_tensor(shape, bytes(4 * HIDDEN))], answers=2)
+    assert error["error"] == "bad_request"
+    assert error["message"].startswith("expected a tensor of rank 3")
+
+
+def test_d_wrong_hidden_size(target):
+    error = refusal(target, [opening(), step(0, torch.randn(1, 2, HIDDEN // 2))], answers=2)
+    assert (error["error"], error["message"]) == (
+        "bad_request",
+        f"hidden size {HIDDEN // 2} does not match the model's {HIDDEN}",
+    )
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_d_nan_or_inf_in_hidden_states(target, value):
+    hidden = torch.randn(1, 3, HIDDEN)
+    hidden[0, 1, 7] = value
+    error = refusal(target, [opening(), step(0, hidden)], answers=2)
+    assert (error["error"], error["message"]) == ("bad_request", "hidden states contain NaN or Inf")
+
+
+# ---- session state ------------------------------------------------------------------------------------------------
+
+
+def test_d_max_length_over_the_node_limit(target):
+    error = refusal(target, [opening(max_length=LIMITS["max_length"] + 1)], answers=1)
+    assert (error["error"], error["message"]) == ("bad_request", "max_length must be in 1..64, got 65")
+
+
+def test_d_position_before_0_or_past_the_prefix(target):
+    received = converse(target, [opening(), step(0), step(-1), step(2), step(0, step_id="again"), step(1)], answers=6)
+    assert received[0]["ok"] and "error" not in received[1]
+    for refused in received[2:5]:
+        assert refused["error"] == "bad_request"
+        assert refused["message"].startswith("step at position") and "cache holds 1" in refused["message"]
+    assert "error" not in received[5] and received[5]["position"] == 1  # the session went on undisturbed
+
+
+def test_d_batch_size_changed_mid_session(target):
+    received = converse(target, [opening(batch=2), step(0, torch.randn(2, 1, HIDDEN)), step(1)], answers=3)
+    assert "error" not in received[1]
+    assert (received[2]["error"], received[2]["message"]) == (
+        "bad_request",
+        "batch of 1 rows in a session opened with 2",
+    )
+
+
+def test_d_duplicate_session_id(target):
+    first = opening()
+
+    async def hold_open():
+        yield first
+        await asyncio.sleep(3600)  # keep the first session open while the second stream tries the same id
+        yield first
+
+    async def run():
+        stream = await target.p2p.iterate_protobuf_handler(
+            target.peer, RPC_INFERENCE, hold_open(), runtime_pb2.ExpertResponse
+        )
+        try:
+            opened = unpack_metadata((await anext(stream)).metadata)
+            assert opened.get("ok") is True
+            return await asyncio.to_thread(refusal, target, [first], answers=1)
+        finally:
+            await stream.aclose()
+
+    error = target.call(run())
+    assert error["error"] == "bad_request"
+    assert error["message"] == f"session {unpack_metadata(first.metadata)['session_id']!r} is already open on this node"
+
+
+def test_d_push_from_a_peer_that_is_not_the_upstream(target):
+    """A session whose upstream is the honest client: the attacker's pushes into it are refused."""
+    session_id = uuid.uuid4().hex
+    upstream = target.honest.swarm.peer_id
+
+    async def hold_open():
+        yield opening(session_id=session_id, upstream=upstream)
+        await asyncio.sleep(3600)
+        yield opening()
+
+    async def run():
+        stream = await target.p2p.iterate_protobuf_handler(
+            target.peer, RPC_INFERENCE, hold_open(), runtime_pb2.ExpertResponse
+        )
+        try:
+            assert unpack_metadata((await anext(stream)).metadata).get("ok") is True
+            push = step(0, session_id=session_id)
+            response = await target.p2p.call_protobuf_handler(target.peer, RPC_PUSH, push, runtime_pb2.ExpertResponse)
+            return unpack_metadata(response.metadata)
+        finally:
+            await stream.aclose()
+
+    error = target.call(run())
+    assert (error["error"], error["message"]) == ("bad_request", "push from a peer that is not this session's upstream")
+
+
+# ---- quotas -------------------------------------------------------------------------------------------------------
+
+
+def hold_sessions(target: Target, openings: list[runtime_pb2.ExpertRequest]) -> list[dict]:
+    """Open each session on its own stream and keep them all open; the node's first answer to each."""
+
+    async def run():
+        streams, answers = [], []
+
+        async def held(message):
+            yield message
+            await asyncio.sleep(3600)
+
+        try:
+            for message in openings:
+                stream = await target.p2p.iterate_protobuf_handler(
+                    target.peer, RPC_INFERENCE, held(message), runtime_pb2.ExpertResponse
+                )
+                streams.append(stream)
+                answers.append(unpack_metadata((await anext(stream)).metadata))
+            return answers
+        finally:
+            for stream in streams:
+                await stream.aclose()
+
+    return target.call(run())
+
+
+def test_d_more_sessions_than_the_per_peer_quota(target):
+    answers = hold_sessions(target, [opening() for _ in range(LIMITS["max_sessions_per_peer"] + 1)])
+    assert all(answer.get("ok") for answer in answers[:-1])
+    assert answers[-1]["error"] == "quota"
+    assert "3 open sessions here, the per-peer limit" in answers[-1]["message"]
+
+
+def test_d_more_cache_than_the_per_peer_quota(target):
+    # 3 x 64 tokens per session: two fit the peer's 512-token share, the third does not (the node has room)
+    answers = hold_sessions(target, [opening(batch=3, max_length=64) for _ in range(3)])
+    assert answers[0].get("ok") and answers[1].get("ok")
+    assert answers[-1]["error"] == "quota"
+    assert (
+        "past its share of the node's cache (512 tokens of batch 1, of which 384 are reserved)"
+        in answers[-1]["message"]
+    )
+    assert target.node.budget.tokens_left >= 3 * 64  # the node itself had room: the quota refused it
