@@ -42,6 +42,7 @@ test-slow: $(STAMP) sysdeps
 bench: $(STAMP)
 	$(PY) bench/inference.py
 	$(PY) bench/compression.py
+	$(PY) bench/failover.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

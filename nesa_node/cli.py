@@ -29,6 +29,26 @@ def _parse_span(text: str) -> tuple[int, int]:
     return start, end
 
 
+def _positive(kind: type):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = _positive(float)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
+    return value
+
+
 def _add_peer_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
     parser.add_argument("--model", required=True, help="Hugging Face model folder (config, tokenizer, safetensors)")
@@ -129,6 +149,34 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-cache-tokens", type=int, default=8192, help="KV cache budget, tokens of batch 1")
     run.add_argument("--max-length", type=int, default=4096, help="longest session accepted, tokens")
     run.add_argument("--announce-period", type=float, default=10.0, metavar="S", help="seconds between announcements")
+    run.add_argument(
+        "--session-timeout",
+        type=_positive(float),
+        default=300.0,
+        metavar="S",
+        help="close an inference session after this many seconds without a step (default 300)",
+    )
+    run.add_argument(
+        "--step-timeout",
+        type=_positive(float),
+        default=30.0,
+        metavar="S",
+        help="close a session whose step is not computed and handed to the next node within this (default 30)",
+    )
+    run.add_argument(
+        "--max-sessions-per-peer",
+        type=_positive(int),
+        default=32,
+        metavar="N",
+        help="open sessions one peer may hold here",
+    )
+    run.add_argument(
+        "--max-cache-share-per-peer",
+        type=_fraction,
+        default=0.5,
+        metavar="F",
+        help="fraction of the KV cache budget one peer may reserve (default 0.5)",
+    )
     run.add_argument("--address-file", default=None, help="write the listening multiaddrs here once ready")
     run.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the model folder's name)")
     run.add_argument("--throughput-cache", default=None, help="file caching measured throughput")
@@ -237,6 +285,10 @@ async def _run_node(args) -> None:
         max_cache_tokens=args.max_cache_tokens,
         max_length=args.max_length,
         announce_period_s=args.announce_period,
+        session_timeout_s=args.session_timeout,
+        step_timeout_s=args.step_timeout,
+        max_sessions_per_peer=args.max_sessions_per_peer,
+        max_cache_share_per_peer=args.max_cache_share_per_peer,
         address_file=args.address_file,
         throughput_cache=args.throughput_cache,
         measure_throughput=not args.no_measure,

@@ -50,6 +50,7 @@ class StepTiming:
     compute_s: float  # time the nodes report spending in their blocks
     bytes_sent: int = 0  # serialized request bytes the client sent for this step
     bytes_received: int = 0  # serialized response bytes the client received for this step
+    failovers: int = 0  # nodes replaced during this step (wall_s then spans failed step to next good step)
 
 
 def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) -> WireCodec:
@@ -260,18 +261,25 @@ class RemoteInferenceSession:
         started = time.perf_counter()
         failovers = 0
         deadline = self._deadline(hidden.shape[0] * hidden.shape[1])
+        failure: LinkFailed | None = None
         while True:
             try:
+                if failure is not None:  # a replacement that fails while its cache is rebuilt fails like any node
+                    self._recover(failure)
                 output, compute_s, sent, received = self.swarm.call(self._step(hidden, deadline))
                 break
-            except LinkFailed as failure:
+            except LinkFailed as failed:
                 if self.mode != "direct" or self.reroute is None or failovers >= self.max_failovers:
-                    raise PeerUnavailableError(f"{failure.message} (no failover left)") from None
+                    raise PeerUnavailableError(f"{failed.message} (no failover left)") from None
                 failovers += 1
-                self._recover(failure)
+                failure = failed
         self.timings.append(
             StepTiming(
-                wall_s=time.perf_counter() - started, compute_s=compute_s, bytes_sent=sent, bytes_received=received
+                wall_s=time.perf_counter() - started,
+                compute_s=compute_s,
+                bytes_sent=sent,
+                bytes_received=received,
+                failovers=failovers,
             )
         )
         if self.reroute is not None and self.mode == "direct":  # replayed if the first span fails
@@ -389,10 +397,24 @@ class RemoteInferenceSession:
             )
             history = await self._control_answer(previous, "history", self.position * self.batch * MAX_HIDDEN)
         upstream = previous.hop.peer_id if previous is not None else self.swarm.peer_id
-        new_links = await self._open_links(hops, upstream, following)
+        new_links: list[_Link] = []
         try:
+            new_links = await self._open_links(hops, upstream, following)
             if history is not None:
                 await self._replay(new_links, history)
+        except LinkFailed as failure:
+            # a replacement that cannot open or replay is banned; the lost span is still the one to replace
+            self._close_links(new_links)
+            replacements = {hop.peer_id for hop in hops}
+            failed = failure.link.hop.peer_id if failure.link is not None else None
+            if failed not in replacements:
+                raise
+            self.swarm.ban(failed)
+            raise LinkFailed(f"replacement {failed} failed: {failure.message}", self._links[index]) from None
+        except BaseException:
+            self._close_links(new_links)
+            raise
+        try:
             # the neighbours now talk to the replacement: previous pushes to it, following accepts its pushes
             if previous is not None:
                 await self._retarget(previous, next=new_links[0].hop.peer_id)
@@ -432,7 +454,10 @@ class RemoteInferenceSession:
                     )
                 )
                 while True:
-                    answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
+                    try:
+                        answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
+                    except LinkFailed as failure:  # only the replayed node owes an answer now: silence is its
+                        raise LinkFailed(failure.message, failure.link or link) from None
                     raise_if_error(metadata)
                     if answered is link and metadata.get("step_id") == step_id:
                         break

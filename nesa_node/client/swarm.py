@@ -42,7 +42,14 @@ logger = logging.getLogger(__name__)
 class SwarmClient:
     """Owns the client's event loop thread, P2P host and DHT node. Close it (or use `with`) to stop them."""
 
-    def __init__(self, initial_peers: list[str], *, dht_prefix: str, request_timeout_s: float = 30.0):
+    def __init__(
+        self,
+        initial_peers: list[str],
+        *,
+        dht_prefix: str,
+        request_timeout_s: float = 30.0,
+        records_wait_s: float = 0.5,  # guess: a healthy DHT read takes 20-40 ms on loopback, a few 100 ms on a WAN
+    ):
         if not initial_peers:
             raise ValueError("initial_peers is empty: give the multiaddr of at least one swarm peer")
         self.dht_prefix = dht_prefix
@@ -51,7 +58,9 @@ class SwarmClient:
         self._thread = threading.Thread(target=self.loop.run_forever, name="nesa-client-loop", daemon=True)
         self._thread.start()
         self.rtt_ms: dict[str, float] = {}
-        self._records: dict[str, NodeRecord] = {}  # peer id -> newest unexpired record seen
+        self._records: dict[str, NodeRecord] = {}  # peer id -> newest record seen (expired ones are skipped)
+        self._refresh: asyncio.Future | None = None  # the DHT read in flight, on the client loop
+        self.records_wait_s = records_wait_s
         self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
         try:
             self.p2p, self.dht = self.call(self._start(list(initial_peers)), timeout=60)
@@ -107,21 +116,56 @@ class SwarmClient:
         """The nodes' records: a fresh DHT read merged with earlier reads whose records have not expired yet.
 
         A DHT lookup can miss replicas now and then; a record stays valid until its own expiration, so a
-        momentarily empty answer does not make live nodes vanish from routing."""
-        fresh = self.call(fetch_node_infos(self.dht, self.dht_prefix), timeout=self.request_timeout_s)
+        momentarily empty answer does not make live nodes vanish from routing. While unexpired records are at
+        hand, a read slower than `records_wait_s` (a DHT peer that stopped answering costs hivemind 3 s) is not
+        waited for: routing uses the records at hand and the read lands in them when it completes."""
+        return self.call(self._node_records(), timeout=self.request_timeout_s + 5)
+
+    async def _node_records(self) -> list[NodeRecord]:
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._refresh_records())
+        held = self._unexpired()
+        try:
+            if held:
+                await asyncio.wait_for(asyncio.shield(self._refresh), timeout=self.records_wait_s)
+            else:
+                await asyncio.wait_for(asyncio.shield(self._refresh), timeout=self.request_timeout_s)
+        except TimeoutError:
+            if not held:
+                raise PeerUnavailableError(f"no answer from the DHT within {self.request_timeout_s} s") from None
+        except Exception as exc:
+            if not held:
+                raise
+            logger.debug("DHT read failed, routing with the records at hand: %r", exc)
+        return list(self._unexpired().values())
+
+    async def _refresh_records(self) -> None:
+        fresh = await fetch_node_infos(self.dht, self.dht_prefix)
+        records = dict(self._records)
         for record in fresh:
-            known = self._records.get(record.info.peer_id)
+            known = records.get(record.info.peer_id)
             if known is None or record.expiration_time >= known.expiration_time:
-                self._records[record.info.peer_id] = record
+                records[record.info.peer_id] = record
+        self._records = records  # replaced whole: other threads may be reading the previous dict
+
+    def _unexpired(self) -> dict[str, NodeRecord]:
         now = get_dht_time()
-        self._records = {peer: record for peer, record in self._records.items() if record.expiration_time > now}
-        return list(self._records.values())
+        return {peer: record for peer, record in self._records.items() if record.expiration_time > now}
 
     def snapshot(self, num_blocks: int) -> SwarmSnapshot:
         """Freeze the current records (online nodes, with the client's measured rtts) for routing."""
         nodes = []
         for record in self.node_records():
             info = record.info
+            if info.end_block > num_blocks:  # the schema cannot know the model's depth; the reader does
+                logger.debug(
+                    "ignoring %s: blocks %d:%d outside the model's %d",
+                    info.peer_id,
+                    info.start_block,
+                    info.end_block,
+                    num_blocks,
+                )
+                continue
             nodes.append(
                 NodeView(
                     peer_id=info.peer_id,

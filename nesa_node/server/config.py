@@ -35,6 +35,7 @@ class NodeConfig:
     max_step_errors: int = 16  # consecutive refused steps after which the node ends the session
     announce_period_s: float = 10.0  # how often the NodeInfo record is refreshed
     session_timeout_s: float = 300.0  # an idle inference session is closed after this
+    step_timeout_s: float = 30.0  # a step not computed and handed on within this closes its session
     peer_timeout_s: float = 30.0  # every await on another peer
     address_file: str | None = None  # written with the listening multiaddrs once ready
     throughput_cache: str | None = None  # JSON file of measured throughputs; None: ~/.cache/nesa-node
@@ -48,4 +49,6 @@ class NodeConfig:
 
     @property
     def record_ttl_s(self) -> float:
-        return max(3 * self.announce_period_s, 5.0)
+        """Lifetime of each announcement: two may be missed, and a store slowed by unresponsive DHT peers (hivemind
+        waits 3 s per request before giving up on one) still lands before the previous record expires."""
+        return min(3 * self.announce_period_s + 10.0, 600.0)  # 600: dht_records.MAX_RECORD_TTL_S, what peers accept

@@ -9,7 +9,8 @@ Protocol of `rpc_inference` (one stream per session):
      node, or client-relayed mode) or pushed by the upstream node (direct chain) over one `rpc_push_stream`
      per session (`rpc_push` takes single steps);
   4. each step's output goes to `next` over that push stream, or back on this stream when there is no next node;
-  5. the cache is freed when the stream ends, on error, or after `session_timeout_s` without a step.
+  5. the cache is freed when the stream ends, on error, after `session_timeout_s` without a step, or when a step
+     is not computed and handed on within `step_timeout_s` (a stuck next node, or this node stalled).
 A step whose step_id equals the previous one is a duplicate: its stored output is sent again, not recomputed.
 
 Limits, all checked before anything is allocated: frames over `max_message_bytes` (see nesa_node.transport),
@@ -215,24 +216,39 @@ class BlockHandler(ServicerBase):
                     if "control" in metadata:
                         yield self._control(session, metadata)
                         continue
-                    output, seconds = await self._inference_step(session, request, metadata)
-                    start = session.last_position  # of this step, also when it was a duplicate
-                    upstream_s = metadata.get("compute_s", 0.0)  # compute time of the nodes before this one
-                    upstream_s = float(upstream_s) if isinstance(upstream_s, float | int) and upstream_s >= 0 else 0.0
-                    reply = {
-                        "step_id": step_id,
-                        "position": start,
-                        "compute_s": seconds + upstream_s,
-                        "codec": session.output_codec.to_metadata(),
-                    }
-                    if metadata.get("replay") is True:  # rebuilding this node's cache: the output goes to the client
+                    replay = metadata.get("replay") is True  # rebuilding this node's cache: output to the client
+                    try:
+                        async with asyncio.timeout(self.config.step_timeout_s):
+                            output, seconds = await self._inference_step(session, request, metadata)
+                            start = session.last_position  # of this step, also when it was a duplicate
+                            upstream_s = metadata.get("compute_s", 0.0)  # compute time of the nodes before this one
+                            valid = isinstance(upstream_s, float | int) and upstream_s >= 0
+                            reply = {
+                                "step_id": step_id,
+                                "position": start,
+                                "compute_s": seconds + (float(upstream_s) if valid else 0.0),
+                                "codec": session.output_codec.to_metadata(),
+                            }
+                            if not replay and session.next_peer is not None:
+                                await self._push(session, output, reply)
+                    except TimeoutError:
+                        logger.info(
+                            "session %s: step over %.1f s, closing", session.session_id, self.config.step_timeout_s
+                        )
+                        yield error_response(
+                            PeerUnavailableError(
+                                f"step not done within this node's step timeout of {self.config.step_timeout_s} s; "
+                                "session closed"
+                            ),
+                            step_id=step_id,
+                        )
+                        break
+                    if replay:
                         yield runtime_pb2.ExpertResponse(
                             tensors=[tensor_to_proto(output, session.output_codec)],
                             metadata=pack_metadata({**reply, "replayed": True}),
                         )
-                    elif session.next_peer is not None:
-                        await self._push(session, output, reply)
-                    else:
+                    elif session.next_peer is None:
                         yield runtime_pb2.ExpertResponse(
                             tensors=[tensor_to_proto(output, session.output_codec)], metadata=pack_metadata(reply)
                         )

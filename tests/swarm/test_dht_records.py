@@ -1,12 +1,28 @@
-"""DHT records (RELIABILITY.md B): an older record of a node, replayed with its valid signature, cannot evict the
-node's newer record."""
+"""DHT records (RELIABILITY.md B): a replayed older record cannot evict the newer one; records that break the
+schema or the expiration rules are refused by honest peers and ignored by readers; store and get keep working while
+a fifth of the DHT peers die. (Forged records of another node: tests/swarm/test_node.py.)"""
 
 from __future__ import annotations
 
-from hivemind.utils import get_dht_time
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
 
+import pytest
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.dht.routing import DHTID
+from hivemind.p2p import P2P
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from nesa_node.bootstrap import BootstrapPeer
 from nesa_node.client.swarm import SwarmClient
-from nesa_node.dht_records import fetch_node_infos, store_node_info
+from nesa_node.dht_records import fetch_node_infos, model_key, store_node_info
+from nesa_node.identity import peer_id_of_public_key
 from nesa_node.records import NodeState
 from tests.swarm.conftest import wait_until
 
@@ -25,3 +41,139 @@ def test_b_replayed_older_record_does_not_evict_the_newer_one(local_swarm, tiny_
     (record,) = [record for record in records if record.info.peer_id == node.peer_id]
     assert record.info.state == NodeState.online and record.info.cache_tokens_left == newest.cache_tokens_left
     assert record.expiration_time > get_dht_time() + 10  # the newer record's expiration, not the replay's
+
+
+# ---- a hostile writer, honest peers that know the model key, and a fifth of the DHT dying ----------------------
+
+PREFIX = "hostile"
+
+
+class DHTPeers:
+    """Extra DHT peers (no blocks) that validate records under PREFIX, started in the local swarm's loop."""
+
+    def __init__(self, swarm, count: int):
+        self.swarm = swarm
+        self.peers = [
+            swarm.run(BootstrapPeer.create(initial_peers=tuple(swarm.initial_peers), dht_prefixes=(PREFIX,)))
+            for _ in range(count)
+        ]
+
+    def kill(self, peer: BootstrapPeer) -> None:
+        """SIGKILL the peer's p2pd: from then on it is a dead DHT peer (its Python side stays, unreachable)."""
+        os.kill(peer.p2p._child.pid, signal.SIGKILL)  # hivemind keeps the daemon's process as P2P._child
+
+    def close(self) -> None:
+        for peer in self.peers:
+            with contextlib.suppress(Exception):
+                self.swarm.run(asyncio.wait_for(peer.shutdown(), 10), timeout=20)
+
+
+@pytest.fixture
+def dht_peers(local_swarm):
+    peers = DHTPeers(local_swarm, 9)
+    try:
+        yield peers
+    finally:
+        peers.close()
+
+
+class Attacker:
+    """A DHT peer with a key of its own that signs whatever it stores: no schema or expiration check of its own."""
+
+    def __init__(self, swarm):
+        self.swarm = swarm
+        self.key = RSAPrivateKey()
+        self.peer_id = peer_id_of_public_key(self.key.get_public_key()).to_base58()
+        self.signer = RSASignatureValidator(self.key)
+
+        async def start():
+            p2p = await P2P.create(initial_peers=list(swarm.initial_peers))
+            dht = await DHTNode.create(p2p=p2p, initial_peers=list(swarm.initial_peers), record_validator=self.signer)
+            return p2p, dht
+
+        self.p2p, self.dht = swarm.run(start())
+
+    def store(self, value: str, expiration: float) -> bool:
+        subkey = self.peer_id.encode() + self.signer.local_public_key
+        return self.swarm.run(self.dht.store(model_key(PREFIX), value, expiration, subkey=subkey))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.swarm.run(self.dht.shutdown(), timeout=20)
+            self.swarm.run(self.p2p.shutdown(), timeout=20)
+
+
+def held_by(peers, attacker: Attacker) -> list[str]:
+    """Values of the attacker's subkey in the local storage of `peers` (what honest peers accepted)."""
+    key = DHTID.generate(source=model_key(PREFIX))
+    found = []
+    for dht in peers:
+        item = dht.protocol.storage.get(key)
+        if item is None or not hasattr(item.value, "items"):
+            continue
+        for subkey, entry in item.value.items():
+            if attacker.signer.local_public_key in subkey:
+                found.append(entry.value)
+    return found
+
+
+def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(local_swarm, tiny_llama, dht_peers):
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    honest = [node.dht] + [peer.dht for peer in dht_peers.peers]
+    attacker = Attacker(local_swarm)
+    try:
+        wire = json.loads(node.current_info().model_copy(update={"peer_id": attacker.peer_id}).to_wire())
+        now = get_dht_time()
+        violations = [
+            {"cache_tokens_left": -5},
+            {"start_block": 4, "end_block": 4},
+            {"start_block": "0"},
+            {"state": "sleeping"},
+            {"adapters": ["adapter"] * 65},
+            {"forward_tps": float("inf")},
+        ]
+        for change in violations:
+            assert not attacker.store(json.dumps(wire | change), now + 30), change
+        for expiration in (float("nan"), float("inf"), now - 10, now + 10**6):
+            assert not attacker.store(json.dumps(wire), expiration), expiration
+        assert held_by(honest, attacker) == []
+        # the control: the same writer's well-formed record is stored and read, so the refusals above were real
+        assert attacker.store(json.dumps(wire), get_dht_time() + 30)
+        assert held_by(honest, attacker)
+        with SwarmClient(local_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
+            wait_until(lambda: attacker.peer_id in {r.info.peer_id for r in swarm.node_records()}, timeout_s=30)
+            # blocks outside the model pass the schema (it does not know the model's depth); readers drop them
+            assert attacker.store(json.dumps(wire | {"end_block": 999}), get_dht_time() + 60)
+            wait_until(
+                lambda: any(r.info.end_block == 999 for r in swarm.call(fetch_node_infos(swarm.dht, PREFIX))),
+                timeout_s=30,
+            )
+            assert {view.peer_id for view in swarm.snapshot(num_blocks=4).nodes} == {node.peer_id}
+    finally:
+        attacker.close()
+
+
+def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(local_swarm, tiny_llama, dht_peers):
+    first = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, announce_period_s=1.0)
+    peers = [first.dht, local_swarm.bootstrap.dht] + [peer.dht for peer in dht_peers.peers]  # 11 DHT peers
+    # the dying fifth: of the extra peers, the two nearest to the model key, i.e. replicas of its records
+    key = DHTID.generate(source=model_key(PREFIX))
+    dying = sorted(dht_peers.peers, key=lambda peer: peer.dht.node_id.xor_distance(key))[:2]
+    with SwarmClient(local_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
+        wait_until(lambda: first.peer_id in {r.info.peer_id for r in swarm.node_records()}, timeout_s=30)
+        for peer in dying:
+            dht_peers.kill(peer)
+        assert len(dying) / len(peers) >= 0.18
+        # store: a node that starts now is found; get: fresh reads (not the client's cache) see both nodes
+        second = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, announce_period_s=1.0)
+        started = time.monotonic()
+
+        def both_found() -> bool:
+            fresh = swarm.call(fetch_node_infos(swarm.dht, PREFIX), timeout=30)
+            return {first.peer_id, second.peer_id} <= {record.info.peer_id for record in fresh}
+
+        wait_until(both_found, timeout_s=30)
+        print(f"\nwith 2 of 11 DHT peers dead, a new node's record was read after {time.monotonic() - started:.2f} s")
+        # and it keeps working: ten more fresh reads in a row each see both
+        for _ in range(10):
+            assert both_found()

@@ -1,4 +1,5 @@
-"""Failover mid-generation (RELIABILITY.md A1, A4): node processes killed by pid while a client generates."""
+"""Failover mid-generation (RELIABILITY.md A1-A4, A6): node processes killed or stopped by pid while a client
+generates."""
 
 from __future__ import annotations
 
@@ -11,15 +12,19 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.errors import NoRouteError
 from nesa_node.launcher import ProcessGroup
 from nesa_node.records import NodeState
-from tests.swarm.conftest import wait_for_chain
+from tests.swarm.conftest import wait_for_chain, wait_until
 
-SPANS = [(0, 1), (1, 3), (3, 4)]  # each served by a node and a spare (span 0: two spares)
+SPANS = [(0, 1), (1, 3), (3, 4)]
+# nodes per span: enough for every test below to kill (or stop) one and still find a replacement
+COPIES = {(0, 1): 3, (1, 3): 4, (3, 4): 3}
 PROMPT = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(5))
 NEW_TOKENS, KILL_AFTER = 128, 64
 RECOVERY_LIMIT_S = 2.0  # RELIABILITY.md A1: failed step to next good step
+STEP_TIMEOUT_S = 5.0  # the nodes' --step-timeout: a stopped node must free a stale session's cache within it
 
 
 class FailoverSwarm:
@@ -51,9 +56,10 @@ def failover_swarm(tiny_llama):
         peers = group.wait_address(bootstrap, address_file)
         launched = []
         for start, end in SPANS:
-            for copy in ("main", "spare", "spare2")[: 3 if start == 0 else 2]:  # span 0 is killed twice
+            for copy in range(COPIES[start, end]):
                 args = ["run", "--model", tiny_llama, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
                 args += ["--no-measure", "--announce-period", "1", "--dht-prefix", "failover"]
+                args += ["--step-timeout", str(STEP_TIMEOUT_S)]
                 launched.append((group.start(f"node{start}-{end}-{copy}", args), (start, end)))
         nodes, spans = {}, {}
         for (process, node_address), span in launched:
@@ -117,6 +123,74 @@ def test_a1_a2_node_killed_mid_generation_tokens_unchanged(failover_swarm, tiny_
         assert lost.peer_id in model.swarm.banned()
         assert not set(failover["replacements"]) & model.swarm.banned()  # the healthy replacement is not banned
         assert session.chain.hops[victim].peer_id in failover["replacements"]
+
+
+def test_a2_replacement_killed_during_replay(failover_swarm, tiny_llama, reference, monkeypatch):
+    """The middle node dies; its first replacement dies as the client starts rebuilding its cache: the client bans
+    it too, picks another node for the same span, replays again, and the tokens are unchanged."""
+    replayed: list[str] = []
+    replay = RemoteInferenceSession._replay
+
+    async def replay_into_a_dying_node(self, links, history):
+        if not replayed:
+            failover_swarm.kill(links[0].hop.peer_id)
+        replayed.append(links[0].hop.peer_id)
+        await replay(self, links, history)
+
+    monkeypatch.setattr(RemoteInferenceSession, "_replay", replay_into_a_dying_node)
+    with connect(failover_swarm, tiny_llama) as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
+        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
+            lost = session.chain.hops[1]
+            output = model.generate(
+                PROMPT,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                streamer=KillAfter(KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id)),
+            )
+        assert torch.equal(output, reference)
+        first, second = replayed
+        assert first != second and lost.peer_id not in replayed
+        assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [(lost.peer_id, [second])]
+        assert {lost.peer_id, first} <= model.swarm.banned() and second not in model.swarm.banned()
+        assert session.chain.hops[1].peer_id == second
+        print(f"\nrecovery with a second replacement: {max(timing.wall_s for timing in session.timings):.3f} s")
+
+
+def test_a3_stopped_node_client_reroutes_and_the_stale_node_frees_its_cache(failover_swarm, tiny_llama, reference):
+    """SIGSTOP the last node (its p2pd too) mid-generation: the client's step deadline passes, it re-routes, and the
+    tokens are unchanged; after SIGCONT the stale node frees that session's cache within its step timeout."""
+    with connect(failover_swarm, tiny_llama) as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
+        baseline = {
+            peer: model.swarm.info(peer).cache_tokens_left
+            for peer, span in failover_swarm.spans.items()
+            if span == (3, 4) and peer in failover_swarm.nodes
+        }
+        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
+            stopped = session.chain.hops[2].peer_id
+            process = failover_swarm.nodes[stopped]
+            try:
+                output = model.generate(
+                    PROMPT,
+                    max_new_tokens=NEW_TOKENS,
+                    min_new_tokens=NEW_TOKENS,
+                    do_sample=False,
+                    streamer=KillAfter(KILL_AFTER, lambda: os.killpg(process.pid, signal.SIGSTOP)),
+                )
+            finally:
+                os.killpg(process.pid, signal.SIGCONT)
+            resumed = time.monotonic()
+            assert torch.equal(output, reference)
+            assert [entry["failed"] for entry in session.failovers] == [stopped]
+            assert stopped in model.swarm.banned()
+            # still inside the client's session: only the stale node's own timeouts or stream ends can free it
+            wait_until(lambda: model.swarm.info(stopped).cache_tokens_left == baseline[stopped], STEP_TIMEOUT_S)
+            freed_s = time.monotonic() - resumed
+        print(f"\nstale node freed the session's cache {freed_s:.2f} s after SIGCONT")
+        recovery_s = max(timing.wall_s for timing in session.timings)
+        print(f"recovery from a stopped node: {recovery_s:.3f} s")
 
 
 def test_a4_no_replacement_names_the_missing_blocks(failover_swarm, tiny_llama):

@@ -1,0 +1,141 @@
+"""Resources (RELIABILITY.md F): many sessions opened and closed leave the node's cache accounting exact and its
+tasks, file descriptors and memory at their baseline; a node flooded with requests keeps serving honest clients.
+The short forms run in `make test`; the thousands-of-sessions form is marked slow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+
+import psutil
+import pytest
+import torch
+from hivemind.p2p import PeerID
+from hivemind.proto import runtime_pb2
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.wire import RPC_FORWARD, RPC_INFO, pack_metadata, tensor_to_proto
+from tests.swarm.conftest import wait_for_chain, wait_until
+
+HIDDEN = 64  # the tiny Llama's hidden size
+
+
+def node_tasks(local_swarm) -> int:
+    """Tasks alive on the loop that runs the nodes (and nothing else of this test)."""
+
+    async def count() -> int:
+        return len(asyncio.all_tasks())
+
+    return local_swarm.run(count())
+
+
+def open_files() -> int:
+    """Descriptors of this process (client and nodes share it) and of every p2pd it started."""
+    process = psutil.Process()
+    return process.num_fds() + sum(child.num_fds() for child in process.children(recursive=True))
+
+
+def rss_mb() -> float:
+    process = psutil.Process()
+    return sum(each.memory_info().rss for each in (process, *process.children(recursive=True))) / 2**20
+
+
+def churn_sessions(local_swarm, tiny_llama, sessions: int, rss_growth: float | None) -> None:
+    nodes = [local_swarm.start_node(tiny_llama, start, end, dht_prefix="resources") for start, end in ((0, 2), (2, 4))]
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="resources", compression="none"
+    ) as model:
+        chain = wait_for_chain(model, hops=2)
+        hidden = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(0))
+
+        def one_session() -> torch.Tensor:
+            with RemoteInferenceSession(model.swarm, chain, batch=1, max_length=32) as session:
+                output = session.step(hidden)
+                session.step(output[:, -1:])
+                return output
+
+        expected = one_session()
+        for _ in range(20):  # warm-up: connections, allocator pools and lazily created state exist now
+            one_session()
+        wait_until(lambda: all(not node.handler.sessions for node in nodes))
+        gc.collect()
+        tasks, files, memory = node_tasks(local_swarm), open_files(), rss_mb()
+        for index in range(sessions):
+            output = one_session()
+            if index % 100 == 0:
+                assert torch.equal(output, expected)
+        wait_until(lambda: all(not node.handler.sessions for node in nodes), timeout_s=30)
+        # cache accounting is exact: nothing reserved, every token of the budget free again
+        for node in nodes:
+            assert node.budget.used_bytes == 0
+            assert node.budget.tokens_left == node.config.max_cache_tokens
+        gc.collect()
+        wait_until(lambda: node_tasks(local_swarm) <= tasks, timeout_s=30)
+        wait_until(lambda: open_files() <= files + 8, timeout_s=30)  # a few DHT connections come and go
+        print(
+            f"\n{sessions} sessions: node tasks {tasks} -> {node_tasks(local_swarm)}, open files {files} -> "
+            f"{open_files()}, memory {memory:.0f} -> {rss_mb():.0f} MB"
+        )
+        if rss_growth is not None:
+            assert rss_mb() <= memory * (1 + rss_growth)
+
+
+def test_f_sessions_opened_and_closed_leave_no_trace(local_swarm, tiny_llama):
+    churn_sessions(local_swarm, tiny_llama, sessions=300, rss_growth=None)
+
+
+@pytest.mark.slow
+def test_f_thousands_of_sessions_leave_no_trace(local_swarm, tiny_llama):
+    churn_sessions(local_swarm, tiny_llama, sessions=3000, rss_growth=0.03)
+
+
+def test_f_a_flooded_node_keeps_serving_honest_clients(local_swarm, tiny_llama):
+    """Two flooding clients hammer the node with info calls, cacheless forwards and sessions that are opened and
+    dropped; an honest client generates meanwhile and gets its reference tokens."""
+    local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="flood")
+    prompt = torch.randint(3, 1000, (1, 8), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+            prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False
+        )
+    connect = lambda: DistributedModelForCausalLM.from_pretrained(  # noqa: E731
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="flood", compression="none"
+    )
+    with connect() as honest, connect() as flooder_a, connect() as flooder_b:
+        chain = wait_for_chain(honest)
+        peer = PeerID.from_base58(chain.hops[0].peer_id)
+        stop = threading.Event()
+        sent = [0, 0]
+
+        async def flood(model, slot: int) -> None:
+            forward = runtime_pb2.ExpertRequest(
+                tensors=[tensor_to_proto(torch.randn(1, 64, HIDDEN))], metadata=pack_metadata({"blocks": [0, 1, 2, 3]})
+            )
+            info = runtime_pb2.ExpertRequest()
+            p2p = model.swarm.p2p
+            while not stop.is_set():
+                calls = [p2p.call_protobuf_handler(peer, RPC_INFO, info, runtime_pb2.ExpertResponse) for _ in range(8)]
+                calls.append(p2p.call_protobuf_handler(peer, RPC_FORWARD, forward, runtime_pb2.ExpertResponse))
+                await asyncio.gather(*calls, return_exceptions=True)
+                sent[slot] += len(calls)
+                session = RemoteInferenceSession(model.swarm, chain, batch=1, max_length=64)
+                await session._open()  # opened and dropped without a step
+                await session._close()
+
+        flooders = [
+            asyncio.run_coroutine_threadsafe(flood(model, slot), model.swarm.loop)
+            for slot, model in enumerate((flooder_a, flooder_b))
+        ]
+        try:
+            wait_until(lambda: min(sent) > 50, timeout_s=30)
+            output = honest.generate(prompt, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+        finally:
+            stop.set()
+            for flooder in flooders:
+                flooder.result(timeout=30)
+        assert torch.equal(output, expected)
+        print(f"\nhonest generation done while the node answered {sum(sent)} flood requests")
