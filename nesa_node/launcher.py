@@ -72,9 +72,10 @@ class ProcessGroup:
         return "log: " + " | ".join(text.splitlines()[-lines:]) if text else "no log"
 
     def stop(self, process: subprocess.Popen, *, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> None:
-        """Signal the child's process group, wait up to `grace_s`, then SIGKILL the group."""
+        """Signal the child (only it: its p2pd must outlive it while it drains and says goodbye on the network),
+        wait up to `grace_s`, then SIGKILL its whole process group."""
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, sig)
+            process.send_signal(sig)
         try:
             process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -84,12 +85,14 @@ class ProcessGroup:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
 
-    def stop_all(self) -> None:
+    def stop_all(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every child at once; those still running when the shared `grace_s` is up are SIGKILLed."""
         for process in reversed(self.processes):
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGTERM)
+                process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
         for process in reversed(self.processes):
-            self.stop(process, grace_s=15.0)
+            self.stop(process, grace_s=max(0.0, deadline - time.monotonic()))
 
     def close(self) -> None:
         try:

@@ -151,6 +151,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 compression=self.compression,
                 reroute=self.reroute,
                 max_failovers=self.max_failovers,
+                max_replacement_attempts=self.max_open_attempts,
             )
             try:
                 return session.open()

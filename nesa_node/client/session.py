@@ -103,6 +103,7 @@ class RemoteInferenceSession:
         compression: WireCodec = NO_CODEC,
         reroute: Rerouter | None = None,
         max_failovers: int = 3,
+        max_replacement_attempts: int = 8,
         step_timeout_s: float | None = None,
         probe_timeout_s: float = 1.0,
     ):
@@ -116,6 +117,9 @@ class RemoteInferenceSession:
         self.mode = mode
         self.reroute = reroute
         self.max_failovers = max_failovers
+        # replacements tried for one lost span: records of crashed nodes linger until they expire, so a failover
+        # during churn can meet several dead nodes in a row; each is banned and the next one tried
+        self.max_replacement_attempts = max_replacement_attempts
         self.step_timeout_s = step_timeout_s  # None: adaptive, see _deadline
         self.probe_timeout_s = probe_timeout_s  # rpc_info to find which node of a silent chain is gone
         self.session_id = uuid.uuid4().hex
@@ -352,15 +356,22 @@ class RemoteInferenceSession:
         logger.info(
             "node %s failed (%s); replacing blocks %d:%d", lost.peer_id, failure, lost.start_block, lost.end_block
         )
-        request = ChainRequest(
-            batch=self.batch,
-            max_length=self.max_length,
-            exclude=frozenset(link.hop.peer_id for link in self._links),  # reroute adds the banned peers
-            start_block=lost.start_block,
-            end_block=lost.end_block,
-        )
-        replacement = self.reroute(request)  # raises NoRouteError naming the missing blocks
-        self.swarm.call(self._replace(index, replacement.hops), timeout=self.swarm.request_timeout_s * 4)
+        for attempt in range(self.max_replacement_attempts):
+            request = ChainRequest(
+                batch=self.batch,
+                max_length=self.max_length,
+                exclude=frozenset(link.hop.peer_id for link in self._links),  # reroute adds the banned peers
+                start_block=lost.start_block,
+                end_block=lost.end_block,
+            )
+            replacement = self.reroute(request)  # raises NoRouteError naming the missing blocks
+            try:
+                self.swarm.call(self._replace(index, replacement.hops), timeout=self.swarm.request_timeout_s * 4)
+                break
+            except LinkFailed as failed:  # _replace banned a replacement that could not open or replay
+                if failed.link is not self._links[index] or attempt + 1 == self.max_replacement_attempts:
+                    raise
+                logger.info("replacement for blocks %d:%d failed: %s", lost.start_block, lost.end_block, failed)
         self.failovers.append(
             {
                 "failed": lost.peer_id,

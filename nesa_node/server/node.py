@@ -33,6 +33,8 @@ from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
 
 logger = logging.getLogger(__name__)
 
+SHUTDOWN_STEP_S = 2.0  # per network step of a shutdown (guess: a healthy DHT store takes well under 1 s)
+
 
 class Node:
     def __init__(self, config, span, budget, p2p, dht, handler, signature_validator, throughput, identity_tmp):
@@ -173,7 +175,8 @@ class Node:
     async def shutdown(self, *, drain_s: float = 5.0) -> None:
         """Drain, then stop: announce `draining` and refuse new sessions, let the steps already queued finish and
         end every session (clients re-route), wait up to `drain_s` for them to close, announce `offline`, stop the
-        DHT and P2P."""
+        DHT and P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire
+        anyway), and DHT peers that are gone too must not hold a stopping node (about drain_s + 8 s at most)."""
         self._stopped.set()
         if self._announcer is not None:
             self._announcer.cancel()
@@ -182,7 +185,7 @@ class Node:
         if self.handler is not None:
             self.state = NodeState.draining
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.announce(), timeout=5)
+                await asyncio.wait_for(self.announce(), timeout=SHUTDOWN_STEP_S)
             await self.handler.shutdown()  # refuses new sessions; ends each after the steps already in its queue
             if self.handler.sessions:
                 with contextlib.suppress(TimeoutError):
@@ -190,10 +193,10 @@ class Node:
             self.handler.close()
         self.state = NodeState.offline
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.announce(), timeout=5)
+            await asyncio.wait_for(self.announce(), timeout=SHUTDOWN_STEP_S)
         with contextlib.suppress(Exception):
-            await self.dht.shutdown()
+            await asyncio.wait_for(self.dht.shutdown(), timeout=SHUTDOWN_STEP_S)
         with contextlib.suppress(Exception):
-            await self.p2p.shutdown()
+            await asyncio.wait_for(self.p2p.shutdown(), timeout=SHUTDOWN_STEP_S)
         if self._identity_tmp is not None:
             self._identity_tmp.cleanup()
