@@ -85,11 +85,13 @@ Rerouter = Callable[[ChainRequest], Chain]  # picks a chain for a block range, e
 class RemoteInferenceSession:
     """An open inference session along `chain`. Not thread-safe: one generation at a time.
 
-    Failover (direct mode, when `reroute` is given): when a node fails during a step, the client bans it, asks
-    `reroute` for nodes covering exactly the lost span, rebuilds their caches by replaying the span's input history
-    (the previous node's outputs, kept by that node, or the client's own inputs for the first span), points the
-    previous node at the replacement, and sends the step again under the same step id: nodes that already did it
-    answer from their record, so every cache advances exactly once. At most `max_failovers` per step.
+    Failover (when `reroute` is given): when a node fails during a step, the client bans it, asks `reroute` for
+    nodes covering exactly the lost span, rebuilds their caches by replaying the span's input history (in direct
+    mode the previous node's outputs, kept by that node, or the client's own inputs for the first span; in relay
+    mode the client's inputs to that span), points the previous node at the replacement (direct mode), and sends
+    the step again under the same step id: nodes that already did it answer from their record, so every cache
+    advances exactly once. At most `max_failovers` per step; a replacement that fails while being set up is
+    banned and the next one tried, up to `max_replacement_attempts`.
     """
 
     def __init__(
@@ -126,7 +128,8 @@ class RemoteInferenceSession:
         self.position = 0  # tokens the nodes' caches hold
         self.timings: list[StepTiming] = []
         self.failovers: list[dict] = []  # one entry per recovery: failed peer, replacements, seconds
-        self._inputs: list[torch.Tensor] = []  # what the client sent to the first span, per step (for replay)
+        # what the client sent, per step, for replay: direct mode to the first span only, relay mode to every link
+        self._inputs: list[list[torch.Tensor]] = []  # [link][step] (batch, seq, hidden)
         self._links: list[_Link] = []
         self._responses: asyncio.Queue | None = None
         self._closed = False
@@ -270,10 +273,10 @@ class RemoteInferenceSession:
             try:
                 if failure is not None:  # a replacement that fails while its cache is rebuilt fails like any node
                     self._recover(failure)
-                output, compute_s, sent, received = self.swarm.call(self._step(hidden, deadline))
+                output, compute_s, sent, received, inputs = self.swarm.call(self._step(hidden, deadline))
                 break
             except LinkFailed as failed:
-                if self.mode != "direct" or self.reroute is None or failovers >= self.max_failovers:
+                if self.reroute is None or failovers >= self.max_failovers:
                     raise PeerUnavailableError(f"{failed.message} (no failover left)") from None
                 failovers += 1
                 failure = failed
@@ -286,8 +289,11 @@ class RemoteInferenceSession:
                 failovers=failovers,
             )
         )
-        if self.reroute is not None and self.mode == "direct":  # replayed if the first span fails
-            self._inputs.append(hidden.detach().clone())
+        if self.reroute is not None:  # replayed into a replacement of a span that fails
+            if not self._inputs:
+                self._inputs = [[] for _ in inputs]
+            for kept, sent_input in zip(self._inputs, inputs, strict=True):
+                kept.append(sent_input.detach().clone())
         self.position += hidden.shape[1]
         return output
 
@@ -302,11 +308,16 @@ class RemoteInferenceSession:
             return max(MIN_STEP_DEADLINE_S, 10 * max(recent))
         return self.swarm.request_timeout_s
 
-    async def _step(self, hidden: torch.Tensor, deadline_s: float) -> tuple[torch.Tensor, float, int, int]:
+    async def _step(
+        self, hidden: torch.Tensor, deadline_s: float
+    ) -> tuple[torch.Tensor, float, int, int, list[torch.Tensor]]:
+        """One step through the chain: (output, compute seconds, bytes sent, bytes received, the input the client
+        sent to each link it feeds: the first in direct mode, all in relay mode)."""
         step_id = f"{self.session_id}:{self.position}"  # the same on a retry: nodes that did it answer from record
         links = self._links if self.mode == "relay" else self._links[:1]
-        compute_s, sent, received = 0.0, 0, 0
+        compute_s, sent, received, inputs = 0.0, 0, 0, []
         for link in links:
+            inputs.append(hidden)
             codec = codec_for(None, link.hop, self.compression)
             request = runtime_pb2.ExpertRequest(
                 tensors=[tensor_to_proto(hidden, codec)],
@@ -323,7 +334,7 @@ class RemoteInferenceSession:
             received += response.ByteSize()
             hidden = self._read_hidden(answered, response, metadata, hidden.numel())
             compute_s += float(metadata.get("compute_s", 0.0))
-        return hidden, compute_s, sent, received
+        return hidden, compute_s, sent, received, inputs
 
     def _raise_step_error(self, answered: _Link, metadata: dict) -> None:
         """A node that could not push a step to its next node reports peer_unavailable: that next node failed."""
@@ -397,11 +408,13 @@ class RemoteInferenceSession:
         previous = self._links[index - 1] if index > 0 else None
         following = self._links[index + 1].hop if index + 1 < len(self._links) else None
         self._close_links([self._links[index]])
-        # the lost span's inputs: the previous node's outputs, or what the client sent to the first span
+        # the lost span's inputs: what the client sent to it (first span, or any in relay mode), or else the
+        # previous node's outputs
+        relay = self.mode == "relay"
         if self.position == 0:
             history = None
-        elif previous is None:
-            history = torch.cat(self._inputs, dim=1)  # (batch, position, hidden)
+        elif previous is None or relay:
+            history = torch.cat(self._inputs[index], dim=1)  # (batch, position, hidden)
         else:
             previous.outbox.put_nowait(
                 runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "history", "position": self.position}))
@@ -411,8 +424,7 @@ class RemoteInferenceSession:
         new_links: list[_Link] = []
         try:
             new_links = await self._open_links(hops, upstream, following)
-            if history is not None:
-                await self._replay(new_links, history)
+            replayed_inputs = await self._replay(new_links, history) if history is not None else None
         except LinkFailed as failure:
             # a replacement that cannot open or replay is banned; the lost span is still the one to replace
             self._close_links(new_links)
@@ -426,14 +438,17 @@ class RemoteInferenceSession:
             self._close_links(new_links)
             raise
         try:
-            # the neighbours now talk to the replacement: previous pushes to it, following accepts its pushes
-            if previous is not None:
+            # direct mode: the neighbours now talk to the replacement (previous pushes to it, following accepts
+            # its pushes); in relay mode every node talks to the client only
+            if previous is not None and not relay:
                 await self._retarget(previous, next=new_links[0].hop.peer_id)
-            if index + 1 < len(self._links):
+            if index + 1 < len(self._links) and not relay:
                 await self._retarget(self._links[index + 1], upstream=new_links[-1].hop.peer_id)
         except BaseException:
             self._close_links(new_links)
             raise
+        if relay and self._inputs:  # the replacement links' own inputs, for a later failover of one of them
+            self._inputs[index : index + 1] = replayed_inputs or [[] for _ in new_links]
         self._links[index : index + 1] = new_links
         self.chain = Chain(hops=tuple(link.hop for link in self._links))
 
@@ -451,9 +466,12 @@ class RemoteInferenceSession:
             return None
         return self._read_hidden(link, response, metadata, max_elements)
 
-    async def _replay(self, links: list[_Link], history: torch.Tensor) -> None:
-        """Rebuild the replacement nodes' caches: the history goes through them one by one, via the client."""
+    async def _replay(self, links: list[_Link], history: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Rebuild the replacement nodes' caches: the history goes through them one by one, via the client.
+        Returns each link's input history (one tensor per link)."""
+        inputs = []
         for link in links:
+            inputs.append([history])
             outputs = []
             for start in range(0, history.shape[1], REPLAY_CHUNK_TOKENS):
                 chunk = history[:, start : start + REPLAY_CHUNK_TOKENS]  # (batch, <= chunk, hidden)
@@ -474,3 +492,4 @@ class RemoteInferenceSession:
                         break
                 outputs.append(self._read_hidden(link, response, metadata, chunk.numel()))
             history = torch.cat(outputs, dim=1)
+        return inputs

@@ -497,14 +497,22 @@ class BlockHandler(ServicerBase):
         session.push_outbox.put_nowait(request)
 
     async def _read_push_errors(self, session: ServerSession, responses) -> None:
-        """The next node answers a push stream only to refuse a step; report that to the client."""
+        """The next node answers a push stream only to refuse a step; report that to the client. The stream
+        ending while the session still pushes on it means the next node is gone: report that at once, so the
+        client replaces it now rather than when its step deadline passes."""
         try:
             async for response in responses:
                 metadata = unpack_metadata(response.metadata)
                 if "error" in metadata:
                     session.inbox.put_nowait((None, {"_error": error_from_metadata(metadata)}))
+            ending = "ended"
         except Exception as exc:
-            logger.debug("push stream of session %s ended: %r", session.session_id, exc)
+            ending = f"failed: {exc!r}"
+        logger.debug("push stream of session %s %s", session.session_id, ending)
+        if session.push_reader is asyncio.current_task() and self.sessions.get(session.session_id) is session:
+            session.push_outbox = session.push_reader = None  # a later push opens a new stream
+            error = PeerUnavailableError(f"next node {session.next_peer}: push stream {ending}")
+            session.inbox.put_nowait((None, {"_error": error}))
 
     async def shutdown(self) -> None:
         """End every session after the steps already in its queue (the compute thread stays up: see close)."""

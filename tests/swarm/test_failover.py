@@ -20,7 +20,7 @@ from tests.swarm.conftest import wait_for_chain, wait_until
 
 SPANS = [(0, 1), (1, 3), (3, 4)]
 # nodes per span: enough for every test below to kill (or stop) one and still find a replacement
-COPIES = {(0, 1): 3, (1, 3): 4, (3, 4): 3}
+COPIES = {(0, 1): 3, (1, 3): 5, (3, 4): 3}
 PROMPT = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(5))
 NEW_TOKENS, KILL_AFTER = 128, 64
 RECOVERY_LIMIT_S = 2.0  # RELIABILITY.md A1: failed step to next good step
@@ -91,9 +91,9 @@ class KillAfter:
         pass
 
 
-def connect(swarm: FailoverSwarm, path: str) -> DistributedModelForCausalLM:
+def connect(swarm: FailoverSwarm, path: str, mode: str = "direct") -> DistributedModelForCausalLM:
     return DistributedModelForCausalLM.from_pretrained(
-        path, initial_peers=swarm.initial_peers, dht_prefix="failover", compression="none"
+        path, initial_peers=swarm.initial_peers, dht_prefix="failover", compression="none", mode=mode
     )
 
 
@@ -158,6 +158,28 @@ def test_a2_replacement_killed_during_replay(failover_swarm, tiny_llama, referen
         print(f"\nrecovery with a second replacement: {max(timing.wall_s for timing in session.timings):.3f} s")
 
 
+def test_a1_relay_mode_middle_node_killed_tokens_unchanged(failover_swarm, tiny_llama, reference):
+    """Client-relayed mode: the client holds every span's inputs, replays the lost one's into the replacement."""
+    with connect(failover_swarm, tiny_llama, mode="relay") as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
+        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
+            lost = session.chain.hops[1]
+            output = model.generate(
+                PROMPT,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                streamer=KillAfter(KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id)),
+            )
+        assert torch.equal(output, reference)
+        assert [(entry["failed"], entry["position"]) for entry in session.failovers] == [
+            (lost.peer_id, 16 + KILL_AFTER - 1)
+        ]
+        assert lost.peer_id in model.swarm.banned()
+        assert not set(session.failovers[0]["replacements"]) & model.swarm.banned()
+        print(f"\nrelay-mode recovery: {max(timing.wall_s for timing in session.timings):.3f} s")
+
+
 def test_a3_stopped_node_client_reroutes_and_the_stale_node_frees_its_cache(failover_swarm, tiny_llama, reference):
     """SIGSTOP the last node (its p2pd too) mid-generation: the client's step deadline passes, it re-routes, and the
     tokens are unchanged; after SIGCONT the stale node frees that session's cache within its step timeout."""
@@ -217,7 +239,15 @@ def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
         wait_for_chain(model, hops=2, max_length=16 + NEW_TOKENS)
         with model.inference_session(max_length=16 + NEW_TOKENS) as session:
             draining = next(node for node in local_swarm.nodes if node.peer_id == session.chain.hops[1].peer_id)
-            states = []
+            states, announced = [], []
+            announce = draining.announce
+
+            async def recorded_announce():
+                stored = await announce()
+                announced.append((draining.state, stored))
+                return stored
+
+            draining.announce = recorded_announce  # the DHT records the node wrote, in order
 
             def drain() -> None:
                 local_swarm.stop_node(draining)
@@ -233,4 +263,5 @@ def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
         assert torch.equal(output, reference)
         assert [failover["failed"] for failover in session.failovers] == [draining.peer_id]
         assert states == [NodeState.offline] and draining.handler.draining
+        assert announced[-2:] == [(NodeState.draining, True), (NodeState.offline, True)]
         assert not draining.handler.sessions
