@@ -71,6 +71,9 @@ class Node:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
         element_bytes = DTYPES[config.dtype].itemsize
         bytes_per_token = kv_bytes_per_token_for(model_config, config.end_block - config.start_block, element_bytes)
+        # plus this span's output per token, kept while a next node may need it to rebuild its cache (failover):
+        # for a short span with grouped-query attention it can exceed the span's own KV cache
+        bytes_per_token += model_config.hidden_size * element_bytes
         budget = CacheBudget.for_tokens(config.max_cache_tokens, bytes_per_token)
 
         identity_tmp = None

@@ -81,7 +81,7 @@ def _online_peers(model) -> set[str]:
     return {record.info.peer_id for record in model.swarm.node_records() if record.info.state.value == "online"}
 
 
-def test_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_llama):
+def test_b_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_llama):
     node = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix="forgery")
     other = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix="forgery")
     records = local_swarm.run(fetch_node_infos(node.dht, "forgery"))
