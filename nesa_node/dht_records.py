@@ -93,10 +93,31 @@ def owner_peer_id(subkey: object) -> str | None:
     return peer_id_of_public_key(RSAPublicKey.from_bytes(found[0])).to_base58()
 
 
+class ExpirationValidator(RecordValidatorBase):
+    """Every record, under any key: a finite expiration at most MAX_RECORD_TTL_S ahead. hivemind's storage takes
+    NaN and inf expirations (and refuses only past ones), so without this a peer that does not know a model key,
+    such as a bootstrap peer, would keep such a record forever."""
+
+    def validate(self, record: DHTRecord) -> bool:
+        ok = math.isfinite(record.expiration_time) and record.expiration_time <= get_dht_time() + MAX_RECORD_TTL_S
+        if not ok:
+            logger.debug("rejected a record with expiration %r", record.expiration_time)
+        return ok
+
+    @property
+    def priority(self) -> int:
+        return 20  # before the signature check: the cheapest test first
+
+    def merge_with(self, other: RecordValidatorBase) -> bool:
+        return isinstance(other, ExpirationValidator)
+
+
 def make_validator(signature_validator: RSASignatureValidator | None, dht_prefixes: list[str]) -> CompositeValidator:
-    """Signature check (and stripping) first, then the NodeInfo schema. Peers that write no records of their own
-    (clients, bootstrap peers) still verify and strip signatures, with a throwaway key."""
-    return CompositeValidator([NodeInfoValidator(dht_prefixes), signature_validator or RSASignatureValidator()])
+    """Expiration bounds, then the signature check (and stripping), then the NodeInfo schema. Peers that write no
+    records of their own (clients, bootstrap peers) still verify and strip signatures, with a throwaway key."""
+    return CompositeValidator(
+        [ExpirationValidator(), NodeInfoValidator(dht_prefixes), signature_validator or RSASignatureValidator()]
+    )
 
 
 @dataclass(frozen=True)

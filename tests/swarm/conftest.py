@@ -22,12 +22,12 @@ from nesa_node.server.node import Node
 class LocalSwarm:
     """A bootstrap peer plus nodes started on demand; `close` stops everything it started."""
 
-    def __init__(self) -> None:
+    def __init__(self, dht_prefixes: tuple[str, ...] = ()) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-swarm-loop", daemon=True)
         self.thread.start()
         self.nodes: list[Node] = []
-        self.bootstrap = self.run(BootstrapPeer.create())
+        self.bootstrap = self.run(BootstrapPeer.create(dht_prefixes=dht_prefixes))  # model keys it validates
         self.initial_peers = self.run(self.bootstrap.visible_maddrs())
 
     def run(self, coroutine, timeout: float = 120.0):

@@ -14,7 +14,9 @@ import time
 import pytest
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
+from hivemind.dht.protocol import DHTProtocol
 from hivemind.dht.routing import DHTID
+from hivemind.dht.validation import DHTRecord
 from hivemind.p2p import P2P
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
@@ -24,7 +26,7 @@ from nesa_node.client.swarm import SwarmClient
 from nesa_node.dht_records import fetch_node_infos, model_key, store_node_info
 from nesa_node.identity import peer_id_of_public_key
 from nesa_node.records import NodeState
-from tests.swarm.conftest import wait_until
+from tests.swarm.conftest import LocalSwarm, wait_until
 
 
 def test_b_replayed_older_record_does_not_evict_the_newer_one(local_swarm, tiny_llama):
@@ -69,8 +71,18 @@ class DHTPeers:
 
 
 @pytest.fixture
-def dht_peers(local_swarm):
-    peers = DHTPeers(local_swarm, 9)
+def hostile_swarm():
+    """A local swarm whose bootstrap peer validates records under PREFIX, like every node serving that model."""
+    swarm = LocalSwarm(dht_prefixes=(PREFIX,))
+    try:
+        yield swarm
+    finally:
+        swarm.close()
+
+
+@pytest.fixture
+def dht_peers(hostile_swarm):
+    peers = DHTPeers(hostile_swarm, 9)
     try:
         yield peers
     finally:
@@ -86,16 +98,33 @@ class Attacker:
         self.peer_id = peer_id_of_public_key(self.key.get_public_key()).to_base58()
         self.signer = RSASignatureValidator(self.key)
 
-        async def start():
+        async def start():  # a DHT client: it stores on other peers only, so their verdict is what store returns
             p2p = await P2P.create(initial_peers=list(swarm.initial_peers))
-            dht = await DHTNode.create(p2p=p2p, initial_peers=list(swarm.initial_peers), record_validator=self.signer)
+            dht = await DHTNode.create(
+                p2p=p2p, initial_peers=list(swarm.initial_peers), record_validator=self.signer, client_mode=True
+            )
             return p2p, dht
 
         self.p2p, self.dht = swarm.run(start())
 
+    @property
+    def subkey(self) -> bytes:
+        return self.peer_id.encode() + self.signer.local_public_key
+
     def store(self, value: str, expiration: float) -> bool:
-        subkey = self.peer_id.encode() + self.signer.local_public_key
-        return self.swarm.run(self.dht.store(model_key(PREFIX), value, expiration, subkey=subkey))
+        return self.swarm.run(self.dht.store(model_key(PREFIX), value, expiration, subkey=self.subkey))
+
+    def plant(self, dht: DHTNode, value: str, expiration: float) -> None:
+        """Put a signed record straight into `dht`'s storage, as a replica that skipped validation would hold it."""
+        key = DHTID.generate(source=model_key(PREFIX))
+        record = DHTRecord(
+            key=key.to_bytes(),
+            subkey=DHTProtocol.serializer.dumps(self.subkey),
+            value=DHTProtocol.serializer.dumps(value),
+            expiration_time=expiration,
+        )
+        signed = self.signer.sign_value(record)
+        assert dht.protocol.storage.store_subkey(key, record.subkey, signed, expiration)
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
@@ -117,10 +146,10 @@ def held_by(peers, attacker: Attacker) -> list[str]:
     return found
 
 
-def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(local_swarm, tiny_llama, dht_peers):
-    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
-    honest = [node.dht] + [peer.dht for peer in dht_peers.peers]
-    attacker = Attacker(local_swarm)
+def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(hostile_swarm, tiny_llama, dht_peers):
+    node = hostile_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    honest = [node.dht, hostile_swarm.bootstrap.dht] + [peer.dht for peer in dht_peers.peers]
+    attacker = Attacker(hostile_swarm)
     try:
         wire = json.loads(node.current_info().model_copy(update={"peer_id": attacker.peer_id}).to_wire())
         now = get_dht_time()
@@ -132,15 +161,25 @@ def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(lo
             {"adapters": ["adapter"] * 65},
             {"forward_tps": float("inf")},
         ]
+        # on store: every honest peer refuses, so no replica takes them
         for change in violations:
             assert not attacker.store(json.dumps(wire | change), now + 30), change
         for expiration in (float("nan"), float("inf"), now - 10, now + 10**6):
             assert not attacker.store(json.dumps(wire), expiration), expiration
         assert held_by(honest, attacker) == []
-        # the control: the same writer's well-formed record is stored and read, so the refusals above were real
-        assert attacker.store(json.dumps(wire), get_dht_time() + 30)
-        assert held_by(honest, attacker)
-        with SwarmClient(local_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
+        with SwarmClient(hostile_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
+            # on read: a replica that took a bad record anyway (planted in the peer nearest to the key, which
+            # every read asks) does not get it past the reader
+            key = DHTID.generate(source=model_key(PREFIX))
+            nearest = min(honest, key=lambda dht: dht.node_id.xor_distance(key))
+            attacker.plant(nearest, json.dumps(wire | {"cache_tokens_left": -5}), get_dht_time() + 60)
+            for _ in range(3):
+                fresh = swarm.call(fetch_node_infos(swarm.dht, PREFIX))
+                assert node.peer_id in {r.info.peer_id for r in fresh}
+                assert attacker.peer_id not in {r.info.peer_id for r in fresh}
+            # the control: the same writer's well-formed record is stored and read, so the refusals were real
+            assert attacker.store(json.dumps(wire), get_dht_time() + 30)
+            assert held_by(honest, attacker)
             wait_until(lambda: attacker.peer_id in {r.info.peer_id for r in swarm.node_records()}, timeout_s=30)
             # blocks outside the model pass the schema (it does not know the model's depth); readers drop them
             assert attacker.store(json.dumps(wire | {"end_block": 999}), get_dht_time() + 60)
@@ -153,7 +192,8 @@ def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(lo
         attacker.close()
 
 
-def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(local_swarm, tiny_llama, dht_peers):
+def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(hostile_swarm, tiny_llama, dht_peers):
+    local_swarm = hostile_swarm
     first = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, announce_period_s=1.0)
     peers = [first.dht, local_swarm.bootstrap.dht] + [peer.dht for peer in dht_peers.peers]  # 11 DHT peers
     # the dying fifth: of the extra peers, the two nearest to the model key, i.e. replicas of its records
