@@ -164,6 +164,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="close a session whose step is not computed and handed to the next node within this (default 30)",
     )
     run.add_argument(
+        "--link-probe-period",
+        type=_positive(float),
+        default=60.0,
+        metavar="S",
+        help="seconds between measurements of the links (RTT, bandwidth) to neighbours and a few peers (default 60)",
+    )
+    run.add_argument(
+        "--inject-delay-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="testing: answer every RPC, pings included, this much later, so a node on one machine looks far "
+        "away to routing and link measurement (the kernel here lacks netem to delay packets)",
+    )
+    run.add_argument(
         "--max-sessions-per-peer",
         type=_positive(int),
         default=32,
@@ -287,6 +302,8 @@ async def _run_node(args) -> None:
         announce_period_s=args.announce_period,
         session_timeout_s=args.session_timeout,
         step_timeout_s=args.step_timeout,
+        link_probe_period_s=args.link_probe_period,
+        inject_delay_ms=max(0.0, args.inject_delay_ms),
         max_sessions_per_peer=args.max_sessions_per_peer,
         max_cache_share_per_peer=args.max_cache_share_per_peer,
         address_file=args.address_file,

@@ -44,6 +44,10 @@ class NodeConfig:
     # thread and back costs two thread wake-ups (0.2-0.6 ms measured on a loaded 2-core host), more than a short
     # stall of the loop costs. 0 sends every step to the compute thread.
     inline_compute_ms: float = 15.0
+    link_probe_period_s: float = 60.0  # how often the links to a sample of peers are measured (rpc_ping)
+    # test option: answer every RPC (pings included) this much later, so a node on loopback looks far away to
+    # routing and to the link measurements alike (the kernel here has no netem to add real delay)
+    inject_delay_ms: float = 0.0
     # codecs the node accepts for hidden states (and will produce when a client asks); "none" is always included
     compression: tuple[str, ...] = CODECS
 

@@ -35,6 +35,7 @@ from hivemind.proto import runtime_pb2
 from nesa_node.compression.codec import WIRE_DTYPES, all_finite
 from nesa_node.errors import (
     BadRequestError,
+    MessageTooLargeError,
     NesaError,
     PeerUnavailableError,
     QuotaExceededError,
@@ -43,6 +44,7 @@ from nesa_node.errors import (
     TooManySessionsError,
 )
 from nesa_node.server.config import NodeConfig
+from nesa_node.server.links import MAX_PING_BYTES
 from nesa_node.server.session import END_OF_SESSION, ServerSession
 from nesa_node.sharding.kv_cache import CacheBudget
 from nesa_node.transport import serve_stream
@@ -123,11 +125,24 @@ class BlockHandler(ServicerBase):
 
     # ---- unary -------------------------------------------------------------------------------------------
 
+    async def _injected_delay(self) -> None:
+        if self.config.inject_delay_ms > 0:
+            await asyncio.sleep(self.config.inject_delay_ms / 1000)
+
     async def rpc_info(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        await self._injected_delay()
         return runtime_pb2.ExpertResponse(metadata=pack_metadata({"info": self.info_provider().to_wire()}))
+
+    async def rpc_ping(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
+        """An empty answer, for RTT; a request may carry up to MAX_PING_BYTES of payload, for bandwidth."""
+        await self._injected_delay()
+        if request.ByteSize() > MAX_PING_BYTES:
+            return error_response(MessageTooLargeError(f"ping of {request.ByteSize()} bytes over {MAX_PING_BYTES}"))
+        return runtime_pb2.ExpertResponse()
 
     async def rpc_forward(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
         """Run the span on a whole sequence without a cache (positions from 0)."""
+        await self._injected_delay()
         try:
             metadata = unpack_metadata(request.metadata)
             self._check_blocks(metadata)
@@ -388,6 +403,7 @@ class BlockHandler(ServicerBase):
     ) -> tuple[torch.Tensor, float]:
         if "_error" in metadata:
             raise metadata["_error"]
+        await self._injected_delay()
         step_id = field(metadata, "step_id", str)
         position = field(metadata, "position", int)
         digest = _step_digest(request, metadata, position)

@@ -21,12 +21,13 @@ from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P
 
 from nesa_node import __version__
-from nesa_node.dht_records import default_dht_prefix, make_validator, store_node_info
+from nesa_node.dht_records import default_dht_prefix, fetch_node_infos, make_validator, store_node_info
 from nesa_node.identity import ensure_identity, load_private_key
 from nesa_node.launcher import write_address_file
 from nesa_node.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.handler import BlockHandler
+from nesa_node.server.links import LinkProber
 from nesa_node.server.throughput import cached_measure
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
@@ -52,6 +53,8 @@ class Node:
         self.state = NodeState.joining
         self._stopped = asyncio.Event()
         self._announcer: asyncio.Task | None = None
+        self._prober_task: asyncio.Task | None = None
+        self.prober = LinkProber(p2p)
         self._process = psutil.Process()
 
     @classmethod
@@ -141,6 +144,7 @@ class Node:
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,
             max_length=self.config.max_length,
+            links=tuple(self.prober.links.values()),
         )
 
     async def announce(self) -> bool:
@@ -160,11 +164,29 @@ class Node:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopped.wait(), timeout=self.config.announce_period_s)
 
+    async def _probe_loop(self) -> None:
+        """Measure links every link_probe_period_s, the first time one announce period after going online (once
+        the neighbours' records are likely out); the next announcement carries them."""
+        delay = self.config.announce_period_s
+        while not self._stopped.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped.wait(), timeout=delay)
+                return
+            try:
+                records = await asyncio.wait_for(
+                    fetch_node_infos(self.dht, self.dht_prefix), self.config.peer_timeout_s
+                )
+                await self.prober.probe(self.current_info(), [record.info for record in records])
+            except Exception as exc:
+                logger.debug("link measurement failed: %r", exc)
+            delay = self.config.link_probe_period_s
+
     async def start(self) -> None:
-        """Go online: announce now and every announce period; write the address file."""
+        """Go online: announce now and every announce period; measure links; write the address file."""
         self.state = NodeState.online
         await self.announce()
         self._announcer = asyncio.create_task(self._announce_loop())
+        self._prober_task = asyncio.create_task(self._probe_loop())
         if self.config.address_file:
             await asyncio.to_thread(write_address_file, self.config.address_file, await self.visible_maddrs())
 
@@ -181,6 +203,8 @@ class Node:
         DHT and P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire
         anyway), and DHT peers that are gone too must not hold a stopping node (about drain_s + 8 s at most)."""
         self._stopped.set()
+        if self._prober_task is not None:
+            self._prober_task.cancel()
         if self._announcer is not None:
             self._announcer.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
