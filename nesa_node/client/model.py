@@ -21,7 +21,7 @@ from nesa_node.client.session import LinkFailed, RemoteInferenceSession, codec_f
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.compression.codec import DEFAULT_CODEC
 from nesa_node.dht_records import default_dht_prefix
-from nesa_node.errors import SessionStateError
+from nesa_node.errors import NoRouteError, SessionStateError
 from nesa_node.routing.chain import Chain, ChainRequest, select_chain
 from nesa_node.sharding.blocks import load_client_edges, load_config
 from nesa_node.wire import WireCodec
@@ -123,7 +123,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def reroute(self, request: ChainRequest) -> Chain:
         """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm."""
         request = replace(request, exclude=request.exclude | self.swarm.banned())
-        return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers), request)
+        try:
+            return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers), request)
+        except NoRouteError:  # the records at hand may be stale: decide on a completed DHT read
+            return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers, fresh=True), request)
 
     @contextlib.contextmanager
     def inference_session(self, *, max_length: int, batch: int = 1) -> Iterator[RemoteInferenceSession]:

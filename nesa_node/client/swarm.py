@@ -112,21 +112,22 @@ class SwarmClient:
 
     # ---- swarm state --------------------------------------------------------------------------------------
 
-    def node_records(self) -> list[NodeRecord]:
+    def node_records(self, fresh: bool = False) -> list[NodeRecord]:
         """The nodes' records: a fresh DHT read merged with earlier reads whose records have not expired yet.
 
         A DHT lookup can miss replicas now and then; a record stays valid until its own expiration, so a
         momentarily empty answer does not make live nodes vanish from routing. While unexpired records are at
         hand, a read slower than `records_wait_s` (a DHT peer that stopped answering costs hivemind 3 s) is not
-        waited for: routing uses the records at hand and the read lands in them when it completes."""
-        return self.call(self._node_records(), timeout=self.request_timeout_s + 5)
+        waited for: routing uses the records at hand and the read lands in them when it completes.
+        `fresh=True` waits for the read in any case (routing found no chain in the records at hand)."""
+        return self.call(self._node_records(fresh), timeout=self.request_timeout_s + 5)
 
-    async def _node_records(self) -> list[NodeRecord]:
+    async def _node_records(self, fresh: bool) -> list[NodeRecord]:
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.ensure_future(self._refresh_records())
         held = self._unexpired()
         try:
-            if held:
+            if held and not fresh:
                 await asyncio.wait_for(asyncio.shield(self._refresh), timeout=self.records_wait_s)
             else:
                 await asyncio.wait_for(asyncio.shield(self._refresh), timeout=self.request_timeout_s)
@@ -152,10 +153,11 @@ class SwarmClient:
         now = get_dht_time()
         return {peer: record for peer, record in self._records.items() if record.expiration_time > now}
 
-    def snapshot(self, num_blocks: int) -> SwarmSnapshot:
-        """Freeze the current records (online nodes, with the client's measured rtts) for routing."""
+    def snapshot(self, num_blocks: int, *, fresh: bool = False) -> SwarmSnapshot:
+        """Freeze the current records (online nodes, with the client's measured rtts) for routing; `fresh`: see
+        node_records."""
         nodes = []
-        for record in self.node_records():
+        for record in self.node_records(fresh):
             info = record.info
             if info.end_block > num_blocks:  # the schema cannot know the model's depth; the reader does
                 logger.debug(
