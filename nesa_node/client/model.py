@@ -22,11 +22,30 @@ from nesa_node.client.swarm import SwarmClient
 from nesa_node.compression.codec import DEFAULT_CODEC
 from nesa_node.dht_records import default_dht_prefix
 from nesa_node.errors import NoRouteError, SessionStateError
-from nesa_node.routing.chain import Chain, ChainRequest, select_chain
+from nesa_node.routing.chain import Chain, ChainRequest, SwarmSnapshot, select_chain
 from nesa_node.sharding.blocks import load_client_edges, load_config
 from nesa_node.wire import WireCodec
 
 logger = logging.getLogger(__name__)
+
+
+def _candidates(snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str]) -> str:
+    """Why the nodes of the requested block range were not used: what a NoRouteError adds for its reader."""
+    end = request.end_block if request.end_block is not None else snapshot.num_blocks
+    seen = []
+    for node in snapshot.nodes:
+        if node.end_block <= request.start_block or node.start_block >= end:
+            continue
+        if node.peer_id in banned:
+            reason = "banned after a failure"
+        elif node.peer_id in request.exclude:
+            reason = "already in the chain"
+        elif not node.online:
+            reason = "not online"
+        else:
+            reason = f"{node.cache_tokens_left} cache tokens left"
+        seen.append(f"{node.peer_id[-8:]} (blocks {node.start_block}:{node.end_block}, {reason})")
+    return f"nodes seen for blocks {request.start_block}:{end}: " + (", ".join(seen) or "none")
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
@@ -126,7 +145,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         try:
             return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers), request)
         except NoRouteError:  # the records at hand may be stale: decide on a completed DHT read
-            return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers, fresh=True), request)
+            snapshot = self.swarm.snapshot(self.config.num_hidden_layers, fresh=True)
+            try:
+                return self.chain_selector(snapshot, request)
+            except NoRouteError as error:
+                raise NoRouteError(f"{error.message}; {_candidates(snapshot, request, self.swarm.banned())}") from None
 
     @contextlib.contextmanager
     def inference_session(self, *, max_length: int, batch: int = 1) -> Iterator[RemoteInferenceSession]:
