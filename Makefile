@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(PY) bench/inference.py
 	$(PY) bench/compression.py
 	$(PY) bench/failover.py
+	$(PY) bench/routing.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -390,6 +390,7 @@ class RemoteInferenceSession:
                 "blocks": [lost.start_block, lost.end_block],
                 "position": self.position,
                 "seconds": time.perf_counter() - started,
+                "banned": sorted(self.swarm.banned()),  # when the recovery ended (bans expire: see SwarmClient.ban)
             }
         )
 
