@@ -66,9 +66,10 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     ):
         super().__init__(config)
         self.max_failovers = 3  # node failures survived per step (each bans the node and replaces its span)
-        # chains tried when opening a session: records of crashed nodes linger until they expire (3 announce
-        # periods), so several dead nodes can be met in a row after a crash; each failed one is banned
-        self.max_open_attempts = 8
+        # chains tried when opening a session (and replacements tried in a failover): records of crashed nodes
+        # linger until they expire (3 announce periods + 10 s), so after a burst of crashes many dead nodes can be
+        # met in a row; each one that fails is banned, so every attempt removes a candidate
+        self.max_open_attempts = 32
         # hidden-state codec asked of every hop that accepts it (others get "none"); a name or a WireCodec
         self.compression = compression if isinstance(compression, WireCodec) else WireCodec.of(compression)
         self.model_edges = edges
