@@ -109,7 +109,7 @@ def raw_tensor(shape: list[int], buffer: bytes, dtype: str = "float32") -> runti
     return runtime_pb2.ExpertRequest(tensors=[tensor], metadata=pack_metadata({"step_id": "s:0", "position": 0}))
 
 
-def converse(target: Target, messages, *, answers: int | None = None, timeout: float = 20.0) -> list[dict]:
+def converse(target: Target, messages, *, answers: int | None = None, until=None, timeout: float = 20.0) -> list[dict]:
     """Send `messages` (a list, or an async iterator) on one inference stream; the metadata of the node's answers,
     `answers` of them or all until the node ends the stream."""
 
@@ -130,6 +130,8 @@ def converse(target: Target, messages, *, answers: int | None = None, timeout: f
                 async for response in stream:
                     received.append(unpack_metadata(response.metadata))
                     if answers is not None and len(received) == answers:
+                        break
+                    if until is not None and until(received[-1]):  # the client stops here, still writing
                         break
         except ConnectionError:  # the node ended the stream while the client was still writing
             pass
@@ -204,7 +206,7 @@ def test_d_endless_stream_ends_with_a_typed_error(target):
             yield step(position)
             position += 1
 
-    received = converse(target, endless())
+    received = converse(target, endless(), until=lambda answer: "session closed" in answer.get("message", ""))
     assert received[0].get("ok") is True
     served = [answer for answer in received[1:] if "error" not in answer]
     refused = [answer for answer in received[1:] if "error" in answer]
