@@ -32,27 +32,12 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node.chaos import ChaosSwarm  # noqa: E402
+from nesa_node.chaos import AfterTokens, ChaosSwarm  # noqa: E402
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
 from nesa_node.errors import NoRouteError  # noqa: E402
 from nesa_node.model_init import TinyModelSpec, init_tiny_model  # noqa: E402
 
 SPANS = [(0, 2), (2, 4), (4, 6)]
-
-
-class KillAt:
-    """Streamer that runs `action` once, after `count` new tokens."""
-
-    def __init__(self, count: int, action) -> None:
-        self.count, self.action, self.seen = count, action, -1  # the first call carries the prompt
-
-    def put(self, value) -> None:
-        self.seen += 1
-        if self.seen == self.count:
-            self.action()
-
-    def end(self) -> None:
-        pass
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -141,7 +126,7 @@ def main() -> None:
                         max_new_tokens=args.new_tokens,
                         min_new_tokens=args.new_tokens,
                         do_sample=False,
-                        streamer=KillAt(at, lambda peer=victim.peer_id: swarm.kill(peer)),
+                        streamer=AfterTokens(at, lambda peer=victim.peer_id: swarm.kill(peer)),
                     )
                     failed_steps = [timing.wall_s for timing in session.timings if timing.failovers]
                 wrong += int(not torch.equal(output, references[index]))

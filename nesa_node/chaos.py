@@ -131,21 +131,32 @@ class ChaosSwarm:
         process = psutil.Process(self.node(peer_id).process.pid)
         return sum(each.num_fds() for each in (process, *process.children(recursive=True)))
 
-    def rss_mb(self, peer_id: str) -> float:
-        process = psutil.Process(self.node(peer_id).process.pid)
-        return sum(each.memory_info().rss for each in (process, *process.children(recursive=True))) / 2**20
+
+class AfterTokens:
+    """A `generate` streamer that runs `action` once, when `count` new tokens have been produced: a fault injected
+    at a chosen step of a generation."""
+
+    def __init__(self, count: int, action) -> None:
+        self.count, self.action, self.seen = count, action, -1  # the first call carries the prompt
+
+    def put(self, value) -> None:
+        self.seen += 1
+        if self.seen == self.count:
+            self.action()
+
+    def end(self) -> None:
+        pass
 
 
 @dataclass
 class Churn:
     """Every `period_s`, SIGKILL one random live node whose span keeps another live node, and start a fresh node
-    for that span. `victims` (peer ids -> bool) narrows the choice, e.g. to nodes serving clients right now."""
+    for that span."""
 
     swarm: ChaosSwarm
     period_s: float
     seed: int = 0
     events: list[ChurnEvent] = field(default_factory=list)
-    victims: object = None  # callable(peer_id) -> bool, or None: any node
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
@@ -163,11 +174,7 @@ class Churn:
 
     def _run(self) -> None:
         while not self._stop.wait(self.period_s):
-            candidates = [
-                node
-                for node in self.swarm.live()
-                if len(self.swarm.live(node.span)) >= 2 and (self.victims is None or self.victims(node.peer_id))
-            ]
+            candidates = [node for node in self.swarm.live() if len(self.swarm.live(node.span)) >= 2]
             if not candidates:
                 continue
             victim = self._rng.choice(sorted(candidates, key=lambda node: node.peer_id))

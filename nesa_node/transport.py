@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError, Message
 from hivemind.p2p import P2P, P2PContext
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from nesa_node.errors import BadRequestError, MessageTooLargeError, NesaError, RequestError, error_from_code
+from nesa_node.errors import BadRequestError, MessageTooLargeError, NesaError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -64,22 +64,8 @@ async def _discard_until_closed(reader: asyncio.StreamReader, timeout_s: float) 
                 pass
 
 
-async def _send(writer: asyncio.StreamWriter, message: Message) -> None:
-    await P2P.send_protobuf(message, writer)
-
-
 def error_frame(error: NesaError) -> RPCError:
     return RPCError(message=f"[{error.code}] {error.message}")
-
-
-def error_from_stream_failure(exc: BaseException) -> NesaError | None:
-    """The typed error a node sent as a stream's closing RPCError ("[code] message"), if `exc` carries one."""
-    text = str(exc)
-    start = text.rfind(": [")
-    if start < 0:
-        return None
-    code, _, message = text[start + 3 :].partition("] ")
-    return error_from_code(code, message) if code.replace("_", "").isalnum() else None
 
 
 async def serve_stream(
@@ -106,14 +92,14 @@ async def serve_stream(
             try:
                 async for response in handler(incoming(), context):
                     try:
-                        await _send(writer, response)
+                        await P2P.send_protobuf(response)
                     except Exception as exc:  # the caller went away
                         logger.debug("%s: could not send a response: %r", name, exc)
                         return
             except Exception as exc:
                 logger.warning("%s: handler failed: %r", name, exc, exc_info=True)
                 with contextlib.suppress(Exception):
-                    await _send(writer, error_frame(NesaError(f"handler failed: {type(exc).__name__}")))
+                    await P2P.send_protobuf(error_frame(NesaError(f"handler failed: {type(exc).__name__}")))
 
         with contextlib.closing(writer):
             responding = asyncio.create_task(respond())
@@ -133,7 +119,7 @@ async def serve_stream(
                         logger.debug("%s: refused a frame from %s: %s", name, stream_info.peer_id, exc)
                         responding.cancel()
                         with contextlib.suppress(Exception):
-                            await _send(writer, error_frame(exc))
+                            await P2P.send_protobuf(error_frame(exc))
                         await _discard_until_closed(reader, linger_s)
                         return
                     await requests.put(request)  # None (end of stream) is passed on too

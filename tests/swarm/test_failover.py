@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.chaos import AfterTokens
 from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.errors import NoRouteError
 from nesa_node.launcher import ProcessGroup
@@ -76,19 +77,15 @@ def reference(tiny_llama):
         return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
 
 
-class KillAfter:
-    """A generation streamer that runs `action` once `count` new tokens have been produced."""
-
-    def __init__(self, count: int, action):
-        self.count, self.action, self.seen = count, action, -1  # the first call carries the prompt
-
-    def put(self, value) -> None:
-        self.seen += 1
-        if self.seen == self.count:
-            self.action()
-
-    def end(self) -> None:
-        pass
+def generate_with_fault(model, after: int, action) -> torch.Tensor:
+    """The reference generation, with `action` (a kill, a stop...) run once `after` new tokens were produced."""
+    return model.generate(
+        PROMPT,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        streamer=AfterTokens(after, action),
+    )
 
 
 def connect(swarm: FailoverSwarm, path: str, mode: str = "direct") -> DistributedModelForCausalLM:
@@ -103,15 +100,12 @@ def connect(swarm: FailoverSwarm, path: str, mode: str = "direct") -> Distribute
     ids=["a1-middle", "a2-first", "a2-last", "a2-first-before-prefill"],
 )
 def test_a1_a2_node_killed_mid_generation_tokens_unchanged(failover_swarm, tiny_llama, reference, victim, kill_after):
-    """Each case kills the node of a different span that has a spare (each span has one), so they can share a swarm."""
+    """Each case kills a node whose span still has a spare (see COPIES), so the cases can share one swarm."""
     with connect(failover_swarm, tiny_llama) as model:
         wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
         with model.inference_session(max_length=16 + NEW_TOKENS) as session:
             lost = session.chain.hops[victim]
-            killer = KillAfter(kill_after, lambda: failover_swarm.kill(lost.peer_id))
-            output = model.generate(
-                PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, streamer=killer
-            )
+            output = generate_with_fault(model, kill_after, lambda: failover_swarm.kill(lost.peer_id))
         assert torch.equal(output, reference)
         assert len(session.failovers) == 1, session.failovers
         failover = session.failovers[0]
@@ -142,13 +136,7 @@ def test_a2_replacement_killed_during_replay(failover_swarm, tiny_llama, referen
         wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
         with model.inference_session(max_length=16 + NEW_TOKENS) as session:
             lost = session.chain.hops[1]
-            output = model.generate(
-                PROMPT,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                streamer=KillAfter(KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id)),
-            )
+            output = generate_with_fault(model, KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id))
         assert torch.equal(output, reference)
         first, second = replayed
         assert first != second and lost.peer_id not in replayed
@@ -165,13 +153,7 @@ def test_a1_relay_mode_middle_node_killed_tokens_unchanged(failover_swarm, tiny_
         wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
         with model.inference_session(max_length=16 + NEW_TOKENS) as session:
             lost = session.chain.hops[1]
-            output = model.generate(
-                PROMPT,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                streamer=KillAfter(KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id)),
-            )
+            output = generate_with_fault(model, KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id))
         assert torch.equal(output, reference)
         assert [(entry["failed"], entry["position"]) for entry in session.failovers] == [
             (lost.peer_id, 16 + KILL_AFTER - 1)
@@ -199,13 +181,7 @@ def test_a3_stopped_node_client_reroutes_and_the_stale_node_frees_its_cache(fail
             stopped = session.chain.hops[2].peer_id
             process = failover_swarm.nodes[stopped]
             try:
-                output = model.generate(
-                    PROMPT,
-                    max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    streamer=KillAfter(KILL_AFTER, lambda: os.killpg(process.pid, signal.SIGSTOP)),
-                )
+                output = generate_with_fault(model, KILL_AFTER, lambda: os.killpg(process.pid, signal.SIGSTOP))
             finally:
                 os.killpg(process.pid, signal.SIGCONT)
             resumed = time.monotonic()
@@ -258,13 +234,7 @@ def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
                 local_swarm.stop_node(draining)
                 states.append(draining.state)
 
-            output = model.generate(
-                PROMPT,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                streamer=KillAfter(KILL_AFTER, drain),
-            )
+            output = generate_with_fault(model, KILL_AFTER, drain)
         assert torch.equal(output, reference)
         assert [failover["failed"] for failover in session.failovers] == [draining.peer_id]
         assert states == [NodeState.offline] and draining.handler.draining
