@@ -92,14 +92,14 @@ async def serve_stream(
             try:
                 async for response in handler(incoming(), context):
                     try:
-                        await P2P.send_protobuf(response)
+                        await P2P.send_protobuf(response, writer)
                     except Exception as exc:  # the caller went away
                         logger.debug("%s: could not send a response: %r", name, exc)
                         return
             except Exception as exc:
                 logger.warning("%s: handler failed: %r", name, exc, exc_info=True)
                 with contextlib.suppress(Exception):
-                    await P2P.send_protobuf(error_frame(NesaError(f"handler failed: {type(exc).__name__}")))
+                    await P2P.send_protobuf(error_frame(NesaError(f"handler failed: {type(exc).__name__}")), writer)
 
         with contextlib.closing(writer):
             responding = asyncio.create_task(respond())
@@ -119,7 +119,7 @@ async def serve_stream(
                         logger.debug("%s: refused a frame from %s: %s", name, stream_info.peer_id, exc)
                         responding.cancel()
                         with contextlib.suppress(Exception):
-                            await P2P.send_protobuf(error_frame(exc))
+                            await P2P.send_protobuf(error_frame(exc), writer)
                         await _discard_until_closed(reader, linger_s)
                         return
                     await requests.put(request)  # None (end of stream) is passed on too
