@@ -49,6 +49,8 @@ bench: $(STAMP)
 	$(PY) bench/compression.py
 	$(PY) bench/failover.py
 	$(PY) bench/routing.py
+	$(PY) bench/partition.py
+	$(PY) bench/topology.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

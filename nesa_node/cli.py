@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_tiny_parser(model)
 
     run = commands.add_parser("run", help="serve a span of blocks (the node daemon)")
-    run.add_argument("--model", required=True, help="Hugging Face model folder; only the span's weights are read")
-    run.add_argument("--blocks", required=True, type=_parse_span, metavar="START:END", help="blocks [START, END)")
+    run.add_argument("--model", default=None, help="Hugging Face model folder; only the span's weights are read")
+    run.add_argument("--blocks", default=None, type=_parse_span, metavar="START:END", help="blocks [START, END)")
     run.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
     run.add_argument("--new-swarm", action="store_true", help="start a new swarm (no initial peers)")
     run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="fraction of the KV cache budget one peer may reserve (default 0.5)",
     )
     run.add_argument("--address-file", default=None, help="write the listening multiaddrs here once ready")
+    from nesa_node.graph_cli import add_arguments as add_graph_arguments
+
+    add_graph_arguments(run)
     run.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the model folder's name)")
     run.add_argument("--throughput-cache", default=None, help="file caching measured throughput")
     run.add_argument("--no-measure", action="store_true", help="skip the throughput measurement")
@@ -242,6 +245,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CODEC,
         help=f"hidden-state codec on every hop that accepts it (default {DEFAULT_CODEC})",
     )
+    generate.add_argument(
+        "--routing-params",
+        default=None,
+        metavar="FILE",
+        help="eq. 18 exponents written by `nesa-node tune` (default: untuned, all 1)",
+    )
+
+    from nesa_node.tune import add_parser as add_tune_parser
+
+    add_tune_parser(commands)
 
     status = commands.add_parser("status", help="table of nodes and block coverage")
     _add_peer_args(status)
@@ -369,6 +382,7 @@ def _generate(args) -> int:
         dht_prefix=args.dht_prefix,
         mode=args.mode,
         compression=args.compression,
+        routing_params=args.routing_params,
     ) as model:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
@@ -415,7 +429,12 @@ def _status(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "run":
+        from nesa_node.graph_cli import check_arguments
+
+        check_arguments(parser, args)
     _configure_logging(args.verbose)
     try:
         if args.command == "model" and args.model_command == "train-tiny":
@@ -435,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             print(f"wrote {init_tiny_model(args.path, spec)}")
             return 0
+        if args.command == "run" and (args.graph_model or args.graph_plan):
+            from nesa_node.graph_cli import run_graph_stage
+
+            return run_graph_stage(args)
         if args.command == "run":
             # idle OpenMP threads sleep instead of spinning, so a node waiting for its next step leaves the cores
             # to others (measured: nodes sharing 2 cores, decode step 13.7 ms passive vs 42 ms spinning under load);
@@ -449,6 +472,11 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "tune":
+            from nesa_node.tune import check_args, run_tune
+
+            check_args(args)
+            return run_tune(args)
         if args.command == "demo":
             from nesa_node.demo import run_demo
 

@@ -77,6 +77,37 @@ ASIA = (
 
 
 @dataclass(frozen=True)
+class Outage:
+    """Every node in `cities` (indices into Scenario.cities) is offline during [start_s, end_s): a regional outage."""
+
+    cities: tuple[int, ...]
+    start_s: float
+    end_s: float = float("inf")
+
+
+@dataclass(frozen=True)
+class ClusterJoin:
+    """`nodes` extra nodes around `city` (it need not be among Scenario.cities) come online at `at_s`."""
+
+    city: City
+    nodes: int
+    at_s: float
+
+
+@dataclass(frozen=True)
+class LinkDegradation:
+    """From `start_s` on, the backbone latency between every city of `first` and every city of `second` (indices into
+    Scenario.cities) is `factor` times its normal value, in the truth and in what the nodes measure: a cable between
+    two regions in trouble."""
+
+    first: tuple[int, ...]
+    second: tuple[int, ...]
+    factor: float
+    start_s: float
+    end_s: float = float("inf")
+
+
+@dataclass(frozen=True)
 class Scenario:
     name: str
     num_nodes: int
@@ -96,6 +127,10 @@ class Scenario:
     prompt_median: float = 400.0  # tokens (guess: chat with some context)
     new_tokens_median: float = 128.0  # tokens (guess)
     seed: int = 0
+    outages: tuple[Outage, ...] = ()
+    joins: tuple[ClusterJoin, ...] = ()
+    degradations: tuple[LinkDegradation, ...] = ()
+    remeasure_jitter: float = 0.1  # log-normal sigma of a repeated latency/bandwidth measurement (guess: ping jitter)
 
 
 CONSUMER_AND_DATACENTRE = (
@@ -115,6 +150,19 @@ SCENARIOS = {
     )
 }
 SCENARIOS["global-1000-churn"] = replace(SCENARIOS["global-1000"], name="global-1000-churn", churn_per_hour=0.10)
+# Six hours of a global swarm (topology's trigger comparison): churn, Asia down for an hour, a cluster joining in
+# Sao Paulo, three west-European cities down for half an hour, then the transatlantic backbone four times slower.
+# Cities: 0-6 Europe, 7-11 North America, 12-16 Asia (the order of EUROPE + NORTH_AMERICA + ASIA).
+SCENARIOS["global-600-six-hours"] = replace(
+    SCENARIOS["global-1000"],
+    name="global-600-six-hours",
+    num_nodes=600,
+    churn_per_hour=0.10,
+    duration_s=6 * 3600.0,
+    outages=(Outage((12, 13, 14, 15, 16), 1.5 * 3600, 2.5 * 3600), Outage((1, 2, 3), 4.0 * 3600, 4.5 * 3600)),
+    joins=(ClusterJoin(City("Sao Paulo", -23.5, -46.6), 60, 3.0 * 3600),),
+    degradations=(LinkDegradation((0, 1, 2, 3, 4, 5, 6), (7, 8, 9, 10, 11), 4.0, 5.0 * 3600),),
+)
 
 
 def scenario(name: str) -> Scenario:

@@ -14,6 +14,11 @@ noise: throughput measured once at start, load as of the tick, last mile and ban
 latencies between city centres measured with error, reliability from past uptime. Records outlive a node that
 left by up to the record ttl, so routers can pick nodes that are gone.
 
+Events (scenarios.py): regional outages take every node of some cities offline for a while, cluster joins bring
+extra nodes around a new city online at a given time, link degradations multiply the backbone latency between two
+cities. `snapshot(..., starts=...)` shows the swarm with moved spans and `snapshot(..., remeasure_seed=...)` a
+repeated, independently jittered measurement of it (topology/ calibrates its change detection on those).
+
 Times in ms inside, request latencies in seconds outside.
 """
 
@@ -91,14 +96,23 @@ class Simulator:
     def __init__(self, scenario: Scenario):
         self.scenario = scenario
         rng = np.random.default_rng(scenario.seed)
-        count, model = scenario.num_nodes, scenario.model
-        cities = scenario.cities
+        model = scenario.model
+        # nodes of cluster joins come after the scenario's own nodes, around their own cities (no joins: unchanged)
+        count = scenario.num_nodes + sum(join.nodes for join in scenario.joins)
+        cities = scenario.cities + tuple(join.city for join in scenario.joins)
+        self.num_nodes = count
         names = [name for name, _ in scenario.gpu_mix]
         shares = np.array([share for _, share in scenario.gpu_mix])
         gpu = rng.choice(len(names), size=count, p=shares / shares.sum())
         classes = [GPUS[name] for name in names]
         self.datacentre = np.array([classes[index].datacentre for index in gpu])
-        self.city = rng.integers(0, len(cities), count)
+        self.city = rng.integers(0, len(scenario.cities), count)
+        self.join_at = np.zeros(count)
+        first = scenario.num_nodes
+        for offset, join in enumerate(scenario.joins):
+            self.city[first : first + join.nodes] = len(scenario.cities) + offset
+            self.join_at[first : first + join.nodes] = join.at_s
+            first += join.nodes
         city_lat, city_lon = np.array([c.lat for c in cities]), np.array([c.lon for c in cities])
         self.lat, self.lon = _scatter(rng, city_lat[self.city], city_lon[self.city], scenario.city_spread_km)
         # last mile (one-way ms) and access bandwidth (Mbit/s): data centres vs homes (guesses from public surveys)
@@ -131,7 +145,7 @@ class Simulator:
         self._snapshots: dict[int, SwarmSnapshot] = {}
 
     def _build_load(self, rng: np.random.Generator) -> None:
-        s, count = self.scenario, self.scenario.num_nodes
+        s, count = self.scenario, self.num_nodes
         steps = int(math.ceil(s.duration_s / LOAD_STEP_S)) + 2
         base = np.clip(rng.beta(2.0, 2.0 * (1 - s.load_mean) / s.load_mean, count), 0.0, LOAD_CAP)
         decay = math.exp(-LOAD_STEP_S / s.load_correlation_s)
@@ -148,7 +162,7 @@ class Simulator:
     def _build_churn(self, rng: np.random.Generator) -> None:
         """Times each node leaves or comes back (alternating from its initial state); data-centre nodes stay 4x
         longer than home ones. The announced reliability is the node's availability, estimated with error."""
-        s, count = self.scenario, self.scenario.num_nodes
+        s, count = self.scenario, self.num_nodes
         self.session_s = np.full(count, np.inf)
         self.toggles = np.full((count, 1), np.inf)
         self.initially_online = np.ones(count, bool)
@@ -178,7 +192,13 @@ class Simulator:
         self.reliability = np.clip(availability + rng.normal(0.0, 0.05, count), 0.0, 1.0)  # (guess)
 
     def online(self, time_s: float) -> np.ndarray:
-        return self.initially_online ^ ((self.toggles <= time_s).sum(axis=1) % 2 == 1)
+        online = self.initially_online ^ ((self.toggles <= time_s).sum(axis=1) % 2 == 1)
+        if self.scenario.joins:
+            online &= self.join_at <= time_s
+        for outage in self.scenario.outages:
+            if outage.start_s <= time_s < outage.end_s:
+                online &= ~np.isin(self.city, outage.cities)
+        return online
 
     def leaves_at(self, node: int, time_s: float) -> float:
         """When `node` next goes offline after `time_s`: `time_s` if it is offline then, inf if never."""
@@ -186,40 +206,80 @@ class Simulator:
         passed = int((toggles <= time_s).sum())
         if self.initially_online[node] == bool(passed % 2):  # offline now
             return time_s
-        return float(toggles[passed]) if passed < toggles.size else math.inf
+        leaves = float(toggles[passed]) if passed < toggles.size else math.inf
+        if self.join_at[node] > time_s:
+            return time_s
+        for outage in self.scenario.outages:
+            if self.city[node] in outage.cities and outage.end_s > time_s:
+                leaves = min(leaves, max(outage.start_s, time_s))
+        return leaves
+
+    def backbone_factor(self, time_s: float) -> np.ndarray:
+        """(cities, cities) multiplier of the backbone latency at `time_s` (link degradations; 1 elsewhere)."""
+        cities = len(self.region_latency_ms)
+        factor = np.ones((cities, cities))
+        for link in self.scenario.degradations:
+            if link.start_s <= time_s < link.end_s:
+                factor[np.ix_(link.first, link.second)] = link.factor
+                factor[np.ix_(link.second, link.first)] = link.factor
+        return factor
 
     def load_at(self, time_s: float) -> np.ndarray:
         return self.load[min(int(time_s // LOAD_STEP_S), self.load.shape[0] - 1)]
 
     # ---- the router's view ---------------------------------------------------------------------------------
 
-    def snapshot(self, time_s: float) -> SwarmSnapshot:
-        """What a client reading the records at `time_s` sees (the records of the last announce tick)."""
+    def snapshot(
+        self, time_s: float, *, starts: np.ndarray | None = None, remeasure_seed: int | None = None
+    ) -> SwarmSnapshot:
+        """What a client reading the records at `time_s` sees (the records of the last announce tick).
+
+        `starts` (one start block per node) replaces the nodes' spans, for swarms that move blocks.
+        `remeasure_seed` draws a repeated measurement: latencies, bandwidths and throughputs jitter by
+        `scenario.remeasure_jitter` (log-normal) and the announced load's error is drawn afresh. Snapshots with
+        either are not memoised."""
         s = self.scenario
         tick = int(time_s // s.announce_period_s)
-        cached = self._snapshots.get(tick)
+        memoise = starts is None and remeasure_seed is None
+        cached = self._snapshots.get(tick) if memoise else None
         if cached is not None:
             return cached
         announced = tick * s.announce_period_s
-        listed = np.zeros(s.num_nodes, bool)
+        listed = np.zeros(self.num_nodes, bool)
         for back in range(int(s.record_ttl_s // s.announce_period_s) + 1):  # records of recent ticks still live
             listed |= self.online(max(announced - back * s.announce_period_s, 0.0))
         step = min(int(announced // LOAD_STEP_S), self.load.shape[0] - 1)
-        load = np.clip(self.load[step] + self.load_seen_noise[step], 0.0, 1.0)
+        load_noise = self.load_seen_noise[step]
+        access, bandwidth, tps = self.seen_access_ms, self.seen_bandwidth_mbps, self.seen_tps
+        region_latency = np.asarray(self.region_latency_ms) * self.backbone_factor(announced)
+        if remeasure_seed is not None:
+            rng = np.random.default_rng([s.seed, remeasure_seed, tick])
+            jitter = s.remeasure_jitter
+            access = access * rng.lognormal(0.0, jitter, self.num_nodes)
+            bandwidth = bandwidth * rng.lognormal(0.0, jitter, self.num_nodes)
+            tps = tps * rng.lognormal(0.0, jitter / 2, self.num_nodes)
+            load_noise = rng.normal(0.0, 0.05, self.num_nodes)  # as _build_load's announced-figure error
+            noise = rng.lognormal(0.0, jitter, region_latency.shape)
+            region_latency = region_latency * (noise + noise.T) / 2
+        load = np.clip(self.load[step] + load_noise, 0.0, 1.0)
         cache_left = (self.cache_tokens * (1.0 - load)).astype(np.int64)  # other sessions hold the rest (guess)
+        start = self.start if starts is None else np.asarray(starts, np.int64)
+        end = start + (self.end - self.start)
         nodes = tuple(
             NodeView(
                 peer_id=self.peer_ids[index],
-                start_block=int(self.start[index]),
-                end_block=int(self.end[index]),
-                inference_tps=float(self.seen_tps[index]),
+                start_block=int(start[index]),
+                end_block=int(end[index]),
+                inference_tps=float(tps[index]),
                 cache_tokens_left=int(cache_left[index]),
                 codecs=("none", CODEC),
                 region=int(self.city[index]),
-                access_ms=float(self.seen_access_ms[index]),
-                bandwidth_mbps=float(self.seen_bandwidth_mbps[index]),
+                access_ms=float(access[index]),
+                bandwidth_mbps=float(bandwidth[index]),
                 load=float(load[index]),
                 reliability=float(self.reliability[index]),
+                lat=float(self.lat[index]),
+                lon=float(self.lon[index]),
             )
             for index in np.flatnonzero(listed)
         )
@@ -227,9 +287,10 @@ class Simulator:
             num_blocks=s.model.num_blocks,
             nodes=nodes,
             hidden_size=s.model.hidden_size,
-            region_latency_ms=self.region_latency_ms,
+            region_latency_ms=tuple(tuple(float(x) for x in row) for row in region_latency),
         )
-        self._snapshots[tick] = snapshot
+        if memoise:
+            self._snapshots[tick] = snapshot
         return snapshot
 
     def requests(self, count: int, seed: int) -> tuple[SimRequest, ...]:
@@ -288,6 +349,9 @@ class Simulator:
         access = np.r_[request.client_access_ms, self.access_ms[index], request.client_access_ms]
         bandwidth = np.r_[request.client_bandwidth_mbps, self.bandwidth_mbps[index], request.client_bandwidth_mbps]
         distance = great_circle_km(lat[:-1], lon[:-1], lat[1:], lon[1:])
+        if self.scenario.degradations:
+            city = np.r_[request.client_region, self.city[index], request.client_region]
+            distance = distance * self.backbone_factor(request.time_s)[city[:-1], city[1:]]
         latency = distance / FIBRE_KM_PER_MS * ROUTE_INFLATION + access[:-1] + access[1:]
         latency *= rng.lognormal(0.0, 0.15, latency.size)  # jitter: this request's share of congestion (guess)
         megabits_per_token = self.scenario.model.hidden_size * bytes_per_element(CODEC, 2.0) * 8 / 1e6

@@ -42,6 +42,8 @@ class NodeView:
     bandwidth_mbps: float | None = None  # access-link bandwidth, Mbit/s
     load: float = 0.0  # C_A of eq. 18: share of the node's compute busy with other work, 0..1
     reliability: float = 1.0  # R_A of eq. 18 (sign fixed): 0..1, rises with uptime and reputation
+    lat: float | None = None  # announced location, degrees north; None: not announced (topology embeds by latency)
+    lon: float | None = None  # announced location, degrees east
 
 
 @dataclass(frozen=True)

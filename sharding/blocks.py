@@ -127,8 +127,10 @@ class SpanSpec:
 class BlockSpan(nn.Module):
     """Blocks [start, end) of a decoder-only model, with their rotary embedding.
 
-    `forward(hidden, cache, position)` runs the blocks on `hidden` (batch, seq, hidden) whose first token sits at
-    absolute `position`, updating `cache` (a transformers DynamicCache sized for this span) when given.
+    `forward(hidden, cache, position, blocks)` runs the blocks on `hidden` (batch, seq, hidden) whose first token sits
+    at absolute `position`, updating `cache` (a transformers DynamicCache sized for this span) when given. `blocks`
+    (first, end) runs only that contiguous part of the span (a chain may use a node for part of its range); the
+    cache layers of the other blocks stay empty.
     `quantization` is what quantizing the blocks' weights saved (None when spec.quant is "none").
     """
 
@@ -162,7 +164,9 @@ class BlockSpan(nn.Module):
         return DynamicCache(config=self.sub_config)
 
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, cache=None, position: int = 0) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, cache=None, position: int = 0, blocks: tuple[int, int] | None = None
+    ) -> torch.Tensor:
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = hidden.to(self.spec.device, self.dtype_)  # (batch, seq, hidden)
@@ -176,12 +180,19 @@ class BlockSpan(nn.Module):
             past_key_values=cache,
             position_ids=position_ids,
         )
+        first, end = (0, len(self.layers)) if blocks is None else (blocks[0] - self.start, blocks[1] - self.start)
+        if not 0 <= first < end <= len(self.layers):
+            raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
+        types = self.types[first:end]
         masks = {}
-        if "full_attention" in self.types:
-            masks["full_attention"] = create_causal_mask(**mask_kwargs)
-        if "sliding_attention" in self.types:
-            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs)
-        for layer, kind in zip(self.layers, self.types, strict=True):
+        # each mask reads the cached length of the first run layer of its kind (the span's other layers may be empty)
+        if "full_attention" in types:
+            layer_idx = first + types.index("full_attention")
+            masks["full_attention"] = create_causal_mask(**mask_kwargs, layer_idx=layer_idx)
+        if "sliding_attention" in types:
+            layer_idx = first + types.index("sliding_attention")
+            masks["sliding_attention"] = create_sliding_window_causal_mask(**mask_kwargs, layer_idx=layer_idx)
+        for layer, kind in zip(self.layers[first:end], types, strict=True):
             hidden = layer(
                 hidden,
                 attention_mask=masks[kind],

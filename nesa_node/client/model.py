@@ -8,6 +8,7 @@ caches have not seen yet through an inference session, so each step moves one to
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import replace
@@ -22,7 +23,9 @@ from nesa_node.client.swarm import SwarmClient
 from nesa_node.compression.codec import DEFAULT_CODEC
 from nesa_node.dht_records import default_dht_prefix
 from nesa_node.errors import NoRouteError, SessionStateError
-from nesa_node.routing.chain import Chain, ChainRequest, SwarmSnapshot, select_chain
+from nesa_node.records import NodeState
+from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams, SwarmSnapshot, select_chain
+from nesa_node.routing.ga import load_params
 from nesa_node.sharding.blocks import load_client_edges, load_config
 from nesa_node.wire import WireCodec
 
@@ -62,7 +65,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         *,
         mode: str = "direct",
         compression: str | WireCodec = DEFAULT_CODEC,
-        chain_selector=select_chain,
+        routing_params: RoutingParams | None = None,
+        chain_selector=None,
     ):
         super().__init__(config)
         self.max_failovers = 3  # node failures survived per step (each bans the node and replaces its span)
@@ -75,7 +79,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.model_edges = edges
         self.swarm = swarm
         self.mode = mode
-        self.chain_selector = chain_selector  # (snapshot, request) -> Chain; the routing issue swaps it
+        # eq. 18 exponents and search settings (nesa_node.routing); `nesa-node tune` writes tuned ones
+        self.routing_params = routing_params or RoutingParams()
+        # (snapshot, request) -> Chain; chains may use a part of a node's span
+        self.chain_selector = chain_selector or functools.partial(select_chain, params=self.routing_params)
+        self.partial_spans = True
+        self.max_pinged_candidates = 16  # first-block candidates pinged per session open (guess: a span's replicas)
         self.active_session: RemoteInferenceSession | None = None
         self._history: torch.Tensor | None = None  # (batch, position) tokens the active session has seen
         self.last_chain: Chain | None = None
@@ -91,17 +100,22 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         compression: str | WireCodec = DEFAULT_CODEC,
         dtype: str = "float32",
         request_timeout_s: float = 30.0,
+        routing_params: RoutingParams | str | Path | None = None,
         **unused,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
 
         `compression` names the codec for hidden states on every hop that accepts it ("none" elsewhere);
         see `nesa_node.compression.codec.CODECS`. Raises CodecError for an unknown codec.
+        `routing_params`: eq. 18's exponents, as RoutingParams or the path of a JSON file `nesa-node tune` wrote
+        (default: untuned, all exponents 1). Raises ValueError for a malformed file.
         """
         if unused:
             logger.debug("ignoring from_pretrained arguments %s", sorted(unused))
         model_path = str(model_path)
         config = load_config(model_path)
+        if routing_params is not None and not isinstance(routing_params, RoutingParams):
+            routing_params = load_params(routing_params)
         edges = load_client_edges(model_path, dtype=dtype, config=config)
         swarm = SwarmClient(
             list(initial_peers),
@@ -109,7 +123,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             request_timeout_s=request_timeout_s,
         )
         try:
-            model = cls(config, edges, swarm, mode=mode, compression=compression)
+            model = cls(config, edges, swarm, mode=mode, compression=compression, routing_params=routing_params)
         except BaseException:
             swarm.close()
             raise
@@ -135,29 +149,72 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     # ---- routing and sessions -----------------------------------------------------------------------------
 
-    def choose_chain(self, *, batch: int = 1, max_length: int = 0, exclude: frozenset[str] = frozenset()) -> Chain:
-        chain = self.reroute(ChainRequest(batch=batch, max_length=max_length, exclude=exclude))
+    def choose_chain(
+        self,
+        *,
+        batch: int = 1,
+        max_length: int = 0,
+        exclude: frozenset[str] = frozenset(),
+        prompt_tokens: int = 0,
+        new_tokens: int = 0,
+    ) -> Chain:
+        """The chain for a new session (or a cacheless forward): first-block candidates the client has no recent
+        round trip to are pinged, so the first hop is chosen on the client's own measurement."""
+        request = ChainRequest(
+            batch=batch, max_length=max_length, exclude=exclude, prompt_tokens=prompt_tokens, new_tokens=new_tokens
+        )
+        self._ping_first_candidates(request)
+        chain = self.reroute(request)
         self.last_chain = chain
         return chain
 
+    def _ping_first_candidates(self, request: ChainRequest) -> None:
+        banned = self.swarm.banned() | request.exclude
+        try:
+            records = self.swarm.node_records()
+        except Exception as exc:  # reroute reads again and raises the error a user should see
+            logger.debug("no records to choose ping candidates from: %r", exc)
+            return
+        candidates = sorted(
+            record.info.peer_id
+            for record in records
+            if record.info.start_block <= request.start_block < record.info.end_block
+            and record.info.state == NodeState.online
+            and record.info.peer_id not in banned
+        )
+        self.swarm.measure_rtts(candidates[: self.max_pinged_candidates])
+
+    def snapshot(self, *, fresh: bool = False) -> SwarmSnapshot:
+        """The routing snapshot of the swarm for this model (records, links and the client's round trips)."""
+        return self.swarm.snapshot(self.config.num_hidden_layers, fresh=fresh, hidden_size=self.config.hidden_size)
+
     def reroute(self, request: ChainRequest) -> Chain:
         """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm."""
-        request = replace(request, exclude=request.exclude | self.swarm.banned())
+        request = replace(
+            request,
+            exclude=request.exclude | self.swarm.banned(),
+            partial_spans=self.partial_spans,
+            codec=self.compression.name,
+        )
         try:
-            return self.chain_selector(self.swarm.snapshot(self.config.num_hidden_layers), request)
+            return self.chain_selector(self.snapshot(), request)
         except NoRouteError:  # the records at hand may be stale: decide on a completed DHT read
-            snapshot = self.swarm.snapshot(self.config.num_hidden_layers, fresh=True)
+            snapshot = self.snapshot(fresh=True)
             try:
                 return self.chain_selector(snapshot, request)
             except NoRouteError as error:
                 raise NoRouteError(f"{error.message}; {_candidates(snapshot, request, self.swarm.banned())}") from None
 
     @contextlib.contextmanager
-    def inference_session(self, *, max_length: int, batch: int = 1) -> Iterator[RemoteInferenceSession]:
-        """Open one session along a chain; `generate` calls inside the block share it (and its caches)."""
+    def inference_session(
+        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0
+    ) -> Iterator[RemoteInferenceSession]:
+        """Open one session along a chain; `generate` calls inside the block share it (and its caches).
+
+        `prompt_tokens`, when known, tells routing how large the first pass is (eq. 18's transfer term)."""
         if self.active_session is not None:
             raise SessionStateError("an inference session is already active on this model")
-        session = self._open_session(batch=batch, max_length=max_length)
+        session = self._open_session(batch=batch, max_length=max_length, prompt_tokens=prompt_tokens)
         with session:
             self.active_session, self._history = session, None
             try:
@@ -165,10 +222,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             finally:
                 self.active_session, self._history = None, None
 
-    def _open_session(self, *, batch: int, max_length: int) -> RemoteInferenceSession:
+    def _open_session(self, *, batch: int, max_length: int, prompt_tokens: int = 0) -> RemoteInferenceSession:
         """Open a session on a chosen chain; a node that fails to open is banned and another chain chosen."""
+        prompt_tokens = min(max(prompt_tokens, 0), max_length)
         for attempt in range(self.max_open_attempts):
-            chain = self.choose_chain(batch=batch, max_length=max_length)  # NoRouteError when nothing is left
+            chain = self.choose_chain(  # NoRouteError when nothing is left
+                batch=batch, max_length=max_length, prompt_tokens=prompt_tokens, new_tokens=max_length - prompt_tokens
+            )
             session = RemoteInferenceSession(
                 self.swarm,
                 chain,
@@ -213,7 +273,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         max_length = (
             input_ids.shape[1] + max_new if max_new else kwargs.get("max_length") or generation_config.max_length
         )
-        with self.inference_session(max_length=max_length, batch=input_ids.shape[0]):
+        with self.inference_session(max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1]):
             return super().generate(input_ids, *args, **kwargs)
 
     def _extends_history(self, input_ids: torch.Tensor) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import math
 import threading
 import time
 from collections.abc import Coroutine
@@ -20,14 +21,16 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
+from nesa_node.client.views import build_snapshot
 from nesa_node.dht_records import NodeRecord, fetch_node_infos, make_validator
 from nesa_node.errors import PeerUnavailableError
-from nesa_node.records import NodeInfo, NodeState
-from nesa_node.routing.chain import Hop, NodeView, SwarmSnapshot
+from nesa_node.records import NodeInfo
+from nesa_node.routing.chain import Hop, SwarmSnapshot
 from nesa_node.wire import (
     NO_CODEC,
     RPC_FORWARD,
     RPC_INFO,
+    RPC_PING,
     WireCodec,
     pack_metadata,
     raise_if_error,
@@ -57,7 +60,8 @@ class SwarmClient:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="nesa-client-loop", daemon=True)
         self._thread.start()
-        self.rtt_ms: dict[str, float] = {}
+        self.rtt_ms: dict[str, float] = {}  # peer id -> least round trip of the client's last pings, ms
+        self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
         self._records: dict[str, NodeRecord] = {}  # peer id -> newest record seen (expired ones are skipped)
         self._refresh: asyncio.Future | None = None  # the DHT read in flight, on the client loop
         self.records_wait_s = records_wait_s
@@ -153,42 +157,49 @@ class SwarmClient:
         now = get_dht_time()
         return {peer: record for peer, record in self._records.items() if record.expiration_time > now}
 
-    def snapshot(self, num_blocks: int, *, fresh: bool = False) -> SwarmSnapshot:
-        """Freeze the current records (online nodes, with the client's measured rtts) for routing; `fresh`: see
+    def snapshot(self, num_blocks: int, *, fresh: bool = False, hidden_size: int = 0) -> SwarmSnapshot:
+        """Freeze the current records, with the client's measured rtts, for routing (client/views.py); `fresh`: see
         node_records."""
-        nodes = []
-        for record in self.node_records(fresh):
-            info = record.info
-            if info.end_block > num_blocks:  # the schema cannot know the model's depth; the reader does
-                logger.debug(
-                    "ignoring %s: blocks %d:%d outside the model's %d",
-                    info.peer_id,
-                    info.start_block,
-                    info.end_block,
-                    num_blocks,
-                )
-                continue
-            nodes.append(
-                NodeView(
-                    peer_id=info.peer_id,
-                    start_block=info.start_block,
-                    end_block=info.end_block,
-                    online=info.state == NodeState.online,
-                    inference_tps=info.inference_tps,
-                    cache_tokens_left=info.cache_tokens_left,
-                    max_length=info.max_length,
-                    rtt_ms=self.rtt_ms.get(info.peer_id),
-                    codecs=info.compression,
-                )
-            )
-        return SwarmSnapshot(num_blocks=num_blocks, nodes=tuple(sorted(nodes, key=lambda node: node.peer_id)))
+        infos = [record.info for record in self.node_records(fresh)]
+        return build_snapshot(infos, num_blocks, client_rtt_ms=dict(self.rtt_ms), hidden_size=hidden_size)
+
+    def measure_rtts(self, peer_ids: list[str], *, max_age_s: float = 60.0, timeout_s: float = 2.0) -> None:
+        """Ping the peers whose round trip is unknown or older than `max_age_s` (all at once; the least of two
+        pings, so a first connection's setup does not count). A peer that does not answer within `timeout_s`
+        keeps no measurement; routing then relies on the links other nodes publish."""
+        now = time.monotonic()
+        stale = [peer for peer in peer_ids if now - self._rtt_measured.get(peer, -math.inf) > max_age_s]
+        if stale:
+            self.call(self._measure_rtts(stale, timeout_s), timeout=2 * timeout_s + 5)
+
+    async def _measure_rtts(self, peer_ids: list[str], timeout_s: float) -> None:
+        async def least_of_two(peer_id: str) -> None:
+            try:
+                rtts = [await self._ping(peer_id, timeout_s) for _ in range(2)]
+            except Exception as exc:  # gone or slow: normal
+                logger.debug("no rtt to %s: %r", peer_id, exc)
+                self.rtt_ms.pop(peer_id, None)
+                return
+            self.rtt_ms[peer_id] = min(rtts)
+            self._rtt_measured[peer_id] = time.monotonic()
+
+        await asyncio.gather(*(least_of_two(peer_id) for peer_id in peer_ids))
+
+    async def _ping(self, peer_id: str, timeout_s: float) -> float:
+        started = time.perf_counter()
+        await asyncio.wait_for(
+            self.p2p.call_protobuf_handler(
+                PeerID.from_base58(peer_id), RPC_PING, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
+            ),
+            timeout=timeout_s,
+        )
+        return (time.perf_counter() - started) * 1000
 
     # ---- RPCs ---------------------------------------------------------------------------------------------
 
     async def _unary(
         self, peer_id: str, name: str, request: runtime_pb2.ExpertRequest, timeout_s: float | None = None
     ) -> runtime_pb2.ExpertResponse:
-        started = time.perf_counter()
         try:
             response = await asyncio.wait_for(
                 self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), name, request, runtime_pb2.ExpertResponse),
@@ -197,7 +208,6 @@ class SwarmClient:
         except Exception as exc:
             logger.debug("%s to %s failed: %r", name, peer_id, exc)
             raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
-        self.rtt_ms[peer_id] = (time.perf_counter() - started) * 1000
         return response
 
     def info(self, peer_id: str, *, timeout_s: float | None = None) -> NodeInfo:

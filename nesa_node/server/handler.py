@@ -2,7 +2,8 @@
 
 Protocol of `rpc_inference` (one stream per session):
   1. the client sends an open message: metadata {session_id, blocks, batch, max_length, upstream, next?}, where
-     `blocks` lists the block ids the client expects this node to run (exactly its span);
+     `blocks` lists the block ids the client expects this node to run: its span or a contiguous part of it (a
+     chain may use a node for part of its range; the session still reserves cache for the whole span);
   2. the node reserves the session's cache bytes (within the node's budget and the peer's quota) and answers
      {ok: true, cache_tokens_left} or an error;
   3. steps arrive as {step_id, position} + hidden states (batch, seq, hidden), either on this stream (first
@@ -145,10 +146,10 @@ class BlockHandler(ServicerBase):
         await self._injected_delay()
         try:
             metadata = unpack_metadata(request.metadata)
-            self._check_blocks(metadata)
+            blocks = self._check_blocks(metadata)
             hidden = self._read_hidden(request, metadata, batch=None)
             output_codec = self._codec(metadata.get("output_codec", metadata.get("codec")))
-            output, seconds = await self._compute(hidden, None, 0)
+            output, seconds = await self._compute(hidden, None, 0, blocks)
             return runtime_pb2.ExpertResponse(
                 tensors=[tensor_to_proto(output, output_codec)],
                 metadata=pack_metadata({"compute_s": seconds, "codec": output_codec.to_metadata()}),
@@ -317,7 +318,7 @@ class BlockHandler(ServicerBase):
 
     def _open_session(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> ServerSession:
         metadata = unpack_metadata(request.metadata)
-        self._check_blocks(metadata)
+        blocks = self._check_blocks(metadata)
         session_id = field(metadata, "session_id", str)
         batch = field(metadata, "batch", int)
         max_length = field(metadata, "max_length", int)
@@ -363,6 +364,7 @@ class BlockHandler(ServicerBase):
             max_length=max_length,
             reserved_bytes=reserved,
             cache=self.span.new_cache(),
+            blocks=blocks,
             client_peer=client_peer,
             upstream_peer=upstream,
             next_peer=next_peer,
@@ -419,7 +421,7 @@ class BlockHandler(ServicerBase):
                 f"step would reach {position + hidden.shape[1]} tokens, over the session's max_length "
                 f"{session.max_length}"
             )
-        output, seconds = await self._compute(hidden, session.cache, position)
+        output, seconds = await self._compute(hidden, session.cache, position, session.blocks)
         session.last_position = position
         session.position += hidden.shape[1]
         if session.next_peer is not None:  # kept for a replacement of the next node (see _control "history")
@@ -427,8 +429,8 @@ class BlockHandler(ServicerBase):
         session.last_step_id, session.last_output, session.last_digest = step_id, output, digest
         return output, seconds
 
-    def _check_blocks(self, metadata: dict) -> None:
-        """The block ids a client expects this node to run must be exactly its span, listed in order."""
+    def _check_blocks(self, metadata: dict) -> tuple[int, int]:
+        """The block ids a client expects this node to run, (first, end): a contiguous ascending part of its span."""
         blocks = field(metadata, "blocks", list)
         total = self.span.config.num_hidden_layers
         if not 0 < len(blocks) <= total or not all(type(block) is int for block in blocks):
@@ -438,10 +440,11 @@ class BlockHandler(ServicerBase):
             raise BadRequestError(f"unknown block {unknown[0]}: the model has blocks 0..{total - 1}")
         if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
             raise BadRequestError(f"blocks must be contiguous and ascending, got {blocks[:8]}")
-        if (blocks[0], blocks[-1] + 1) != (self.span.start, self.span.end):
+        if not self.span.start <= blocks[0] <= blocks[-1] < self.span.end:
             raise BadRequestError(
                 f"this node serves blocks {self.span.start}..{self.span.end - 1}, not {blocks[0]}..{blocks[-1]}"
             )
+        return blocks[0], blocks[-1] + 1
 
     def _codec(self, value) -> WireCodec:
         """A codec named by a peer, checked against the codecs this node accepts (BadRequestError otherwise)."""
@@ -468,12 +471,15 @@ class BlockHandler(ServicerBase):
             raise BadRequestError("hidden states contain NaN or Inf")
         return hidden
 
-    async def _compute(self, hidden: torch.Tensor, cache, position: int) -> tuple[torch.Tensor, float]:
-        """Run the span; short steps on the loop itself, others on the compute thread (see inline_compute_ms)."""
+    async def _compute(
+        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int]
+    ) -> tuple[torch.Tensor, float]:
+        """Run `blocks` (first, end) of the span; short steps on the loop itself, others on the compute thread (see
+        inline_compute_ms)."""
 
         def run() -> tuple[torch.Tensor, float]:
             started = time.perf_counter()
-            output = self.span(hidden, cache, position)
+            output = self.span(hidden, cache, position, blocks)
             return output, time.perf_counter() - started
 
         small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS

@@ -22,6 +22,7 @@ class ServerSession:
     max_length: int  # tokens, reserved in the cache budget
     reserved_bytes: int
     cache: object  # transformers DynamicCache for this span
+    blocks: tuple[int, int]  # (first, end): the part of the span this session runs
     client_peer: str  # base58 peer id that opened the session
     upstream_peer: str  # the only peer allowed to push steps (the previous node, or the client)
     next_peer: str | None  # direct chain: push results here; None: answer on the client's stream

@@ -6,9 +6,11 @@ import threading
 
 import pytest
 import torch
+from nesa_node.routing.chain import Hop
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.errors import BadRequestError
 from tests.conftest import ARCHES
 from tests.swarm.conftest import wait_for_chain
 
@@ -18,6 +20,7 @@ SPLITS = {
     3: [(0, 1), (1, 3), (3, 4)],
     4: [(0, 1), (1, 2), (2, 3), (3, 4)],
 }
+OVERLAPPING = [(0, 3), (2, 4)]  # a chain through both uses one of them for part of its span
 PROMPT_LENGTH, NEW_TOKENS = 16, 64
 GREEDY_WITH_LOGITS = dict(
     max_new_tokens=NEW_TOKENS,
@@ -39,6 +42,8 @@ def swarm(module_swarm, tiny_models):
         for hops, spans in SPLITS.items():
             for start, end in spans:
                 module_swarm.start_node(path, start, end, dht_prefix=f"{arch}-k{hops}", announce_period_s=5.0)
+    for start, end in OVERLAPPING:
+        module_swarm.start_node(tiny_models["llama"], start, end, dht_prefix="llama-overlap", announce_period_s=5.0)
     return module_swarm
 
 
@@ -149,3 +154,18 @@ def test_forward_without_session_matches_full_model(swarm, tiny_models):
         with torch.inference_mode():
             logits = model(input_ids).logits
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+
+
+def test_a_chain_may_use_part_of_a_nodes_span(swarm, tiny_models, references):
+    with connect(swarm, tiny_models["llama"], "llama-overlap") as model:
+        chain = wait_for_chain(model, hops=2, max_length=PROMPT_LENGTH + NEW_TOKENS)
+        spans = [(hop.start_block, hop.end_block) for hop in chain.hops]
+        assert spans in ([(0, 3), (3, 4)], [(0, 2), (2, 4)])  # blocks 2 run once, on one of the two nodes
+        output = model.generate(prompt(), **GREEDY_WITH_LOGITS)
+        # blocks outside a node's span are refused with a typed error
+        second = next(node for node in swarm.nodes if node.peer_id == chain.hops[1].peer_id)
+        outside = Hop(second.peer_id, 0, 2)
+        with pytest.raises(BadRequestError, match=r"serves blocks 2\.\.3, not 0\.\.1"):
+            model.swarm.call(model.swarm.forward_async(outside, torch.zeros(1, 2, model.config.hidden_size)))
+    assert torch.equal(output.sequences, references["llama"].sequences)
+    torch.testing.assert_close(output.logits[-1], references["llama"].logits[-1], atol=1e-4, rtol=0)

@@ -42,3 +42,46 @@ def test_nodes_measure_and_publish_their_links_and_an_injected_delay_shows(local
             )
         )
         assert unpack_metadata(response.metadata)["error"] == "too_large"
+
+
+def test_the_client_routes_around_a_node_that_is_40_ms_further_away(local_swarm, tiny_models):
+    """Two nodes per span, one of each 40 ms further away: eq. 18 on the measured links picks the near node of every
+    span, and the tokens are the single-process ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nesa_node import DistributedModelForCausalLM
+
+    path = tiny_models["llama"]
+    settings = {"dht_prefix": "links-routing", "announce_period_s": 1.0, "link_probe_period_s": 1.0}
+    near, far = [], []
+    for start, end in [(0, 2), (2, 4)]:
+        far.append(local_swarm.start_node(path, start, end, inject_delay_ms=DELAY_MS, **settings))
+        near.append(local_swarm.start_node(path, start, end, **settings))
+    prompt = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(path).generate(
+            prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False
+        )
+    with DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=local_swarm.initial_peers, dht_prefix="links-routing", compression="none"
+    ) as model:
+
+        def every_link_published() -> bool:
+            records = {record.info.peer_id: record.info for record in model.swarm.node_records()}
+            first, second = {node.peer_id for node in near[:1] + far[:1]}, {node.peer_id for node in near[1:] + far[1:]}
+            return len(records) == 4 and all(
+                {link.peer_id for link in records[peer].links} >= (second if peer in first else first)
+                for peer in records
+            )
+
+        wait_until(every_link_published, timeout_s=30)
+        chain = model.choose_chain(max_length=36)
+        snapshot = model.snapshot()
+        access = {node.peer_id: node.access_ms for node in snapshot.nodes}
+        print(f"\nchain {chain.peer_ids}; fitted last miles (ms): {access}")
+        assert chain.peer_ids == (near[0].peer_id, near[1].peer_id)
+        assert min(access[node.peer_id] for node in far) > max(access[node.peer_id] for node in near) + DELAY_MS / 8
+        output = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
+        assert model.last_chain.peer_ids == chain.peer_ids
+    assert torch.equal(output, expected)

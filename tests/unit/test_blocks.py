@@ -1,6 +1,6 @@
 import pytest
 import torch
-from nesa_node.sharding.blocks import SafetensorsIndex, SpanSpec, load_block_span, load_client_edges
+from nesa_node.sharding.blocks import SafetensorsIndex, SpanSpec, load_block_span, load_client_edges, load_config
 from transformers import AutoModelForCausalLM
 
 from nesa_node.errors import ModelLoadError
@@ -25,6 +25,28 @@ def test_chained_spans_equal_the_full_model(tiny_models, arch):
                 hidden = span(hidden, cache, start)
             logits.append(edges.lm_head(edges.norm(hidden)))
     torch.testing.assert_close(torch.cat(logits, dim=1), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_a_part_of_a_span_equals_a_span_of_that_part(tiny_models, arch):
+    """A node serving 0:4 used for blocks 1:3 (a chain using part of its range) computes what a 1:3 node does,
+    prefill and cached decode steps alike."""
+    path = tiny_models[arch]
+    config = load_config(path)
+    config._attn_implementation = "eager"  # eager attention reads the mask whole (sdpa may skip a causal one)
+    whole = load_block_span(path, SpanSpec(0, 4), config=config)
+    part = load_block_span(path, SpanSpec(1, 3), config=config)
+    hidden = torch.randn(2, 10, whole.hidden_size, generator=torch.Generator().manual_seed(1))  # (batch, seq, hidden)
+    whole_cache, part_cache = whole.new_cache(), part.new_cache()
+    with torch.inference_mode():
+        # a prefill, a 3-token step on top of a cache (its mask must see the cached length), then one-token steps
+        for start, end in [(0, 5), (5, 8), (8, 9), (9, 10)]:
+            expected = part(hidden[:, start:end], part_cache, start)
+            got = whole(hidden[:, start:end], whole_cache, start, blocks=(1, 3))
+            torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+    assert whole_cache.get_seq_length(1) == 10 and whole_cache.get_seq_length(0) == 0  # blocks 1 and 0 of 0:4
+    with pytest.raises(ValueError, match="not a part of this span"):
+        part(hidden[:, :1], None, 0, blocks=(0, 2))
 
 
 def test_a_span_holds_only_its_blocks(tiny_llama):

@@ -1,0 +1,145 @@
+"""Topology benchmark: persistence-diagram speed, snapshot distance speed, and the trigger comparison.
+
+Prints ONE JSON line to stdout (progress goes to stderr):
+
+- snapshot_s: per swarm size (100, 1,000, 10,000 nodes of the global scenario), the median wall time of one
+  snapshot -> swarm graph (`graph_s`) -> H0 + H1 diagrams (`diagrams_s`), and their sum (`total_s`). Targets:
+  1,000 nodes under 0.5 s, 10,000 under 5 s. `sparse_rips_1000_s`: gudhi's sparse Rips (epsilon 0.5, dimension 2)
+  on the same 1,000 lifted points, the alternative filtration (see topology/graph.py).
+- bottleneck_s: median time of the three snapshot distances (bottleneck H0, H1, features) between two
+  1,000-node snapshots.
+- triggers: six hours of the `global-600-six-hours` scenario (churn, an Asian outage, a cluster joining, a
+  European outage, a degraded transatlantic backbone) under each trigger: mean and 10th-percentile true swarm
+  throughput (tokens/s), block moves, expected requests dropped by moves, firings. `homology_vs_best`: the
+  homology trigger's mean throughput relative to the best trigger's, and its moves relative to that trigger's.
+  Target: throughput within 5% of the best with at most half its moves.
+
+    python bench/topology.py [--repeats 5] [--skip-triggers]
+
+Timings on a shared machine are noisy; the JSON carries the load average at the start and the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nesa_node.routing.scenarios import SCENARIOS  # noqa: E402
+from nesa_node.routing.simulate import Simulator  # noqa: E402
+from nesa_node.topology.graph import swarm_graph  # noqa: E402
+from nesa_node.topology.homology import diagrams  # noqa: E402
+from nesa_node.topology.life import calibrate, simulate_life  # noqa: E402
+from nesa_node.topology.monitor import snapshot_distances  # noqa: E402
+from nesa_node.topology.triggers import HomologyTrigger, LoadVariationTrigger, PeriodicTrigger  # noqa: E402
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def median_time(function, repeats: int) -> tuple[float, object]:
+    seconds, result = [], None
+    for _ in range(repeats):
+        started = time.perf_counter()
+        result = function()
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds), result
+
+
+def snapshot_timing(nodes: int, repeats: int) -> dict:
+    simulator = Simulator(replace(SCENARIOS["global-1000"], name=f"global-{nodes}", num_nodes=nodes, duration_s=600))
+    snapshot = simulator.snapshot(300.0)
+    graph_s, graph = median_time(lambda: swarm_graph(snapshot), repeats)
+    diagrams_s, result = median_time(lambda: diagrams(graph), repeats)
+    entry = {
+        "nodes_listed": len(snapshot.nodes),
+        "edges": len(graph.edges),
+        "graph_s": graph_s,
+        "diagrams_s": diagrams_s,
+        "total_s": graph_s + diagrams_s,
+        "h0_bars": len(result.h0),
+        "h1_bars": len(result.h1),
+    }
+    log(f"  {nodes} nodes: graph {graph_s:.3f} s, diagrams {diagrams_s:.3f} s, {len(graph.edges)} edges")
+    if nodes == 1000:
+        import gudhi
+
+        points = np.column_stack([graph.positions, graph.node_delay_ms])
+
+        def sparse_rips():
+            tree = gudhi.RipsComplex(points=points, sparse=0.5).create_simplex_tree(max_dimension=2)
+            tree.compute_persistence()
+            return tree
+
+        entry["sparse_rips_1000_s"], _ = median_time(sparse_rips, max(1, repeats // 2))
+        first = result
+        second = diagrams(swarm_graph(simulator.snapshot(300.0, remeasure_seed=1)))
+        entry["bottleneck_s"], _ = median_time(lambda: snapshot_distances(first, second), repeats)
+    return entry
+
+
+def trigger_table() -> dict:
+    simulator = Simulator(SCENARIOS["global-600-six-hours"])
+    started = time.perf_counter()
+    threshold = calibrate(simulator)
+    log(f"  calibration: {threshold} in {time.perf_counter() - started:.1f} s")
+    table = {}
+    for trigger in (PeriodicTrigger(), LoadVariationTrigger(), HomologyTrigger(threshold)):
+        started = time.perf_counter()
+        result = simulate_life(simulator, trigger)
+        table[trigger.name] = result.summary() | {"wall_s": time.perf_counter() - started}
+        hourly = result.throughput_tps.reshape(6, -1).mean(axis=1)
+        table[trigger.name]["hourly_mean_throughput_tps"] = [float(value) for value in hourly]
+        log(f"  {trigger.name}: {json.dumps(table[trigger.name])}")
+    best = max(table, key=lambda name: table[name]["mean_throughput_tps"])
+    homology = table["homology"]
+    return {
+        "scenario": "global-600-six-hours",
+        "threshold": {"h0_ms": threshold.h0, "h1_ms": threshold.h1, "features": threshold.features},
+        "table": table,
+        "best": best,
+        "homology_vs_best": {
+            "throughput_ratio": homology["mean_throughput_tps"] / table[best]["mean_throughput_tps"],
+            "moves_ratio": homology["moves"] / max(table[best]["moves"], 1),
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--skip-triggers", action="store_true", help="timings only")
+    args = parser.parse_args()
+    result: dict = {"bench": "topology", "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
+    log("snapshot -> diagrams")
+    result["snapshot_s"] = {str(nodes): snapshot_timing(nodes, args.repeats) for nodes in (100, 1000, 10000)}
+    result["bottleneck_s"] = result["snapshot_s"]["1000"].pop("bottleneck_s")
+    if not args.skip_triggers:
+        log("six hours of swarm life per trigger")
+        result["triggers"] = trigger_table()
+    result["loadavg_end"] = os.getloadavg()
+    targets = {
+        "snapshot_1000_under_0_5s": result["snapshot_s"]["1000"]["total_s"] < 0.5,
+        "snapshot_10000_under_5s": result["snapshot_s"]["10000"]["total_s"] < 5.0,
+    }
+    if "triggers" in result:
+        ratios = result["triggers"]["homology_vs_best"]
+        targets["homology_within_5pct_of_best_with_half_the_moves"] = (
+            ratios["throughput_ratio"] >= 0.95 and ratios["moves_ratio"] <= 0.5
+        )
+    result["targets"] = targets
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

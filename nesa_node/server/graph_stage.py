@@ -1,0 +1,202 @@
+"""A node daemon serving one stage of a graph model (MTPP partitioning, Nesa sec. 2.5): composition root,
+handler and announcer.
+
+`GraphStageNode.create(config)` builds the plan's stages, starts a hivemind P2P host and DHT node, registers
+`rpc_graph_forward`, and announces a NodeInfo record under the plan's DHT key with blocks [stage, stage + 1), so
+clients find stage i the way they find block spans. A request carries the stage's input tensors by name; the
+answer carries the stage's output tensors by name. Everything read from a peer is checked first: a wrong stage,
+wrong names, a dtype, size or shape the stage cannot take come back as BadRequestError, never as a crash.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.node import DHTNode
+from hivemind.p2p import P2P, P2PContext
+from hivemind.proto import runtime_pb2
+
+from nesa_node import __version__
+from nesa_node.dht_records import make_validator, store_node_info
+from nesa_node.errors import BadRequestError, RequestError
+from nesa_node.graph_plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
+from nesa_node.identity import ensure_identity, load_private_key
+from nesa_node.records import NodeInfo, NodeState
+from nesa_node.sharding.graph import Stage
+from nesa_node.wire import error_response, field, pack_metadata, tensor_from_proto, tensor_to_proto, unpack_metadata
+
+logger = logging.getLogger(__name__)
+
+ALLOWED_DTYPES = ("float32",)  # the graph models here take and pass float32 tensors
+
+
+@dataclass(frozen=True)
+class GraphStageConfig:
+    # (plan, stage) pairs this node serves: `nesa-node run --graph-model` gives one; a node may host several
+    # (stages of different plans, for example), each announced under its plan's DHT key
+    stages: tuple[tuple[GraphPlan, int], ...]
+    initial_peers: tuple[str, ...] = ()  # multiaddrs of peers already in the swarm
+    new_swarm: bool = False  # start a swarm alone
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: any free port
+    identity_path: str | None = None  # RSA key file; None: a fresh key per run
+    max_elements: int = 1 << 26  # per input tensor (256 MiB of float32), refused beyond
+    announce_period_s: float = 10.0  # how often the NodeInfo records are refreshed
+
+
+class GraphStageHandler:
+    """Runs the node's stages on requests; compute on worker threads so the event loop stays free."""
+
+    def __init__(self, stages: dict[tuple[str, int], Stage], max_elements: int):
+        self.stages, self.max_elements = stages, max_elements  # (plan DHT key, stage index) -> Stage
+        self.locks = {key: asyncio.Lock() for key in stages}  # one forward per stage at a time: a pipeline slot
+        self.requests_served = 0
+
+    async def rpc_graph_forward(
+        self, request: runtime_pb2.ExpertRequest, context: P2PContext
+    ) -> runtime_pb2.ExpertResponse:
+        try:
+            metadata = unpack_metadata(request.metadata)
+            key = (field(metadata, "plan", str), field(metadata, "stage", int))
+            stage = self.stages.get(key)
+            if stage is None:
+                raise BadRequestError(f"this node does not serve stage {key[1]} of plan {key[0][:64]!r}")
+            names = field(metadata, "names", list)
+            if names != list(stage.input_names) or len(request.tensors) != len(names):
+                raise BadRequestError(f"stage {key[1]} takes tensors named {list(stage.input_names)}")
+            inputs = [
+                tensor_from_proto(proto, allowed_dtypes=ALLOWED_DTYPES, max_elements=self.max_elements)
+                for proto in request.tensors
+            ]
+            async with self.locks[key]:
+                started = time.perf_counter()
+                outputs = await asyncio.to_thread(self._run, stage, inputs)
+                seconds = time.perf_counter() - started
+            self.requests_served += 1
+            return runtime_pb2.ExpertResponse(
+                tensors=[tensor_to_proto(tensor) for tensor in outputs],
+                metadata=pack_metadata({"names": list(stage.output_names), "compute_s": seconds}),
+            )
+        except RequestError as exc:
+            return error_response(exc)
+
+    @staticmethod
+    def _run(stage: Stage, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        try:
+            with torch.no_grad():
+                outputs = stage.module(*inputs)
+        except (RuntimeError, ValueError, IndexError, TypeError) as exc:  # shapes the stage cannot take
+            raise BadRequestError(f"the stage cannot run on these inputs: {exc}"[:500]) from None
+        if not all(isinstance(tensor, torch.Tensor) for tensor in outputs):
+            raise BadRequestError("the stage produced a non-tensor value; it cannot be served")
+        return [tensor.contiguous() for tensor in outputs]
+
+
+class GraphStageNode:
+    def __init__(self, config: GraphStageConfig, p2p: P2P, dht: DHTNode, handler, validator, identity_tmp):
+        self.config, self.p2p, self.dht, self.handler = config, p2p, dht, handler
+        self.signature_validator, self._identity_tmp = validator, identity_tmp
+        self.started_at = time.monotonic()
+        self._announcer: asyncio.Task | None = None
+
+    @classmethod
+    async def create(cls, config: GraphStageConfig) -> GraphStageNode:
+        """Build the stage, start P2P and the DHT, register the handler. Announces nothing yet."""
+        if not config.stages:
+            raise ValueError("a graph-stage node needs at least one (plan, stage) to serve")
+        for plan, stage in config.stages:
+            if not 0 <= stage < plan.stages:
+                raise ValueError(f"stage must be in [0, {plan.stages}), got {stage}")
+        if not config.initial_peers and not config.new_swarm:
+            raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        built = {plan: (await asyncio.to_thread(build_stages, plan))[1] for plan, _ in config.stages}
+        stages = {(plan.dht_prefix, stage): built[plan][stage] for plan, stage in config.stages}
+        handler = GraphStageHandler(stages, config.max_elements)
+        identity_tmp, identity_path = None, config.identity_path
+        if identity_path is None:
+            identity_tmp = tempfile.TemporaryDirectory(prefix="nesa-node-")
+            identity_path = os.path.join(identity_tmp.name, "identity.key")
+        ensure_identity(identity_path)
+        validator = RSASignatureValidator(load_private_key(identity_path))
+        p2p = await P2P.create(
+            initial_peers=list(config.initial_peers),
+            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
+            identity_path=identity_path,
+            check_if_identity_free=False,
+        )
+        try:
+            dht = await DHTNode.create(
+                p2p=p2p,
+                initial_peers=list(config.initial_peers),
+                record_validator=make_validator(validator, sorted({plan.dht_prefix for plan, _ in config.stages})),
+            )
+            await p2p.add_protobuf_handler(RPC_GRAPH_FORWARD, handler.rpc_graph_forward, runtime_pb2.ExpertRequest)
+        except BaseException:
+            await p2p.shutdown()
+            raise
+        return cls(config, p2p, dht, handler, validator, identity_tmp)
+
+    @property
+    def peer_id(self) -> str:
+        return self.p2p.peer_id.to_base58()
+
+    async def visible_maddrs(self) -> list[str]:
+        return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
+
+    def current_info(self, stage: int, state: NodeState = NodeState.online) -> NodeInfo:
+        """The record of one served stage: blocks [stage, stage + 1) of its plan."""
+        return NodeInfo(
+            peer_id=self.peer_id,
+            state=state,
+            start_block=stage,
+            end_block=stage + 1,
+            dtype="float32",
+            uptime_s=time.monotonic() - self.started_at,
+            version=__version__,
+        )
+
+    async def announce(self, state: NodeState = NodeState.online) -> bool:
+        """Store a record per served stage under its plan's key; True if every store reached a replica."""
+        ttl_s = min(3 * self.config.announce_period_s + 10.0, 600.0)  # two periods may be missed
+        stored = await asyncio.gather(
+            *(
+                store_node_info(self.dht, plan.dht_prefix, self.current_info(stage, state), self.signature_validator,
+                                ttl_s)
+                for plan, stage in self.config.stages
+            )
+        )  # fmt: skip
+        return all(stored)
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self.announce()
+            except Exception as exc:
+                logger.debug("announce failed: %r", exc)
+            await asyncio.sleep(self.config.announce_period_s)
+
+    async def start(self) -> None:
+        await self.announce()
+        self._announcer = asyncio.create_task(self._announce_loop())
+
+    async def shutdown(self) -> None:
+        if self._announcer is not None:
+            self._announcer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._announcer
+        try:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.announce(NodeState.offline), timeout=2.0)
+            await self.dht.shutdown()
+        finally:
+            await self.p2p.shutdown()
+            if self._identity_tmp is not None:
+                self._identity_tmp.cleanup()

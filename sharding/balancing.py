@@ -1,0 +1,235 @@
+"""Which blocks each node should serve: the joining rule and the rebalancing R: S x P -> S' (eq. 3 of the Nesa paper).
+
+Pure numpy over frozen inputs (no torch, no networking): a daemon calls `should_move(snapshot, peer_id)` to learn
+whether to move and to which span; the simulator (topology/life.py) calls `plan_moves` on the whole swarm.
+
+Model. Node i serves the contiguous span [start_i, start_i + length_i) (its length is what fits in its memory and
+does not change when it moves) at throughput tps_i tokens/s through the whole span. The served throughput of block
+b is the sum of tps_i over the nodes covering it, and with demand weights d_b (relative traffic through block b;
+all ones when every request runs the whole model) the swarm's throughput is its bottleneck
+
+    T = min_b served_b / d_b     (tokens/s the swarm can push through every block)
+
+- Joining (`join_span`): a new node takes the window of its length whose weakest block (served / demand) is the
+  weakest; ties go to the window with the lower mean, then to the lower start (petals' rule, demand-weighted).
+- Rebalancing (`plan_moves`, eq. 3 with P the announced throughputs, loads and demand): greedily, up to
+  `max_moves` times, the single move (a node leaves its span for the weakest window of its length) that raises T
+  the most, ties (a flat bottleneck of many equally weak blocks) broken by the least summed load
+  sum_b demand_b / served_b; a move never lowers T nor leaves a block without a server. The plan is the shortest
+  prefix of those moves that reaches the best T found, and it is empty unless that T beats the current one by more
+  than the hysteresis `margin`. A swarm whose nodes decide alone and at once flip-flops: they all see the same weak
+  block and all move to it. Here every node computes the same plan from the same snapshot (nodes sorted by peer
+  id, deterministic ties) and only the nodes in the plan move, a few per round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from nesa_node.routing.snapshot import SwarmSnapshot
+
+MARGIN = 0.05  # move only for > 5% more swarm throughput (guess: above the ~5% noise of announced throughputs)
+MAX_MOVES_SHARE = 0.05  # at most 5% of the nodes move per decision, at least one (guess)
+
+__all__ = [
+    "Move",
+    "Placement",
+    "apply_moves",
+    "join_span",
+    "placement_from_snapshot",
+    "plan_moves",
+    "served_throughput",
+    "should_move",
+    "swarm_throughput",
+]
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """The swarm's spans. Arrays are indexed by node; `peer_ids` names them (sorted for snapshots)."""
+
+    num_blocks: int
+    start: np.ndarray  # (n,) int, first block
+    length: np.ndarray  # (n,) int, blocks served, >= 1
+    throughput: np.ndarray  # (n,) tokens/s through the node's span at its load
+    movable: np.ndarray  # (n,) bool: serving and allowed to move now
+    demand: np.ndarray  # (num_blocks,) relative traffic per block, > 0
+    peer_ids: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if np.any(self.length < 1) or np.any(self.start < 0) or np.any(self.start + self.length > self.num_blocks):
+            raise ValueError("every span must lie inside [0, num_blocks) and hold at least one block")
+        if self.demand.shape != (self.num_blocks,) or np.any(self.demand <= 0):
+            raise ValueError("demand must hold one positive weight per block")
+
+
+@dataclass(frozen=True)
+class Move:
+    node: int  # index into the placement
+    peer_id: str
+    from_start: int
+    to_start: int
+    throughput_before: float  # swarm throughput T before this move, tokens/s
+    throughput_after: float
+
+
+def served_throughput(
+    num_blocks: int, start: np.ndarray, length: np.ndarray, throughput: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(served tokens/s per block, servers per block) of the spans."""
+    delta = np.zeros(num_blocks + 1)
+    count = np.zeros(num_blocks + 1, np.int64)
+    np.add.at(delta, start, throughput)
+    np.add.at(delta, start + length, -throughput)
+    np.add.at(count, start, 1)
+    np.add.at(count, start + length, -1)
+    return np.cumsum(delta)[:-1], np.cumsum(count)[:-1]
+
+
+def swarm_throughput(served: np.ndarray, demand: np.ndarray | None = None) -> float:
+    """T = min_b served_b / demand_b, tokens/s (0 when a block has no server)."""
+    demand = np.ones_like(served) if demand is None else demand
+    return float(np.min(served / demand)) if served.size else 0.0
+
+
+def join_span(served: np.ndarray, demand: np.ndarray, length: int) -> int:
+    """Start block for a node of `length` blocks: the window with the weakest block (ties: lower mean, then lower
+    start). Raises ValueError if the length does not fit."""
+    if not 1 <= length <= served.size:
+        raise ValueError(f"span of {length} blocks does not fit {served.size} blocks")
+    ratio = served / demand
+    windows = np.lib.stride_tricks.sliding_window_view(ratio, length)
+    weakest, mean = windows.min(axis=1), windows.mean(axis=1)
+    return int(np.lexsort((np.arange(weakest.size), mean, weakest))[0])
+
+
+def _best_moves(
+    placement: Placement, served: np.ndarray, servers: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every movable node: the start of the weakest window once it has left its span, the swarm throughput
+    after moving there (-inf where the move would leave a block without a server or is no move), and the summed
+    per-block load sum_b demand_b / served_b after it (inf where blocks go unserved)."""
+    count, blocks = placement.start.size, placement.num_blocks
+    target = np.zeros(count, np.int64)
+    after = np.full(count, -np.inf)
+    pressure = np.full(count, np.inf)
+    block = np.arange(blocks)
+    for length in np.unique(placement.length[placement.movable]):
+        group = np.flatnonzero(placement.movable & (placement.length == length))
+        inside = (block[None] >= placement.start[group, None]) & (block[None] < (placement.start + length)[group, None])
+        without = served[None] - inside * placement.throughput[group, None]  # (g, blocks)
+        ratio = without / placement.demand[None]
+        windows = np.lib.stride_tricks.sliding_window_view(ratio, length, axis=1)  # (g, starts, length)
+        weakest, mean = windows.min(axis=2), windows.mean(axis=2)
+        # weakest window first, then lower mean, then lower start: lexsort per row via a combined key
+        order = np.lexsort((np.broadcast_to(np.arange(weakest.shape[1]), weakest.shape), mean, weakest), axis=1)
+        chosen = order[:, 0]
+        new_inside = (block[None] >= chosen[:, None]) & (block[None] < chosen[:, None] + length)
+        moved = without + new_inside * placement.throughput[group, None]
+        covered = (servers[None] - inside + new_inside) >= 1
+        value = np.min(moved / placement.demand[None], axis=1)
+        valid = covered.all(axis=1) & (chosen != placement.start[group])
+        with np.errstate(divide="ignore"):
+            load = np.where(valid, (placement.demand[None] / np.maximum(moved, 0.0)).sum(axis=1), np.inf)
+        target[group], after[group], pressure[group] = chosen, np.where(valid, value, -np.inf), load
+    return target, after, pressure
+
+
+def plan_moves(placement: Placement, *, margin: float = MARGIN, max_moves: int | None = None) -> tuple[Move, ...]:
+    """Eq. 3: the moves, in order, that take the swarm from `placement` toward a higher bottleneck throughput (see
+    the module docstring). Each move raises T by more than `margin` (relative) and leaves every block served.
+    `max_moves` defaults to MAX_MOVES_SHARE of the nodes, at least one. Raises ValueError for a negative margin."""
+    if margin < 0:
+        raise ValueError("margin must be >= 0")
+    limit = max(1, int(MAX_MOVES_SHARE * placement.start.size)) if max_moves is None else max_moves
+    start = placement.start.copy()
+    movable = placement.movable.copy()
+    moves: list[Move] = []
+    served, servers = served_throughput(placement.num_blocks, start, placement.length, placement.throughput)
+    initial = swarm_throughput(served, placement.demand)
+    with np.errstate(divide="ignore"):
+        pressure_now = float((placement.demand / np.maximum(served, 0.0)).sum())
+    best_prefix, best_value = 0, initial
+    for _ in range(limit):
+        current = Placement(
+            placement.num_blocks, start, placement.length, placement.throughput, movable, placement.demand
+        )
+        before = swarm_throughput(served, placement.demand)
+        target, after, pressure = _best_moves(current, served, servers)
+        # lexicographic: the highest bottleneck, then the least summed load (it lifts a flat bottleneck of many
+        # equally weak blocks one window at a time); only strict improvements
+        order = np.lexsort((np.arange(after.size), pressure, -after))
+        node = int(order[0]) if order.size else 0
+        if order.size == 0 or not np.isfinite(after[node]):
+            break
+        if after[node] < before or (after[node] == before and not pressure[node] < pressure_now):
+            break
+        peer_id = placement.peer_ids[node] if placement.peer_ids else str(node)
+        moves.append(Move(node, peer_id, int(start[node]), int(target[node]), before, float(after[node])))
+        start[node] = target[node]
+        movable[node] = False  # a node moves at most once per decision
+        served, servers = served_throughput(placement.num_blocks, start, placement.length, placement.throughput)
+        pressure_now = float(pressure[node])
+        if after[node] > best_value:
+            best_prefix, best_value = len(moves), float(after[node])
+    if best_value > initial * (1.0 + margin):
+        return tuple(moves[:best_prefix])  # the shortest prefix reaching the best bottleneck
+    return ()
+
+
+def apply_moves(placement: Placement, moves: tuple[Move, ...]) -> Placement:
+    """The placement after `moves` (a new object)."""
+    start = placement.start.copy()
+    for move in moves:
+        start[move.node] = move.to_start
+    return Placement(
+        placement.num_blocks,
+        start,
+        placement.length,
+        placement.throughput,
+        placement.movable,
+        placement.demand,
+        placement.peer_ids,
+    )
+
+
+def placement_from_snapshot(snapshot: SwarmSnapshot, demand: np.ndarray | None = None) -> Placement:
+    """The serving nodes of `snapshot` (online, not draining, with a span), sorted by peer id; throughput is the
+    announced inference_tps at the announced load, tps * (1 - load)."""
+    arrays = snapshot.arrays
+    serving = [
+        index
+        for index in np.flatnonzero(arrays.available & (arrays.end > arrays.start))
+        if snapshot.nodes[index].inference_tps > 0
+    ]
+    serving.sort(key=lambda index: snapshot.nodes[index].peer_id)
+    chosen = np.array(serving, np.int64)
+    tps = np.array([snapshot.nodes[index].inference_tps for index in serving], np.float64)
+    demand = np.ones(snapshot.num_blocks) if demand is None else np.asarray(demand, np.float64)
+    return Placement(
+        snapshot.num_blocks,
+        arrays.start[chosen],
+        arrays.end[chosen] - arrays.start[chosen],
+        tps * (1.0 - arrays.load[chosen]),
+        np.ones(chosen.size, bool),
+        demand,
+        tuple(snapshot.nodes[index].peer_id for index in serving),
+    )
+
+
+def should_move(
+    snapshot: SwarmSnapshot,
+    peer_id: str,
+    *,
+    demand: np.ndarray | None = None,
+    margin: float = MARGIN,
+    max_moves: int | None = None,
+) -> Move | None:
+    """For a daemon: the move `peer_id` should make now (its new span is [to_start, to_start + its length)), or None.
+    Every node computing this on the same snapshot gets the same plan, so only the planned nodes move."""
+    placement = placement_from_snapshot(snapshot, demand)
+    for move in plan_moves(placement, margin=margin, max_moves=max_moves):
+        if move.peer_id == peer_id:
+            return move
+    return None
