@@ -13,8 +13,16 @@ Prints ONE JSON line to stdout (progress goes to stderr):
   throughput (tokens/s), block moves, expected requests dropped by moves, firings. `homology_vs_best`: the
   homology trigger's mean throughput relative to the best trigger's, and its moves relative to that trigger's.
   Target: throughput within 5% of the best with at most half its moves.
+- schemas: precomputed sharding schemas (topology/schemas.py) on `--schema-nodes` nodes of the global scenario in
+  five states (all up, Asia down, Europe down, a cluster joined in Sao Paulo, the transatlantic backbone 4x slower):
+  a book from 6 snapshots per state, then 4 held-out snapshots per state (other times, other remeasure seeds).
+  `classes` found, held-out `accuracy` (the picked class is the state's class), the ratio of the picked schema's
+  bottleneck throughput to recomputing (balancing.best_placement) from scratch (mean and worst), and median times:
+  `classifier_s` (features -> class), `classify_apply_s` (classify + apply, the diagrams already made by the
+  monitor), `diagrams_s` (snapshot -> features, if the monitor had not made them), `recompute_s`. Targets: accuracy
+  and the worst ratio >= 0.95, classify + apply under a tenth of recomputing.
 
-    python bench/topology.py [--repeats 5] [--skip-triggers]
+    python bench/topology.py [--repeats 5] [--skip-triggers] [--schema-nodes 1000]
 
 Timings on a shared machine are noisy; the JSON carries the load average at the start and the end.
 """
@@ -34,12 +42,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node.routing.scenarios import SCENARIOS  # noqa: E402
+from nesa_node.routing.scenarios import SCENARIOS, City, ClusterJoin, LinkDegradation, Outage  # noqa: E402
 from nesa_node.routing.simulate import Simulator  # noqa: E402
+from nesa_node.sharding.balancing import best_placement, placement_from_snapshot  # noqa: E402
 from nesa_node.topology.graph import swarm_graph  # noqa: E402
-from nesa_node.topology.homology import diagrams  # noqa: E402
+from nesa_node.topology.homology import diagrams, features  # noqa: E402
 from nesa_node.topology.life import calibrate, simulate_life  # noqa: E402
 from nesa_node.topology.monitor import snapshot_distances  # noqa: E402
+from nesa_node.topology.schemas import apply_schema, bottleneck_throughput, build_book, classify  # noqa: E402
 from nesa_node.topology.triggers import HomologyTrigger, LoadVariationTrigger, PeriodicTrigger  # noqa: E402
 
 
@@ -115,10 +125,73 @@ def trigger_table() -> dict:
     }
 
 
+def schema_table(nodes: int, book_per_state: int = 6, held_out_per_state: int = 4) -> dict:
+    europe, america, asia = tuple(range(7)), tuple(range(7, 12)), tuple(range(12, 17))
+    states = {
+        "all up": {},
+        "asia down": {"outages": (Outage(asia, 0.0),)},
+        "europe down": {"outages": (Outage(europe, 0.0),)},
+        "cluster joined": {"joins": (ClusterJoin(City("Sao Paulo", -23.5, -46.6), nodes // 5, 0.0),)},
+        "transatlantic slow": {"degradations": (LinkDegradation(europe, america, 4.0, 0.0),)},
+    }
+    base = replace(SCENARIOS["global-1000"], name=f"global-{nodes}-states", num_nodes=nodes, duration_s=3 * 3600)
+    simulators = [Simulator(replace(base, **events)) for events in states.values()]
+    book_snapshots = [
+        sim.snapshot(300.0 + 600.0 * i, remeasure_seed=i) for sim in simulators for i in range(book_per_state)
+    ]
+    started = time.perf_counter()
+    book_diagrams = [diagrams(swarm_graph(snapshot)) for snapshot in book_snapshots]
+    book = build_book(book_snapshots, rng=np.random.default_rng(0), snapshot_diagrams=book_diagrams)
+    build_s = time.perf_counter() - started
+    book_labels = np.array([classify(book, features(entry))[0] for entry in book_diagrams])
+    # each state's class: the class most of its book snapshots fall in
+    expected = [int(np.bincount(row).argmax()) for row in book_labels.reshape(len(states), book_per_state)]
+    log(f"  book of {len(book_snapshots)} snapshots: {len(book.schemas)} classes in {build_s:.1f} s")
+    correct, ratios, recomputed = 0, [], 0
+    timings: dict[str, list[float]] = {"classifier_s": [], "classify_apply_s": [], "diagrams_s": [], "recompute_s": []}
+    for state, sim in enumerate(simulators):
+        for i in range(held_out_per_state):
+            snapshot = sim.snapshot(390.0 + 900.0 * i, remeasure_seed=1000 + i)
+            started = time.perf_counter()
+            vector = features(diagrams(swarm_graph(snapshot)))
+            timings["diagrams_s"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            label, _ = classify(book, vector)
+            timings["classifier_s"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            assignment = apply_schema(snapshot, book, feature_vector=vector)
+            timings["classify_apply_s"].append(time.perf_counter() - started)
+            placement = placement_from_snapshot(snapshot, book.demand)
+            started = time.perf_counter()
+            best = best_placement(placement)
+            timings["recompute_s"].append(time.perf_counter() - started)
+            correct += int(label == expected[state])
+            recomputed += int(assignment.recomputed)
+            ratios.append(assignment.throughput_tps / bottleneck_throughput(best))
+    ratios_array = np.array(ratios)
+    per_state = ratios_array.reshape(len(states), held_out_per_state)
+    result = {
+        "nodes": nodes,
+        "states": list(states),
+        "classes": len(book.schemas),
+        "book_snapshots": len(book_snapshots),
+        "held_out_snapshots": len(ratios),
+        "book_build_s": build_s,
+        "accuracy": correct / len(ratios),
+        "throughput_ratio_mean": float(ratios_array.mean()),
+        "throughput_ratio_worst": float(ratios_array.min()),
+        "throughput_ratio_worst_per_state": dict(zip(states, (float(row.min()) for row in per_state), strict=True)),
+        "recomputed": recomputed,
+    } | {name: statistics.median(values) for name, values in timings.items()}
+    log(f"  schemas: {json.dumps(result)}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-triggers", action="store_true", help="timings only")
+    parser.add_argument("--schema-nodes", type=int, default=1000, help="swarm size of the schema section")
     args = parser.parse_args()
     result: dict = {"bench": "topology", "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     log("snapshot -> diagrams")
@@ -127,11 +200,21 @@ def main() -> None:
     if not args.skip_triggers:
         log("six hours of swarm life per trigger")
         result["triggers"] = trigger_table()
+    log("precomputed schemas")
+    result["schemas"] = schema_table(args.schema_nodes)
+    result["classifier_time_s"] = result["schemas"]["classifier_s"]
     result["loadavg_end"] = os.getloadavg()
     targets = {
         "snapshot_1000_under_0_5s": result["snapshot_s"]["1000"]["total_s"] < 0.5,
         "snapshot_10000_under_5s": result["snapshot_s"]["10000"]["total_s"] < 5.0,
     }
+    schemas = result["schemas"]
+    targets["schema_accuracy_and_worst_ratio_at_least_0_95"] = (
+        schemas["accuracy"] >= 0.95 and schemas["throughput_ratio_worst"] >= 0.95
+    )
+    targets["schema_classify_apply_under_a_tenth_of_recompute"] = (
+        schemas["classify_apply_s"] < 0.1 * schemas["recompute_s"]
+    )
     if "triggers" in result:
         ratios = result["triggers"]["homology_vs_best"]
         targets["homology_within_5pct_of_best_with_half_the_moves"] = (

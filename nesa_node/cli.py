@@ -192,6 +192,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="F",
         help="fraction of the KV cache budget one peer may reserve (default 0.5)",
     )
+    run.add_argument(
+        "--rebalance",
+        choices=["homology", "load-cv", "periodic", "off"],
+        default="homology",
+        help="what makes this node move to other blocks: homology (the swarm's topology changed), load-cv (per-block "
+        "load uneven), periodic, or off (never move); all but off also cover a block no node serves "
+        "(default homology)",
+    )
+    run.add_argument(
+        "--rebalance-period",
+        type=_positive(float),
+        default=30.0,
+        metavar="S",
+        help="seconds between reads of the swarm's records to decide whether to move (default 30)",
+    )
+    run.add_argument(
+        "--drain-timeout",
+        type=_positive(float),
+        default=60.0,
+        metavar="S",
+        help="before moving, seconds the sessions in flight may take to finish; the rest are ended and their "
+        "clients fail over (default 60)",
+    )
     run.add_argument("--address-file", default=None, help="write the listening multiaddrs here once ready")
     from nesa_node.graph_cli import add_arguments as add_graph_arguments
 
@@ -324,6 +347,9 @@ async def _run_node(args) -> None:
         measure_throughput=not args.no_measure,
         inline_compute_ms=args.inline_compute_ms,
         compression=tuple(args.compression),
+        rebalance=args.rebalance,
+        rebalance_period_s=args.rebalance_period,
+        drain_timeout_s=args.drain_timeout,
     )
     if args.torch_threads > 0:
         import torch

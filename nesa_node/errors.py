@@ -6,7 +6,8 @@
     │   └── QuantizationUnsupportedError  unsupported_quantization: a --quant mode bitsandbytes cannot run here
     ├── RequestError                                  a request a node refuses; travels back over the wire
     │   ├── BadRequestError         bad_request      malformed message, wrong shape/dtype, NaN/Inf, bad position
-    │   │   └── MessageTooLargeError  too_large      a frame over the node's byte limit, refused before it is read
+    │   │   ├── MessageTooLargeError  too_large      a frame over the node's byte limit, refused before it is read
+    │   │   └── WrongBlocksError    wrong_blocks     blocks outside the node's span (a stale record: it moved)
     │   ├── CacheBudgetError        cache_budget     the session does not fit the node's KV cache budget
     │   ├── SessionNotFoundError    unknown_session
     │   ├── TooManySessionsError    too_many_sessions  the node's session limit, or it is draining
@@ -56,6 +57,10 @@ class MessageTooLargeError(BadRequestError):
     code = "too_large"
 
 
+class WrongBlocksError(BadRequestError):
+    code = "wrong_blocks"
+
+
 class CacheBudgetError(RequestError):
     code = "cache_budget"
 
@@ -93,6 +98,7 @@ _BY_CODE = {
         RequestError,
         BadRequestError,
         MessageTooLargeError,
+        WrongBlocksError,
         CacheBudgetError,
         SessionNotFoundError,
         TooManySessionsError,

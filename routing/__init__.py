@@ -1,10 +1,12 @@
 """Routing: chain selection over a frozen swarm snapshot, the eq. 18 cost, its GA tuner and a swarm simulator.
 
-Pure: may import numpy, networkx and nesa_node.errors only; no sockets, clocks, global RNG or hivemind. Functions
-that draw random numbers take an explicit numpy.random.Generator (or a seed).
+Pure: may import numpy, scipy, networkx and nesa_node.errors only; no sockets, clocks, global RNG or hivemind.
+Functions that draw random numbers take an explicit numpy.random.Generator (or a seed).
 
 Modules: snapshot (what routing sees), cost (eq. 18), search (exact and beam searches), chain (`select_chain`),
-simulate / scenarios / baselines (a seeded internet swarm and the routers to compare), ga (sec. 3.2 tuner).
+simulate / scenarios / baselines (a seeded internet swarm and the routers to compare), ga (sec. 3.2 tuner),
+coordinates (last-mile latencies fitted from measured round trips), measured (latency a live snapshot implies, for
+tuning on a live swarm).
 """
 
 from nesa_node.routing.chain import select_chain

@@ -1,4 +1,11 @@
-"""Sharding: loading a span of transformer blocks from a model folder, and KV cache accounting.
+"""Sharding: what runs where. Loading a span of transformer blocks from a model folder, KV cache accounting, block
+assignment and rebalancing, and partitioning arbitrary computation graphs.
 
-May import torch, transformers, safetensors (and later peft, bitsandbytes); never networking or hivemind.
+May import torch, transformers, safetensors, bitsandbytes (lazily) and nesa_node.routing snapshots; never networking
+or hivemind. balancing, partition and brkga are pure (numpy over frozen inputs, explicit Generators); graph traces
+modules with torch.fx and profiles them.
+
+Modules: blocks (spans of decoder blocks), kv_cache (eq. 4 budget), balancing (eq. 3: where a node joins, when
+nodes move), graph (fx operation graph, stage split), partition (MTPP eq. 8-11, Algorithm 1's DP and a fast exact
+DP), brkga (the biased random-key GA over topological orders).
 """

@@ -6,5 +6,6 @@ is imported lazily inside the functions that need it, so importing this package 
 
 Modules: graph (snapshot -> weighted graph and metric space), homology (H0/H1 diagrams, features, distances),
 monitor (change threshold learned from noise, snapshot history, per-node stability for eq. 18's R_A), triggers
-(homology, load variation, periodic), life (hours of swarm life on routing/simulate.py under a trigger).
+(homology, load variation, periodic), life (hours of swarm life on routing/simulate.py under a trigger), schemas
+(precomputed sharding schemas per topology class and the classifier that picks one, sec. 2.7.1).
 """

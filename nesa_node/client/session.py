@@ -21,7 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from nesa_node.client.swarm import SwarmClient
-from nesa_node.errors import NesaError, PeerUnavailableError, SessionStateError
+from nesa_node.errors import NesaError, PeerUnavailableError, RequestError, SessionStateError
 from nesa_node.routing.chain import Chain, ChainRequest, Hop
 from nesa_node.wire import (
     NO_CODEC,
@@ -187,7 +187,11 @@ class RemoteInferenceSession:
         try:
             while pending:
                 link, metadata, _ = await self._next_response(self.swarm.request_timeout_s)
-                raise_if_error(metadata)
+                try:
+                    raise_if_error(metadata)
+                except RequestError as refusal:
+                    refusal.peer_id = link.hop.peer_id  # who refused: the caller may route around it
+                    raise
                 if metadata.get("ok"):
                     pending.discard(id(link))
         except BaseException:

@@ -50,6 +50,14 @@ class NodeConfig:
     inject_delay_ms: float = 0.0
     # codecs the node accepts for hidden states (and will produce when a client asks); "none" is always included
     compression: tuple[str, ...] = CODECS
+    # what makes the node move to other blocks (server/rebalance.py): homology (persistent homology of the swarm,
+    # the design's trigger), load-cv (per-block load imbalance), periodic, or off (never moves); with any but off a
+    # block no node serves (a coverage hole) makes one node move to it at once
+    rebalance: str = "homology"
+    rebalance_period_s: float = 30.0  # how often the swarm's records are read to decide (three announce periods)
+    # how long a node moving for throughput lets its sessions finish before ending them (clients then fail over);
+    # a typical session is about a minute (topology/life.py SESSION_S). A hole move ends them at once.
+    drain_timeout_s: float = 60.0
 
     @property
     def record_ttl_s(self) -> float:

@@ -43,6 +43,7 @@ from nesa_node.errors import (
     RequestError,
     SessionNotFoundError,
     TooManySessionsError,
+    WrongBlocksError,
 )
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.links import MAX_PING_BYTES
@@ -432,6 +433,8 @@ class BlockHandler(ServicerBase):
     def _check_blocks(self, metadata: dict) -> tuple[int, int]:
         """The block ids a client expects this node to run, (first, end): a contiguous ascending part of its span."""
         blocks = field(metadata, "blocks", list)
+        if self.span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
         total = self.span.config.num_hidden_layers
         if not 0 < len(blocks) <= total or not all(type(block) is int for block in blocks):
             raise BadRequestError(f"blocks must be a list of 1..{total} block ids")
@@ -441,7 +444,7 @@ class BlockHandler(ServicerBase):
         if blocks != list(range(blocks[0], blocks[0] + len(blocks))):
             raise BadRequestError(f"blocks must be contiguous and ascending, got {blocks[:8]}")
         if not self.span.start <= blocks[0] <= blocks[-1] < self.span.end:
-            raise BadRequestError(
+            raise WrongBlocksError(
                 f"this node serves blocks {self.span.start}..{self.span.end - 1}, not {blocks[0]}..{blocks[-1]}"
             )
         return blocks[0], blocks[-1] + 1
@@ -477,9 +480,11 @@ class BlockHandler(ServicerBase):
         """Run `blocks` (first, end) of the span; short steps on the loop itself, others on the compute thread (see
         inline_compute_ms)."""
 
+        span = self.span  # the span the blocks were checked against, even if the node moves meanwhile
+
         def run() -> tuple[torch.Tensor, float]:
             started = time.perf_counter()
-            output = self.span(hidden, cache, position, blocks)
+            output = span(hidden, cache, position, blocks)
             return output, time.perf_counter() - started
 
         small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
@@ -526,7 +531,10 @@ class BlockHandler(ServicerBase):
             async for response in responses:
                 metadata = unpack_metadata(response.metadata)
                 if "error" in metadata:
-                    session.inbox.put_nowait((None, {"_error": error_from_metadata(metadata)}))
+                    error = error_from_metadata(metadata)
+                    if isinstance(error, SessionNotFoundError):  # it dropped the session (moved, restarted): failed
+                        error = PeerUnavailableError(f"next node {session.next_peer} lost the session: {error.message}")
+                    session.inbox.put_nowait((None, {"_error": error}))
             ending = "ended"
         except Exception as exc:
             ending = f"failed: {exc!r}"
@@ -535,6 +543,18 @@ class BlockHandler(ServicerBase):
             session.push_outbox = session.push_reader = None  # a later push opens a new stream
             error = PeerUnavailableError(f"next node {session.next_peer}: push stream {ending}")
             session.inbox.put_nowait((None, {"_error": error}))
+
+    def use_span(self, span, budget: CacheBudget) -> None:
+        """Serve `span` with the cache `budget` sized for it (a node that moved); span None while the node loads
+        other blocks: requests naming blocks are refused. Call with no session open (see drop_sessions)."""
+        self.span, self.budget = span, budget
+        self.peer_cache_bytes = int(budget.capacity_bytes * self.config.max_cache_share_per_peer)
+
+    def drop_sessions(self) -> None:
+        """Close every session still open now, freeing its cache (a stuck one, after shutdown() asked it to end)."""
+        for session in list(self.sessions.values()):
+            session.inbox.put_nowait(END_OF_SESSION)
+            self._close_session(session)
 
     async def shutdown(self) -> None:
         """End every session after the steps already in its queue (the compute thread stays up: see close)."""

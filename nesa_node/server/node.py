@@ -2,13 +2,15 @@
 
 Components: the BlockSpan (weights of this node's blocks), the KV cache budget, a hivemind P2P host (one p2pd
 process shared by the DHT and the block handlers), a DHTNode whose records are signed with the node's identity
-key, the BlockHandler serving RPCs, and the announcer that refreshes the node's NodeInfo record.
+key, the BlockHandler serving RPCs, the announcer that refreshes the node's NodeInfo record, and the Rebalancer
+that moves the node to other blocks when the swarm needs it (server/rebalance.py; none with rebalance "off").
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import tempfile
@@ -28,6 +30,7 @@ from nesa_node.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.handler import BlockHandler
 from nesa_node.server.links import LinkProber
+from nesa_node.server.rebalance import Rebalancer, make_trigger
 from nesa_node.server.throughput import cached_measure
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
@@ -37,10 +40,21 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_STEP_S = 2.0  # per network step of a shutdown (guess: a healthy DHT store takes well under 1 s)
 
 
+def cache_budget(config: NodeConfig, model_config, blocks: int) -> CacheBudget:
+    """The KV cache budget of a span of `blocks` blocks (eq. 4 bytes per token depend on the span's length)."""
+    element_bytes = DTYPES[config.dtype].itemsize
+    bytes_per_token = kv_bytes_per_token_for(model_config, blocks, element_bytes)
+    # plus this span's output per token, kept while a next node may need it to rebuild its cache (failover):
+    # for a short span with grouped-query attention it can exceed the span's own KV cache
+    bytes_per_token += model_config.hidden_size * element_bytes
+    return CacheBudget.for_tokens(config.max_cache_tokens, bytes_per_token)
+
+
 class Node:
     def __init__(self, config, span, budget, p2p, dht, handler, signature_validator, throughput, identity_tmp):
         self.config = config
-        self.span = span
+        self.span = span  # None while the node loads other blocks (rebalancing)
+        self.start_block, self.end_block = config.start_block, config.end_block  # the span served or being loaded
         self.budget = budget
         self.p2p = p2p
         self.dht = dht
@@ -56,6 +70,8 @@ class Node:
         self._prober_task: asyncio.Task | None = None
         self.prober = LinkProber(p2p)
         self._process = psutil.Process()
+        self.rebalancer: Rebalancer | None = None
+        self._rebalancer_task: asyncio.Task | None = None
 
     @classmethod
     async def create(cls, config: NodeConfig) -> Node:
@@ -72,12 +88,7 @@ class Node:
             throughput = await asyncio.to_thread(cached_measure, span, cache_path)
         else:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
-        element_bytes = DTYPES[config.dtype].itemsize
-        bytes_per_token = kv_bytes_per_token_for(model_config, config.end_block - config.start_block, element_bytes)
-        # plus this span's output per token, kept while a next node may need it to rebuild its cache (failover):
-        # for a short span with grouped-query attention it can exceed the span's own KV cache
-        bytes_per_token += model_config.hidden_size * element_bytes
-        budget = CacheBudget.for_tokens(config.max_cache_tokens, bytes_per_token)
+        budget = cache_budget(config, model_config, config.end_block - config.start_block)
 
         identity_tmp = None
         identity_path = config.identity_path
@@ -106,6 +117,14 @@ class Node:
             node = cls(config, span, budget, p2p, dht, None, signature_validator, throughput, identity_tmp)
             node.handler = BlockHandler(span, config, budget, node.current_info, p2p)
             await node.handler.add_p2p_handlers(p2p)
+            if config.rebalance != "off":
+                node.rebalancer = Rebalancer(
+                    node,
+                    make_trigger(config.rebalance, period_s=config.rebalance_period_s),
+                    num_blocks=model_config.num_hidden_layers,
+                    period_s=config.rebalance_period_s,
+                    drain_timeout_s=config.drain_timeout_s,
+                )
         except BaseException:
             if dht is not None:
                 await dht.shutdown()
@@ -125,12 +144,12 @@ class Node:
         return NodeInfo(
             peer_id=self.peer_id,
             state=self.state,
-            start_block=self.config.start_block,
-            end_block=self.config.end_block,
+            start_block=self.start_block,
+            end_block=self.end_block,
             dtype=self.config.dtype,
             compression=self.handler.accepted_codecs,
             quantization=self.config.quant,
-            weights_hash=self.span.weights_hash,
+            weights_hash=self.span.weights_hash if self.span is not None else "",
             ram_total_mb=memory.total / 2**20,
             ram_free_mb=memory.available / 2**20,
             load=LoadInfo(
@@ -146,6 +165,23 @@ class Node:
             max_length=self.config.max_length,
             links=tuple(self.prober.links.values()),
         )
+
+    def release_span(self) -> None:
+        """Drop the blocks' weights (no session may be open); requests naming blocks are refused until load_span."""
+        self.span = None
+        self.handler.use_span(None, self.budget)
+        gc.collect()  # the layers may sit in reference cycles (nn.Module); free them before loading others
+        if self.config.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+    async def load_span(self, start: int, end: int) -> None:
+        """Load blocks [start, end) and serve them with a cache budget sized for them."""
+        spec = SpanSpec(start, end, self.config.dtype, self.config.device, self.config.quant)
+        span = await asyncio.to_thread(load_block_span, self.config.model_path, spec)
+        self.span, self.budget = span, cache_budget(self.config, span.config, end - start)
+        self.handler.use_span(span, self.budget)
 
     async def announce(self) -> bool:
         ok = await store_node_info(
@@ -187,6 +223,8 @@ class Node:
         await self.announce()
         self._announcer = asyncio.create_task(self._announce_loop())
         self._prober_task = asyncio.create_task(self._probe_loop())
+        if self.rebalancer is not None:
+            self._rebalancer_task = asyncio.create_task(self.rebalancer.run())
         if self.config.address_file:
             await asyncio.to_thread(write_address_file, self.config.address_file, await self.visible_maddrs())
 
@@ -203,6 +241,12 @@ class Node:
         DHT and P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire
         anyway), and DHT peers that are gone too must not hold a stopping node (about drain_s + 8 s at most)."""
         self._stopped.set()
+        if self.rebalancer is not None:
+            await self.rebalancer.shutdown()
+        if self._rebalancer_task is not None:  # a move cut short leaves the node draining: it stops anyway
+            self._rebalancer_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._rebalancer_task
         if self._prober_task is not None:
             self._prober_task.cancel()
         if self._announcer is not None:

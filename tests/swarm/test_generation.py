@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from nesa_node.routing.chain import Hop
+from nesa_node.routing.chain import Chain, Hop
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
@@ -169,3 +169,25 @@ def test_a_chain_may_use_part_of_a_nodes_span(swarm, tiny_models, references):
             model.swarm.call(model.swarm.forward_async(outside, torch.zeros(1, 2, model.config.hidden_size)))
     assert torch.equal(output.sequences, references["llama"].sequences)
     torch.testing.assert_close(output.logits[-1], references["llama"].logits[-1], atol=1e-4, rtol=0)
+
+
+def test_a_node_refusing_blocks_it_no_longer_serves_is_routed_around(swarm, tiny_models, references):
+    """A record can be stale (its node moved to other blocks): the wrong_blocks refusal at open makes the client ban
+    that node and choose again, and the tokens are unchanged."""
+    moved = next(node for node in swarm.nodes if (node.start_block, node.end_block) == (1, 3))  # from llama-k3
+    with connect(swarm, tiny_models["llama"], "llama-k2") as model:
+        wait_for_chain(model, hops=2, max_length=PROMPT_LENGTH + NEW_TOKENS)
+        correct = model.chain_selector
+        stale_used = []
+
+        def stale_first(snapshot, request):
+            if moved.peer_id in request.exclude:
+                return correct(snapshot, request)
+            stale_used.append(True)  # as if its record still said blocks 0:4
+            return Chain((Hop(moved.peer_id, 0, 4),))
+
+        model.chain_selector = stale_first
+        output = model.generate(prompt(), **GREEDY_WITH_LOGITS)
+        assert stale_used and moved.peer_id in model.swarm.banned()
+        assert moved.peer_id not in model.last_chain.peer_ids
+    assert torch.equal(output.sequences, references["llama"].sequences)

@@ -8,11 +8,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nesa_node.routing.scenarios import SCENARIOS
 from nesa_node.routing.simulate import Simulator
+from nesa_node.routing.snapshot import NodeView, SwarmSnapshot
 from nesa_node.sharding.balancing import (
     Placement,
     apply_moves,
+    cover_hole,
     join_span,
     placement_from_snapshot,
+    plan_hole_cover,
     plan_moves,
     served_throughput,
     should_move,
@@ -130,3 +133,63 @@ def test_bad_placements_are_rejected():
         make([0], [2], [1.0], 2, demand=[1.0, 0.0])
     with pytest.raises(ValueError):
         plan_moves(make([0], [2], [1.0], 2), margin=-0.1)
+
+
+def test_a_hole_is_covered_by_one_node_from_the_most_redundant_span():
+    # blocks 4-5 have no server; (2,4) has one server, (0,2) three: the first (0,2) node moves, the others stay
+    moves = plan_hole_cover(make([2, 0, 0, 0], [2, 2, 2, 2], [1.0] * 4, 6))
+    assert [(move.node, move.from_start, move.to_start) for move in moves] == [(1, 0, 4)]
+    assert moves[0].throughput_after == 1.0
+    # (2,4) now has three servers and (0,2) two: a (2,4) node moves instead
+    moves = plan_hole_cover(make([0, 0, 2, 2, 2], [2] * 5, [1.0] * 5, 6))
+    assert [(move.node, move.to_start) for move in moves] == [(2, 4)]
+
+
+def test_no_hole_no_move_and_the_sole_server_of_a_block_never_leaves_it():
+    assert plan_hole_cover(make([0, 2, 0], [2, 2, 4], [1.0] * 3, 4)) == ()
+    # blocks 2-3 have no server; node 0 alone serves 0-1, so nothing may move
+    assert plan_hole_cover(make([0], [2], [1.0], 4)) == ()
+    # node 1 is the more redundant (block 0 keeps node 0); pinned, node 0 may move where its new window still
+    # holds the blocks only it served (1-2)
+    placement = make([0, 0], [3, 1], [1.0, 1.0], 4)
+    assert [(move.node, move.to_start) for move in plan_hole_cover(placement)] == [(1, 3)]
+    pinned = replace(placement, movable=np.array([True, False]))
+    assert [(move.node, move.to_start) for move in plan_hole_cover(pinned)] == [(0, 1)]
+
+
+def test_several_holes_take_several_nodes_each_moving_once():
+    moves = plan_hole_cover(make([0, 0, 0, 0], [1, 1, 1, 1], [1.0] * 4, 3))
+    assert [(move.node, move.to_start) for move in moves] == [(0, 1), (1, 2)]
+
+
+def test_a_node_draining_to_move_stays_the_planned_one():
+    placement = make([0, 0, 0, 2], [2] * 4, [1.0] * 4, 6)
+    first = plan_hole_cover(placement)
+    assert [move.node for move in first] == [0]
+    draining = np.array([False, True, True, True])  # node 0 announced draining: it serves nothing now
+    assert [(move.node, move.to_start) for move in plan_hole_cover(placement, draining)] == [(0, 4)]
+
+
+@settings(max_examples=80, deadline=None)
+@given(placements())
+def test_covering_holes_never_uncovers_a_block_and_moves_each_node_once(placement):
+    moves = plan_hole_cover(placement)
+    assert len({move.node for move in moves}) == len(moves)
+    _, before = served_throughput(placement.num_blocks, placement.start, placement.length, placement.throughput)
+    moved = apply_moves(placement, moves)
+    _, after = served_throughput(moved.num_blocks, moved.start, moved.length, moved.throughput)
+    assert np.all(after[before > 0] > 0)
+    assert (after == 0).sum() <= (before == 0).sum()
+    assert bool(moves) <= bool((before == 0).any())
+
+
+def test_the_daemon_asks_the_same_hole_cover_as_the_plan():
+    def view(peer, start, end, state="online"):
+        return NodeView(peer, start, end, online=state == "online", draining=state == "draining")
+
+    nodes = (view("c", 0, 2), view("a", 0, 2), view("b", 0, 2), view("d", 2, 4, "draining"), view("e", 4, 6))
+    snapshot = SwarmSnapshot(num_blocks=6, nodes=nodes)
+    assert cover_hole(snapshot, "a").to_start == 2  # d drains: its blocks are a hole; "a" sorts first
+    assert cover_hole(snapshot, "b") is None and cover_hole(snapshot, "c") is None
+    assert cover_hole(snapshot, "d") is None  # its target would be its own span: it is leaving, not moving
+    assert cover_hole(snapshot, "e") is None

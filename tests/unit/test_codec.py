@@ -19,8 +19,12 @@ from nesa_node.compression.quantize import (
     DYNAMIC_MAX_ERROR,
     LINEAR_MAX_ERROR,
     dequantize_dynamic,
+    dequantize_linear,
+    dequantize_linear_into,
     dynamic_map,
     quantize_dynamic,
+    quantize_linear,
+    quantize_linear_into,
 )
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -447,3 +451,80 @@ def test_cuda_encodes_like_the_cpu(codec):
 def test_integer_tensors_cannot_be_encoded():
     with pytest.raises(CodecError):
         encode(torch.ones(3, dtype=torch.int64))
+
+
+# The blockwise8 codec runs `quantize_linear_into` / `dequantize_linear_into`; `quantize_linear` /
+# `dequantize_linear` are the reference they must match bit for bit.
+chunk_sizes = st.sampled_from([1, 17, 64, 1000, 1 << 20])
+
+
+def _quantize_fast(blocks: torch.Tensor, chunk_elements: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
+    codes = torch.empty(blocks.shape, dtype=torch.int8)
+    scales = torch.empty(blocks.shape[0], dtype=torch.float32)
+    quantize_linear_into(blocks, scales, codes, chunk_elements=chunk_elements)
+    return codes, scales
+
+
+def _quantize_each_block(blocks: torch.Tensor) -> torch.Tensor:
+    """Reference codes computed one block at a time (quantize_linear picks its divide-first path per call)."""
+    return torch.cat([quantize_linear(row[None].to(torch.float32))[0] for row in blocks])
+
+
+@FEW
+@given(
+    rows=st.integers(1, 40),
+    block_size=block_sizes,
+    dtype=st.sampled_from(DTYPES),
+    seed=seeds,
+    scale=st.sampled_from([1e-30, 1e-3, 1.0, 1e4]),
+    chunk_elements=chunk_sizes,
+)
+def test_fast_linear_kernels_match_the_reference(rows, block_size, dtype, seed, scale, chunk_elements):
+    # rows of very different magnitudes, so that blocks of one step do not share a scale
+    magnitudes = torch.logspace(-3, 3, rows)[torch.randperm(rows, generator=torch.Generator().manual_seed(seed))]
+    limit = torch.finfo(dtype).max / 2  # float16 values stay finite
+    blocks = (_randn((rows, block_size), seed) * magnitudes[:, None] * scale).clamp(-limit, limit).to(dtype)
+    codes, scales = _quantize_fast(blocks, chunk_elements)
+    reference_codes, reference_scales = quantize_linear(blocks.to(torch.float32))
+    assert torch.equal(scales, reference_scales) and torch.equal(codes, reference_codes)
+    out = torch.empty(blocks.shape, dtype=dtype)
+    assert dequantize_linear_into(codes, scales, out, chunk_elements=chunk_elements) is out
+    assert torch.equal(out, dequantize_linear(reference_codes, reference_scales).to(dtype))
+
+
+@pytest.mark.parametrize("chunk_elements", [1, 64, 1 << 20])
+def test_fast_linear_kernel_handles_zero_tiny_and_extreme_blocks(chunk_elements):
+    blocks = _randn((9, 64), 7)
+    blocks[1] = 0.0  # zero block: absmax 0, codes 0
+    blocks[2] *= 1e-40  # subnormal absmax: 127 / absmax overflows, the divide-first path takes it
+    blocks[3] = 0.0
+    blocks[3, 5] = -1e-45  # the smallest subnormal alone
+    blocks[4] = 3.4e38  # float32 max, constant
+    blocks[5] = -2.5  # negative constant
+    blocks[6, ::2] = 0.0
+    blocks[7] = torch.tensor([127.0, 0.5, 1.5, -0.5, -2.5, 64.5, -64.5, 126.5] * 8)  # ties of x * 127 / absmax
+    codes, scales = _quantize_fast(blocks, chunk_elements)
+    assert torch.equal(scales, blocks.abs().amax(dim=1))
+    assert torch.equal(codes, _quantize_each_block(blocks))
+    assert codes[7, :8].tolist() == [127, 0, 2, 0, -2, 64, -64, 126]  # round half to even, as torch.round
+    assert not bool(codes[1].any()) and torch.equal(dequantize_linear(codes, scales)[4:6], blocks[4:6])
+
+
+def test_fast_linear_kernel_leaves_non_finite_scales_for_the_caller():
+    blocks = _randn((3, 64), 1)
+    blocks[0, 3], blocks[2, 9] = math.nan, -math.inf
+    _, scales = _quantize_fast(blocks, chunk_elements=64)
+    assert scales[0].isnan() and scales[1].isfinite() and scales[2] == math.inf
+
+
+@FEW
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=seeds, block_size=block_sizes)
+def test_blockwise8_payload_layout_is_unchanged(shape, dtype, seed, block_size):
+    # scales (float32 little-endian), then one int8 code per element, no padding: built here from the reference kernel
+    tensor = _randn(shape, seed, dtype, scale=10.0)
+    flat = tensor.to(torch.float32).reshape(-1)
+    blocks = -(-flat.numel() // block_size)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block_size - flat.numel())).view(blocks, block_size)
+    codes, scales = quantize_linear(padded)
+    expected = scales.numpy().tobytes() + codes.view(-1)[: flat.numel()].numpy().tobytes()
+    assert encode(tensor, "blockwise8", block_size=block_size).payload == expected
