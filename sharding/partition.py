@@ -279,19 +279,24 @@ def _backtrack(choice: np.ndarray, best: np.ndarray, n: int) -> tuple[int, ...]:
     return tuple(reversed(ends))
 
 
+def _order_arrays(graph: OperationGraph, order: Sequence[int], nodes: Sequence[NodeProfile]):
+    """What both DPs read of an order: (checked order, ids by position, position of each id, last use by position,
+    output bytes by position). Raises ValueError for an invalid order or no node."""
+    order = validate_order(graph, order)
+    if len(nodes) < 1:
+        raise ValueError("need at least one node")
+    ids = np.array(order, dtype=np.int64)
+    position = np.empty(len(order), dtype=np.int64)
+    position[ids] = np.arange(len(order))
+    return order, ids, position, _last_use(graph, position), graph.size_out[ids]
+
+
 def slice_order_reference(graph: OperationGraph, order: Sequence[int], nodes: Sequence[NodeProfile]) -> Partition:
     """Algorithm 1 as written: every segment cost precomputed (O(n^2) table), then the O(n^2 k) dynamic program
     best[t][j] = min_l max(best[t-1][l], f_t(order[l:j])) over at most k = len(nodes) segments. Exact for the
     order; memory n^2 floats, so for graphs of a few thousand operations at most."""
-    order = validate_order(graph, order)
+    order, ids, position, last, size_out = _order_arrays(graph, order, nodes)
     n, k = len(order), len(nodes)
-    if k < 1:
-        raise ValueError("need at least one node")
-    ids = np.array(order, dtype=np.int64)
-    position = np.empty(n, dtype=np.int64)
-    position[ids] = np.arange(n)
-    last = _last_use(graph, position)
-    size_out = graph.size_out[ids]  # (n,) by position
     producers = [sorted(position[list(graph.predecessors[v])]) for v in order]
     consumers = [sorted(position[list(graph.successors[v])]) for v in order]
     bytes_in = np.zeros((n, n))  # [a, b]: segment order[a..b] inclusive
@@ -339,15 +344,8 @@ def slice_order(
     necessarily optimal for the order; at or above it, the result is exact.
 
     Time O(m + n * w * k) with w the widest window, about n / k when the cost is dominated by work."""
-    order = validate_order(graph, order)
+    order, ids, position, last, size_out = _order_arrays(graph, order, nodes)
     n, k = len(order), len(nodes)
-    if k < 1:
-        raise ValueError("need at least one node")
-    ids = np.array(order, dtype=np.int64)
-    position = np.empty(n, dtype=np.int64)
-    position[ids] = np.arange(n)
-    last = _last_use(graph, position)
-    size_out = graph.size_out[ids]  # (n,) by position
     working_set = graph.working_set[ids]
     work_prefix = np.concatenate(([0.0], np.cumsum(graph.work[ids])))  # (n + 1,)
     param_prefix = np.concatenate(([0.0], np.cumsum(graph.size_param[ids])))
