@@ -3,7 +3,7 @@
 Prints one JSON line. Speeds are also given as ratios to the single-process baseline measured in the same run,
 since absolute timings on a shared machine are noisy.
 
-    python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3]
+    python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    # a forward of 8 x 128 tokens takes about 0.5 s of compute: its median needs more samples on a noisy machine
+    parser.add_argument("--forward-repeats", type=int, default=5)
     parser.add_argument("--compression", default="none", help="hidden-state codec (default none: a lossless wire)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
     # 0: torch's default (all cores) per node; nodes sleep their idle OpenMP threads (OMP_WAIT_POLICY=PASSIVE, set
@@ -107,7 +109,7 @@ def main() -> None:
         baseline = {
             "decode_tps": statistics.median(run["decode_tps"] for run in runs),
             "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
-            "forward_8x128_tps": timed_forward(baseline_model, batch_ids, args.repeats),
+            "forward_8x128_tps": timed_forward(baseline_model, batch_ids, args.forward_repeats),
         }
         reference_tokens = runs[0]["tokens"]
 
@@ -117,7 +119,15 @@ def main() -> None:
         for count in args.nodes:
             for index, (start, end) in enumerate(split_blocks(args.layers, count)):
                 node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
-                node_args += ["--dht-prefix", f"bench-{count}", "--announce-period", "5", "--no-measure"]
+                node_args += [
+                    "--dht-prefix",
+                    f"bench-{count}",
+                    "--announce-period",
+                    "5",
+                    "--no-measure",
+                    "--rebalance",
+                    "off",
+                ]
                 node_args += ["--torch-threads", str(args.node_threads)] if args.node_threads else []
                 launched.append(group.start(f"n{count}-{index}", node_args))
         for process, node_address in launched:
@@ -125,10 +135,23 @@ def main() -> None:
 
         swarm_results = {}
         for count in args.nodes:
-            for mode in ("direct", "relay"):
+            # direct: hidden states on data lanes (nesa_node.lane); direct-libp2p: the same chain with every message on
+            # libp2p (lanes off, as against nodes without them); relay: the client forwards between nodes
+            for label, mode, lanes in (
+                ("direct", "direct", True),
+                ("direct-libp2p", "direct", False),
+                ("relay", "relay", True),
+            ):
                 with DistributedModelForCausalLM.from_pretrained(
-                    path, initial_peers=peers, dht_prefix=f"bench-{count}", mode=mode, compression=args.compression
+                    path,
+                    initial_peers=peers,
+                    dht_prefix=f"bench-{count}",
+                    mode=mode,
+                    compression=args.compression,
+                    lanes=lanes,
                 ) as model:
+                    if not lanes:  # forwards too: the client sees no lane address
+                        model.swarm.lane_address = lambda peer_id: None
                     deadline = time.monotonic() + 120
                     while True:
                         try:
@@ -147,10 +170,10 @@ def main() -> None:
                             overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
                     hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
                     decode = statistics.median(run["decode_tps"] for run in runs)
-                    forward_tps = timed_forward(model, batch_ids, args.repeats)
-                    swarm_results[f"{mode}_{count}"] = {
+                    forward_tps = timed_forward(model, batch_ids, args.forward_repeats)
+                    swarm_results[f"{label}_{count}"] = {
                         "nodes": count,
-                        "mode": mode,
+                        "mode": label,
                         "tokens_match": all(torch.equal(run["tokens"], reference_tokens) for run in runs),
                         "decode_tps": round(decode, 2),
                         "decode_vs_baseline": round(decode / baseline["decode_tps"], 3),

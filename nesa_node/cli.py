@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 
+from nesa_node import event_loop
 from nesa_node.compression.names import CODECS, DEFAULT_CODEC
 from nesa_node.errors import NesaError
 
@@ -136,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--new-swarm", action="store_true", help="start a new swarm (no initial peers)")
     run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     run.add_argument("--port", type=int, default=0, help="TCP port (default 0: any free port)")
+    run.add_argument(
+        "--lane-port",
+        type=int,
+        default=0,
+        help="TCP port of the data lane: hidden states of open sessions straight between peers, AES-GCM encrypted "
+        "with keys the client hands out over libp2p (default 0: any free port)",
+    )
+    run.add_argument(
+        "--no-lane", action="store_true", help="no data lane: every step goes over libp2p (slower, one port less)"
+    )
     run.add_argument("--identity", default=None, metavar="FILE", help="key file; created if missing, keeps the peer id")
     run.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
@@ -329,6 +340,7 @@ async def _run_node(args) -> None:
         new_swarm=args.new_swarm,
         host=args.host,
         port=args.port,
+        lane_port=None if args.no_lane else args.lane_port,
         identity_path=args.identity,
         device=args.device,
         dtype=args.dtype,
@@ -489,10 +501,10 @@ def main(argv: list[str] | None = None) -> int:
             # to others (measured: nodes sharing 2 cores, decode step 13.7 ms passive vs 42 ms spinning under load);
             # read when torch loads, so it is set before anything imports torch
             os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            asyncio.run(_run_node(args))
+            event_loop.run(_run_node(args))
             return 0
         if args.command == "dht":
-            asyncio.run(_run_dht(args))
+            event_loop.run(_run_dht(args))
             return 0
         if args.command == "generate":
             return _generate(args)

@@ -21,6 +21,7 @@ RPC_INFERENCE = "BlockHandler.rpc_inference"
 RPC_PUSH = "BlockHandler.rpc_push"
 RPC_PUSH_STREAM = "BlockHandler.rpc_push_stream"
 RPC_PING = "BlockHandler.rpc_ping"
+RPC_LANE_TICKET = "BlockHandler.rpc_lane_ticket"
 
 MAX_METADATA_BYTES = 16 * 1024  # metadata is a handful of ids and integers
 MAX_METADATA_KEYS = 32

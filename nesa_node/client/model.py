@@ -77,6 +77,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         compression: str | WireCodec = DEFAULT_CODEC,
         routing_params: RoutingParams | None = None,
         chain_selector=None,
+        lanes: bool = True,
     ):
         super().__init__(config)
         self.max_failovers = 3  # node failures survived per step (each bans the node and replaces its span)
@@ -89,15 +90,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.model_edges = edges
         self.swarm = swarm
         self.mode = mode
+        # direct mode: hidden states over the nodes' data lanes (encrypted TCP, nesa_node.lane) where offered
+        self.lanes = lanes
         # eq. 18 exponents and search settings (nesa_node.routing); `nesa-node tune` writes tuned ones
         self.routing_params = routing_params or RoutingParams()
         # (snapshot, request) -> Chain; chains may use a part of a node's span
         self.chain_selector = chain_selector or functools.partial(select_chain, params=self.routing_params)
         self.partial_spans = True
-        # first-block candidates pinged per session open. 0 by default: with pings at every open, the churn soak
-        # (test_churn.py) lost a step in 3 of 4 runs; suspected: cancelling a timed-out hivemind call to a killed
-        # peer. Routing then relies on the links the nodes publish (rtt to their neighbours, both ways).
-        self.max_pinged_candidates = 0
+        # first-block candidates pinged per session open (those with no round trip measured in the last minute),
+        # on their data lanes: a TCP socket the client closes itself, so a dead candidate leaves nothing behind
+        # (pings over libp2p, cancelled when a killed peer did not answer, once made the churn soak lose steps).
+        # Nodes without a lane are pinged over libp2p. 0 turns pings off: routing then uses the links nodes publish.
+        self.max_pinged_candidates = 8
         self.active_session: RemoteInferenceSession | None = None
         self._history: torch.Tensor | None = None  # (batch, position) tokens the active session has seen
         self.last_chain: Chain | None = None
@@ -114,6 +118,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dtype: str = "float32",
         request_timeout_s: float = 30.0,
         routing_params: RoutingParams | str | Path | None = None,
+        lanes: bool = True,
         **unused,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
@@ -122,6 +127,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         see `nesa_node.compression.codec.CODECS`. Raises CodecError for an unknown codec.
         `routing_params`: eq. 18's exponents, as RoutingParams or the path of a JSON file `nesa-node tune` wrote
         (default: untuned, all exponents 1). Raises ValueError for a malformed file.
+        `lanes`: in direct mode, send hidden states over the nodes' data lanes (direct TCP, AES-GCM with keys
+        handed out over libp2p) where nodes offer them; False keeps every message on libp2p.
         """
         if unused:
             logger.debug("ignoring from_pretrained arguments %s", sorted(unused))
@@ -136,7 +143,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             request_timeout_s=request_timeout_s,
         )
         try:
-            model = cls(config, edges, swarm, mode=mode, compression=compression, routing_params=routing_params)
+            model = cls(
+                config, edges, swarm, mode=mode, compression=compression, routing_params=routing_params, lanes=lanes
+            )
         except BaseException:
             swarm.close()
             raise
@@ -250,6 +259,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 batch=batch,
                 max_length=max_length,
                 mode=self.mode,
+                lanes=self.lanes,
                 compression=self.compression,
                 reroute=self.reroute,
                 max_failovers=self.max_failovers,

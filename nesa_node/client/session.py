@@ -20,6 +20,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
+from nesa_node import lane
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.errors import NesaError, PeerUnavailableError, RequestError, SessionStateError
 from nesa_node.routing.chain import Chain, ChainRequest, Hop
@@ -63,12 +64,27 @@ def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) ->
 
 
 class _Link:
-    """The client's stream to one node of the chain."""
+    """The client's stream to one node of the chain, and the data lanes the client itself holds with it."""
 
     def __init__(self, hop: Hop):
         self.hop = hop
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.reader: asyncio.Task | None = None
+        # keys of the data lanes into and out of this node (nesa_node.lane), drawn by the client at open
+        self.key_in = lane.new_key()
+        self.key_out = lane.new_key()
+        self.send_lane: lane.SealedStream | None = None  # first node: the client's steps
+        self.receive_lane: lane.SealedStream | None = None  # last node: its outputs
+        self.lane_readers: list[asyncio.Task] = []
+
+    def close_lanes(self) -> None:
+        for stream in (self.send_lane, self.receive_lane):
+            if stream is not None:
+                stream.close()
+        for task in self.lane_readers:
+            task.cancel()
+        self.send_lane = self.receive_lane = None
+        self.lane_readers = []
 
 
 class LinkFailed(PeerUnavailableError):
@@ -108,6 +124,7 @@ class RemoteInferenceSession:
         max_replacement_attempts: int = 8,
         step_timeout_s: float | None = None,
         probe_timeout_s: float = 1.0,
+        lanes: bool = True,
     ):
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -117,6 +134,8 @@ class RemoteInferenceSession:
         self.batch = batch
         self.max_length = max_length
         self.mode = mode
+        # direct mode: hidden states go over data lanes (nesa_node.lane) where nodes offer them, else over libp2p
+        self.lanes = lanes and mode == "direct"
         self.reroute = reroute
         self.max_failovers = max_failovers
         # replacements tried for one lost span: records of crashed nodes linger until they expire, so a failover
@@ -150,7 +169,7 @@ class RemoteInferenceSession:
         direct = self.mode == "direct"
         # who decodes this node's output: the next node in a direct chain, else the client
         receiver = (hops[index + 1] if index + 1 < len(hops) else downstream) if direct else None
-        return {
+        metadata = {
             "output_codec": codec_for(hops[index], receiver, self.compression).to_metadata(),
             "session_id": self.session_id,
             "blocks": list(range(hops[index].start_block, hops[index].end_block)),
@@ -159,15 +178,36 @@ class RemoteInferenceSession:
             "upstream": (hops[index - 1].peer_id if index > 0 else upstream) if direct else self.swarm.peer_id,
             "next": receiver.peer_id if receiver is not None else None,
         }
+        return metadata
 
-    async def _open_links(self, hops: tuple[Hop, ...], upstream: str, downstream: Hop | None) -> list[_Link]:
-        """Open a session stream on each hop (a chain segment between `upstream` and `downstream`); wait for acks."""
-        links = []
-        for index, hop in enumerate(hops):
-            link = _Link(hop)
-            metadata = self._open_metadata(index, hops, upstream, downstream)
+    def _lane_metadata(self, links: list[_Link], downstream: _Link | None) -> list[dict | None]:
+        """Each link's lane settings for its open message: keys of the links into and out of the node, the next
+        node's lane address. A segment's end links take the keys of their neighbours' links (`downstream`: the
+        node after the segment; at the chain's end, the client)."""
+        if not self.lanes:
+            return [None] * len(links)
+        for index, link in enumerate(links[1:], start=1):
+            link.key_in = links[index - 1].key_out
+        settings = []
+        for index, link in enumerate(links):
+            receiver = links[index + 1].hop if index + 1 < len(links) else downstream.hop if downstream else None
+            next_lane = self.swarm.lane_address(receiver.peer_id) if receiver is not None else None
+            settings.append({"in": link.key_in.hex(), "out": link.key_out.hex(), "next": next_lane})
+        return settings
+
+    async def _open_links(self, hops: tuple[Hop, ...], upstream: str, downstream: _Link | None) -> list[_Link]:
+        """Open a session stream on each hop (a chain segment between `upstream` and `downstream`, None: the
+        client); wait for acks. The segment's outer lane keys are fresh: a replaced segment's neighbours get them
+        by retarget, so a node that was dropped holds no key still in use."""
+        links = [_Link(hop) for hop in hops]
+        lane_settings = self._lane_metadata(links, downstream)
+        for index, link in enumerate(links):
+            metadata = self._open_metadata(index, hops, upstream, downstream.hop if downstream else None)
+            if lane_settings[index] is not None:
+                metadata["lane"] = lane_settings[index]
             link.outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata(metadata)))
-            links.append(link)
+        for link in links:
+            hop = link.hop
             try:
                 stream = await asyncio.wait_for(
                     self.swarm.p2p.iterate_protobuf_handler(
@@ -202,6 +242,43 @@ class RemoteInferenceSession:
     async def _open(self) -> None:
         self._responses = asyncio.Queue()
         self._links = await self._open_links(self.chain.hops, self.swarm.peer_id, None)
+        await self._connect_lanes()
+
+    async def _connect_lanes(self) -> None:
+        """The client's own lanes: steps to the first node, outputs from the last. A node without a lane, or one
+        that cannot be reached on it, is spoken to over its libp2p stream instead."""
+        if not self.lanes:
+            return
+        first, last = self._links[0], self._links[-1]
+        if first.send_lane is None:
+            first.send_lane = await self._connect_lane(first, lane.ROLE_SEND, first.key_in)
+        if last.receive_lane is None:
+            last.receive_lane = await self._connect_lane(last, lane.ROLE_RECEIVE, last.key_out)
+
+    async def _connect_lane(self, link: _Link, role: int, key: bytes) -> lane.SealedStream | None:
+        address = self.swarm.lane_address(link.hop.peer_id)
+        if address is None:
+            return None
+        try:
+            async with asyncio.timeout(self.swarm.request_timeout_s):
+                stream = await lane.connect(address, role, self.session_id, key)
+        except (lane.LaneClosedError, TimeoutError) as exc:
+            logger.info("no data lane to %s (%s); its steps go over libp2p", link.hop.peer_id, exc)
+            return None
+        link.lane_readers.append(asyncio.create_task(self._read_lane(link, stream)))
+        return stream
+
+    async def _read_lane(self, link: _Link, stream: lane.SealedStream) -> None:
+        try:
+            while (payload := await stream.receive()) is not None:
+                response = runtime_pb2.ExpertResponse()
+                response.ParseFromString(payload)
+                self._responses.put_nowait((link, response))
+        except Exception as exc:  # a lane that fails is a node that fails, whatever the reason
+            message = exc.message if isinstance(exc, NesaError) else repr(exc)
+            self._responses.put_nowait((link, PeerUnavailableError(f"data lane of {link.hop.peer_id}: {message}")))
+            return
+        self._responses.put_nowait((link, PeerUnavailableError(f"node {link.hop.peer_id} closed the data lane")))
 
     async def _read(self, link: _Link, stream) -> None:
         try:
@@ -229,6 +306,7 @@ class RemoteInferenceSession:
 
     def _close_links(self, links: list[_Link]) -> None:
         for link in links:
+            link.close_lanes()
             link.outbox.put_nowait(_CLOSE)
             if link.reader is not None:
                 link.reader.cancel()
@@ -250,6 +328,8 @@ class RemoteInferenceSession:
             await asyncio.wait(readers, timeout=5)
         for reader in readers:
             reader.cancel()
+        for link in self._links:
+            link.close_lanes()
 
     def __enter__(self) -> RemoteInferenceSession:
         return self.open() if not self._opened else self
@@ -328,7 +408,13 @@ class RemoteInferenceSession:
                 metadata=pack_metadata({"step_id": step_id, "position": self.position, "codec": codec.to_metadata()}),
             )
             sent += request.ByteSize()
-            link.outbox.put_nowait(request)
+            if link.send_lane is not None:
+                try:
+                    link.send_lane.send(request.SerializeToString())
+                except lane.LaneClosedError:
+                    raise LinkFailed(f"data lane to {link.hop.peer_id} closed", link) from None
+            else:
+                link.outbox.put_nowait(request)
             expected = link if self.mode == "relay" else self._links[-1]
             while True:
                 answered, metadata, response = await self._next_response(deadline_s)
@@ -411,7 +497,7 @@ class RemoteInferenceSession:
 
     async def _replace(self, index: int, hops: tuple[Hop, ...]) -> None:
         previous = self._links[index - 1] if index > 0 else None
-        following = self._links[index + 1].hop if index + 1 < len(self._links) else None
+        following = self._links[index + 1] if index + 1 < len(self._links) else None
         self._close_links([self._links[index]])
         # the lost span's inputs: what the client sent to it (first span, or any in relay mode), or else the
         # previous node's outputs
@@ -446,9 +532,16 @@ class RemoteInferenceSession:
             # direct mode: the neighbours now talk to the replacement (previous pushes to it, following accepts
             # its pushes); in relay mode every node talks to the client only
             if previous is not None and not relay:
-                await self._retarget(previous, next=new_links[0].hop.peer_id)
-            if index + 1 < len(self._links) and not relay:
-                await self._retarget(self._links[index + 1], upstream=new_links[-1].hop.peer_id)
+                first = new_links[0]
+                lanes = {"out": first.key_in.hex(), "next": self.swarm.lane_address(first.hop.peer_id)}
+                await self._retarget(previous, next=first.hop.peer_id, **({"lane": lanes} if self.lanes else {}))
+                previous.key_out = first.key_in
+            if following is not None and not relay:
+                lanes = {"in": new_links[-1].key_out.hex()}
+                await self._retarget(
+                    following, upstream=new_links[-1].hop.peer_id, **({"lane": lanes} if self.lanes else {})
+                )
+                following.key_in = new_links[-1].key_out
         except BaseException:
             self._close_links(new_links)
             raise
@@ -456,14 +549,17 @@ class RemoteInferenceSession:
             self._inputs[index : index + 1] = replayed_inputs or [[] for _ in new_links]
         self._links[index : index + 1] = new_links
         self.chain = Chain(hops=tuple(link.hop for link in self._links))
+        await self._connect_lanes()  # a new first or last node: the client's lanes to it
 
-    async def _retarget(self, link: _Link, **peers: str) -> None:
+    async def _retarget(self, link: _Link, **peers: str | dict) -> None:
         link.outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "retarget", **peers})))
         await self._control_answer(link, "retarget", 0)
 
     async def _control_answer(self, link: _Link, control: str, max_elements: int) -> torch.Tensor | None:
         while True:
             answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
+            if metadata.get("error") == PeerUnavailableError.code:
+                continue  # a node reporting that its next node is gone: the failure being recovered from
             raise_if_error(metadata)
             if answered is link and metadata.get("control") == control:
                 break

@@ -21,15 +21,17 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
+from nesa_node import event_loop, lane
 from nesa_node.client.views import build_snapshot
 from nesa_node.dht_records import NodeRecord, fetch_node_infos, make_validator
-from nesa_node.errors import PeerUnavailableError
+from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.records import NodeInfo
 from nesa_node.routing.chain import Hop, SwarmSnapshot
 from nesa_node.wire import (
     NO_CODEC,
     RPC_FORWARD,
     RPC_INFO,
+    RPC_LANE_TICKET,
     RPC_PING,
     WireCodec,
     pack_metadata,
@@ -57,7 +59,7 @@ class SwarmClient:
             raise ValueError("initial_peers is empty: give the multiaddr of at least one swarm peer")
         self.dht_prefix = dht_prefix
         self.request_timeout_s = request_timeout_s
-        self.loop = asyncio.new_event_loop()
+        self.loop = event_loop.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="nesa-client-loop", daemon=True)
         self._thread.start()
         self.rtt_ms: dict[str, float] = {}  # peer id -> least round trip of the client's last pings, ms
@@ -66,6 +68,9 @@ class SwarmClient:
         self._refresh: asyncio.Future | None = None  # the DHT read in flight, on the client loop
         self.records_wait_s = records_wait_s
         self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
+        # a FORWARD data lane per node, kept open between forward calls (nesa_node.lane), one call at a time
+        self._forward_lanes: dict[str, lane.SealedStream] = {}
+        self._forward_locks: dict[str, asyncio.Lock] = {}
         try:
             self.p2p, self.dht = self.call(self._start(list(initial_peers)), timeout=60)
         except BaseException:
@@ -157,6 +162,19 @@ class SwarmClient:
         now = get_dht_time()
         return {peer: record for peer, record in self._records.items() if record.expiration_time > now}
 
+    def lane_address(self, peer_id: str) -> str | None:
+        """The data lane address a node's record announces (nesa_node.lane), if any and well formed."""
+        record = self._records.get(peer_id)
+        address = record.info.lane if record is not None else None
+        if address is None:
+            return None
+        try:
+            lane.parse_address(address)
+        except BadRequestError:
+            logger.debug("ignoring the malformed lane address of %s", peer_id)
+            return None
+        return address
+
     def snapshot(self, num_blocks: int, *, fresh: bool = False, hidden_size: int = 0) -> SwarmSnapshot:
         """Freeze the current records, with the client's measured rtts, for routing (client/views.py); `fresh`: see
         node_records."""
@@ -186,6 +204,12 @@ class SwarmClient:
         await asyncio.gather(*(least_of_two(peer_id) for peer_id in peer_ids))
 
     async def _ping(self, peer_id: str, timeout_s: float) -> float:
+        """Round trip in ms: over the node's data lane when it has one (a TCP socket the client closes at once,
+        nothing left behind when the node is gone), else rpc_ping over libp2p."""
+        address = self.lane_address(peer_id)
+        if address is not None:
+            async with asyncio.timeout(timeout_s):
+                return await lane.ping(address) * 1000
         started = time.perf_counter()
         await asyncio.wait_for(
             self.p2p.call_protobuf_handler(
@@ -228,7 +252,13 @@ class SwarmClient:
             "output_codec": output_codec.to_metadata(),
         }
         request = runtime_pb2.ExpertRequest(tensors=[tensor_to_proto(hidden, codec)], metadata=pack_metadata(metadata))
-        response = await self._unary(peer_id, RPC_FORWARD, request)
+        lock = self._forward_locks.setdefault(peer_id, asyncio.Lock())
+        async with lock:
+            stream = await self._forward_lane(peer_id)
+            if stream is not None:
+                response = await self._forward_on_lane(peer_id, stream, request)
+            else:
+                response = await self._unary(peer_id, RPC_FORWARD, request)
         metadata = unpack_metadata(response.metadata)
         raise_if_error(metadata)
         if len(response.tensors) != 1:
@@ -242,11 +272,54 @@ class SwarmClient:
         )
         return output, float(metadata.get("compute_s", 0.0))
 
+    async def _forward_lane(self, peer_id: str) -> lane.SealedStream | None:
+        """The open FORWARD lane to a node, opened now if needed (a ticket over libp2p, then the lane); None when
+        the node has no lane or it cannot be opened: the call then goes over libp2p."""
+        held = self._forward_lanes.get(peer_id)
+        if held is not None and not held.closed:
+            return held
+        address = self.lane_address(peer_id)
+        if address is None:
+            return None
+        try:
+            response = await self._unary(peer_id, RPC_LANE_TICKET, runtime_pb2.ExpertRequest())
+            metadata = unpack_metadata(response.metadata)
+            raise_if_error(metadata)
+            ticket, key = metadata.get("ticket"), lane.parse_key(metadata.get("key"), "key")
+            if not isinstance(ticket, str):
+                raise BadRequestError("lane ticket without an id")
+            async with asyncio.timeout(self.request_timeout_s):
+                stream = await lane.connect(address, lane.ROLE_FORWARD, ticket, key)
+        except (NesaError, TimeoutError, ValueError) as exc:
+            logger.debug("no forward lane to %s, using libp2p: %r", peer_id, exc)
+            return None
+        self._forward_lanes[peer_id] = stream
+        return stream
+
+    async def _forward_on_lane(
+        self, peer_id: str, stream: lane.SealedStream, request: runtime_pb2.ExpertRequest
+    ) -> runtime_pb2.ExpertResponse:
+        try:
+            stream.send(request.SerializeToString())
+            async with asyncio.timeout(self.request_timeout_s):
+                payload = await stream.receive()
+            if payload is None:
+                raise lane.LaneClosedError("the node closed the lane")
+            response = runtime_pb2.ExpertResponse()
+            response.ParseFromString(payload)
+            return response
+        except Exception as exc:  # the lane is unusable after any failure mid-call
+            stream.close()
+            self._forward_lanes.pop(peer_id, None)
+            raise PeerUnavailableError(f"peer {peer_id} did not answer a forward on its data lane: {exc!r}") from None
+
     def close(self) -> None:
         if not self.loop.is_running():
             return
 
         async def stop() -> None:
+            for stream in self._forward_lanes.values():
+                stream.close()
             for closer in (self.dht.shutdown, self.p2p.shutdown):
                 try:
                     await asyncio.wait_for(closer(), timeout=10)

@@ -17,6 +17,9 @@ class NodeConfig:
     new_swarm: bool = False  # start a swarm alone (no initial peers needed)
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
+    # TCP port of the data lane (hidden states of open sessions, encrypted: nesa_node.lane); 0: any free port;
+    # None: no lane, every step goes over libp2p
+    lane_port: int | None = 0
     identity_path: str | None = None  # RSA key file; created if missing; None: a fresh key per run
     device: str = "cpu"
     dtype: str = "float32"

@@ -25,6 +25,7 @@ from hivemind.p2p import P2P
 from nesa_node import __version__
 from nesa_node.dht_records import default_dht_prefix, fetch_node_infos, make_validator, store_node_info
 from nesa_node.identity import ensure_identity, load_private_key
+from nesa_node.lane import format_address
 from nesa_node.launcher import write_address_file
 from nesa_node.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.server.config import NodeConfig
@@ -72,6 +73,8 @@ class Node:
         self._process = psutil.Process()
         self.rebalancer: Rebalancer | None = None
         self._rebalancer_task: asyncio.Task | None = None
+        self._lane_server: asyncio.Server | None = None
+        self.lane_address: str | None = None
 
     @classmethod
     async def create(cls, config: NodeConfig) -> Node:
@@ -117,6 +120,8 @@ class Node:
             node = cls(config, span, budget, p2p, dht, None, signature_validator, throughput, identity_tmp)
             node.handler = BlockHandler(span, config, budget, node.current_info, p2p)
             await node.handler.add_p2p_handlers(p2p)
+            if config.lane_port is not None:
+                await node._start_lane()
             if config.rebalance != "off":
                 node.rebalancer = Rebalancer(
                     node,
@@ -131,6 +136,19 @@ class Node:
             await p2p.shutdown()
             raise
         return node
+
+    async def _start_lane(self) -> None:
+        """Listen for data lanes on the node's host; the record announces the address."""
+        self._lane_server = await asyncio.start_server(self.handler.serve_lane, self.config.host, self.config.lane_port)
+        port = self._lane_server.sockets[0].getsockname()[1]
+        host = self.config.host
+        if host in ("0.0.0.0", "::"):  # listening everywhere: announce the address peers reach the node's p2p on
+            host = next(
+                (str(addr).split("/")[2] for addr in await self.p2p.get_visible_maddrs() if "/ip4/" in str(addr)),
+                "127.0.0.1",
+            )
+        self.lane_address = self.handler.lane_address = format_address(host, port)
+        logger.info("data lane on %s", self.lane_address)
 
     @property
     def peer_id(self) -> str:
@@ -164,6 +182,7 @@ class Node:
             version=__version__,
             max_length=self.config.max_length,
             links=tuple(self.prober.links.values()),
+            lane=self.lane_address,
         )
 
     def release_span(self) -> None:
@@ -262,6 +281,8 @@ class Node:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self.handler.idle.wait(), timeout=drain_s)
             self.handler.close()
+        if self._lane_server is not None:
+            self._lane_server.close()
         self.state = NodeState.offline
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.announce(), timeout=SHUTDOWN_STEP_S)

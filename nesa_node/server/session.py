@@ -41,3 +41,11 @@ class ServerSession:
     # free places for peers' messages in `inbox` (the node's own reports always fit): NodeConfig.max_queued_steps
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
     refused_in_a_row: int = 0  # consecutive refused steps; the session ends at NodeConfig.max_step_errors
+    # data lanes (nesa_node.lane), when the client asked for them at open: the keys of the links into and out of
+    # this node, the next node's lane address, and the connections in use
+    lane_in: bytes | None = None  # steps from the upstream peer (the client, or the previous node)
+    lane_out: bytes | None = None  # outputs to the next node, or to the client when this node is the last
+    lane_next: str | None = None  # the next node's lane address; None: push over libp2p
+    push_lane: object | None = None  # SealedStream to lane_next, opened at the first push
+    output_lane: object | None = None  # SealedStream the client receives this (last) node's outputs on
+    lane_streams: set = field(default_factory=set)  # inbound SealedStreams carrying steps into the session

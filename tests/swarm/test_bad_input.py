@@ -17,9 +17,18 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
-from nesa_node import DistributedModelForCausalLM
+from nesa_node import DistributedModelForCausalLM, lane
 from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.wire import RPC_INFERENCE, RPC_PUSH, drain, pack_metadata, tensor_to_proto, unpack_metadata
+from nesa_node.server.handler import MAX_TICKETS_PER_PEER
+from nesa_node.wire import (
+    RPC_INFERENCE,
+    RPC_LANE_TICKET,
+    RPC_PUSH,
+    drain,
+    pack_metadata,
+    tensor_to_proto,
+    unpack_metadata,
+)
 from tests.swarm.conftest import wait_for_chain, wait_until
 
 HIDDEN = 64  # the tiny Llama's hidden size
@@ -172,6 +181,19 @@ def raw_frame(target: Target, frame: bytes) -> str:
             writer.close()
 
     return target.call(run())
+
+
+async def held_stream(target: Target, first: runtime_pb2.ExpertRequest):
+    """An inference stream that sends `first` and then nothing, until the test closes it (aclose)."""
+
+    async def hold_open():
+        yield first
+        await asyncio.sleep(3600)
+        yield first
+
+    return await target.p2p.iterate_protobuf_handler(
+        target.peer, RPC_INFERENCE, hold_open(), runtime_pb2.ExpertResponse
+    )
 
 
 def frame(payload: bytes, declared: int | None = None) -> bytes:
@@ -331,15 +353,8 @@ def test_d_batch_size_changed_mid_session(target):
 def test_d_duplicate_session_id(target):
     first = opening()
 
-    async def hold_open():
-        yield first
-        await asyncio.sleep(3600)  # keep the first session open while the second stream tries the same id
-        yield first
-
     async def run():
-        stream = await target.p2p.iterate_protobuf_handler(
-            target.peer, RPC_INFERENCE, hold_open(), runtime_pb2.ExpertResponse
-        )
+        stream = await held_stream(target, first)  # the first session stays open while a second tries the same id
         try:
             opened = unpack_metadata((await anext(stream)).metadata)
             assert opened.get("ok") is True
@@ -357,15 +372,8 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
     session_id = uuid.uuid4().hex
     upstream = target.honest.swarm.peer_id
 
-    async def hold_open():
-        yield opening(session_id=session_id, upstream=upstream)
-        await asyncio.sleep(3600)
-        yield opening()
-
     async def run():
-        stream = await target.p2p.iterate_protobuf_handler(
-            target.peer, RPC_INFERENCE, hold_open(), runtime_pb2.ExpertResponse
-        )
+        stream = await held_stream(target, opening(session_id=session_id, upstream=upstream))
         try:
             assert unpack_metadata((await anext(stream)).metadata).get("ok") is True
             push = step(0, session_id=session_id)
@@ -376,6 +384,174 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
 
     error = target.call(run())
     assert (error["error"], error["message"]) == ("bad_request", "push from a peer that is not this session's upstream")
+
+
+# ---- data lanes ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"in": "zz" * 32}, "lane key 'in' is not hex"),
+        ({"out": "ab"}, "lane key 'out' must be 64 hex characters"),
+        ({"next": "example.com:80"}, "lane address 'example.com:80' is not 'ip:port'"),
+        ({"sideways": 1}, "unknown lane settings ['sideways']"),
+        ("in", "metadata field 'lane' must be dict/NoneType"),
+    ],
+)
+def test_d_malformed_lane_settings_at_open(target, settings, message):
+    error = refusal(target, [opening(lane=settings)], answers=1)
+    assert (error["error"], error["message"]) == ("bad_request", message)
+
+
+def test_d_lane_connections_without_the_key_touch_no_session(target):
+    """Garbage, an unknown session, and the honest session's id with a guessed key: each connection is closed, and
+    the honest session (which itself runs over lanes) goes on."""
+    address = target.node.lane_address
+    honest_id = target.honest.session_id
+    assert target.honest._links[0].send_lane is not None  # the honest client's steps do travel on a lane
+
+    async def run():
+        host, port = lane.parse_address(address)
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(b"\x16\x03\x01 not a lane hello" + bytes(64))
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed without an answer
+        writer.close()
+        outcomes = []
+        for role, session_id in (
+            (lane.ROLE_SEND, uuid.uuid4().hex),
+            (lane.ROLE_SEND, honest_id),
+            (lane.ROLE_RECEIVE, honest_id),
+        ):
+            try:
+                await asyncio.wait_for(lane.connect(address, role, session_id, lane.new_key()), 10)
+                outcomes.append("accepted")
+            except lane.LaneClosedError:
+                outcomes.append("refused")
+        return outcomes
+
+    assert target.call(run()) == ["refused"] * 3
+
+
+def test_d_a_lane_carries_steps_only(target):
+    """The client of a session (it holds the key) sends session control and an unparseable frame on its lane:
+    each is refused on the lane with a typed error, and a good step after them is computed."""
+    session_id, key_in, key_out = uuid.uuid4().hex, lane.new_key(), lane.new_key()
+    settings = {"in": key_in.hex(), "out": key_out.hex(), "next": None}
+
+    async def run():
+        stream = await held_stream(target, opening(session_id=session_id, lane=settings))
+        sender = receiver = None
+        try:
+            assert unpack_metadata((await anext(stream)).metadata).get("ok") is True
+            sender = await lane.connect(target.node.lane_address, lane.ROLE_SEND, session_id, key_in)
+            receiver = await lane.connect(target.node.lane_address, lane.ROLE_RECEIVE, session_id, key_out)
+            answers = []
+            for payload in (step(0, control="history").SerializeToString(), b"\xff\xff not protobuf"):
+                sender.send(payload)
+                response = runtime_pb2.ExpertResponse()
+                response.ParseFromString(await asyncio.wait_for(sender.receive(), 10))
+                answers.append(unpack_metadata(response.metadata))
+            sender.send(step(0).SerializeToString())
+            output = runtime_pb2.ExpertResponse()
+            output.ParseFromString(await asyncio.wait_for(receiver.receive(), 10))
+            return answers, unpack_metadata(output.metadata), len(output.tensors)
+        finally:
+            for each in (sender, receiver):
+                if each is not None:
+                    each.close()
+            await stream.aclose()
+
+    answers, output, tensors = target.call(run())
+    assert [(answer["error"], answer["message"]) for answer in answers] == [
+        ("bad_request", "session control and replay come on the session's stream, not a lane"),
+        ("bad_request", "unparseable step on a data lane"),
+    ]
+    assert (output["step_id"], output["position"], tensors) == ("s:0", 0, 1)
+
+
+def test_d_forward_lane_tickets_are_single_use_and_bound_to_their_key(target):
+    """A FORWARD lane opens only with a ticket the node issued (over libp2p), once, with the ticket's key."""
+
+    async def ticket() -> dict:
+        response = await target.p2p.call_protobuf_handler(
+            target.peer, RPC_LANE_TICKET, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
+        )
+        return unpack_metadata(response.metadata)
+
+    async def run():
+        issued = await ticket()
+        address, key = issued["lane"], bytes.fromhex(issued["key"])
+        assert address == target.node.lane_address
+        outcomes = []
+        for ticket_id, ticket_key in ((issued["ticket"], lane.new_key()), (uuid.uuid4().hex, key)):
+            try:
+                await asyncio.wait_for(lane.connect(address, lane.ROLE_FORWARD, ticket_id, ticket_key), 10)
+                outcomes.append("accepted")
+            except lane.LaneClosedError:
+                outcomes.append("refused")
+        # a wrong key used the ticket up: the right key no longer opens it
+        try:
+            await asyncio.wait_for(lane.connect(address, lane.ROLE_FORWARD, issued["ticket"], key), 10)
+            outcomes.append("accepted")
+        except lane.LaneClosedError:
+            outcomes.append("refused")
+        # a fresh ticket with its key works, and answers a forward call like rpc_forward
+        issued = await ticket()
+        stream = await lane.connect(address, lane.ROLE_FORWARD, issued["ticket"], bytes.fromhex(issued["key"]))
+        try:
+            forward = runtime_pb2.ExpertRequest(
+                tensors=[tensor_to_proto(torch.randn(1, 3, HIDDEN))], metadata=pack_metadata({"blocks": [0, 1, 2, 3]})
+            )
+            stream.send(b"\x00garbage")
+            stream.send(forward.SerializeToString())
+            answers = []
+            for _ in range(2):
+                response = runtime_pb2.ExpertResponse()
+                response.ParseFromString(await asyncio.wait_for(stream.receive(), 10))
+                answers.append((unpack_metadata(response.metadata).get("error"), len(response.tensors)))
+        finally:
+            stream.close()
+        return outcomes, answers
+
+    outcomes, answers = target.call(run())
+    assert outcomes == ["refused", "refused", "refused"]
+    assert answers == [("bad_request", 0), (None, 1)]
+
+
+def test_d_forward_lanes_per_peer_are_bounded(target):
+    """One peer may hold MAX_TICKETS_PER_PEER forward lanes open on a node; one more is refused, and closing one
+    makes room again."""
+
+    async def open_forward_lane() -> lane.SealedStream:
+        response = await target.p2p.call_protobuf_handler(
+            target.peer, RPC_LANE_TICKET, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
+        )
+        issued = unpack_metadata(response.metadata)
+        return await asyncio.wait_for(
+            lane.connect(issued["lane"], lane.ROLE_FORWARD, issued["ticket"], bytes.fromhex(issued["key"])), 10
+        )
+
+    async def run():
+        held = [await open_forward_lane() for _ in range(MAX_TICKETS_PER_PEER)]
+        try:
+            try:
+                held.append(await open_forward_lane())
+                refused = False
+            except lane.LaneClosedError:
+                refused = True
+            held.pop(0).close()
+            for _ in range(100):  # the node notices the close on its next read
+                if target.node.handler.forward_lanes.get(target.attacker.swarm.peer_id, 0) < MAX_TICKETS_PER_PEER:
+                    break
+                await asyncio.sleep(0.05)
+            held.append(await open_forward_lane())
+            return refused
+        finally:
+            for stream in held:
+                stream.close()
+
+    assert target.call(run()) is True
 
 
 # ---- quotas -------------------------------------------------------------------------------------------------------

@@ -163,10 +163,6 @@ def test_a1_relay_mode_middle_node_killed_tokens_unchanged(failover_swarm, tiny_
         print(f"\nrelay-mode recovery: {max(timing.wall_s for timing in session.timings):.3f} s")
 
 
-# Known flaky under load (about one run in three on a busy 2-core machine, rarely when idle): while a DHT peer is
-# frozen, the client's DHT reads sometimes return none of the last span's records, so no replacement is found
-# ("nodes seen for blocks 3:4: none"). Kept out of `make test` until DHT reads survive a frozen replica.
-@pytest.mark.slow
 def test_a3_stopped_node_client_reroutes_and_the_stale_node_frees_its_cache(failover_swarm, tiny_llama, reference):
     """SIGSTOP the last node (its p2pd too) mid-generation: the client's step deadline passes, it re-routes, and the
     tokens are unchanged; after SIGCONT the stale node frees that session's cache within its step timeout."""

@@ -143,17 +143,24 @@ def test_two_clients_at_once_get_their_reference_tokens(swarm, tiny_models):
         assert torch.equal(results[index], expected[index])
 
 
-def test_forward_without_session_matches_full_model(swarm, tiny_models):
+@pytest.mark.parametrize("lanes", [True, False], ids=["data-lanes", "libp2p"])
+def test_forward_without_session_matches_full_model(swarm, tiny_models, lanes):
     path = tiny_models["qwen2"]
     reference_model = AutoModelForCausalLM.from_pretrained(path)
     input_ids = torch.randint(3, 1000, (3, 20), generator=torch.Generator().manual_seed(5))
     with torch.inference_mode():
         expected = reference_model(input_ids).logits
     with connect(swarm, path, "qwen2-k3") as model:
-        wait_for_chain(model, hops=3)
+        chain = wait_for_chain(model, hops=3)
+        if not lanes:  # as a client of nodes without data lanes sees them
+            model.swarm.lane_address = lambda peer_id: None
         with torch.inference_mode():
             logits = model(input_ids).logits
+            again = model(input_ids).logits  # on the lanes kept open, when there are lanes
+        held = set(model.swarm._forward_lanes)
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(again, expected, atol=1e-4, rtol=0)
+    assert held == ({hop.peer_id for hop in chain.hops} if lanes else set())
 
 
 def test_a_chain_may_use_part_of_a_nodes_span(swarm, tiny_models, references):

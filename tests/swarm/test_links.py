@@ -82,6 +82,10 @@ def test_the_client_routes_around_a_node_that_is_40_ms_further_away(local_swarm,
         print(f"\nchain {chain.peer_ids}; fitted last miles (ms): {access}")
         assert chain.peer_ids == (near[0].peer_id, near[1].peer_id)
         assert min(access[node.peer_id] for node in far) > max(access[node.peer_id] for node in near) + DELAY_MS / 8
+        # the client's own round trips to the first-block candidates, pinged on their data lanes when it chose
+        rtts = model.swarm.rtt_ms
+        assert set(rtts) >= {near[0].peer_id, far[0].peer_id}
+        assert rtts[far[0].peer_id] - rtts[near[0].peer_id] > 0.75 * DELAY_MS
         output = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)
         assert model.last_chain.peer_ids == chain.peer_ids
     assert torch.equal(output, expected)

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from nesa_node import DistributedModelForCausalLM
+from nesa_node import DistributedModelForCausalLM, lane
 from nesa_node.client.session import RemoteInferenceSession
 from tests.swarm.conftest import wait_for_chain
 
@@ -109,6 +109,12 @@ def send_in_plaintext(data: bytes) -> None:
                     received += receiver.recv(len(data) - len(received))
 
 
+async def pushed_on_lanes(node, session_id: str) -> bool:
+    """Whether `node` pushes the session's outputs to its next node over a data lane (not libp2p)."""
+    session = node.handler.sessions.get(session_id)
+    return session is not None and session.push_lane is not None and session.push_outbox is None
+
+
 def test_c_a_known_hidden_state_pattern_never_appears_in_a_loopback_capture(local_swarm, tiny_llama, capture):
     nodes = [local_swarm.start_node(tiny_llama, start, end, dht_prefix="capture") for start, end in ((0, 2), (2, 4))]
     hidden = known_pattern(32)
@@ -119,15 +125,19 @@ def test_c_a_known_hidden_state_pattern_never_appears_in_a_loopback_capture(loca
         chain = wait_for_chain(model, hops=2)
         session_capture = capture()
         with RemoteInferenceSession(model.swarm, chain, batch=1, max_length=64) as session:
+            # hidden states travel on data lanes: client -> first node, first -> second, second -> client
+            assert session._links[0].send_lane is not None and session._links[-1].receive_lane is not None
             session.step(hidden)  # prefill: 32 tokens, 8 KiB of the motif from the client to the first node
             for _ in range(8):
                 session.step(known_pattern(1))
+            assert local_swarm.run(pushed_on_lanes(nodes[0], session.session_id))
         recorded = session_capture.stop()
         ports = {
             int(maddr.split("/tcp/")[1].split("/")[0])
             for node in nodes
             for maddr in local_swarm.run(node.visible_maddrs())
         }
+        lane_ports = {lane.parse_address(node.lane_address)[1] for node in nodes}
 
     # the control: the same bytes over plain TCP are caught, so the check below can fail
     control_capture = capture()
@@ -138,5 +148,6 @@ def test_c_a_known_hidden_state_pattern_never_appears_in_a_loopback_capture(loca
 
     # the session's traffic was recorded (packets to and from the nodes' libp2p ports), and none of it is the motif
     assert any(port.to_bytes(2, "big") in recorded for port in ports)
+    assert all(port.to_bytes(2, "big") in recorded for port in lane_ports)
     assert len(recorded) > 32 * len(motif)
     assert [window for window in windows(motif) if window in recorded] == []

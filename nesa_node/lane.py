@@ -1,0 +1,294 @@
+"""Data lanes: hidden states of an open session over direct TCP connections, encrypted and authenticated.
+
+Through libp2p every message crosses two p2pd daemons (sender -> its p2pd -> the peer's p2pd -> receiver), which
+costs about 0.3 ms per transfer on loopback, most of a decode step's network time. A lane is a plain TCP
+connection that carries only the data frames of one session's link: steps from the client to the first node,
+steps pushed from a node to the next, and outputs from the last node to the client. Everything else (opening the
+session, keys, control, replay, errors) stays on the session's libp2p stream, which authenticates both ends.
+
+Keys. At open the client draws a random 32-byte key per link of the session and gives each node, over that
+node's libp2p stream, the key of the link into it and the key of the link out of it. Nobody else learns them.
+
+Handshake of one connection (the connecting side "c", the accepting node "a"):
+
+    c -> a   MAGIC(4) | role(1) | n(1) | session id (n bytes) | salt_c(16)
+    a -> c   salt_a(16)
+    both     k_c2a | k_a2c = HKDF-SHA256(link key, salt = salt_c | salt_a, info = INFO), 32 bytes each
+    c -> a   sealed empty frame (proves c holds the link key; `a` registers nothing before it)
+    a -> c   sealed empty frame (the connection is registered: frames may flow)
+
+Frames: length(4, big-endian) | AES-256-GCM(key of the direction, nonce = frame counter (12 bytes, big-endian),
+payload). Each direction has its own key and counter, and each connection fresh keys (both salts are new), so a
+nonce never repeats under a key; a frame that was altered, replayed, reordered or dropped fails authentication
+and ends the connection. A PING hello (no session) is answered with salt_a at once, for round-trip times.
+
+Cacheless forward calls (a batch through a node's span, client-relayed) use a FORWARD lane: the client asks the
+node for a ticket over libp2p (`rpc_lane_ticket`: a ticket id and a fresh key), then sends requests on a lane
+opened with the ticket id in place of a session id; the node answers each on the same lane.
+
+Frame lengths are checked against the receiver's limit before a payload is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import time
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+from nesa_node.errors import BadRequestError, MessageTooLargeError, PeerUnavailableError
+
+MAGIC = b"NLN1"
+INFO = b"nesa-node lane v1"
+ROLE_SEND = 1  # c sends steps into the session; a answers only to refuse one
+ROLE_RECEIVE = 2  # c (the client) receives the session's outputs from its last node
+ROLE_PING = 3  # no session: a answers the hello at once
+ROLE_FORWARD = 4  # cacheless forward calls (rpc_forward's requests and answers); the "session" is a ticket id
+ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_PING, ROLE_FORWARD)
+CONNECT_ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_FORWARD)
+KEY_BYTES = 32
+SALT_BYTES = 16
+TAG_BYTES = 16
+LENGTH_BYTES = 4
+MAX_SESSION_ID_BYTES = 128
+MAX_ADDRESS_LENGTH = 64  # "host:port", an IPv6 host included
+CLIENT_MAX_FRAME_BYTES = 1 << 30  # outputs a client accepts per frame; tensor parsing bounds them again
+
+
+class LaneClosedError(PeerUnavailableError):
+    """The lane's connection ended or failed; whatever was in flight on it is lost."""
+
+
+def new_key() -> bytes:
+    return os.urandom(KEY_BYTES)
+
+
+def parse_key(value: object, name: str) -> bytes:
+    """A link key as the client sends it in metadata (hex text); BadRequestError otherwise."""
+    if not isinstance(value, str) or len(value) != 2 * KEY_BYTES:
+        raise BadRequestError(f"lane key {name!r} must be {2 * KEY_BYTES} hex characters")
+    try:
+        return bytes.fromhex(value)
+    except ValueError:
+        raise BadRequestError(f"lane key {name!r} is not hex") from None
+
+
+def parse_address(value: object) -> tuple[str, int]:
+    """'host:port' (IPv6 hosts in brackets) -> (host, port); BadRequestError for anything else.
+
+    The host must be an IP address: a lane address names the node's own interface, and resolving a name a peer
+    sent would let it point our traffic anywhere DNS reaches."""
+    if not isinstance(value, str) or not 0 < len(value) <= MAX_ADDRESS_LENGTH:
+        raise BadRequestError(f"a lane address is 'host:port' text of at most {MAX_ADDRESS_LENGTH} characters")
+    host, sep, port_text = value.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(host)
+        port = int(port_text)
+    except ValueError:
+        raise BadRequestError(f"lane address {value!r} is not 'ip:port'") from None
+    if not sep or not 0 < port < 65536:
+        raise BadRequestError(f"lane address {value!r} has no valid port")
+    return host, port
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _ciphers(link_key: bytes, salt_c: bytes, salt_a: bytes) -> tuple[AESGCM, AESGCM]:
+    okm = HKDF(algorithm=hashes.SHA256(), length=2 * KEY_BYTES, salt=salt_c + salt_a, info=INFO).derive(link_key)
+    return AESGCM(okm[:KEY_BYTES]), AESGCM(okm[KEY_BYTES:])
+
+
+class SealedStream:
+    """Frames sealed with AES-GCM over one TCP connection: `send` queues a frame, `receive` returns the next
+    payload (None when the peer closed between frames). Any failure ends the connection."""
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        send_cipher: AESGCM,
+        receive_cipher: AESGCM,
+        max_frame_bytes: int,
+    ):
+        self.reader, self.writer = reader, writer
+        self._send_cipher, self._receive_cipher = send_cipher, receive_cipher
+        self._sent = self._received = 0
+        self.max_frame_bytes = max_frame_bytes
+        self.closed = False
+
+    def send(self, payload: bytes) -> None:
+        """Queue one frame (the transport writes it without waiting). Raises LaneClosedError once closed."""
+        if self.closed or self.writer.is_closing():
+            raise LaneClosedError("data lane is closed")
+        sealed = self._send_cipher.encrypt(self._sent.to_bytes(12, "big"), payload, None)
+        self._sent += 1
+        self.writer.write(len(sealed).to_bytes(LENGTH_BYTES, "big") + sealed)
+
+    async def receive(self) -> bytes | None:
+        try:
+            header = await self.reader.readexactly(LENGTH_BYTES)
+        except asyncio.IncompleteReadError as exc:
+            if exc.partial:
+                self.close()
+                raise LaneClosedError("data lane closed mid-frame") from None
+            self.close()
+            return None
+        except (ConnectionError, OSError) as exc:
+            self.close()
+            raise LaneClosedError(f"data lane failed: {exc!r}") from None
+        length = int.from_bytes(header, "big")
+        if not TAG_BYTES <= length <= self.max_frame_bytes + TAG_BYTES:
+            self.close()
+            raise MessageTooLargeError(
+                f"lane frame of {length} bytes outside {TAG_BYTES}..{self.max_frame_bytes + TAG_BYTES}"
+            )
+        try:
+            sealed = await self.reader.readexactly(length)
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            self.close()
+            raise LaneClosedError("data lane closed mid-frame") from None
+        try:
+            payload = self._receive_cipher.decrypt(self._received.to_bytes(12, "big"), sealed, None)
+        except InvalidTag:
+            self.close()
+            raise BadRequestError("lane frame failed authentication (altered, replayed or wrong key)") from None
+        self._received += 1
+        return payload
+
+    async def drain(self) -> None:
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self.close()
+            raise LaneClosedError(f"data lane failed: {exc!r}") from None
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            with contextlib.suppress(Exception):
+                self.writer.close()
+
+
+async def connect(
+    address: str, role: int, session_id: str, link_key: bytes, *, max_frame_bytes: int = CLIENT_MAX_FRAME_BYTES
+) -> SealedStream:
+    """Open a lane to `address` for `session_id` (SEND or RECEIVE) and complete the handshake.
+
+    Raises LaneClosedError when the node cannot be reached or refuses the connection (no such session, wrong key).
+    Callers bound the time with their own timeout."""
+    host, port = parse_address(address)
+    sid = session_id.encode()
+    if not 0 < len(sid) <= MAX_SESSION_ID_BYTES or role not in CONNECT_ROLES:
+        raise ValueError("a lane needs a session id of 1..128 bytes and the SEND, RECEIVE or FORWARD role")
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as exc:
+        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    try:
+        salt_c = os.urandom(SALT_BYTES)
+        writer.write(MAGIC + bytes((role, len(sid))) + sid + salt_c)
+        salt_a = await reader.readexactly(SALT_BYTES)
+        to_node, from_node = _ciphers(link_key, salt_c, salt_a)
+        stream = SealedStream(reader, writer, to_node, from_node, max_frame_bytes)
+        stream.send(b"")
+        if await stream.receive() != b"":
+            raise LaneClosedError(f"lane {address} refused session {session_id[:32]!r}")
+        return stream
+    except (asyncio.IncompleteReadError, ConnectionError, OSError, BadRequestError) as exc:
+        writer.close()
+        raise LaneClosedError(f"lane {address} refused the connection: {exc!r}") from None
+    except BaseException:
+        writer.close()
+        raise
+
+
+async def ping(address: str) -> float:
+    """Seconds from a PING hello to its answer (TCP connection set-up excluded). Raises LaneClosedError."""
+    host, port = parse_address(address)
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as exc:
+        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    try:
+        started = time.perf_counter()
+        writer.write(MAGIC + bytes((ROLE_PING, 0)) + os.urandom(SALT_BYTES))
+        await reader.readexactly(SALT_BYTES)
+        return time.perf_counter() - started
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        raise LaneClosedError(f"lane {address} did not answer a ping: {exc!r}") from None
+    finally:
+        writer.close()
+
+
+async def read_hello(reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
+    """The connecting side's hello: (role, session id, salt). BadRequestError for anything malformed."""
+    try:
+        head = await reader.readexactly(len(MAGIC) + 2)
+        if head[: len(MAGIC)] != MAGIC:
+            raise BadRequestError("not a nesa-node lane hello")
+        role, length = head[len(MAGIC)], head[len(MAGIC) + 1]
+        if role not in ROLES or length > MAX_SESSION_ID_BYTES or (role == ROLE_PING) != (length == 0):
+            raise BadRequestError(f"lane hello with role {role} and a session id of {length} bytes")
+        sid = await reader.readexactly(length)
+        salt = await reader.readexactly(SALT_BYTES)
+    except asyncio.IncompleteReadError:
+        raise BadRequestError("lane hello cut short") from None
+    try:
+        session_id = sid.decode("ascii")
+    except UnicodeDecodeError:
+        raise BadRequestError("lane session id is not ASCII") from None
+    return role, session_id, salt
+
+
+async def accept(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    role: int,
+    salt_c: bytes,
+    link_key: bytes,
+    max_frame_bytes: int,
+) -> SealedStream:
+    """The accepting side of the handshake, after `read_hello` and the key lookup: send our salt, check the
+    proof. The caller registers the stream, then calls `confirm`. BadRequestError when the proof fails."""
+    salt_a = os.urandom(SALT_BYTES)
+    writer.write(salt_a)
+    from_peer, to_peer = _ciphers(link_key, salt_c, salt_a)
+    stream = SealedStream(reader, writer, to_peer, from_peer, max_frame_bytes)
+    if await stream.receive() != b"":
+        stream.close()
+        raise BadRequestError("lane handshake proof missing")
+    return stream
+
+
+def confirm(stream: SealedStream) -> None:
+    stream.send(b"")
+
+
+__all__ = [
+    "CLIENT_MAX_FRAME_BYTES",
+    "KEY_BYTES",
+    "ROLE_FORWARD",
+    "ROLE_PING",
+    "ROLE_RECEIVE",
+    "ROLE_SEND",
+    "LaneClosedError",
+    "SealedStream",
+    "accept",
+    "confirm",
+    "connect",
+    "format_address",
+    "new_key",
+    "parse_address",
+    "parse_key",
+    "ping",
+    "read_hello",
+]
