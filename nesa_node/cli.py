@@ -43,6 +43,16 @@ def _positive(kind: type):
     return parse
 
 
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0: any free port), got {value}")
+    return value
+
+
 def _fraction(text: str) -> float:
     value = _positive(float)(text)
     if value > 1:
@@ -136,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
     run.add_argument("--new-swarm", action="store_true", help="start a new swarm (no initial peers)")
     run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    run.add_argument("--port", type=int, default=0, help="TCP port (default 0: any free port)")
+    run.add_argument("--port", type=_port, default=0, help="TCP port (default 0: any free port)")
     run.add_argument(
         "--lane-port",
-        type=int,
+        type=_port,
         default=0,
         help="TCP port of the data lane: hidden states of open sessions straight between peers, AES-GCM encrypted "
         "with keys the client hands out over libp2p (default 0: any free port)",
@@ -261,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     dht = commands.add_parser("dht", help="run a bootstrap DHT peer that serves no blocks")
     dht.add_argument("--host", default="127.0.0.1")
-    dht.add_argument("--port", type=int, default=0)
+    dht.add_argument("--port", type=_port, default=0)
     dht.add_argument("--identity", default=None, metavar="FILE")
     dht.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
     dht.add_argument("--address-file", default=None)

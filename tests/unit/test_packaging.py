@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nesa_node.cli import build_parser
@@ -43,6 +44,14 @@ def test_bad_block_range_is_a_usage_error(capsys):
     except SystemExit as exit_:
         assert exit_.code == 2
     assert "START < END" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option, value", [("--port", "70000"), ("--lane-port", "-1"), ("--lane-port", "http")])
+def test_bad_port_is_a_usage_error(capsys, option, value):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", "--model", "m", "--blocks", "0:2", option, value])
+    assert exit_.value.code == 2
+    assert "TCP port" in capsys.readouterr().err
 
 
 def test_no_assert_in_package_code():
