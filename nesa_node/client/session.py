@@ -223,17 +223,27 @@ class RemoteInferenceSession:
                 raise LinkFailed(f"could not open a session on {hop.peer_id}: {exc!r}", link) from None
             link.reader = asyncio.create_task(self._read(link, stream))
         # every node acknowledges the open (cache reserved) or refuses it with a typed error
-        pending = set(map(id, links))
+        pending = {id(link): link for link in links}
         try:
             while pending:
-                link, metadata, _ = await self._next_response(self.swarm.request_timeout_s)
+                try:
+                    link, metadata, _ = await self._next_response(self.swarm.request_timeout_s)
+                except LinkFailed as silent:
+                    if silent.link is not None:
+                        raise
+                    # a node that took the stream but never answered the open has failed for this session: name it,
+                    # so the caller bans it and opens on another chain
+                    unanswered = next(iter(pending.values()))
+                    raise LinkFailed(
+                        f"{silent.message}: node {unanswered.hop.peer_id} did not acknowledge the open", unanswered
+                    ) from None
                 try:
                     raise_if_error(metadata)
                 except RequestError as refusal:
                     refusal.peer_id = link.hop.peer_id  # who refused: the caller may route around it
                     raise
                 if metadata.get("ok"):
-                    pending.discard(id(link))
+                    pending.pop(id(link), None)
         except BaseException:
             self._close_links(links)
             raise
