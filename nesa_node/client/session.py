@@ -21,6 +21,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from nesa_node import lane
+from nesa_node.client.links import ChainLink, LinkFailed
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.errors import NesaError, PeerUnavailableError, RequestError, SessionStateError
 from nesa_node.routing.chain import Chain, ChainRequest, Hop
@@ -61,38 +62,6 @@ def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) ->
         if hop is not None and preferred.name not in hop.codecs:
             return NO_CODEC
     return preferred
-
-
-class _Link:
-    """The client's stream to one node of the chain, and the data lanes the client itself holds with it."""
-
-    def __init__(self, hop: Hop):
-        self.hop = hop
-        self.outbox: asyncio.Queue = asyncio.Queue()
-        self.reader: asyncio.Task | None = None
-        # keys of the data lanes into and out of this node (nesa_node.lane), drawn by the client at open
-        self.key_in = lane.new_key()
-        self.key_out = lane.new_key()
-        self.send_lane: lane.SealedStream | None = None  # first node: the client's steps
-        self.receive_lane: lane.SealedStream | None = None  # last node: its outputs
-        self.lane_readers: list[asyncio.Task] = []
-
-    def close_lanes(self) -> None:
-        for stream in (self.send_lane, self.receive_lane):
-            if stream is not None:
-                stream.close()
-        for task in self.lane_readers:
-            task.cancel()
-        self.send_lane = self.receive_lane = None
-        self.lane_readers = []
-
-
-class LinkFailed(PeerUnavailableError):
-    """A node of the chain failed (stream closed or errored); `link` is None when the chain as a whole went quiet."""
-
-    def __init__(self, message: str, link: _Link | None):
-        super().__init__(message)
-        self.link = link
 
 
 Rerouter = Callable[[ChainRequest], Chain]  # picks a chain for a block range, excluding banned peers
@@ -149,7 +118,7 @@ class RemoteInferenceSession:
         self.failovers: list[dict] = []  # one entry per recovery: failed peer, replacements, seconds
         # what the client sent, per step, for replay: direct mode to the first span only, relay mode to every link
         self._inputs: list[list[torch.Tensor]] = []  # [link][step] (batch, seq, hidden)
-        self._links: list[_Link] = []
+        self._links: list[ChainLink] = []
         self._responses: asyncio.Queue | None = None
         self._closed = False
         self._opened = False
@@ -169,7 +138,7 @@ class RemoteInferenceSession:
         direct = self.mode == "direct"
         # who decodes this node's output: the next node in a direct chain, else the client
         receiver = (hops[index + 1] if index + 1 < len(hops) else downstream) if direct else None
-        metadata = {
+        return {
             "output_codec": codec_for(hops[index], receiver, self.compression).to_metadata(),
             "session_id": self.session_id,
             "blocks": list(range(hops[index].start_block, hops[index].end_block)),
@@ -178,9 +147,8 @@ class RemoteInferenceSession:
             "upstream": (hops[index - 1].peer_id if index > 0 else upstream) if direct else self.swarm.peer_id,
             "next": receiver.peer_id if receiver is not None else None,
         }
-        return metadata
 
-    def _lane_metadata(self, links: list[_Link], downstream: _Link | None) -> list[dict | None]:
+    def _lane_metadata(self, links: list[ChainLink], downstream: ChainLink | None) -> list[dict | None]:
         """Each link's lane settings for its open message: keys of the links into and out of the node, the next
         node's lane address. A segment's end links take the keys of their neighbours' links (`downstream`: the
         node after the segment; at the chain's end, the client)."""
@@ -195,11 +163,11 @@ class RemoteInferenceSession:
             settings.append({"in": link.key_in.hex(), "out": link.key_out.hex(), "next": next_lane})
         return settings
 
-    async def _open_links(self, hops: tuple[Hop, ...], upstream: str, downstream: _Link | None) -> list[_Link]:
+    async def _open_links(self, hops: tuple[Hop, ...], upstream: str, downstream: ChainLink | None) -> list[ChainLink]:
         """Open a session stream on each hop (a chain segment between `upstream` and `downstream`, None: the
         client); wait for acks. The segment's outer lane keys are fresh: a replaced segment's neighbours get them
         by retarget, so a node that was dropped holds no key still in use."""
-        links = [_Link(hop) for hop in hops]
+        links = [ChainLink(hop) for hop in hops]
         lane_settings = self._lane_metadata(links, downstream)
         for index, link in enumerate(links):
             metadata = self._open_metadata(index, hops, upstream, downstream.hop if downstream else None)
@@ -265,7 +233,7 @@ class RemoteInferenceSession:
         if last.receive_lane is None:
             last.receive_lane = await self._connect_lane(last, lane.ROLE_RECEIVE, last.key_out)
 
-    async def _connect_lane(self, link: _Link, role: int, key: bytes) -> lane.SealedStream | None:
+    async def _connect_lane(self, link: ChainLink, role: int, key: bytes) -> lane.SealedStream | None:
         address = self.swarm.lane_address(link.hop.peer_id)
         if address is None:
             return None
@@ -278,7 +246,7 @@ class RemoteInferenceSession:
         link.lane_readers.append(asyncio.create_task(self._read_lane(link, stream)))
         return stream
 
-    async def _read_lane(self, link: _Link, stream: lane.SealedStream) -> None:
+    async def _read_lane(self, link: ChainLink, stream: lane.SealedStream) -> None:
         try:
             while (payload := await stream.receive()) is not None:
                 response = runtime_pb2.ExpertResponse()
@@ -290,7 +258,7 @@ class RemoteInferenceSession:
             return
         self._responses.put_nowait((link, PeerUnavailableError(f"node {link.hop.peer_id} closed the data lane")))
 
-    async def _read(self, link: _Link, stream) -> None:
+    async def _read(self, link: ChainLink, stream) -> None:
         try:
             async for response in stream:
                 self._responses.put_nowait((link, response))
@@ -299,14 +267,14 @@ class RemoteInferenceSession:
             return
         self._responses.put_nowait((link, PeerUnavailableError(f"node {link.hop.peer_id} closed the session")))
 
-    async def _next_response(self, timeout_s: float) -> tuple[_Link, dict, runtime_pb2.ExpertResponse]:
+    async def _next_response(self, timeout_s: float) -> tuple[ChainLink, dict, runtime_pb2.ExpertResponse]:
         while True:
             try:
                 async with asyncio.timeout(timeout_s):  # no task per step, unlike wait_for
                     link, item = await self._responses.get()
             except TimeoutError:
                 raise LinkFailed(f"no answer from the chain within {timeout_s} s", None) from None
-            if isinstance(link, _Link) and link.reader is None:
+            if isinstance(link, ChainLink) and link.reader is None:
                 continue  # a link closed by failover: its last words no longer matter
             if isinstance(item, BaseException):
                 if isinstance(item, NesaError) and not isinstance(item, PeerUnavailableError):
@@ -314,7 +282,7 @@ class RemoteInferenceSession:
                 raise LinkFailed(f"stream to {link.hop.peer_id} failed: {item!r}", link)
             return link, unpack_metadata(item.metadata), item
 
-    def _close_links(self, links: list[_Link]) -> None:
+    def _close_links(self, links: list[ChainLink]) -> None:
         for link in links:
             link.close_lanes()
             link.outbox.put_nowait(_CLOSE)
@@ -436,7 +404,7 @@ class RemoteInferenceSession:
             compute_s += float(metadata.get("compute_s", 0.0))
         return hidden, compute_s, sent, received, inputs
 
-    def _raise_step_error(self, answered: _Link, metadata: dict) -> None:
+    def _raise_step_error(self, answered: ChainLink, metadata: dict) -> None:
         """A node that could not push a step to its next node reports peer_unavailable: that next node failed."""
         try:
             raise_if_error(metadata)
@@ -446,7 +414,7 @@ class RemoteInferenceSession:
                 raise LinkFailed(error.message, self._links[index + 1]) from None
             raise LinkFailed(error.message, answered) from None
 
-    def _read_hidden(self, link: _Link, response, metadata: dict, max_elements: int) -> torch.Tensor:
+    def _read_hidden(self, link: ChainLink, response, metadata: dict, max_elements: int) -> torch.Tensor:
         if len(response.tensors) != 1:
             raise LinkFailed(f"node {link.hop.peer_id} sent a malformed answer", link)
         return tensor_from_proto(
@@ -522,7 +490,7 @@ class RemoteInferenceSession:
             )
             history = await self._control_answer(previous, "history", self.position * self.batch * MAX_HIDDEN)
         upstream = previous.hop.peer_id if previous is not None else self.swarm.peer_id
-        new_links: list[_Link] = []
+        new_links: list[ChainLink] = []
         try:
             new_links = await self._open_links(hops, upstream, following)
             replayed_inputs = await self._replay(new_links, history) if history is not None else None
@@ -561,11 +529,11 @@ class RemoteInferenceSession:
         self.chain = Chain(hops=tuple(link.hop for link in self._links))
         await self._connect_lanes()  # a new first or last node: the client's lanes to it
 
-    async def _retarget(self, link: _Link, **peers: str | dict) -> None:
+    async def _retarget(self, link: ChainLink, **peers: str | dict) -> None:
         link.outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "retarget", **peers})))
         await self._control_answer(link, "retarget", 0)
 
-    async def _control_answer(self, link: _Link, control: str, max_elements: int) -> torch.Tensor | None:
+    async def _control_answer(self, link: ChainLink, control: str, max_elements: int) -> torch.Tensor | None:
         while True:
             answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
             if metadata.get("error") == PeerUnavailableError.code:
@@ -577,7 +545,7 @@ class RemoteInferenceSession:
             return None
         return self._read_hidden(link, response, metadata, max_elements)
 
-    async def _replay(self, links: list[_Link], history: torch.Tensor) -> list[list[torch.Tensor]]:
+    async def _replay(self, links: list[ChainLink], history: torch.Tensor) -> list[list[torch.Tensor]]:
         """Rebuild the replacement nodes' caches: the history goes through them one by one, via the client.
         Returns each link's input history (one tensor per link)."""
         inputs = []

@@ -49,3 +49,14 @@ class ServerSession:
     push_lane: object | None = None  # SealedStream to lane_next, opened at the first push
     output_lane: object | None = None  # SealedStream the client receives this (last) node's outputs on
     lane_streams: set = field(default_factory=set)  # inbound SealedStreams carrying steps into the session
+
+
+def end_push_stream(session: ServerSession) -> None:
+    """Close the session's push stream or lane to its next node, if one is open (a later push opens a new one)."""
+    if session.push_outbox is not None:
+        session.push_outbox.put_nowait(END_OF_SESSION)
+    if session.push_lane is not None:
+        session.push_lane.close()
+    if session.push_reader is not None:
+        session.push_reader.cancel()
+    session.push_outbox = session.push_reader = session.push_lane = None

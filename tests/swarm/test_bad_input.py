@@ -19,7 +19,7 @@ from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
 from nesa_node import DistributedModelForCausalLM, lane
 from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.server.handler import MAX_TICKETS_PER_PEER
+from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
 from nesa_node.wire import (
     RPC_INFERENCE,
     RPC_LANE_TICKET,
