@@ -1,9 +1,17 @@
 """Codec benchmark: speed, bytes on the wire and error of each hidden-state codec.
 
 Prints one JSON line. For each tensor shape and codec: encode and decode throughput (GB/s of input), median times,
-(encode + decode) time as a ratio to `torch.clone` of the same tensor measured in the same run (absolute timings on a
-shared machine are noisy), payload bytes, and the max / mean absolute error on a seeded randn tensor and on a
-heavy-tailed one (randn with a few outliers x20, as in LLM activations).
+(encode + decode) time as a ratio to `torch.clone` of the same tensor measured in the same run, payload bytes, and the
+max / mean absolute error on a seeded randn tensor and on a heavy-tailed one (randn with a few outliers x20, as in LLM
+activations). Absolute timings on a shared machine drift, so every repeat times the clone and each codec's encode and
+decode in turn, and the ratio is the median over repeats of that repeat's round trip over its clone.
+
+Every operation timed allocates its result, so the allocator's state decides much of a 16 MB clone's time: glibc
+serves a fresh block from new pages (a page fault each 4 KiB: about 4 ms here) or reuses freed memory (about 1 ms),
+and which one depends on its adaptive mmap threshold and heap trimming, so the clone's time, and with it every ratio,
+jumped between runs by up to 4x. The codec table therefore sets the mmap threshold to 32 MiB (glibc's maximum) and
+turns off trimming: memory is reused, as in a long-running node past its first steps, for the baseline and the
+codecs alike. The JSON says whether that was applied ("allocator").
 
 Then, unless --no-swarm, the swarm section: the trained tiny model (`nesa-node model train-tiny`, cached) served by
 3 node processes on loopback; per codec, decode tokens/s of a 64-token greedy generation (median of --swarm-repeats),
@@ -20,11 +28,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
+import ctypes.util
 import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,18 +52,37 @@ OUTLIER_FRACTION = 1e-3  # share of elements scaled x20: a few outlier features 
 OUTLIER_FACTOR = 20.0
 
 
-def _median_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
-    run()  # warm-up: lookup tables, allocator
-    seconds = []
+def _seconds(run: Callable[[], object], device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+def _interleaved_seconds(runs: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict:
+    """Per name, the list of its `repeats` timings; within each repeat every run goes once, in turn, so a drift of
+    the machine (another process, a frequency change) hits the baseline and the codecs alike."""
+    for run in runs.values():
+        run()  # warm-up: lookup tables, allocator
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds)
+        for name, run in runs.items():
+            seconds[name].append(_seconds(run, device))
+    return seconds
+
+
+def _steady_allocator() -> str:
+    """Make glibc reuse freed memory for blocks up to 32 MiB (see the module docstring); says what was done."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
+        applied = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
+    except (OSError, AttributeError):
+        applied = False
+    return "glibc: mmap threshold 32 MiB, no trimming" if applied else "unchanged (not glibc)"
 
 
 def _inputs(shape: tuple[int, ...], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -78,6 +108,7 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
     """Per shape and codec: throughput, times, ratio to clone, bytes on the wire and errors (see module docstring)."""
     target = torch.device(device)
     table: dict = {
+        "allocator": _steady_allocator(),
         "device": str(target),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
@@ -90,21 +121,33 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
         inputs = _inputs(shape, seed, target)
         tensor = inputs["randn"]
         input_bytes = tensor.numel() * tensor.element_size()
-        clone_s = _median_seconds(tensor.clone, repeats, target)
+        encoded = {codec: encode(tensor, codec) for codec in CODECS}
+        runs: dict[str, Callable[[], object]] = {"clone": tensor.clone}
+        for codec in CODECS:
+            runs[f"encode {codec}"] = partial(encode, tensor, codec)
+            runs[f"decode {codec}"] = partial(decode, encoded[codec], device=target)
+        seconds = _interleaved_seconds(runs, repeats, target)
+        clone_s = statistics.median(seconds["clone"])
         row: dict = {"input_bytes": input_bytes, "clone_ms": clone_s * 1e3, "codecs": {}}
         for codec in CODECS:
-            encoded = encode(tensor, codec)
-            encode_s = _median_seconds(lambda codec=codec, tensor=tensor: encode(tensor, codec), repeats, target)
-            decode_s = _median_seconds(lambda encoded=encoded: decode(encoded, device=target), repeats, target)
+            encode_s = statistics.median(seconds[f"encode {codec}"])
+            decode_s = statistics.median(seconds[f"decode {codec}"])
+            # the ratio of each repeat's round trip to that repeat's clone, then the median of those ratios
+            paired = [
+                (encode_time + decode_time) / clone_time
+                for encode_time, decode_time, clone_time in zip(
+                    seconds[f"encode {codec}"], seconds[f"decode {codec}"], seconds["clone"], strict=True
+                )
+            ]
             row["codecs"][codec] = {
                 "encode_gbps": input_bytes / encode_s / 1e9,
                 "decode_gbps": input_bytes / decode_s / 1e9,
                 "encode_ms": encode_s * 1e3,
                 "decode_ms": decode_s * 1e3,
                 "roundtrip_ms": (encode_s + decode_s) * 1e3,
-                "roundtrip_vs_clone": (encode_s + decode_s) / clone_s,
-                "wire_bytes": len(encoded.payload),
-                "compression": input_bytes / len(encoded.payload),
+                "roundtrip_vs_clone": statistics.median(paired),
+                "wire_bytes": len(encoded[codec].payload),
+                "compression": input_bytes / len(encoded[codec].payload),
                 **{kind: _errors(values, codec, target) for kind, values in inputs.items()},
             }
         table["shapes"][label] = row

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import operator
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -90,7 +91,7 @@ def _encode_raw(flat: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
 
 
 def _decode_raw(raw: torch.Tensor, elements: int, dtype: torch.dtype, params: dict[str, int], device) -> torch.Tensor:
-    return raw.view(dtype).to(device)
+    return raw.view(dtype).to(device, copy=True)  # `raw` views the payload bytes, which must not be handed out
 
 
 def _encode_cast(wire_dtype: torch.dtype, flat: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
@@ -108,7 +109,7 @@ def _encode_cast(wire_dtype: torch.dtype, flat: torch.Tensor, params: dict[str, 
 def _decode_cast(
     wire_dtype: torch.dtype, raw: torch.Tensor, elements: int, dtype: torch.dtype, params: dict[str, int], device
 ) -> torch.Tensor:
-    return raw.view(wire_dtype).to(device=device, dtype=dtype)
+    return raw.view(wire_dtype).to(device=device, dtype=dtype, copy=True)  # never a view of the payload bytes
 
 
 def _block_count(elements: int, block_size: int) -> int:
@@ -333,8 +334,19 @@ def decode(
     target = torch.device(device) if device is not None else torch.device("cpu")
     if elements == 0:
         return torch.empty(shape, dtype=torch_dtype, device=target)
-    raw = torch.frombuffer(bytearray(encoded.payload), dtype=torch.uint8)  # (payload bytes,)
+    raw = _payload_view(encoded.payload)  # (payload bytes,)
     return spec.decode(raw, elements, torch_dtype, params, target).reshape(shape)
+
+
+def _payload_view(payload: bytes) -> torch.Tensor:
+    """A read-only uint8 tensor over the payload, without copying it: decoders only read it (and copy where their
+    result would otherwise be a view of it). torch warns once per process that such a tensor could write into
+    immutable bytes; that one warning is silenced here, where nothing does."""
+    if isinstance(payload, bytes | bytearray) and len(payload) > 0:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+            return torch.frombuffer(payload, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
 def wire_bytes(codec: str, shape: tuple[int, ...], dtype: str | torch.dtype = "float32", **params: int) -> int:
