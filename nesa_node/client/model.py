@@ -102,6 +102,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         # (pings over libp2p, cancelled when a killed peer did not answer, once made the churn soak lose steps).
         # Nodes without a lane are pinged over libp2p. 0 turns pings off: routing then uses the links nodes publish.
         self.max_pinged_candidates = 8
+        self.probe_timeout_s = 1.0  # asking a node for its NodeInfo directly when routing finds no chain (reroute)
         self.active_session: RemoteInferenceSession | None = None
         self._history: torch.Tensor | None = None  # (batch, position) tokens the active session has seen
         self.last_chain: Chain | None = None
@@ -222,12 +223,21 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         )
         try:
             return self.chain_selector(self.snapshot(), request)
-        except NoRouteError:  # the records at hand may be stale: decide on a completed DHT read
-            snapshot = self.snapshot(fresh=True)
-            try:
-                return self.chain_selector(snapshot, request)
-            except NoRouteError as error:
-                raise NoRouteError(f"{error.message}; {_candidates(snapshot, request, self.swarm.banned())}") from None
+        except NoRouteError:
+            pass
+        # The records at hand may be stale or lack a live node (its announcements missed the DHT replicas read, or a
+        # replica that stopped answering slows every read): ask the nodes seen lately for these blocks directly, and
+        # if that gives no chain either, decide on a completed DHT read.
+        end = request.end_block if request.end_block is not None else self.config.num_hidden_layers
+        candidates = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
+        if self.swarm.probe_nodes(candidates, timeout_s=self.probe_timeout_s):
+            with contextlib.suppress(NoRouteError):
+                return self.chain_selector(self.snapshot(), request)
+        snapshot = self.snapshot(fresh=True)
+        try:
+            return self.chain_selector(snapshot, request)
+        except NoRouteError as error:
+            raise NoRouteError(f"{error.message}; {_candidates(snapshot, request, self.swarm.banned())}") from None
 
     @contextlib.contextmanager
     def inference_session(

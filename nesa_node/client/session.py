@@ -30,6 +30,7 @@ from nesa_node.wire import (
     RPC_INFERENCE,
     WireCodec,
     drain,
+    error_from_metadata,
     pack_metadata,
     raise_if_error,
     tensor_from_proto,
@@ -65,6 +66,13 @@ def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) ->
 
 
 Rerouter = Callable[[ChainRequest], Chain]  # picks a chain for a block range, excluding banned peers
+
+
+def _stale_report(answered: ChainLink, metadata: dict, awaited: list[ChainLink]) -> bool:
+    """A node other than those the client waits on, during an open or a replay, reporting that its next node is
+    gone: the failure being recovered from (the previous node's push to the lost one failed), not an answer. A live
+    node that fails meanwhile is met by the next step."""
+    return metadata.get("error") == PeerUnavailableError.code and not any(answered is link for link in awaited)
 
 
 class RemoteInferenceSession:
@@ -115,7 +123,8 @@ class RemoteInferenceSession:
         self.session_id = uuid.uuid4().hex
         self.position = 0  # tokens the nodes' caches hold
         self.timings: list[StepTiming] = []
-        self.failovers: list[dict] = []  # one entry per recovery: failed peer, replacements, seconds
+        self.failovers: list[dict] = []  # one entry per recovery: failed peer, replacements, seconds, phases
+        self._phases: dict[str, float] = {}  # seconds per phase of the recovery in progress (see _timed)
         # what the client sent, per step, for replay: direct mode to the first span only, relay mode to every link
         self._inputs: list[list[torch.Tensor]] = []  # [link][step] (batch, seq, hidden)
         self._links: list[ChainLink] = []
@@ -205,6 +214,8 @@ class RemoteInferenceSession:
                     raise LinkFailed(
                         f"{silent.message}: node {unanswered.hop.peer_id} did not acknowledge the open", unanswered
                     ) from None
+                if _stale_report(link, metadata, links):
+                    continue
                 try:
                     raise_if_error(metadata)
                 except RequestError as refusal:
@@ -427,9 +438,20 @@ class RemoteInferenceSession:
 
     # ---- failover -----------------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _timed(self, phase: str):
+        """Add the time spent in the block to `phase` of the recovery in progress (its failover entry's "phases")."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._phases[phase] = self._phases.get(phase, 0.0) + time.perf_counter() - started
+
     def _recover(self, failure: LinkFailed) -> None:
         started = time.perf_counter()
-        index = self._find_failed(failure)
+        self._phases = {}
+        with self._timed("find"):
+            index = self._find_failed(failure)
         lost = self._links[index].hop
         self.swarm.ban(lost.peer_id)
         logger.info(
@@ -443,7 +465,8 @@ class RemoteInferenceSession:
                 start_block=lost.start_block,
                 end_block=lost.end_block,
             )
-            replacement = self.reroute(request)  # raises NoRouteError naming the missing blocks
+            with self._timed("route"):
+                replacement = self.reroute(request)  # raises NoRouteError naming the missing blocks
             try:
                 self.swarm.call(self._replace(index, replacement.hops), timeout=self.swarm.request_timeout_s * 4)
                 break
@@ -459,6 +482,7 @@ class RemoteInferenceSession:
                 "position": self.position,
                 "seconds": time.perf_counter() - started,
                 "banned": sorted(self.swarm.banned()),  # when the recovery ended (bans expire: see SwarmClient.ban)
+                "phases": {phase: round(seconds, 4) for phase, seconds in self._phases.items()},
             }
         )
 
@@ -488,12 +512,15 @@ class RemoteInferenceSession:
             previous.outbox.put_nowait(
                 runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "history", "position": self.position}))
             )
-            history = await self._control_answer(previous, "history", self.position * self.batch * MAX_HIDDEN)
+            with self._timed("history"):
+                history = await self._control_answer(previous, "history", self.position * self.batch * MAX_HIDDEN)
         upstream = previous.hop.peer_id if previous is not None else self.swarm.peer_id
         new_links: list[ChainLink] = []
         try:
-            new_links = await self._open_links(hops, upstream, following)
-            replayed_inputs = await self._replay(new_links, history) if history is not None else None
+            with self._timed("open"):
+                new_links = await self._open_links(hops, upstream, following)
+            with self._timed("replay"):
+                replayed_inputs = await self._replay(new_links, history) if history is not None else None
         except LinkFailed as failure:
             # a replacement that cannot open or replay is banned; the lost span is still the one to replace
             self._close_links(new_links)
@@ -527,11 +554,13 @@ class RemoteInferenceSession:
             self._inputs[index : index + 1] = replayed_inputs or [[] for _ in new_links]
         self._links[index : index + 1] = new_links
         self.chain = Chain(hops=tuple(link.hop for link in self._links))
-        await self._connect_lanes()  # a new first or last node: the client's lanes to it
+        with self._timed("lanes"):
+            await self._connect_lanes()  # a new first or last node: the client's lanes to it
 
     async def _retarget(self, link: ChainLink, **peers: str | dict) -> None:
         link.outbox.put_nowait(runtime_pb2.ExpertRequest(metadata=pack_metadata({"control": "retarget", **peers})))
-        await self._control_answer(link, "retarget", 0)
+        with self._timed("retarget"):
+            await self._control_answer(link, "retarget", 0)
 
     async def _control_answer(self, link: ChainLink, control: str, max_elements: int) -> torch.Tensor | None:
         while True:
@@ -566,6 +595,10 @@ class RemoteInferenceSession:
                         answered, metadata, response = await self._next_response(self.swarm.request_timeout_s)
                     except LinkFailed as failure:  # only the replayed node owes an answer now: silence is its
                         raise LinkFailed(failure.message, failure.link or link) from None
+                    if _stale_report(answered, metadata, [link]):
+                        continue
+                    if metadata.get("error") == PeerUnavailableError.code:  # the replayed node gave up (timeout)
+                        raise LinkFailed(error_from_metadata(metadata).message, link)
                     raise_if_error(metadata)
                     if answered is link and metadata.get("step_id") == step_id:
                         break

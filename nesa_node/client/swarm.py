@@ -43,6 +43,13 @@ from nesa_node.wire import (
 
 logger = logging.getLogger(__name__)
 
+# A NodeInfo a node gave the client directly (probe_nodes) counts as its record for this long: about one announce
+# period of a default node plus margin (guess); the DHT's own records take over when they arrive.
+PROBED_RECORD_TTL_S = 15.0
+# Nodes whose records expired less than this long ago are still asked directly when routing finds no chain (guess:
+# a few announcement lifetimes; a node gone longer is unlikely to be back under the same id).
+RECENT_RECORD_S = 120.0
+
 
 class SwarmClient:
     """Owns the client's event loop thread, P2P host and DHT node. Close it (or use `with`) to stop them."""
@@ -150,17 +157,62 @@ class SwarmClient:
         return list(self._unexpired().values())
 
     async def _refresh_records(self) -> None:
-        fresh = await fetch_node_infos(self.dht, self.dht_prefix)
-        records = dict(self._records)
-        for record in fresh:
-            known = records.get(record.info.peer_id)
-            if known is None or record.expiration_time >= known.expiration_time:
-                records[record.info.peer_id] = record
-        self._records = records  # replaced whole: other threads may be reading the previous dict
+        self._hold(await fetch_node_infos(self.dht, self.dht_prefix))
 
     def _unexpired(self) -> dict[str, NodeRecord]:
         now = get_dht_time()
         return {peer: record for peer, record in self._records.items() if record.expiration_time > now}
+
+    def _hold(self, records: list[NodeRecord]) -> None:
+        """Merge `records` into the records at hand: per node, the one that expires last."""
+        held = dict(self._records)
+        for record in records:
+            known = held.get(record.info.peer_id)
+            if known is None or record.expiration_time >= known.expiration_time:
+                held[record.info.peer_id] = record
+        self._records = held  # replaced whole: other threads may be reading the previous dict
+
+    def recent_nodes(self, start_block: int, end_block: int, *, within_s: float = RECENT_RECORD_S) -> list[str]:
+        """Peer ids of the nodes whose records, seen by this client, overlap blocks [start_block, end_block) and
+        expired less than `within_s` ago or not yet: the candidates to ask directly (see probe_nodes)."""
+        horizon = get_dht_time() - within_s
+        return sorted(
+            peer
+            for peer, record in self._records.items()
+            if record.expiration_time > horizon
+            and record.info.start_block < end_block
+            and record.info.end_block > start_block
+        )
+
+    def probe_nodes(self, peer_ids: list[str], *, timeout_s: float = 1.0) -> int:
+        """Ask nodes for their NodeInfo directly (rpc_info over libp2p, whose connection authenticates the peer id)
+        and hold each answer as a record for PROBED_RECORD_TTL_S; returns how many answered.
+
+        Routing's fallback when the DHT replicas it reads lack a live node's record: a node whose announcements did
+        not reach them, or a read slowed by a replica that stopped answering. All peers are asked at once; a dead
+        one costs at most `timeout_s`."""
+        if not peer_ids:
+            return 0
+        return self.call(self._probe_nodes(list(peer_ids), timeout_s), timeout=timeout_s + 5)
+
+    async def _probe_nodes(self, peer_ids: list[str], timeout_s: float) -> int:
+        async def ask(peer_id: str) -> NodeRecord | None:
+            try:
+                response = await self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest(), timeout_s)
+                metadata = unpack_metadata(response.metadata)
+                raise_if_error(metadata)
+                info = NodeInfo.from_wire(metadata.get("info"))
+            except Exception as exc:  # gone, slow or malformed: not a candidate
+                logger.debug("no NodeInfo from %s: %r", peer_id, exc)
+                return None
+            if info.peer_id != peer_id:
+                logger.debug("node %s answered with the NodeInfo of %s", peer_id, info.peer_id)
+                return None
+            return NodeRecord(info=info, expiration_time=get_dht_time() + PROBED_RECORD_TTL_S)
+
+        answers = [record for record in await asyncio.gather(*(ask(peer) for peer in peer_ids)) if record is not None]
+        self._hold(answers)
+        return len(answers)
 
     def lane_address(self, peer_id: str) -> str | None:
         """The data lane address a node's record announces (nesa_node.lane), if any and well formed."""

@@ -439,7 +439,11 @@ class BlockHandler(LaneServing, ServicerBase):
         position = field(metadata, "position", int)
         digest = _step_digest(request, metadata, position)
         if step_id == session.last_step_id and session.last_output is not None:
-            if digest != session.last_digest:
+            # A new upstream (a replacement of the previous node, since retargeted) resends a step this node already
+            # took from the old one: it recomputed it from a cache rebuilt by replay, so its values may differ from
+            # the old node's in the last bits. The recorded output stays the answer: it is what this node's cache
+            # holds. From the same upstream, other content under a used id is refused.
+            if digest != session.last_digest and session.last_upstream == session.upstream_peer:
                 raise BadRequestError(f"step id {step_id[:MAX_ID_LENGTH]!r} was already used for different content")
             return session.last_output, 0.0  # a duplicate delivery (a retry): same output, computed once
         if position != session.position:
@@ -456,6 +460,7 @@ class BlockHandler(LaneServing, ServicerBase):
         if session.next_peer is not None:  # kept for a replacement of the next node (see _control "history")
             session.outputs.append(output)
         session.last_step_id, session.last_output, session.last_digest = step_id, output, digest
+        session.last_upstream = session.upstream_peer
         return output, seconds
 
     def _check_blocks(self, metadata: dict) -> tuple[int, int]:

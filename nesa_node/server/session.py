@@ -31,6 +31,7 @@ class ServerSession:
     last_step_id: str | None = None
     last_position: int = 0  # where the last step started
     last_digest: bytes = b""  # content of the last step: a duplicate id must come with the same content
+    last_upstream: str | None = None  # the upstream peer when the last step was taken (see retarget)
     last_output: torch.Tensor | None = None
     # outputs of every step (batch, seq, hidden), in order: one hidden vector per token, small next to the span's
     # KV cache (2 * kv width per block per token); lets a replacement of the next node rebuild its cache

@@ -50,6 +50,15 @@ def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):
             forged_meta, _ = model.swarm.call(send(request(hidden + 1)))  # same id, other content
             with pytest.raises(BadRequestError, match="already used for different content"):
                 raise_if_error(forged_meta)
+            # after a retarget to a new upstream (a replacement of the previous node), the same step recomputed by
+            # that replacement may differ in the last bits: answered from the record, not refused, not recomputed
+            retarget = pack_metadata({"control": "retarget", "upstream": local_swarm.bootstrap.p2p.peer_id.to_base58()})
+            retarget_meta, _ = model.swarm.call(send(runtime_pb2.ExpertRequest(metadata=retarget)))
+            raise_if_error(retarget_meta)
+            recomputed_meta, recomputed = model.swarm.call(send(request(hidden * (1 + 1e-6))))
+            raise_if_error(recomputed_meta)
+            assert recomputed.tensors[0].buffer == first.tensors[0].buffer
+            assert node.handler.steps_served == served + 1
             # the session is undisturbed: the next step continues from position 2
             session.position = 2  # the two raw steps above went around the session's own bookkeeping
             assert session.step(torch.randn(1, 1, 64)).shape == (1, 1, 64)
