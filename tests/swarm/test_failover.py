@@ -95,6 +95,17 @@ def connect(swarm: FailoverSwarm, path: str, mode: str = "direct") -> Distribute
     )
 
 
+def kill_the_middle_node(swarm: FailoverSwarm, path: str, mode: str = "direct"):
+    """The reference generation with the chain's middle node killed after KILL_AFTER new tokens: (output tokens, the
+    closed session, the lost hop)."""
+    with connect(swarm, path, mode) as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
+        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
+            lost = session.chain.hops[1]
+            output = generate_with_fault(model, KILL_AFTER, lambda: swarm.kill(lost.peer_id))
+    return output, session, lost
+
+
 @pytest.mark.parametrize(
     "victim, kill_after",
     [(1, KILL_AFTER), (0, KILL_AFTER), (2, KILL_AFTER), (0, 0)],
@@ -133,19 +144,15 @@ def test_a2_replacement_killed_during_replay(failover_swarm, tiny_llama, referen
         await replay(self, links, history)
 
     monkeypatch.setattr(RemoteInferenceSession, "_replay", replay_into_a_dying_node)
-    with connect(failover_swarm, tiny_llama) as model:
-        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
-        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
-            lost = session.chain.hops[1]
-            output = generate_with_fault(model, KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id))
-        assert torch.equal(output, reference)
-        first, second = replayed
-        assert first != second and lost.peer_id not in replayed
-        assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [(lost.peer_id, [second])]
-        banned = set(session.failovers[0]["banned"])
-        assert {lost.peer_id, first} <= banned and second not in banned
-        assert session.chain.hops[1].peer_id == second
-        print(f"\nrecovery with a second replacement: {max(timing.wall_s for timing in session.timings):.3f} s")
+    output, session, lost = kill_the_middle_node(failover_swarm, tiny_llama)
+    assert torch.equal(output, reference)
+    first, second = replayed
+    assert first != second and lost.peer_id not in replayed
+    assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [(lost.peer_id, [second])]
+    banned = set(session.failovers[0]["banned"])
+    assert {lost.peer_id, first} <= banned and second not in banned
+    assert session.chain.hops[1].peer_id == second
+    print(f"\nrecovery with a second replacement: {max(timing.wall_s for timing in session.timings):.3f} s")
 
 
 def test_a1_stale_reports_of_the_lost_node_do_not_end_the_recovery(failover_swarm, tiny_llama, reference, monkeypatch):
@@ -172,30 +179,22 @@ def test_a1_stale_reports_of_the_lost_node_do_not_end_the_recovery(failover_swar
 
     monkeypatch.setattr(RemoteInferenceSession, "_open_links", open_with_a_stale_report)
     monkeypatch.setattr(RemoteInferenceSession, "_replay", replay_with_a_stale_report)
-    with connect(failover_swarm, tiny_llama) as model:
-        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
-        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
-            lost = session.chain.hops[1]
-            output = generate_with_fault(model, KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id))
-        assert torch.equal(output, reference)
-        assert reported == ["open", "replay"]
-        assert [entry["failed"] for entry in session.failovers] == [lost.peer_id]
+    output, session, lost = kill_the_middle_node(failover_swarm, tiny_llama)
+    assert torch.equal(output, reference)
+    assert reported == ["open", "replay"]
+    assert [entry["failed"] for entry in session.failovers] == [lost.peer_id]
 
 
 def test_a1_relay_mode_middle_node_killed_tokens_unchanged(failover_swarm, tiny_llama, reference):
     """Client-relayed mode: the client holds every span's inputs, replays the lost one's into the replacement."""
-    with connect(failover_swarm, tiny_llama, mode="relay") as model:
-        wait_for_chain(model, hops=len(SPANS), max_length=16 + NEW_TOKENS)
-        with model.inference_session(max_length=16 + NEW_TOKENS) as session:
-            lost = session.chain.hops[1]
-            output = generate_with_fault(model, KILL_AFTER, lambda: failover_swarm.kill(lost.peer_id))
-        assert torch.equal(output, reference)
-        assert [(entry["failed"], entry["position"]) for entry in session.failovers] == [
-            (lost.peer_id, 16 + KILL_AFTER - 1)
-        ]
-        assert lost.peer_id in session.failovers[0]["banned"]
-        assert not set(session.failovers[0]["replacements"]) & set(session.failovers[0]["banned"])
-        print(f"\nrelay-mode recovery: {max(timing.wall_s for timing in session.timings):.3f} s")
+    output, session, lost = kill_the_middle_node(failover_swarm, tiny_llama, mode="relay")
+    assert torch.equal(output, reference)
+    assert [(entry["failed"], entry["position"]) for entry in session.failovers] == [
+        (lost.peer_id, 16 + KILL_AFTER - 1)
+    ]
+    assert lost.peer_id in session.failovers[0]["banned"]
+    assert not set(session.failovers[0]["replacements"]) & set(session.failovers[0]["banned"])
+    print(f"\nrelay-mode recovery: {max(timing.wall_s for timing in session.timings):.3f} s")
 
 
 def test_a3_stopped_node_client_reroutes_and_the_stale_node_frees_its_cache(failover_swarm, tiny_llama, reference):
