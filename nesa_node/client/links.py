@@ -42,4 +42,11 @@ class LinkFailed(PeerUnavailableError):
         self.link = link
 
 
-__all__ = ["ChainLink", "LinkFailed"]
+def stale_report(answered: ChainLink, metadata: dict, awaited: list[ChainLink]) -> bool:
+    """A node other than those the client waits on, during an open or a replay, reporting that its next node is
+    gone: the failure being recovered from (the previous node's push to the lost one failed), not an answer. A live
+    node that fails meanwhile is met by the next step."""
+    return metadata.get("error") == PeerUnavailableError.code and not any(answered is link for link in awaited)
+
+
+__all__ = ["ChainLink", "LinkFailed", "stale_report"]

@@ -198,10 +198,7 @@ class SwarmClient:
     async def _probe_nodes(self, peer_ids: list[str], timeout_s: float) -> int:
         async def ask(peer_id: str) -> NodeRecord | None:
             try:
-                response = await self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest(), timeout_s)
-                metadata = unpack_metadata(response.metadata)
-                raise_if_error(metadata)
-                info = NodeInfo.from_wire(metadata.get("info"))
+                info = await self._info(peer_id, timeout_s)
             except Exception as exc:  # gone, slow or malformed: not a candidate
                 logger.debug("no NodeInfo from %s: %r", peer_id, exc)
                 return None
@@ -288,7 +285,10 @@ class SwarmClient:
 
     def info(self, peer_id: str, *, timeout_s: float | None = None) -> NodeInfo:
         """The live NodeInfo of a peer, asked directly (not from the DHT); PeerUnavailableError after timeout_s."""
-        response = self.call(self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest(), timeout_s))
+        return self.call(self._info(peer_id, timeout_s))
+
+    async def _info(self, peer_id: str, timeout_s: float | None) -> NodeInfo:
+        response = await self._unary(peer_id, RPC_INFO, runtime_pb2.ExpertRequest(), timeout_s)
         metadata = unpack_metadata(response.metadata)
         raise_if_error(metadata)
         return NodeInfo.from_wire(metadata.get("info"))

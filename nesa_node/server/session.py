@@ -12,6 +12,7 @@ from nesa_node.wire import NO_CODEC, WireCodec
 
 logger = logging.getLogger(__name__)
 
+MAX_ID_LENGTH = 128  # characters of a session id (and of peer ids given as upstream)
 END_OF_SESSION = object()  # put in the inbox when the client's stream ends; in a push outbox, ends the stream
 
 
