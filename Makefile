@@ -8,12 +8,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install sysdeps demo test test-slow lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml setup.py constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,quant,topology]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -28,9 +28,12 @@ sysdeps:
 demo: $(STAMP)
 	$(VENV)/bin/nesa-node demo --nodes 3
 
+# the import contracts of pyproject.toml, checked on a tree of links laid out as installed (nesa_node.routing is
+# routing/, ...): see tests/support/layout.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) tests/support/layout.py
 
 # PYTHONNODEBUGRANGES: Python 3.11 parses source with `ast` to underline tracebacks, and two threads doing so at
 # once (the test's swarm threads log failures of killed peers) corrupt a shared counter: "SystemError: AST

@@ -17,7 +17,7 @@ Then, unless --no-swarm, the swarm section: the trained tiny model (`nesa-node m
 3 node processes on loopback; per codec, decode tokens/s of a 64-token greedy generation (median of --swarm-repeats),
 bytes per decoded token over all 4 transfers of a direct chain, the transfer time those bytes cost on a 100 Mbit/s
 link (and saved against "none"), the same for a 4096-wide model, and the accuracy table (top-1 agreement, held-out
-perplexity) of nesa_node.evaluation.
+perplexity) of nesa_node.devtools.evaluation.
 
     python bench/compression.py [--repeats 20] [--seed 0] [--device cpu] [--threads N] [--no-swarm]
 
@@ -167,10 +167,10 @@ def swarm_table(*, nodes: int = 3, new_tokens: int = 64, repeats: int = 5) -> di
     from transformers import AutoTokenizer
 
     from nesa_node.client.model import DistributedModelForCausalLM
+    from nesa_node.devtools.evaluation import accuracy_row, greedy_continuations
+    from nesa_node.devtools.launcher import ProcessGroup, split_blocks
+    from nesa_node.devtools.tiny_train import heldout_token_windows, train_tiny_model
     from nesa_node.errors import NoRouteError
-    from nesa_node.evaluation import accuracy_row, greedy_continuations
-    from nesa_node.launcher import ProcessGroup, split_blocks
-    from nesa_node.model_train import heldout_token_windows, train_tiny_model
 
     path = str(train_tiny_model(progress=False).path)
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -32,10 +32,10 @@ from transformers import AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node.chaos import AfterTokens, ChaosSwarm  # noqa: E402
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
+from nesa_node.devtools.chaos import AfterTokens, ChaosSwarm  # noqa: E402
+from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model  # noqa: E402
 from nesa_node.errors import NoRouteError  # noqa: E402
-from nesa_node.model_init import TinyModelSpec, init_tiny_model  # noqa: E402
 
 SPANS = [(0, 2), (2, 4), (4, 6)]
 

@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
+from nesa_node.devtools.launcher import ProcessGroup, split_blocks  # noqa: E402
+from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model  # noqa: E402
 from nesa_node.errors import NoRouteError  # noqa: E402
-from nesa_node.launcher import ProcessGroup, split_blocks  # noqa: E402
-from nesa_node.model_init import TinyModelSpec, init_tiny_model  # noqa: E402
 
 
 class TokenClock:
@@ -135,7 +135,7 @@ def main() -> None:
 
         swarm_results = {}
         for count in args.nodes:
-            # direct: hidden states on data lanes (nesa_node.lane); direct-libp2p: the same chain with every message on
+            # direct: hidden states on data lanes (nesa_node.protocol.lane); direct-libp2p: the same chain with every message on
             # libp2p (lanes off, as against nodes without them); relay: the client forwards between nodes
             for label, mode, lanes in (
                 ("direct", "direct", True),

@@ -28,6 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nesa_node.graph.models import FACTORIES  # noqa: E402
+from nesa_node.graph.plan import GraphPlan, plan_from_partition  # noqa: E402
 from nesa_node.sharding.brkga import BrkgaSettings, brkga_partition  # noqa: E402
 from nesa_node.sharding.graph import trace_graph  # noqa: E402
 from nesa_node.sharding.partition import (  # noqa: E402
@@ -38,9 +40,6 @@ from nesa_node.sharding.partition import (  # noqa: E402
     slice_order_reference,
     uniform_partition,
 )
-
-from nesa_node.graph_models import FACTORIES  # noqa: E402
-from nesa_node.graph_plan import GraphPlan, plan_from_partition  # noqa: E402
 
 NODE = NodeProfile(bandwidth=1.25e9)  # a 10 Gbit/s link between nodes (guess for a LAN swarm)
 SLOW_NODE = NodeProfile(bandwidth=1.25e8)  # 1 Gbit/s: where the U-Net's skip tensors make the cut placement matter
@@ -133,7 +132,7 @@ def model_section(seed: int) -> tuple[dict, dict]:
                 "brkga_evaluations": found.evaluations,
             }
             if k == 3:
-                factory = f"nesa_node.graph_models:{name}"
+                factory = f"nesa_node.graph.models:{name}"
                 plans[name] = {
                     "uniform_ops": plan_from_partition(factory, traced, by_count, k),
                     "uniform_params": plan_from_partition(factory, traced, by_params, k),
@@ -164,9 +163,9 @@ def slow_link_section(seed: int) -> dict:
 
 def swarm_section(plans: dict[str, dict[str, GraphPlan]], repeats: int, batches: int) -> dict:
     from nesa_node.bootstrap import BootstrapPeer
-    from nesa_node.client.graph import GraphPipeline
     from nesa_node.client.swarm import SwarmClient
-    from nesa_node.server.graph_stage import GraphStageConfig, GraphStageNode
+    from nesa_node.graph.pipeline import GraphPipeline
+    from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

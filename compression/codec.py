@@ -31,6 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
+
 from nesa_node.compression import quantize
 from nesa_node.compression.names import CODECS, DEFAULT_CODEC
 

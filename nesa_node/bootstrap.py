@@ -3,22 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
-from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
-
-from nesa_node.dht_records import make_validator
-from nesa_node.identity import ensure_identity
-from nesa_node.launcher import write_address_file
-
-logger = logging.getLogger(__name__)
+from nesa_node.peer import Peer, start_peer, write_address_file
 
 
 class BootstrapPeer:
-    def __init__(self, p2p: P2P, dht: DHTNode):
-        self.p2p = p2p
-        self.dht = dht
+    def __init__(self, peer: Peer):
+        self.peer = peer
+
+    @property
+    def p2p(self):
+        return self.peer.p2p
+
+    @property
+    def dht(self):
+        return self.peer.dht
 
     @classmethod
     async def create(
@@ -30,31 +29,17 @@ class BootstrapPeer:
         initial_peers: tuple[str, ...] = (),
         dht_prefixes: tuple[str, ...] = (),
     ) -> BootstrapPeer:
-        if identity_path is not None:
-            ensure_identity(identity_path)
-        p2p = await P2P.create(
-            initial_peers=list(initial_peers),
-            host_maddrs=[f"/ip4/{host}/tcp/{port}"],
-            identity_path=identity_path,
-            check_if_identity_free=False,
+        """`dht_prefixes`: model keys whose records this peer validates (it stores them for the swarm)."""
+        peer = await start_peer(
+            initial_peers=initial_peers, host=host, port=port, identity_path=identity_path, dht_prefixes=dht_prefixes
         )
-        try:
-            dht = await DHTNode.create(
-                p2p=p2p, initial_peers=list(initial_peers), record_validator=make_validator(None, list(dht_prefixes))
-            )
-        except BaseException:
-            await p2p.shutdown()
-            raise
-        return cls(p2p, dht)
+        return cls(peer)
 
     async def visible_maddrs(self) -> list[str]:
-        return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
+        return await self.peer.visible_maddrs()
 
     async def write_address_file(self, path: str) -> None:
         await asyncio.to_thread(write_address_file, path, await self.visible_maddrs())
 
     async def shutdown(self) -> None:
-        try:
-            await self.dht.shutdown()
-        finally:
-            await self.p2p.shutdown()
+        await self.peer.shutdown()

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Coroutine
+import signal
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 
@@ -32,3 +33,16 @@ def run(coroutine: Coroutine) -> Any:
     """asyncio.run on the loop new_event_loop makes."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coroutine)
+
+
+async def serve_until_signal(start: Callable[[], Awaitable[None]], shutdown: Callable[[], Awaitable[None]]) -> None:
+    """Run `start`, wait for SIGINT or SIGTERM, then `shutdown` (also when `start` fails)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await start()
+        await stop.wait()
+    finally:
+        await shutdown()

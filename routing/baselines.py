@@ -17,12 +17,12 @@ they are exact for their cost functions. Pings are taken from the same network c
 from __future__ import annotations
 
 import numpy as np
+
+from nesa_node.errors import NoRouteError
 from nesa_node.routing.chain import block_range, no_route_error, usable_nodes
 from nesa_node.routing.cost import RequestTerms, client_latency_ms
 from nesa_node.routing.search import PARTIAL_SPANS, PETALS_SPANS, Moves, NoPath, exact_chain
 from nesa_node.routing.snapshot import Chain, ChainRequest, Hop, SwarmSnapshot
-
-from nesa_node.errors import NoRouteError
 
 
 def _route(snapshot: SwarmSnapshot, request: ChainRequest, terms: RequestTerms, moves: Moves) -> Chain:

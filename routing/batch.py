@@ -10,6 +10,7 @@ floating-point ties (x ** gamma is computed as exp(gamma * log x) here) (tests/u
 from __future__ import annotations
 
 import numpy as np
+
 from nesa_node.routing.search import Moves, NoPath
 from nesa_node.routing.snapshot import SnapshotArrays
 

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import numpy as np
+
+from nesa_node.errors import NoRouteError
 from nesa_node.routing.batch import exact_chains
 from nesa_node.routing.cost import RoutingParams, chain_cost, request_base
 from nesa_node.routing.search import PARTIAL_SPANS, WHOLE_SPANS, Moves, NoPath, beam_chain, exact_chain
@@ -35,8 +37,6 @@ from nesa_node.routing.snapshot import (
     NodeView,
     SwarmSnapshot,
 )
-
-from nesa_node.errors import NoRouteError
 
 __all__ = [
     "Chain",

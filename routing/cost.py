@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
+
 from nesa_node.routing.snapshot import ChainRequest, CostBreakdown, Hop, SnapshotArrays, SwarmSnapshot
 
 RELIABILITY_MS = 10.0  # scale of the reliability term: of the order of one hop's per-step overhead (guess)

@@ -26,13 +26,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+
+from nesa_node.errors import NoRouteError
 from nesa_node.routing.chain import select_chains
 from nesa_node.routing.cost import RoutingParams
 from nesa_node.routing.scenarios import Scenario
 from nesa_node.routing.scenarios import scenario as scenario_named
 from nesa_node.routing.simulate import SimRequest, Simulator
-
-from nesa_node.errors import NoRouteError
 
 GENES = ("gamma", "beta", "alpha")
 # Ranges of the genes (guess: wide around the untuned (1, 1, 1); gamma and beta must stay > 0)

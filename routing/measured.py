@@ -18,11 +18,11 @@ import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
+
+from nesa_node.errors import NoRouteError
 from nesa_node.routing.chain import select_chains
 from nesa_node.routing.cost import RoutingParams, request_base
 from nesa_node.routing.snapshot import Chain, ChainRequest, SwarmSnapshot
-
-from nesa_node.errors import NoRouteError
 
 PROMPT_TOKENS = (16, 512)  # range of synthetic prompt lengths (guess: chat turns to long documents)
 NEW_TOKENS = (16, 256)  # range of synthetic generation lengths (guess)

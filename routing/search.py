@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from nesa_node.routing.cost import CLIENT, RequestTerms
 from nesa_node.routing.snapshot import SnapshotArrays
 

@@ -29,11 +29,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from nesa_node.errors import NoRouteError
 from nesa_node.routing.cost import bytes_per_element
 from nesa_node.routing.scenarios import GPUS, Scenario
 from nesa_node.routing.snapshot import Chain, ChainRequest, NodeView, SwarmSnapshot
-
-from nesa_node.errors import NoRouteError
 
 FIBRE_KM_PER_MS = 200.0  # light in fibre, 2/3 c
 ROUTE_INFLATION = 1.5  # internet paths are ~1.5-2x the great-circle distance (published measurements)

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import numpy as np
+
 from nesa_node.routing.snapshot import SwarmSnapshot
 
 MARGIN = 0.05  # move only for > 5% more swarm throughput (guess: above the ~5% noise of announced throughputs)

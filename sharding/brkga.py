@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from nesa_node.sharding.partition import NodeProfile, OperationGraph, Partition, kahn_order, slice_order
 
 

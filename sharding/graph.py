@@ -23,10 +23,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from nesa_node.sharding.partition import OperationGraph
 from torch.fx import GraphModule, Interpreter, Node, symbolic_trace
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
+
+from nesa_node.sharding.partition import OperationGraph
 
 # Assumed speed for the FLOP fallback: ~20 GFLOP/s, one modern CPU core with AVX2 in float32 (guess).
 FALLBACK_FLOPS_PER_SECOND = 2e10

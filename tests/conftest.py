@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from nesa_node.model_init import TinyModelSpec, init_tiny_model
-
-ARCHES = ("llama", "mistral", "qwen2")
+from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
+from tests.support.models import ARCHES
 
 
 @pytest.fixture(scope="session")
@@ -25,6 +24,6 @@ def tiny_llama(tiny_models) -> str:
 def trained_model() -> str:
     """The trained tiny Llama of `nesa-node model train-tiny` (4 blocks, hidden 128), trained once per machine and
     cached under ~/.cache/nesa-node/trained: honest activations for accuracy tests."""
-    from nesa_node.model_train import train_tiny_model
+    from nesa_node.devtools.tiny_train import train_tiny_model
 
     return str(train_tiny_model(progress=False).path)

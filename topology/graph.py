@@ -43,11 +43,12 @@ from dataclasses import dataclass
 
 import networkx as nx
 import numpy as np
-from nesa_node.routing.snapshot import SwarmSnapshot
 from scipy.sparse import coo_matrix
 from scipy.sparse.csgraph import connected_components, shortest_path
 from scipy.spatial import cKDTree
 from scipy.spatial.distance import pdist
+
+from nesa_node.routing.snapshot import SwarmSnapshot
 
 EARTH_RADIUS_KM = 6371.0
 FIBRE_KM_PER_MS = 200.0  # light in fibre, 2/3 c (physics)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from nesa_node.topology.graph import SwarmGraph
 
 # Betti-curve grid, ms: log-spaced over what one hop can take, LAN to antipodes (fixed so snapshots compare)

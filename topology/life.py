@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from nesa_node.routing.simulate import Simulator
 from nesa_node.sharding.balancing import (
     MARGIN,

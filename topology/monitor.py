@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+
 from nesa_node.routing.snapshot import SwarmSnapshot
 from nesa_node.topology.graph import SwarmGraph
 from nesa_node.topology.homology import Diagrams, bottleneck_distances, features

@@ -45,6 +45,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+
 from nesa_node.routing.snapshot import SwarmSnapshot
 from nesa_node.sharding.balancing import (
     Placement,

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
 from nesa_node.routing.snapshot import SwarmSnapshot
 from nesa_node.sharding.balancing import Placement, served_throughput
 from nesa_node.topology.graph import NEIGHBOURS, swarm_graph

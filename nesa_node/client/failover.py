@@ -14,10 +14,10 @@ import time
 import torch
 from hivemind.proto import runtime_pb2
 
-from nesa_node.client.links import ChainLink, LinkFailed, stale_report
+from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
 from nesa_node.errors import PeerUnavailableError
+from nesa_node.protocol.wire import error_from_metadata, pack_metadata, raise_if_error, tensor_to_proto
 from nesa_node.routing.chain import Chain, ChainRequest, Hop
-from nesa_node.wire import error_from_metadata, pack_metadata, raise_if_error, tensor_to_proto
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from nesa_node.client.session import LinkFailed, RemoteInferenceSession, codec_for
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.compression.codec import DEFAULT_CODEC
-from nesa_node.dht_records import default_dht_prefix
 from nesa_node.errors import (
     CacheBudgetError,
     NoRouteError,
@@ -30,11 +29,12 @@ from nesa_node.errors import (
     TooManySessionsError,
     WrongBlocksError,
 )
-from nesa_node.records import NodeState
+from nesa_node.protocol.dht import default_dht_prefix
+from nesa_node.protocol.records import NodeState
+from nesa_node.protocol.wire import WireCodec
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams, SwarmSnapshot, select_chain
 from nesa_node.routing.ga import load_params
 from nesa_node.sharding.blocks import load_client_edges, load_config
-from nesa_node.wire import WireCodec
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         self.model_edges = edges
         self.swarm = swarm
         self.mode = mode
-        # direct mode: hidden states over the nodes' data lanes (encrypted TCP, nesa_node.lane) where offered
+        # direct mode: hidden states over the nodes' data lanes (encrypted TCP, nesa_node.protocol.lane) where offered
         self.lanes = lanes
         # eq. 18 exponents and search settings (nesa_node.routing); `nesa-node tune` writes tuned ones
         self.routing_params = routing_params or RoutingParams()

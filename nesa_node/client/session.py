@@ -20,13 +20,12 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
-from nesa_node import lane
+from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
 from nesa_node.client.failover import Failover
-from nesa_node.client.links import ChainLink, LinkFailed, stale_report
 from nesa_node.client.swarm import SwarmClient
 from nesa_node.errors import NesaError, PeerUnavailableError, RequestError, SessionStateError
-from nesa_node.routing.chain import Chain, ChainRequest, Hop
-from nesa_node.wire import (
+from nesa_node.protocol import lane
+from nesa_node.protocol.wire import (
     NO_CODEC,
     RPC_INFERENCE,
     WireCodec,
@@ -37,6 +36,7 @@ from nesa_node.wire import (
     tensor_to_proto,
     unpack_metadata,
 )
+from nesa_node.routing.chain import Chain, ChainRequest, Hop
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class RemoteInferenceSession(Failover):
         self.batch = batch
         self.max_length = max_length
         self.mode = mode
-        # direct mode: hidden states go over data lanes (nesa_node.lane) where nodes offer them, else over libp2p
+        # direct mode: hidden states go over data lanes (nesa_node.protocol.lane) where nodes offer them, else over libp2p
         self.lanes = lanes and mode == "direct"
         self.reroute = reroute
         self.max_failovers = max_failovers

@@ -21,13 +21,13 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.utils import get_dht_time
 
-from nesa_node import event_loop, lane
-from nesa_node.client.views import build_snapshot
-from nesa_node.dht_records import NodeRecord, fetch_node_infos, make_validator
+from nesa_node import event_loop
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
-from nesa_node.records import NodeInfo
-from nesa_node.routing.chain import Hop, SwarmSnapshot
-from nesa_node.wire import (
+from nesa_node.peer import start_peer
+from nesa_node.protocol import lane
+from nesa_node.protocol.dht import NodeRecord, fetch_node_infos
+from nesa_node.protocol.records import NodeInfo
+from nesa_node.protocol.wire import (
     NO_CODEC,
     RPC_FORWARD,
     RPC_INFO,
@@ -40,6 +40,8 @@ from nesa_node.wire import (
     tensor_to_proto,
     unpack_metadata,
 )
+from nesa_node.routing.chain import Hop, SwarmSnapshot
+from nesa_node.swarm_view import build_snapshot
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class SwarmClient:
         self._refresh: asyncio.Future | None = None  # the DHT read in flight, on the client loop
         self.records_wait_s = records_wait_s
         self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
-        # a FORWARD data lane per node, kept open between forward calls (nesa_node.lane), one call at a time
+        # a FORWARD data lane per node, kept open between forward calls (nesa_node.protocol.lane), one call at a time
         self._forward_lanes: dict[str, lane.SealedStream] = {}
         self._forward_locks: dict[str, asyncio.Lock] = {}
         try:
@@ -85,18 +87,10 @@ class SwarmClient:
             raise
 
     async def _start(self, initial_peers: list[str]) -> tuple[P2P, DHTNode]:
-        p2p = await P2P.create(initial_peers=initial_peers, dht_mode="client")
-        try:
-            dht = await DHTNode.create(
-                p2p=p2p,
-                initial_peers=initial_peers,
-                client_mode=True,
-                record_validator=make_validator(None, [self.dht_prefix]),
-            )
-        except BaseException:
-            await p2p.shutdown()
-            raise
-        return p2p, dht
+        self.peer = await start_peer(
+            initial_peers=initial_peers, host=None, dht_prefixes=(self.dht_prefix,), client_mode=True
+        )
+        return self.peer.p2p, self.peer.dht
 
     def call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
         """Run `coroutine` on the client loop and wait for it (from any thread but the loop's)."""
@@ -212,7 +206,7 @@ class SwarmClient:
         return len(answers)
 
     def lane_address(self, peer_id: str) -> str | None:
-        """The data lane address a node's record announces (nesa_node.lane), if any and well formed."""
+        """The data lane address a node's record announces (nesa_node.protocol.lane), if any and well formed."""
         record = self._records.get(peer_id)
         address = record.info.lane if record is not None else None
         if address is None:
@@ -225,7 +219,7 @@ class SwarmClient:
         return address
 
     def snapshot(self, num_blocks: int, *, fresh: bool = False, hidden_size: int = 0) -> SwarmSnapshot:
-        """Freeze the current records, with the client's measured rtts, for routing (client/views.py); `fresh`: see
+        """Freeze the current records, with the client's measured rtts, for routing (nesa_node/swarm_view.py); `fresh`: see
         node_records."""
         infos = [record.info for record in self.node_records(fresh)]
         return build_snapshot(infos, num_blocks, client_rtt_ms=dict(self.rtt_ms), hidden_size=hidden_size)
@@ -372,11 +366,7 @@ class SwarmClient:
         async def stop() -> None:
             for stream in self._forward_lanes.values():
                 stream.close()
-            for closer in (self.dht.shutdown, self.p2p.shutdown):
-                try:
-                    await asyncio.wait_for(closer(), timeout=10)
-                except Exception as exc:
-                    logger.debug("client shutdown: %r", exc)
+            await self.peer.shutdown(10.0)
             others = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
             for task in others:  # hivemind's background refreshers
                 task.cancel()

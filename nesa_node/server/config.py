@@ -17,7 +17,7 @@ class NodeConfig:
     new_swarm: bool = False  # start a swarm alone (no initial peers needed)
     host: str = "127.0.0.1"
     port: int = 0  # 0: any free port
-    # TCP port of the data lane (hidden states of open sessions, encrypted: nesa_node.lane); 0: any free port;
+    # TCP port of the data lane (hidden states of open sessions, encrypted: nesa_node.protocol.lane); 0: any free port;
     # None: no lane, every step goes over libp2p
     lane_port: int | None = 0
     identity_path: str | None = None  # RSA key file; created if missing; None: a fresh key per run
@@ -66,4 +66,4 @@ class NodeConfig:
     def record_ttl_s(self) -> float:
         """Lifetime of each announcement: two may be missed, and a store slowed by unresponsive DHT peers (hivemind
         waits 3 s per request before giving up on one) still lands before the previous record expires."""
-        return min(3 * self.announce_period_s + 10.0, 600.0)  # 600: dht_records.MAX_RECORD_TTL_S, what peers accept
+        return min(3 * self.announce_period_s + 10.0, 600.0)  # 600: protocol.dht.MAX_RECORD_TTL_S, what peers accept

@@ -15,7 +15,7 @@ Protocol of `rpc_inference` (one stream per session):
 Steps and outputs may instead travel on data lanes (direct encrypted TCP, keys given at open): see
 nesa_node.server.lanes. A step whose step_id equals the previous one is a duplicate: its stored output is sent again, not recomputed.
 
-Limits, all checked before anything is allocated: frames over `max_message_bytes` (see nesa_node.transport),
+Limits, all checked before anything is allocated: frames over `max_message_bytes` (see nesa_node.protocol.framing),
 hidden states over `max_tokens_per_step`, at most `max_queued_steps` waiting steps per session (the client's
 stream then waits; a pusher is refused), and `max_step_errors` refused steps in a row end the session.
 """
@@ -34,7 +34,6 @@ import torch
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import runtime_pb2
 
-from nesa_node import lane
 from nesa_node.compression.codec import WIRE_DTYPES, all_finite
 from nesa_node.errors import (
     BadRequestError,
@@ -46,14 +45,9 @@ from nesa_node.errors import (
     TooManySessionsError,
     WrongBlocksError,
 )
-from nesa_node.server.config import NodeConfig
-from nesa_node.server.lanes import LaneServing, close_lanes, lane_settings
-from nesa_node.server.links import MAX_PING_BYTES
-from nesa_node.server.push import PushServing
-from nesa_node.server.session import END_OF_SESSION, MAX_ID_LENGTH, ServerSession, end_push_stream
-from nesa_node.sharding.kv_cache import CacheBudget
-from nesa_node.transport import serve_stream
-from nesa_node.wire import (
+from nesa_node.protocol import lane
+from nesa_node.protocol.framing import serve_stream
+from nesa_node.protocol.wire import (
     MAX_METADATA_BYTES,
     WireCodec,
     error_response,
@@ -63,6 +57,12 @@ from nesa_node.wire import (
     tensor_to_proto,
     unpack_metadata,
 )
+from nesa_node.server.config import NodeConfig
+from nesa_node.server.lanes import LaneServing, close_lanes, lane_settings
+from nesa_node.server.link_probe import MAX_PING_BYTES
+from nesa_node.server.push import PushServing
+from nesa_node.server.session import END_OF_SESSION, MAX_ID_LENGTH, ServerSession, end_push_stream
+from nesa_node.sharding.kv_cache import CacheBudget
 
 logger = logging.getLogger(__name__)
 

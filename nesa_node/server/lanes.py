@@ -1,4 +1,4 @@
-"""The node's side of data lanes (nesa_node.lane): accepting lane connections, steps and forward calls arriving on
+"""The node's side of data lanes (nesa_node.protocol.lane): accepting lane connections, steps and forward calls arriving on
 them, pushing a session's outputs to the next node on one, and FORWARD lane tickets.
 
 `LaneServing` is a part of BlockHandler (it uses the handler's sessions, config and forward path); the session
@@ -17,7 +17,6 @@ from google.protobuf.message import DecodeError
 from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from nesa_node import lane
 from nesa_node.errors import (
     BadRequestError,
     NesaError,
@@ -26,8 +25,9 @@ from nesa_node.errors import (
     RequestError,
     SessionNotFoundError,
 )
+from nesa_node.protocol import lane
+from nesa_node.protocol.wire import error_response, field, pack_metadata, unpack_metadata
 from nesa_node.server.session import ServerSession, end_push_stream
-from nesa_node.wire import error_response, field, pack_metadata, unpack_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class LaneServing:
     async def rpc_lane_ticket(
         self, request: runtime_pb2.ExpertRequest, context: P2PContext
     ) -> runtime_pb2.ExpertResponse:
-        """A ticket for a FORWARD data lane (nesa_node.lane): an id and a fresh key, known to this peer only. A
+        """A ticket for a FORWARD data lane (nesa_node.protocol.lane): an id and a fresh key, known to this peer only. A
         ticket serves one connection; a peer holds at most MAX_TICKETS_PER_PEER unused ones (the oldest go)."""
         if self.lane_address is None:
             return error_response(BadRequestError("this node has no data lane"))
@@ -120,7 +120,7 @@ class LaneServing:
             raise PeerUnavailableError(f"next node {session.next_peer}: data lane closed") from None
 
     async def serve_lane(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One data lane connection (nesa_node.lane): a ping, steps into a session, a client taking the outputs
+        """One data lane connection (nesa_node.protocol.lane): a ping, steps into a session, a client taking the outputs
         of a session whose last node this is, or a client's forward calls (with a ticket). Anything malformed or unauthenticated closes the connection and
         touches no session."""
         stream = session = None

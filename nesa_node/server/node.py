@@ -12,33 +12,25 @@ import asyncio
 import contextlib
 import gc
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 
 import psutil
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
 
-from nesa_node import __version__
-from nesa_node.dht_records import default_dht_prefix, fetch_node_infos, make_validator, store_node_info
-from nesa_node.identity import ensure_identity, load_private_key
-from nesa_node.lane import format_address
-from nesa_node.launcher import write_address_file
-from nesa_node.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.peer import SHUTDOWN_STEP_S, Peer, start_peer, write_address_file
+from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_node_info
+from nesa_node.protocol.lane import format_address
+from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.handler import BlockHandler
-from nesa_node.server.links import LinkProber
+from nesa_node.server.link_probe import LinkProber
 from nesa_node.server.rebalance import Rebalancer, make_trigger
 from nesa_node.server.throughput import cached_measure
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
+from nesa_node.version import __version__
 
 logger = logging.getLogger(__name__)
-
-SHUTDOWN_STEP_S = 2.0  # per network step of a shutdown (guess: a healthy DHT store takes well under 1 s)
 
 
 def cache_budget(config: NodeConfig, model_config, blocks: int) -> CacheBudget:
@@ -52,24 +44,23 @@ def cache_budget(config: NodeConfig, model_config, blocks: int) -> CacheBudget:
 
 
 class Node:
-    def __init__(self, config, span, budget, p2p, dht, handler, signature_validator, throughput, identity_tmp):
+    def __init__(self, config, span, budget, peer: Peer, handler, throughput):
         self.config = config
         self.span = span  # None while the node loads other blocks (rebalancing)
         self.start_block, self.end_block = config.start_block, config.end_block  # the span served or being loaded
         self.budget = budget
-        self.p2p = p2p
-        self.dht = dht
+        self.peer = peer
+        self.p2p, self.dht = peer.p2p, peer.dht
         self.handler = handler
-        self.signature_validator = signature_validator
+        self.signature_validator = peer.signature_validator
         self.throughput = throughput
-        self._identity_tmp = identity_tmp
         self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model_path)
         self.started_at = time.monotonic()
         self.state = NodeState.joining
         self._stopped = asyncio.Event()
         self._announcer: asyncio.Task | None = None
         self._prober_task: asyncio.Task | None = None
-        self.prober = LinkProber(p2p)
+        self.prober = LinkProber(peer.p2p)
         self._process = psutil.Process()
         self.rebalancer: Rebalancer | None = None
         self._rebalancer_task: asyncio.Task | None = None
@@ -93,33 +84,21 @@ class Node:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
         budget = cache_budget(config, model_config, config.end_block - config.start_block)
 
-        identity_tmp = None
-        identity_path = config.identity_path
-        if identity_path is None:  # a fresh identity for this run, removed at shutdown
-            identity_tmp = tempfile.TemporaryDirectory(prefix="nesa-node-")
-            identity_path = os.path.join(identity_tmp.name, "identity.key")
-        ensure_identity(identity_path)
-        signature_validator = RSASignatureValidator(load_private_key(identity_path))
-
         if not config.initial_peers and not config.new_swarm:
             raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
-        p2p = await P2P.create(
-            initial_peers=list(config.initial_peers),
-            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
-            identity_path=identity_path,
-            check_if_identity_free=False,
+        dht_prefix = config.dht_prefix or default_dht_prefix(config.model_path)
+        peer = await start_peer(
+            initial_peers=config.initial_peers,
+            host=config.host,
+            port=config.port,
+            identity_path=config.identity_path,
+            dht_prefixes=(dht_prefix,),
+            signs_records=True,
         )
-        dht = None
         try:
-            prefix = config.dht_prefix or default_dht_prefix(config.model_path)
-            dht = await DHTNode.create(
-                p2p=p2p,
-                initial_peers=list(config.initial_peers),
-                record_validator=make_validator(signature_validator, [prefix]),
-            )
-            node = cls(config, span, budget, p2p, dht, None, signature_validator, throughput, identity_tmp)
-            node.handler = BlockHandler(span, config, budget, node.current_info, p2p)
-            await node.handler.add_p2p_handlers(p2p)
+            node = cls(config, span, budget, peer, None, throughput)
+            node.handler = BlockHandler(span, config, budget, node.current_info, peer.p2p)
+            await node.handler.add_p2p_handlers(peer.p2p)
             if config.lane_port is not None:
                 await node._start_lane()
             if config.rebalance != "off":
@@ -131,9 +110,7 @@ class Node:
                     drain_timeout_s=config.drain_timeout_s,
                 )
         except BaseException:
-            if dht is not None:
-                await dht.shutdown()
-            await p2p.shutdown()
+            await peer.shutdown()
             raise
         return node
 
@@ -286,9 +263,4 @@ class Node:
         self.state = NodeState.offline
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.announce(), timeout=SHUTDOWN_STEP_S)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.dht.shutdown(), timeout=SHUTDOWN_STEP_S)
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.p2p.shutdown(), timeout=SHUTDOWN_STEP_S)
-        if self._identity_tmp is not None:
-            self._identity_tmp.cleanup()
+        await self.peer.shutdown(SHUTDOWN_STEP_S)

@@ -22,8 +22,7 @@ from nesa_node.errors import (
     RequestError,
     SessionNotFoundError,
 )
-from nesa_node.server.session import END_OF_SESSION, MAX_ID_LENGTH, ServerSession
-from nesa_node.wire import (
+from nesa_node.protocol.wire import (
     RPC_PUSH_STREAM,
     drain,
     error_from_metadata,
@@ -33,6 +32,7 @@ from nesa_node.wire import (
     tensor_to_proto,
     unpack_metadata,
 )
+from nesa_node.server.session import END_OF_SESSION, MAX_ID_LENGTH, ServerSession
 
 logger = logging.getLogger(__name__)
 

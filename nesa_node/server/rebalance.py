@@ -29,17 +29,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from nesa_node.client.views import build_snapshot
-from nesa_node.dht_records import fetch_node_infos
-from nesa_node.records import NodeInfo, NodeState
+from nesa_node.protocol.dht import fetch_node_infos
+from nesa_node.protocol.records import NodeInfo, NodeState
 from nesa_node.routing.snapshot import SwarmSnapshot
 from nesa_node.sharding.balancing import Move, cover_hole, placement_from_snapshot, plan_moves, should_move
+from nesa_node.swarm_view import build_snapshot
 from nesa_node.topology.graph import swarm_graph
 from nesa_node.topology.homology import diagrams
 from nesa_node.topology.monitor import learn_threshold
@@ -85,6 +86,11 @@ class CalibratedHomologyTrigger:
 def make_trigger(name: str, *, period_s: float):
     """The trigger policy named on the command line (`off` is not one: no Rebalancer runs). Raises ValueError."""
     if name == "homology":
+        if importlib.util.find_spec("gudhi") is None:
+            raise ValueError(
+                "the homology rebalance trigger needs gudhi: pip install 'nesa-node[topology]', or run with "
+                "--rebalance load-cv, periodic or off"
+            )
         return CalibratedHomologyTrigger()
     if name == "load-cv":
         return LoadVariationTrigger()

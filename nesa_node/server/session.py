@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nesa_node.wire import NO_CODEC, WireCodec
+from nesa_node.protocol.wire import NO_CODEC, WireCodec
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ServerSession:
     # free places for peers' messages in `inbox` (the node's own reports always fit): NodeConfig.max_queued_steps
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
     refused_in_a_row: int = 0  # consecutive refused steps; the session ends at NodeConfig.max_step_errors
-    # data lanes (nesa_node.lane), when the client asked for them at open: the keys of the links into and out of
+    # data lanes (nesa_node.protocol.lane), when the client asked for them at open: the keys of the links into and out of
     # this node, the next node's lane address, and the connections in use
     lane_in: bytes | None = None  # steps from the upstream peer (the client, or the previous node)
     lane_out: bytes | None = None  # outputs to the next node, or to the client when this node is the last

@@ -1,98 +1,10 @@
-"""Real local swarms for tests: hivemind DHT peers and node daemons on 127.0.0.1, always shut down.
-
-Nodes run in this process on one background event loop (each with its own p2pd and DHT node, exactly what
-`nesa-node run` builds through `Node.create`); tests that need separate processes use nesa_node.launcher.
-"""
+"""Swarm fixtures: a real local swarm (tests/support/swarm.py) per test or per module, always shut down."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
-from dataclasses import replace
-
 import pytest
 
-from nesa_node.bootstrap import BootstrapPeer
-from nesa_node.errors import NoRouteError
-from nesa_node.server.config import NodeConfig
-from nesa_node.server.node import Node
-
-
-class LocalSwarm:
-    """A bootstrap peer plus nodes started on demand; `close` stops everything it started."""
-
-    def __init__(self, dht_prefixes: tuple[str, ...] = ()) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-swarm-loop", daemon=True)
-        self.thread.start()
-        self.nodes: list[Node] = []
-        self.bootstrap = self.run(BootstrapPeer.create(dht_prefixes=dht_prefixes))  # model keys it validates
-        self.initial_peers = self.run(self.bootstrap.visible_maddrs())
-
-    def run(self, coroutine, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def start_node(self, model_path: str, start: int, end: int, **settings) -> Node:
-        config = NodeConfig(
-            model_path=model_path,
-            start_block=start,
-            end_block=end,
-            initial_peers=tuple(self.initial_peers),
-            measure_throughput=False,
-            announce_period_s=2.0,
-            # in-process nodes move only in the tests about moving (test_rebalance.py asks for it): the other tests
-            # build exact layouts (spares, holes, one node per span) that a move would change under them
-            rebalance="off",
-        )
-        config = replace(config, **settings)
-        node = self.run(Node.create(config))
-        self.run(node.start())
-        self.nodes.append(node)
-        return node
-
-    def stop_node(self, node: Node) -> None:
-        self.run(node.shutdown())
-        self.nodes.remove(node)
-
-    def close(self) -> None:
-        try:
-            for node in list(self.nodes):
-                try:
-                    self.run(node.shutdown(), timeout=60)
-                except Exception:
-                    pass
-            self.nodes.clear()
-            self.run(self.bootstrap.shutdown(), timeout=60)
-        finally:
-
-            async def cancel_rest() -> None:
-                rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-                for task in rest:
-                    task.cancel()
-                await asyncio.gather(*rest, return_exceptions=True)
-
-            try:
-                self.run(cancel_rest(), timeout=30)
-            finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self.thread.join(timeout=10)
-
-
-def wait_for_chain(model, *, max_length: int = 0, hops: int | None = None, timeout_s: float = 60.0):
-    """Wait until the client sees a chain (of `hops` nodes, if given) covering every block."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            chain = model.choose_chain(max_length=max_length)
-            if hops is None or len(chain.hops) == hops:
-                return chain
-        except NoRouteError:
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            raise AssertionError(f"expected a chain of {hops} hops, got {chain}")
-        time.sleep(0.3)
+from tests.support.swarm import LocalSwarm
 
 
 @pytest.fixture
@@ -111,12 +23,3 @@ def module_swarm():
         yield swarm
     finally:
         swarm.close()
-
-
-def wait_until(predicate, timeout_s: float = 10.0) -> None:
-    """Poll `predicate` until true; AssertionError after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.05)

@@ -15,12 +15,11 @@ import torch
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
-from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
-from nesa_node import DistributedModelForCausalLM, lane
+from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
-from nesa_node.wire import (
+from nesa_node.protocol import lane
+from nesa_node.protocol.wire import (
     RPC_INFERENCE,
     RPC_LANE_TICKET,
     RPC_PUSH,
@@ -29,7 +28,9 @@ from nesa_node.wire import (
     tensor_to_proto,
     unpack_metadata,
 )
-from tests.swarm.conftest import wait_for_chain, wait_until
+from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
+from tests.support.swarm import wait_for_chain, wait_until
 
 HIDDEN = 64  # the tiny Llama's hidden size
 LIMITS = {

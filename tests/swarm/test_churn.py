@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.chaos import ChaosSwarm, Churn
-from tests.swarm.conftest import wait_for_chain, wait_until
+from nesa_node.devtools.chaos import ChaosSwarm, Churn
+from tests.support.swarm import wait_for_chain, wait_until
 
 SPANS = [(0, 1), (1, 3), (3, 4)]
 PROMPT_TOKENS = 8

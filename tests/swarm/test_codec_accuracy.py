@@ -4,13 +4,13 @@ measured): top-1 agreement with the lossless swarm and held-out perplexity."""
 from __future__ import annotations
 
 import pytest
-from nesa_node.compression.codec import CODECS
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.evaluation import accuracy_table, format_table
-from nesa_node.model_train import evaluate_perplexity, heldout_token_windows
-from tests.swarm.conftest import wait_for_chain
+from nesa_node.compression.codec import CODECS
+from nesa_node.devtools.evaluation import accuracy_table, format_table
+from nesa_node.devtools.tiny_train import evaluate_perplexity, heldout_token_windows
+from tests.support.swarm import wait_for_chain
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 20, 24, 32
 WINDOWS, WINDOW_TOKENS = 32, 128

@@ -6,14 +6,21 @@ import pytest
 import torch
 from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
-from nesa_node.compression.codec import wire_bytes
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.compression.codec import wire_bytes
+from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 from nesa_node.errors import BadRequestError
-from nesa_node.model_init import TinyModelSpec, init_tiny_model
-from nesa_node.wire import RPC_FORWARD, WireCodec, pack_metadata, raise_if_error, tensor_to_proto, unpack_metadata
-from tests.swarm.conftest import wait_for_chain
+from nesa_node.protocol.wire import (
+    RPC_FORWARD,
+    WireCodec,
+    pack_metadata,
+    raise_if_error,
+    tensor_to_proto,
+    unpack_metadata,
+)
+from tests.support.swarm import wait_for_chain
 
 WIDE = TinyModelSpec(layers=2, hidden=1024, heads=8, kv_heads=8, intermediate=256, vocab=512, seed=3)
 

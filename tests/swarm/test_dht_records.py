@@ -23,10 +23,10 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from nesa_node.bootstrap import BootstrapPeer
 from nesa_node.client.swarm import SwarmClient
-from nesa_node.dht_records import fetch_node_infos, model_key, store_node_info
-from nesa_node.identity import peer_id_of_public_key
-from nesa_node.records import NodeState
-from tests.swarm.conftest import LocalSwarm, wait_until
+from nesa_node.protocol.dht import fetch_node_infos, model_key, store_node_info
+from nesa_node.protocol.identity import peer_id_of_public_key
+from nesa_node.protocol.records import NodeState
+from tests.support.swarm import LocalSwarm, wait_until
 
 
 def test_b_replayed_older_record_does_not_evict_the_newer_one(local_swarm, tiny_llama):

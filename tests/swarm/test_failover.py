@@ -12,13 +12,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.chaos import AfterTokens
 from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.devtools.chaos import AfterTokens
+from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.errors import NoRouteError, PeerUnavailableError
-from nesa_node.launcher import ProcessGroup
-from nesa_node.records import NodeState
-from nesa_node.wire import error_response
-from tests.swarm.conftest import wait_for_chain, wait_until
+from nesa_node.protocol.records import NodeState
+from nesa_node.protocol.wire import error_response
+from tests.support.swarm import wait_for_chain, wait_until
 
 SPANS = [(0, 1), (1, 3), (3, 4)]
 # nodes per span: enough for every test below to kill (or stop) one and still find a replacement

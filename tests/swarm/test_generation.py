@@ -6,13 +6,13 @@ import threading
 
 import pytest
 import torch
-from nesa_node.routing.chain import Chain, Hop
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.errors import BadRequestError
-from tests.conftest import ARCHES
-from tests.swarm.conftest import wait_for_chain
+from nesa_node.routing.chain import Chain, Hop
+from tests.support.models import ARCHES
+from tests.support.swarm import wait_for_chain
 
 SPLITS = {
     1: [(0, 4)],

@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
+from torch.utils._pytree import tree_leaves
+
+from nesa_node.client.swarm import SwarmClient
+from nesa_node.errors import BadRequestError, NoRouteError
+from nesa_node.graph.models import FACTORIES
+from nesa_node.graph.pipeline import GraphPipeline
+from nesa_node.graph.plan import RPC_GRAPH_FORWARD, GraphPlan, load_factory, plan_from_partition
+from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
+from nesa_node.protocol.wire import pack_metadata, raise_if_error, tensor_to_proto, unpack_metadata
 from nesa_node.sharding.brkga import BrkgaSettings, brkga_partition
 from nesa_node.sharding.graph import trace_graph
 from nesa_node.sharding.partition import NodeProfile, kahn_order, slice_order
-from torch.utils._pytree import tree_leaves
-
-from nesa_node.client.graph import GraphPipeline
-from nesa_node.client.swarm import SwarmClient
-from nesa_node.errors import BadRequestError, NoRouteError
-from nesa_node.graph_models import FACTORIES
-from nesa_node.graph_plan import RPC_GRAPH_FORWARD, GraphPlan, load_factory, plan_from_partition
-from nesa_node.server.graph_stage import GraphStageConfig, GraphStageNode
-from nesa_node.wire import pack_metadata, raise_if_error, tensor_to_proto, unpack_metadata
-from tests.swarm.conftest import LocalSwarm
+from tests.support.swarm import LocalSwarm
 
 STAGE_COUNTS = (2, 3, 4)
 LOOPBACK = NodeProfile(bandwidth=2.5e9)  # bytes/s, ~20 Gbit/s
@@ -29,7 +29,7 @@ LOOPBACK = NodeProfile(bandwidth=2.5e9)  # bytes/s, ~20 Gbit/s
 
 def make_plan(name: str, stages: int) -> GraphPlan:
     """k = 2: equal operation counts (no solver); k = 3: the DP on Kahn's order; k = 4: BRKGA."""
-    factory = f"nesa_node.graph_models:{name}"
+    factory = f"nesa_node.graph.models:{name}"
     if stages == 2:
         return GraphPlan(factory, stages)
     traced = trace_graph(*load_factory(factory), repeats=0)

@@ -7,9 +7,9 @@ from hivemind.p2p import PeerID
 from hivemind.proto import runtime_pb2
 
 from nesa_node.client.swarm import SwarmClient
-from nesa_node.server.links import MAX_PING_BYTES
-from nesa_node.wire import RPC_PING, unpack_metadata
-from tests.swarm.conftest import wait_until
+from nesa_node.protocol.wire import RPC_PING, unpack_metadata
+from nesa_node.server.link_probe import MAX_PING_BYTES
+from tests.support.swarm import wait_until
 
 DELAY_MS = 40.0
 

@@ -9,14 +9,14 @@ import sys
 
 import pytest
 import torch
-from nesa_node.routing.chain import Chain, Hop
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.dht_records import fetch_node_infos
 from nesa_node.errors import CacheBudgetError, NoRouteError
-from tests.swarm.conftest import wait_for_chain, wait_until
+from nesa_node.protocol.dht import fetch_node_infos
+from nesa_node.routing.chain import Chain, Hop
+from tests.support.swarm import wait_for_chain, wait_until
 
 
 def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swarm, tiny_llama):
@@ -88,7 +88,7 @@ def test_b_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_
     assert {record.info.peer_id for record in records} == {node.peer_id, other.peer_id}
     # `other` signs a record claiming to be `node`, with inflated throughput: honest peers refuse it
     forged = node.current_info().model_copy(update={"inference_tps": 1e9})
-    from nesa_node.dht_records import store_node_info
+    from nesa_node.protocol.dht import store_node_info
 
     local_swarm.run(store_node_info(other.dht, "forgery", forged, other.signature_validator, 30))
     for reader in (node, other):
@@ -99,7 +99,7 @@ def test_b_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_
     forged_subkey = forged.peer_id.encode() + other.signature_validator.local_public_key
     from hivemind.dht.routing import DHTID
 
-    from nesa_node.dht_records import model_key
+    from nesa_node.protocol.dht import model_key
 
     stored = node.dht.protocol.storage.get(DHTID.generate(source=model_key("forgery")))
     assert stored is not None and forged_subkey not in dict(stored.value.items())

@@ -7,11 +7,11 @@ import asyncio
 
 import pytest
 from hivemind.p2p import P2P
-from nesa_node.routing.chain import Chain, Hop
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import LinkFailed, RemoteInferenceSession
-from nesa_node.wire import RPC_INFERENCE
+from nesa_node.protocol.wire import RPC_INFERENCE
+from nesa_node.routing.chain import Chain, Hop
 
 
 async def silent_peer(initial_peers: list[str]) -> P2P:

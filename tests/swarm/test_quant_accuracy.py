@@ -8,12 +8,12 @@ import torch
 from transformers import AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.devtools.evaluation import accuracy_table, format_table
+from nesa_node.devtools.tiny_train import heldout_token_windows
 from nesa_node.errors import QuantizationUnsupportedError
-from nesa_node.evaluation import accuracy_table, format_table
-from nesa_node.model_train import heldout_token_windows
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.node import Node
-from tests.swarm.conftest import wait_for_chain
+from tests.support.swarm import wait_for_chain
 
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 20, 24, 32
 WINDOWS, WINDOW_TOKENS = 32, 128

@@ -11,10 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.records import NodeState
+from nesa_node.protocol.records import NodeState
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.node import Node
-from tests.swarm.conftest import LocalSwarm, wait_for_chain, wait_until
+from tests.support.swarm import LocalSwarm, wait_for_chain, wait_until
 
 SPANS = [(0, 2), (0, 2), (0, 2), (2, 4), (2, 4)]  # five nodes on the 4-block tiny llama
 PROMPT = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(11))

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.swarm import RECENT_RECORD_S
-from nesa_node.dht_records import NodeRecord
 from nesa_node.errors import NoRouteError
+from nesa_node.protocol.dht import NodeRecord
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 

@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.wire import RPC_FORWARD, RPC_INFO, pack_metadata, tensor_to_proto
-from tests.swarm.conftest import wait_for_chain, wait_until
+from nesa_node.protocol.wire import RPC_FORWARD, RPC_INFO, pack_metadata, tensor_to_proto
+from tests.support.swarm import wait_for_chain, wait_until
 
 HIDDEN = 64  # the tiny Llama's hidden size
 

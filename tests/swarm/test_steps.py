@@ -14,8 +14,8 @@ from hivemind.proto import runtime_pb2
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.errors import BadRequestError
-from nesa_node.wire import pack_metadata, raise_if_error, tensor_to_proto
-from tests.swarm.conftest import wait_for_chain
+from nesa_node.protocol.wire import pack_metadata, raise_if_error, tensor_to_proto
+from tests.support.swarm import wait_for_chain
 
 
 def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):

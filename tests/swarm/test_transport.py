@@ -17,9 +17,10 @@ import uuid
 import pytest
 import torch
 
-from nesa_node import DistributedModelForCausalLM, lane
+from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session import RemoteInferenceSession
-from tests.swarm.conftest import wait_for_chain
+from nesa_node.protocol import lane
+from tests.support.swarm import wait_for_chain
 
 HIDDEN = 64  # the tiny Llama's hidden size
 

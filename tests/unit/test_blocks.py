@@ -1,10 +1,10 @@
 import pytest
 import torch
-from nesa_node.sharding.blocks import SafetensorsIndex, SpanSpec, load_block_span, load_client_edges, load_config
 from transformers import AutoModelForCausalLM
 
 from nesa_node.errors import ModelLoadError
-from tests.conftest import ARCHES
+from nesa_node.sharding.blocks import SafetensorsIndex, SpanSpec, load_block_span, load_client_edges, load_config
+from tests.support.models import ARCHES
 
 
 @pytest.mark.parametrize("arch", ARCHES)

@@ -1,9 +1,9 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from nesa_node.routing.chain import ChainRequest, NodeView, SwarmSnapshot, select_chain
 
 from nesa_node.errors import NoRouteError
+from nesa_node.routing.chain import ChainRequest, NodeView, SwarmSnapshot, select_chain
 
 
 def node(peer: str, start: int, end: int, **kwargs) -> NodeView:

@@ -5,6 +5,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nesa_node.compression.codec import (
     CODECS,
     DEFAULT_CODEC,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from torch.utils._pytree import tree_leaves
+
+from nesa_node.graph.models import FACTORIES
 from nesa_node.sharding.brkga import BrkgaSettings, brkga_partition
 from nesa_node.sharding.graph import FALLBACK_FLOPS_PER_SECOND, run_stages, split_stages, trace_graph
 from nesa_node.sharding.partition import (
@@ -14,9 +17,6 @@ from nesa_node.sharding.partition import (
     slice_order,
     uniform_partition,
 )
-from torch.utils._pytree import tree_leaves
-
-from nesa_node.graph_models import FACTORIES
 
 LOOPBACK = NodeProfile(bandwidth=2.5e9)  # ~20 Gbit/s: costs where splitting pays, so stages are not empty
 

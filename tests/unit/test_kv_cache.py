@@ -1,9 +1,9 @@
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token, kv_bytes_per_token_for
 
 from nesa_node.errors import CacheBudgetError
+from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token, kv_bytes_per_token_for
 
 
 def test_bytes_per_token_golden_values():

@@ -1,4 +1,4 @@
-"""Data lanes (nesa_node.lane): handshake, sealed frames, and what a lane refuses, over real loopback sockets."""
+"""Data lanes (nesa_node.protocol.lane): handshake, sealed frames, and what a lane refuses, over real loopback sockets."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nesa_node import lane
 from nesa_node.errors import BadRequestError, MessageTooLargeError
+from nesa_node.protocol import lane
 
 
 class Acceptor:

@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nesa_node.cli import build_parser, main
-from nesa_node.model_init import TinyModelSpec
-from nesa_node.model_train import (
+from nesa_node.devtools.tiny_model import TinyModelSpec
+from nesa_node.devtools.tiny_train import (
     TrainConfig,
     corpus_split,
     evaluate_perplexity,

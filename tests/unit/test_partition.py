@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nesa_node.sharding.partition import (
     NodeProfile,
     OperationGraph,
@@ -21,32 +22,7 @@ from nesa_node.sharding.partition import (
     uniform_partition,
     validate_order,
 )
-
-
-def random_graph(rng: np.random.Generator, n: int, density: float = 0.3) -> OperationGraph:
-    """A random DAG on n operations, vertex ids shuffled so index order is not a topological order."""
-    relabel = rng.permutation(n)
-    edges = [(int(relabel[u]), int(relabel[v])) for u in range(n) for v in range(u + 1, n) if rng.random() < density]
-    return OperationGraph(
-        names=tuple(f"op{index}" for index in range(n)),
-        work=rng.random(n),
-        size_param=rng.random(n) * 100,
-        size_out=rng.random(n) * 100,
-        edges=tuple(edges),
-    )
-
-
-def random_nodes(rng: np.random.Generator, k: int) -> list[NodeProfile]:
-    """Heterogeneous nodes whose io, work and overflow terms are all of the same order."""
-    return [
-        NodeProfile(
-            speed=float(rng.uniform(0.5, 2.0)),
-            bandwidth=float(rng.uniform(50, 500)),
-            fast_memory=float(rng.uniform(0, 300)),
-            stream_bandwidth=float(rng.uniform(100, 1000)),
-        )
-        for _ in range(k)
-    ]
+from tests.support.graphs import random_graph, random_nodes
 
 
 def brute_force_slicings(graph: OperationGraph, order, nodes) -> float:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nesa_node.sharding.brkga import BrkgaSettings, brkga_partition, default_keys
 from nesa_node.sharding.partition import (
     NodeProfile,
@@ -15,8 +16,7 @@ from nesa_node.sharding.partition import (
     set_cost,
     slice_order,
 )
-
-from tests.unit.test_partition import random_graph, random_nodes
+from tests.support.graphs import random_graph, random_nodes
 
 SMALL_SEARCH = BrkgaSettings(population=12, generations=25, patience=8)
 

@@ -1,10 +1,10 @@
 """The daemon's rebalancing decisions (nesa_node.server.rebalance), without sockets: records in, a move out."""
 
 import pytest
-from nesa_node.topology.triggers import PeriodicTrigger, TriggerInput
 
-from nesa_node.records import NodeInfo, NodeState
+from nesa_node.protocol.records import NodeInfo, NodeState
 from nesa_node.server.rebalance import CalibratedHomologyTrigger, Rebalancer, make_trigger, planning_snapshot
+from nesa_node.topology.triggers import PeriodicTrigger, TriggerInput
 
 
 def info(peer: str, start: int, end: int, state: NodeState = NodeState.online, tps: float = 0.0) -> NodeInfo:

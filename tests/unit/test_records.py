@@ -9,9 +9,9 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from pydantic import ValidationError
 
-from nesa_node.dht_records import make_validator, model_key
-from nesa_node.identity import peer_id_of_public_key
-from nesa_node.records import NodeInfo, NodeState
+from nesa_node.protocol.dht import make_validator, model_key
+from nesa_node.protocol.identity import peer_id_of_public_key
+from nesa_node.protocol.records import NodeInfo, NodeState
 
 
 def make_info(**overrides) -> NodeInfo:

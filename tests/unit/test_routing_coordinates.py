@@ -3,6 +3,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nesa_node.routing.coordinates import combine_measurements, fit_access_ms
 
 star_metrics = st.lists(st.floats(0.0, 80.0), min_size=3, max_size=10)

@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nesa_node.routing.cost import (
     RELIABILITY_MS,
     RoutingParams,

@@ -1,19 +1,19 @@
-"""Tuning inputs: snapshots built from records (client/views.py), measured latency (routing/measured.py), and the
+"""Tuning inputs: snapshots built from records (nesa_node/swarm_view.py), measured latency (routing/measured.py), and the
 `nesa-node tune` command."""
 
 import json
 
 import numpy as np
 import pytest
+
+from nesa_node.cli import main
+from nesa_node.cli.tune import load_scenario
+from nesa_node.protocol.records import LinkInfo, LoadInfo, NodeInfo, NodeState
 from nesa_node.routing.cost import RoutingParams
 from nesa_node.routing.ga import evolve, load_params
 from nesa_node.routing.measured import measured_latency_s, snapshot_fitness, synthetic_requests
 from nesa_node.routing.snapshot import Chain, ChainRequest, Hop, NodeView, SwarmSnapshot
-
-from nesa_node.cli import main
-from nesa_node.client.views import UPTIME_SCALE_S, build_snapshot, load_share
-from nesa_node.records import LinkInfo, LoadInfo, NodeInfo, NodeState
-from nesa_node.tune import load_scenario
+from nesa_node.swarm_view import UPTIME_SCALE_S, build_snapshot, load_share
 
 
 def info(peer: str, start: int, end: int, **fields) -> NodeInfo:

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from nesa_node.errors import NoRouteError
 from nesa_node.routing.chain import select_chain, select_chains, usable_nodes
 from nesa_node.routing.cost import RoutingParams, append_cost, chain_cost, request_base
 from nesa_node.routing.snapshot import ChainRequest, CostBreakdown, Hop, NodeView, SwarmSnapshot
-
-from nesa_node.errors import NoRouteError
 
 REGIONS = ((1.0, 30.0), (30.0, 2.0))
 

@@ -5,6 +5,7 @@ from functools import partial
 
 import numpy as np
 import pytest
+
 from nesa_node.routing.baselines import (
     compute_rtt_load_router,
     petals_cost_partial_spans_router,

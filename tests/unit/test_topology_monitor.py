@@ -4,6 +4,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+
 from nesa_node.routing.scenarios import SCENARIOS, City, ClusterJoin, LinkDegradation, Outage
 from nesa_node.routing.simulate import Simulator
 from nesa_node.sharding.balancing import Placement

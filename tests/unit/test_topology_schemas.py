@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from nesa_node.routing.scenarios import SCENARIOS, City, ClusterJoin, LinkDegradation, Outage
 from nesa_node.routing.simulate import Simulator
 from nesa_node.routing.snapshot import NodeView, SwarmSnapshot

@@ -15,6 +15,8 @@ import sys
 import bitsandbytes as bnb
 import pytest
 import torch
+from torch import nn
+
 from nesa_node.compression import weights
 from nesa_node.compression.weights import (
     QuantizationReport,
@@ -23,11 +25,9 @@ from nesa_node.compression.weights import (
     quantize_linear_layers,
     quantized_state_digest,
 )
-from nesa_node.sharding.blocks import SpanSpec, load_block_span
-from torch import nn
-
+from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 from nesa_node.errors import ModelLoadError, QuantizationUnsupportedError, error_from_code
-from nesa_node.model_init import TinyModelSpec, init_tiny_model
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
 HIDDEN = 128
 LINEAR_PER_BLOCK = 7  # q, k, v, o, gate, up, down

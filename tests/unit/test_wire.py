@@ -5,11 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
-from nesa_node.routing.chain import Hop
 
 from nesa_node.client.session import codec_for
 from nesa_node.errors import BadRequestError
-from nesa_node.wire import (
+from nesa_node.protocol.wire import (
     NO_CODEC,
     WireCodec,
     pack_metadata,
@@ -17,6 +16,7 @@ from nesa_node.wire import (
     tensor_to_proto,
     unpack_metadata,
 )
+from nesa_node.routing.chain import Hop
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "bf16", "blockwise8", "dynamic8"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from nesa_node.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.routing.coordinates import fit_access_ms
 from nesa_node.routing.snapshot import NodeView, SwarmSnapshot
 

@@ -71,7 +71,9 @@ class NodeInfo(BaseModel):
     location: tuple[float, float] | None = None  # (lat, lon)
     links: tuple[LinkInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)
     max_length: int = Field(0, ge=0)  # longest session the node accepts, tokens
-    lane: str | None = Field(None, max_length=64)  # "ip:port" of the node's data lane (nesa_node.lane); None: none
+    lane: str | None = Field(
+        None, max_length=64
+    )  # "ip:port" of the node's data lane (nesa_node.protocol.lane); None: none
 
     @model_validator(mode="after")
     def _check_span(self) -> NodeInfo:

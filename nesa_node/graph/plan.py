@@ -6,7 +6,7 @@ algorithm is cut into k segments of equal operation count: that depends on the g
 that loads the same factory derives the same stages. Plans made by the MTPP solvers (`plan_from_partition`)
 carry their assignment and travel as JSON files. Nodes of one plan announce under the plan's own DHT key.
 
-No networking here: both the node (nesa_node.server.graph_stage) and the client (nesa_node.client.graph) use it.
+No networking here: both the node (nesa_node.graph.stage) and the client (nesa_node.graph.pipeline) use it.
 """
 
 from __future__ import annotations

@@ -13,25 +13,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
-import tempfile
 import time
 from dataclasses import dataclass
 
 import torch
-from hivemind.dht.crypto import RSASignatureValidator
-from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P, P2PContext
+from hivemind.p2p import P2PContext
 from hivemind.proto import runtime_pb2
 
-from nesa_node import __version__
-from nesa_node.dht_records import make_validator, store_node_info
 from nesa_node.errors import BadRequestError, RequestError
-from nesa_node.graph_plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
-from nesa_node.identity import ensure_identity, load_private_key
-from nesa_node.records import NodeInfo, NodeState
+from nesa_node.graph.plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
+from nesa_node.peer import SHUTDOWN_STEP_S, Peer, start_peer
+from nesa_node.protocol.dht import store_node_info
+from nesa_node.protocol.records import NodeInfo, NodeState
+from nesa_node.protocol.wire import (
+    error_response,
+    field,
+    pack_metadata,
+    tensor_from_proto,
+    tensor_to_proto,
+    unpack_metadata,
+)
 from nesa_node.sharding.graph import Stage
-from nesa_node.wire import error_response, field, pack_metadata, tensor_from_proto, tensor_to_proto, unpack_metadata
+from nesa_node.version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -101,9 +104,9 @@ class GraphStageHandler:
 
 
 class GraphStageNode:
-    def __init__(self, config: GraphStageConfig, p2p: P2P, dht: DHTNode, handler, validator, identity_tmp):
-        self.config, self.p2p, self.dht, self.handler = config, p2p, dht, handler
-        self.signature_validator, self._identity_tmp = validator, identity_tmp
+    def __init__(self, config: GraphStageConfig, peer: Peer, handler: GraphStageHandler):
+        self.config, self.peer, self.handler = config, peer, handler
+        self.p2p, self.dht, self.signature_validator = peer.p2p, peer.dht, peer.signature_validator
         self.started_at = time.monotonic()
         self._announcer: asyncio.Task | None = None
 
@@ -120,29 +123,20 @@ class GraphStageNode:
         built = {plan: (await asyncio.to_thread(build_stages, plan))[1] for plan, _ in config.stages}
         stages = {(plan.dht_prefix, stage): built[plan][stage] for plan, stage in config.stages}
         handler = GraphStageHandler(stages, config.max_elements)
-        identity_tmp, identity_path = None, config.identity_path
-        if identity_path is None:
-            identity_tmp = tempfile.TemporaryDirectory(prefix="nesa-node-")
-            identity_path = os.path.join(identity_tmp.name, "identity.key")
-        ensure_identity(identity_path)
-        validator = RSASignatureValidator(load_private_key(identity_path))
-        p2p = await P2P.create(
-            initial_peers=list(config.initial_peers),
-            host_maddrs=[f"/ip4/{config.host}/tcp/{config.port}"],
-            identity_path=identity_path,
-            check_if_identity_free=False,
+        peer = await start_peer(
+            initial_peers=config.initial_peers,
+            host=config.host,
+            port=config.port,
+            identity_path=config.identity_path,
+            dht_prefixes=sorted({plan.dht_prefix for plan, _ in config.stages}),
+            signs_records=True,
         )
         try:
-            dht = await DHTNode.create(
-                p2p=p2p,
-                initial_peers=list(config.initial_peers),
-                record_validator=make_validator(validator, sorted({plan.dht_prefix for plan, _ in config.stages})),
-            )
-            await p2p.add_protobuf_handler(RPC_GRAPH_FORWARD, handler.rpc_graph_forward, runtime_pb2.ExpertRequest)
+            await peer.p2p.add_protobuf_handler(RPC_GRAPH_FORWARD, handler.rpc_graph_forward, runtime_pb2.ExpertRequest)
         except BaseException:
-            await p2p.shutdown()
+            await peer.shutdown()
             raise
-        return cls(config, p2p, dht, handler, validator, identity_tmp)
+        return cls(config, peer, handler)
 
     @property
     def peer_id(self) -> str:
@@ -192,11 +186,6 @@ class GraphStageNode:
             self._announcer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._announcer
-        try:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.announce(NodeState.offline), timeout=2.0)
-            await self.dht.shutdown()
-        finally:
-            await self.p2p.shutdown()
-            if self._identity_tmp is not None:
-                self._identity_tmp.cleanup()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.announce(NodeState.offline), timeout=SHUTDOWN_STEP_S)
+        await self.peer.shutdown()

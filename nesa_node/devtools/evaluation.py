@@ -74,7 +74,7 @@ def accuracy_row(
     reference_perplexity: float | None,
 ) -> AccuracyRow:
     """Measure `model` (a DistributedModelForCausalLM) against reference continuations and perplexity."""
-    from nesa_node.model_train import evaluate_perplexity
+    from nesa_node.devtools.tiny_train import evaluate_perplexity
 
     agreement, bytes_per_token = teacher_forced_agreement(model, prompts, continuations)
     perplexity = evaluate_perplexity(model, windows).perplexity

@@ -20,8 +20,8 @@ from hivemind.dht.validation import CompositeValidator, DHTRecord, RecordValidat
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPublicKey
 
-from nesa_node.identity import peer_id_of_public_key
-from nesa_node.records import NodeInfo
+from nesa_node.protocol.identity import peer_id_of_public_key
+from nesa_node.protocol.records import NodeInfo
 
 logger = logging.getLogger(__name__)
 

@@ -108,13 +108,6 @@ class ProcessGroup:
         self.close()
 
 
-def write_address_file(path: str | Path, addresses: list[str]) -> None:
-    """Write one multiaddr per line, atomically: a reader never sees a half-written file."""
-    tmp = Path(f"{path}.tmp")
-    tmp.write_text("".join(f"{address}\n" for address in addresses))
-    tmp.replace(path)
-
-
 def split_blocks(num_blocks: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous spans [start, end) splitting `num_blocks` as evenly as possible into `parts`."""
     if not 0 < parts <= num_blocks:

@@ -1,12 +1,12 @@
 """The client's link to one node of an inference session's chain: its libp2p stream, and the data lanes the client
-itself holds with that node (nesa_node.lane); and the failure of a link."""
+itself holds with that node (nesa_node.protocol.lane); and the failure of a link."""
 
 from __future__ import annotations
 
 import asyncio
 
-from nesa_node import lane
 from nesa_node.errors import PeerUnavailableError
+from nesa_node.protocol import lane
 from nesa_node.routing.chain import Hop
 
 
@@ -17,7 +17,7 @@ class ChainLink:
         self.hop = hop
         self.outbox: asyncio.Queue = asyncio.Queue()
         self.reader: asyncio.Task | None = None
-        # keys of the data lanes into and out of this node (nesa_node.lane), drawn by the client at open
+        # keys of the data lanes into and out of this node (nesa_node.protocol.lane), drawn by the client at open
         self.key_in = lane.new_key()
         self.key_out = lane.new_key()
         self.send_lane: lane.SealedStream | None = None  # first node: the client's steps

@@ -16,8 +16,8 @@ import time
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from nesa_node.records import LinkInfo, NodeInfo
-from nesa_node.wire import RPC_PING
+from nesa_node.protocol.records import LinkInfo, NodeInfo
+from nesa_node.protocol.wire import RPC_PING
 
 logger = logging.getLogger(__name__)
 

@@ -116,8 +116,8 @@ def run_tune(args) -> int:
 
 def _live_snapshot(args):
     from nesa_node.client.swarm import SwarmClient
-    from nesa_node.dht_records import default_dht_prefix
-    from nesa_node.records import NodeState
+    from nesa_node.protocol.dht import default_dht_prefix
+    from nesa_node.protocol.records import NodeState
     from nesa_node.sharding.blocks import load_config
 
     config = load_config(args.model)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from nesa_node.launcher import LaunchError, ProcessGroup
+from nesa_node.devtools.launcher import LaunchError, ProcessGroup
 
 logger = logging.getLogger(__name__)
 

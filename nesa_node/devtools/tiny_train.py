@@ -26,7 +26,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from nesa_node.model_init import TinyModelSpec, build_config, build_tokenizer
+from nesa_node.devtools.tiny_model import TinyModelSpec, build_config, build_tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -1,11 +1,10 @@
 """`nesa-node run --graph-model package.module:factory --stage i --stages k` (or `--graph-plan plan.json`):
-serve one stage of a graph model (nesa_node.server.graph_stage). `nesa_node.cli` adds these options to `run`.
+serve one stage of a graph model (nesa_node.graph.stage). `nesa_node.cli` adds these options to `run`.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 
 def add_arguments(run: argparse.ArgumentParser) -> None:
@@ -35,9 +34,9 @@ def check_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def run_graph_stage(args: argparse.Namespace) -> int:
     """Serve one stage until SIGINT/SIGTERM (arguments checked by check_arguments)."""
-    from nesa_node.cli import _serve_until_signal
-    from nesa_node.graph_plan import GraphPlan
-    from nesa_node.server.graph_stage import GraphStageConfig, GraphStageNode
+    from nesa_node import event_loop
+    from nesa_node.graph.plan import GraphPlan
+    from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
 
     plan = GraphPlan.load(args.graph_plan) if args.graph_plan else GraphPlan(args.graph_model, args.stages)
     config = GraphStageConfig(
@@ -60,7 +59,7 @@ def run_graph_stage(args: argparse.Namespace) -> int:
                 print(f"listening on {addr}", flush=True)
             print(f"serving stage {args.stage} of {plan.stages} of {plan.factory} (key {plan.dht_prefix})", flush=True)
 
-        await _serve_until_signal(start, node.shutdown)
+        await event_loop.serve_until_signal(start, node.shutdown)
 
-    asyncio.run(serve())
+    event_loop.run(serve())
     return 0

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
+from nesa_node.devtools.launcher import ProcessGroup, split_blocks
 from nesa_node.errors import NoRouteError
-from nesa_node.launcher import ProcessGroup, split_blocks
 
 TIMEOUT_S = 180.0  # for the whole swarm to come up (model load and throughput measurement included)
 
@@ -42,7 +42,7 @@ def run_demo(
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from nesa_node.client.model import DistributedModelForCausalLM
-    from nesa_node.model_init import init_tiny_model
+    from nesa_node.devtools.tiny_model import init_tiny_model
     from nesa_node.sharding.blocks import load_config
 
     with tempfile.TemporaryDirectory(prefix="nesa-demo-") as workdir, ProcessGroup(workdir) as group:

@@ -6,11 +6,8 @@ Logging handlers and environment variables are handled here only.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import logging
 import os
-import signal
 import sys
 
 from nesa_node import event_loop
@@ -67,7 +64,7 @@ def _add_peer_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_train_tiny_parser(model) -> None:
-    from nesa_node.model_train import TRAINED_SPEC, TrainConfig
+    from nesa_node.devtools.tiny_train import TRAINED_SPEC, TrainConfig
 
     train = model.add_parser(
         "train-tiny",
@@ -98,7 +95,7 @@ def _train_tiny(args) -> int:
     import os
     from pathlib import Path
 
-    from nesa_node.model_train import TRAINED_SPEC, train_tiny_model
+    from nesa_node.devtools.tiny_train import TRAINED_SPEC, train_tiny_model
 
     spec = dataclasses.replace(TRAINED_SPEC, layers=args.layers, hidden=args.hidden, intermediate=3 * args.hidden)
     cache = os.environ.get("NESA_NODE_CACHE")
@@ -237,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "clients fail over (default 60)",
     )
     run.add_argument("--address-file", default=None, help="write the listening multiaddrs here once ready")
-    from nesa_node.graph_cli import add_arguments as add_graph_arguments
+    from nesa_node.graph.cli import add_arguments as add_graph_arguments
 
     add_graph_arguments(run)
     run.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the model folder's name)")
@@ -296,7 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="eq. 18 exponents written by `nesa-node tune` (default: untuned, all 1)",
     )
 
-    from nesa_node.tune import add_parser as add_tune_parser
+    from nesa_node.cli.tune import add_parser as add_tune_parser
 
     add_tune_parser(commands)
 
@@ -323,18 +320,6 @@ def _configure_logging(verbosity: int) -> None:
     if verbosity < 2:
         for noisy in ("hivemind", "transformers"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
-
-
-async def _serve_until_signal(start, shutdown) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await start()
-        await stop.wait()
-    finally:
-        await shutdown()
 
 
 async def _run_node(args) -> None:
@@ -399,7 +384,7 @@ async def _run_node(args) -> None:
             flush=True,
         )
 
-    await _serve_until_signal(start, node.shutdown)
+    await event_loop.serve_until_signal(start, node.shutdown)
 
 
 async def _run_dht(args) -> None:
@@ -415,7 +400,7 @@ async def _run_dht(args) -> None:
         if args.address_file:
             await peer.write_address_file(args.address_file)
 
-    await _serve_until_signal(start, peer.shutdown)
+    await event_loop.serve_until_signal(start, peer.shutdown)
 
 
 def _generate(args) -> int:
@@ -444,7 +429,7 @@ def _status(args) -> int:
     from rich.table import Table
 
     from nesa_node.client.swarm import SwarmClient
-    from nesa_node.dht_records import default_dht_prefix
+    from nesa_node.protocol.dht import default_dht_prefix
     from nesa_node.routing.chain import ChainRequest, missing_blocks
     from nesa_node.sharding.blocks import load_config
 
@@ -480,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
-        from nesa_node.graph_cli import check_arguments
+        from nesa_node.graph.cli import check_arguments
 
         check_arguments(parser, args)
     _configure_logging(args.verbose)
@@ -488,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "model" and args.model_command == "train-tiny":
             return _train_tiny(args)
         if args.command == "model":
-            from nesa_node.model_init import TinyModelSpec, init_tiny_model
+            from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 
             spec = TinyModelSpec(
                 arch=args.arch,
@@ -503,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {init_tiny_model(args.path, spec)}")
             return 0
         if args.command == "run" and (args.graph_model or args.graph_plan):
-            from nesa_node.graph_cli import run_graph_stage
+            from nesa_node.graph.cli import run_graph_stage
 
             return run_graph_stage(args)
         if args.command == "run":
@@ -521,12 +506,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "status":
             return _status(args)
         if args.command == "tune":
-            from nesa_node.tune import check_args, run_tune
+            from nesa_node.cli.tune import check_args, run_tune
 
             check_args(args)
             return run_tune(args)
         if args.command == "demo":
-            from nesa_node.demo import run_demo
+            from nesa_node.devtools.demo import run_demo
 
             return run_demo(
                 nodes=args.nodes,
@@ -542,8 +527,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 1
-
-
-if __name__ == "__main__":
-    with contextlib.suppress(KeyboardInterrupt):
-        sys.exit(main())

@@ -16,12 +16,12 @@ import torch
 from hivemind.proto import runtime_pb2
 
 from nesa_node.client.swarm import SwarmClient
-from nesa_node.dht_records import fetch_node_infos
 from nesa_node.errors import NoRouteError, PeerUnavailableError
-from nesa_node.graph_plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
-from nesa_node.records import NodeState
+from nesa_node.graph.plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
+from nesa_node.protocol.dht import fetch_node_infos
+from nesa_node.protocol.records import NodeState
+from nesa_node.protocol.wire import pack_metadata, raise_if_error, tensor_from_proto, tensor_to_proto, unpack_metadata
 from nesa_node.sharding.graph import output_value
-from nesa_node.wire import pack_metadata, raise_if_error, tensor_from_proto, tensor_to_proto, unpack_metadata
 
 MAX_ANSWER_ELEMENTS = 1 << 26  # per tensor a stage sends back (256 MiB of float32)
 

@@ -1,7 +1,7 @@
 """Small models that are not a stack of identical blocks, built from code with seeded random weights.
 
 Each factory returns (module, example_inputs) and is what `nesa-node run --graph-model
-nesa_node.graph_models:<factory>` loads: a ResNet-style CNN, a ViT-style classifier with two heads, and a U-Net-style
+nesa_node.graph.models:<factory>` loads: a ResNet-style CNN, a ViT-style classifier with two heads, and a U-Net-style
 denoiser whose skip connections cross pipeline stages. The modules are in eval mode and avoid shape-dependent
 Python (no `x.shape` reads), so `torch.fx` traces them into graphs of tensors only. Weights come from a private
 generator state (`torch.random.fork_rng`), so building a model leaves the global RNG as it was.

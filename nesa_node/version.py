@@ -1,0 +1,3 @@
+"""The release of nesa-node, announced in every NodeInfo record. Imports nothing."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests: local swarms, tiny models, random graphs. Imported, never collected."""
