@@ -150,8 +150,6 @@ def main() -> None:
                     compression=args.compression,
                     lanes=lanes,
                 ) as model:
-                    if not lanes:  # forwards too: the client sees no lane address
-                        model.swarm.lane_address = lambda peer_id: None
                     deadline = time.monotonic() + 120
                     while True:
                         try:

@@ -163,7 +163,7 @@ def slow_link_section(seed: int) -> dict:
 
 def swarm_section(plans: dict[str, dict[str, GraphPlan]], repeats: int, batches: int) -> dict:
     from nesa_node.bootstrap import BootstrapPeer
-    from nesa_node.client.swarm import SwarmClient
+    from nesa_node.client.swarm import Swarm
     from nesa_node.graph.pipeline import GraphPipeline
     from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
 
@@ -182,7 +182,7 @@ def swarm_section(plans: dict[str, dict[str, GraphPlan]], repeats: int, batches:
             config = GraphStageConfig(stages=tuple((plan, stage) for plan in all_plans), initial_peers=peers)
             nodes.append(run(GraphStageNode.create(config)))
             run(nodes[-1].start())
-        client = SwarmClient(list(peers), dht_prefix="bench-partition")
+        client = run(Swarm.create(list(peers), dht_prefix="bench-partition"))
         for name, by_kind in plans.items():
             _, inputs = FACTORIES[name]()
             out[name] = {}
@@ -190,19 +190,21 @@ def swarm_section(plans: dict[str, dict[str, GraphPlan]], repeats: int, batches:
                 pipeline = GraphPipeline(client, plan)
                 for _ in range(100):
                     try:
-                        pipeline.stage_peers()
+                        run(pipeline.stage_peers())
                         break
                     except Exception:
                         time.sleep(0.3)
-                pipeline.forward_many([inputs] * 2)  # warm-up
+                run(pipeline.forward_many([inputs] * 2))  # warm-up
                 rates = []
                 for _ in range(repeats):
-                    _, seconds = timed(pipeline.forward_many, [inputs] * batches)
+                    _, seconds = timed(
+                        lambda batch, pipeline=pipeline: run(pipeline.forward_many(batch)), [inputs] * batches
+                    )
                     rates.append(batches / seconds)
                 out[name][kind] = round(statistics.median(rates), 1)
     finally:
         if client is not None:
-            client.close()
+            run(client.close())
         for node in nodes:
             run(node.shutdown(), timeout=60)
         run(bootstrap.shutdown(), timeout=60)

@@ -24,4 +24,8 @@ def __getattr__(name: str):
         from nesa_node.client.model import DistributedModelForCausalLM
 
         return DistributedModelForCausalLM
+    if name == "AsyncDistributedModel":
+        from nesa_node.client.async_model import AsyncDistributedModel
+
+        return AsyncDistributedModel
     raise AttributeError(f"module 'nesa_node' has no attribute {name!r}")

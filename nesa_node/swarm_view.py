@@ -77,7 +77,7 @@ def build_snapshot(
             cache_tokens_left=info.cache_tokens_left,
             max_length=info.max_length,
             rtt_ms=client_rtt_ms.get(info.peer_id),
-            codecs=info.compression,
+            codecs=info.codecs,
             access_ms=access.get(info.peer_id),
             bandwidth_mbps=bandwidth.get(info.peer_id),
             load=load_share(info.load),

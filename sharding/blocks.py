@@ -131,7 +131,8 @@ class BlockSpan(nn.Module):
     at absolute `position`, updating `cache` (a transformers DynamicCache sized for this span) when given. `blocks`
     (first, end) runs only that contiguous part of the span (a chain may use a node for part of its range); the
     cache layers of the other blocks stay empty.
-    `quantization` is what quantizing the blocks' weights saved (None when spec.quant is "none").
+    `quantization` is what quantizing the blocks' weights saved (None when spec.quant is "none"). The blocks' weights
+    are frozen (requires_grad False); the grad mode is the caller's.
     """
 
     def __init__(
@@ -163,10 +164,11 @@ class BlockSpan(nn.Module):
 
         return DynamicCache(config=self.sub_config)
 
-    @torch.inference_mode()
     def forward(
         self, hidden: torch.Tensor, cache=None, position: int = 0, blocks: tuple[int, int] | None = None
     ) -> torch.Tensor:
+        """Run the blocks under the caller's grad mode: the node's inference runs them in `torch.inference_mode`, a
+        training pass with autograd on (gradients reach `hidden` and any trainable weights)."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         hidden = hidden.to(self.spec.device, self.dtype_)  # (batch, seq, hidden)
@@ -251,13 +253,13 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
         if missing or unexpected:
             raise ModelLoadError(f"block {block}: missing weights {missing}, unexpected weights {unexpected}")
         if quantizer is None:
-            layers.append(layer.to(spec.device).eval())
+            layers.append(layer.to(spec.device).eval().requires_grad_(False))
             continue
         layer_report = quantizer.quantize_linear_layers(
             layer.eval(), spec.quant, device=spec.device, dtype=DTYPES[spec.dtype]
         )
         report = layer_report if report is None else report + layer_report
-        layers.append(layer)
+        layers.append(layer.requires_grad_(False))
     weights_hash = digest.hexdigest()[:16]
     if quantizer is not None:
         served = quantizer.quantized_state_digest(nn.ModuleList(layers))

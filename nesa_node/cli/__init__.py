@@ -11,8 +11,10 @@ import os
 import sys
 
 from nesa_node import event_loop
+from nesa_node.cli.options import add_config_options, config_from_args, parse_port
 from nesa_node.compression.names import CODECS, DEFAULT_CODEC
 from nesa_node.errors import NesaError
+from nesa_node.server.config import ComputeConfig, LimitsConfig, NetworkConfig, NodeConfig, RebalanceConfig
 
 logger = logging.getLogger("nesa_node.cli")
 
@@ -25,36 +27,6 @@ def _parse_span(text: str) -> tuple[int, int]:
     if not 0 <= start < end:
         raise argparse.ArgumentTypeError(f"need 0 <= START < END, got {start}:{end}")
     return start, end
-
-
-def _positive(kind: type):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-        if not value > 0 or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"expected a finite number above 0, got {text!r}")
-        return value
-
-    return parse
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0: any free port), got {value}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _positive(float)(text)
-    if value > 1:
-        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1], got {text!r}")
-    return value
 
 
 def _add_peer_args(parser: argparse.ArgumentParser) -> None:
@@ -137,118 +109,15 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     _add_train_tiny_parser(model)
 
-    run = commands.add_parser("run", help="serve a span of blocks (the node daemon)")
+    run = commands.add_parser(
+        "run",
+        help="serve a span of blocks (the node daemon)",
+        description="Serve blocks [START, END) of a Hugging Face model folder (only their weights are read) and "
+        "announce them on the swarm's DHT. SIGINT or SIGTERM drains: the node announces draining, ends its "
+        "sessions after their queued steps, announces offline and exits.",
+    )
     run.add_argument("--model", default=None, help="Hugging Face model folder; only the span's weights are read")
     run.add_argument("--blocks", default=None, type=_parse_span, metavar="START:END", help="blocks [START, END)")
-    run.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR")
-    run.add_argument("--new-swarm", action="store_true", help="start a new swarm (no initial peers)")
-    run.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    run.add_argument("--port", type=_port, default=0, help="TCP port (default 0: any free port)")
-    run.add_argument(
-        "--lane-port",
-        type=_port,
-        default=0,
-        help="TCP port of the data lane: hidden states of open sessions straight between peers, AES-GCM encrypted "
-        "with keys the client hands out over libp2p (default 0: any free port)",
-    )
-    run.add_argument(
-        "--no-lane", action="store_true", help="no data lane: every step goes over libp2p (slower, one port less)"
-    )
-    run.add_argument("--identity", default=None, metavar="FILE", help="key file; created if missing, keeps the peer id")
-    run.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    run.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    run.add_argument(
-        "--quant",
-        choices=["none", "int8", "nf4"],
-        default="none",
-        help="quantize the blocks' linear layers with bitsandbytes: int8 (LLM.int8, outliers kept in 16/32 bit) or "
-        "nf4 (4-bit NormalFloat); refused at start where this device cannot run it",
-    )
-    run.add_argument("--max-cache-tokens", type=int, default=8192, help="KV cache budget, tokens of batch 1")
-    run.add_argument("--max-length", type=int, default=4096, help="longest session accepted, tokens")
-    run.add_argument("--announce-period", type=float, default=10.0, metavar="S", help="seconds between announcements")
-    run.add_argument(
-        "--session-timeout",
-        type=_positive(float),
-        default=300.0,
-        metavar="S",
-        help="close an inference session after this many seconds without a step (default 300)",
-    )
-    run.add_argument(
-        "--step-timeout",
-        type=_positive(float),
-        default=30.0,
-        metavar="S",
-        help="close a session whose step is not computed and handed to the next node within this (default 30)",
-    )
-    run.add_argument(
-        "--link-probe-period",
-        type=_positive(float),
-        default=60.0,
-        metavar="S",
-        help="seconds between measurements of the links (RTT, bandwidth) to neighbours and a few peers (default 60)",
-    )
-    run.add_argument(
-        "--inject-delay-ms",
-        type=float,
-        default=0.0,
-        metavar="MS",
-        help="testing: answer every RPC, pings included, this much later, so a node on one machine looks far "
-        "away to routing and link measurement (the kernel here lacks netem to delay packets)",
-    )
-    run.add_argument(
-        "--max-sessions-per-peer",
-        type=_positive(int),
-        default=32,
-        metavar="N",
-        help="open sessions one peer may hold here",
-    )
-    run.add_argument(
-        "--max-cache-share-per-peer",
-        type=_fraction,
-        default=0.5,
-        metavar="F",
-        help="fraction of the KV cache budget one peer may reserve (default 0.5)",
-    )
-    run.add_argument(
-        "--rebalance",
-        choices=["homology", "load-cv", "periodic", "off"],
-        default="homology",
-        help="what makes this node move to other blocks: homology (the swarm's topology changed), load-cv (per-block "
-        "load uneven), periodic, or off (never move); all but off also cover a block no node serves "
-        "(default homology)",
-    )
-    run.add_argument(
-        "--rebalance-period",
-        type=_positive(float),
-        default=30.0,
-        metavar="S",
-        help="seconds between reads of the swarm's records to decide whether to move (default 30)",
-    )
-    run.add_argument(
-        "--drain-timeout",
-        type=_positive(float),
-        default=60.0,
-        metavar="S",
-        help="before moving, seconds the sessions in flight may take to finish; the rest are ended and their "
-        "clients fail over (default 60)",
-    )
-    run.add_argument("--address-file", default=None, help="write the listening multiaddrs here once ready")
-    from nesa_node.graph.cli import add_arguments as add_graph_arguments
-
-    add_graph_arguments(run)
-    run.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the model folder's name)")
-    run.add_argument("--throughput-cache", default=None, help="file caching measured throughput")
-    run.add_argument("--no-measure", action="store_true", help="skip the throughput measurement")
-    run.add_argument(
-        "--compression",
-        nargs="+",
-        choices=CODECS,
-        default=list(CODECS),
-        metavar="CODEC",
-        help=f"hidden-state codecs this node accepts from clients and peers (default: all of {', '.join(CODECS)}; "
-        "none is always accepted)",
-    )
     run.add_argument(
         "--torch-threads",
         type=int,
@@ -257,18 +126,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="CPU threads for compute (default: torch's choice, all cores); give each node its share when "
         "several nodes run on one machine",
     )
-    run.add_argument(
-        "--inline-compute-ms",
-        type=float,
-        default=15.0,
-        metavar="MS",
-        help="decode steps expected to take less than this run on the event loop, saving two thread hand-offs "
-        "(default 15; 0: always use the compute thread)",
-    )
+    for title, section in (
+        ("network", NetworkConfig),
+        ("limits (what one node takes on)", LimitsConfig),
+        ("compute", ComputeConfig),
+        ("rebalancing", RebalanceConfig),
+    ):
+        add_config_options(run.add_argument_group(title), section)
+    from nesa_node.graph.cli import add_arguments as add_graph_arguments
+
+    add_graph_arguments(run)
 
     dht = commands.add_parser("dht", help="run a bootstrap DHT peer that serves no blocks")
     dht.add_argument("--host", default="127.0.0.1")
-    dht.add_argument("--port", type=_port, default=0)
+    dht.add_argument("--port", type=parse_port, default=0)
     dht.add_argument("--identity", default=None, metavar="FILE")
     dht.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
     dht.add_argument("--address-file", default=None)
@@ -323,40 +194,16 @@ def _configure_logging(verbosity: int) -> None:
 
 
 async def _run_node(args) -> None:
-    from nesa_node.server.config import NodeConfig
     from nesa_node.server.node import Node
 
     config = NodeConfig(
         model_path=args.model,
         start_block=args.blocks[0],
         end_block=args.blocks[1],
-        dht_prefix=args.dht_prefix,
-        initial_peers=tuple(args.initial_peers),
-        new_swarm=args.new_swarm,
-        host=args.host,
-        port=args.port,
-        lane_port=None if args.no_lane else args.lane_port,
-        identity_path=args.identity,
-        device=args.device,
-        dtype=args.dtype,
-        quant=args.quant,
-        max_cache_tokens=args.max_cache_tokens,
-        max_length=args.max_length,
-        announce_period_s=args.announce_period,
-        session_timeout_s=args.session_timeout,
-        step_timeout_s=args.step_timeout,
-        link_probe_period_s=args.link_probe_period,
-        inject_delay_ms=max(0.0, args.inject_delay_ms),
-        max_sessions_per_peer=args.max_sessions_per_peer,
-        max_cache_share_per_peer=args.max_cache_share_per_peer,
-        address_file=args.address_file,
-        throughput_cache=args.throughput_cache,
-        measure_throughput=not args.no_measure,
-        inline_compute_ms=args.inline_compute_ms,
-        compression=tuple(args.compression),
-        rebalance=args.rebalance,
-        rebalance_period_s=args.rebalance_period,
-        drain_timeout_s=args.drain_timeout,
+        network=config_from_args(NetworkConfig, args),
+        limits=config_from_args(LimitsConfig, args),
+        compute=config_from_args(ComputeConfig, args),
+        rebalance=config_from_args(RebalanceConfig, args),
     )
     if args.torch_threads > 0:
         import torch
@@ -428,15 +275,19 @@ def _status(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from nesa_node.client.swarm import SwarmClient
+    from nesa_node.client.swarm import Swarm
     from nesa_node.protocol.dht import default_dht_prefix
     from nesa_node.routing.chain import ChainRequest, missing_blocks
     from nesa_node.sharding.blocks import load_config
 
     num_blocks = load_config(args.model).num_hidden_layers
-    with SwarmClient(args.initial_peers, dht_prefix=args.dht_prefix or default_dht_prefix(args.model)) as swarm:
-        records = swarm.node_records()
-        snapshot = swarm.snapshot(num_blocks)
+
+    async def read_swarm():
+        prefix = args.dht_prefix or default_dht_prefix(args.model)
+        async with await Swarm.create(args.initial_peers, dht_prefix=prefix) as swarm:
+            return await swarm.node_records(), await swarm.snapshot(num_blocks)
+
+    records, snapshot = event_loop.run(read_swarm())
     table = Table(title=f"{len(records)} nodes, {num_blocks} blocks")
     for column in ("peer", "blocks", "state", "inference tok/s", "forward tok/s", "cache left", "load"):
         table.add_column(column)

@@ -115,16 +115,22 @@ def run_tune(args) -> int:
 
 
 def _live_snapshot(args):
-    from nesa_node.client.swarm import SwarmClient
+    from nesa_node import event_loop
+    from nesa_node.client.swarm import Swarm
     from nesa_node.protocol.dht import default_dht_prefix
     from nesa_node.protocol.records import NodeState
     from nesa_node.sharding.blocks import load_config
 
     config = load_config(args.model)
-    with SwarmClient(args.initial_peers, dht_prefix=args.dht_prefix or default_dht_prefix(args.model)) as swarm:
-        records = swarm.node_records(fresh=True)
-        swarm.measure_rtts([r.info.peer_id for r in records if r.info.state == NodeState.online])
-        snapshot = swarm.snapshot(config.num_hidden_layers, hidden_size=config.hidden_size)
+
+    async def read_swarm():
+        prefix = args.dht_prefix or default_dht_prefix(args.model)
+        async with await Swarm.create(args.initial_peers, dht_prefix=prefix) as swarm:
+            records = await swarm.node_records(fresh=True)
+            await swarm.measure_rtts([r.info.peer_id for r in records if r.info.state == NodeState.online])
+            return await swarm.snapshot(config.num_hidden_layers, hidden_size=config.hidden_size)
+
+    snapshot = event_loop.run(read_swarm())
     if not snapshot.nodes:
         raise ValueError("the swarm announced no nodes for this model: nothing to tune on")
     return snapshot

@@ -1,5 +1,5 @@
-"""The client's link to one node of an inference session's chain: its libp2p stream, and the data lanes the client
-itself holds with that node (nesa_node.protocol.lane); and the failure of a link."""
+"""The client's link to one node of an inference session's chain: its session stream, the data lanes the client
+itself holds with that node, and the failure of a link."""
 
 from __future__ import annotations
 
@@ -7,31 +7,58 @@ import asyncio
 
 from nesa_node.errors import PeerUnavailableError
 from nesa_node.protocol import lane
+from nesa_node.protocol.channel import Channel, Frame
+from nesa_node.protocol.framing import StreamChannel
+from nesa_node.protocol.messages import ErrorReply, Message
 from nesa_node.routing.chain import Hop
 
 
 class ChainLink:
-    """The client's stream to one node of the chain, and the data lanes the client itself holds with it."""
+    """One node of the chain. `control` is the session's libp2p stream (open, control, errors, and steps when there
+    is no lane); `steps` the channel the client's steps go on (a lane to the first node, else `control`); `outputs`
+    the lane the last node's outputs come back on, when there is one."""
 
     def __init__(self, hop: Hop):
         self.hop = hop
-        self.outbox: asyncio.Queue = asyncio.Queue()
-        self.reader: asyncio.Task | None = None
-        # keys of the data lanes into and out of this node (nesa_node.protocol.lane), drawn by the client at open
+        self.control: StreamChannel | None = None
+        self.steps: Channel | None = None
+        self.outputs: Channel | None = None
+        self.readers: list[asyncio.Task] = []
+        self.closed = False  # closed by the client (failover or close): its last words no longer matter
+        # keys of the data lanes into and out of this node (protocol/lane.py), drawn by the client at open
         self.key_in = lane.new_key()
         self.key_out = lane.new_key()
-        self.send_lane: lane.SealedStream | None = None  # first node: the client's steps
-        self.receive_lane: lane.SealedStream | None = None  # last node: its outputs
-        self.lane_readers: list[asyncio.Task] = []
+
+    @property
+    def peer_id(self) -> str:
+        return self.hop.peer_id
+
+    def send(self, frame: Frame) -> None:
+        """Send on the session stream."""
+        self.control.send(frame)
+
+    def send_step(self, frame: Frame) -> None:
+        """Send a step on the link's step channel (its lane, or the session stream)."""
+        (self.steps or self.control).send(frame)
+
+    def has_step_lane(self) -> bool:
+        return self.steps is not None and self.steps is not self.control
 
     def close_lanes(self) -> None:
-        for stream in (self.send_lane, self.receive_lane):
-            if stream is not None:
-                stream.close()
-        for task in self.lane_readers:
+        for channel in (self.steps, self.outputs):
+            if channel is not None and channel is not self.control:
+                channel.close()
+        self.steps = self.outputs = None
+
+    def close(self) -> None:
+        """Close everything: lanes, the session stream (the node ends the session), the readers."""
+        self.closed = True
+        self.close_lanes()
+        if self.control is not None:
+            self.control.close()
+        for task in self.readers:
             task.cancel()
-        self.send_lane = self.receive_lane = None
-        self.lane_readers = []
+        self.readers = []
 
 
 class LinkFailed(PeerUnavailableError):
@@ -42,11 +69,15 @@ class LinkFailed(PeerUnavailableError):
         self.link = link
 
 
-def stale_report(answered: ChainLink, metadata: dict, awaited: list[ChainLink]) -> bool:
+def stale_report(answered: ChainLink, message: Message, awaited: list[ChainLink]) -> bool:
     """A node other than those the client waits on, during an open or a replay, reporting that its next node is
     gone: the failure being recovered from (the previous node's push to the lost one failed), not an answer. A live
     node that fails meanwhile is met by the next step."""
-    return metadata.get("error") == PeerUnavailableError.code and not any(answered is link for link in awaited)
+    return (
+        isinstance(message, ErrorReply)
+        and message.code == PeerUnavailableError.code
+        and not any(answered is link for link in awaited)
+    )
 
 
 __all__ = ["ChainLink", "LinkFailed", "stale_report"]

@@ -1,111 +1,111 @@
-"""`DistributedModelForCausalLM`: a Hugging Face style causal LM whose transformer blocks run on the swarm.
+"""`DistributedModelForCausalLM`: the Hugging Face style, synchronous face of AsyncDistributedModel.
 
-The client holds only the embeddings, the final norm and the LM head. `generate` is transformers' own
-generation (greedy, sampling, beam-free strategies): every call of `forward` sends only the tokens the remote
-caches have not seen yet through an inference session, so each step moves one token's hidden states.
+transformers' own `generate` (greedy, sampling, every strategy that needs no beam cache) drives it: each `forward`
+sends only the tokens the remote caches have not seen yet through an inference session, so each step moves one
+token's hidden states. The work runs on an event loop thread this object owns (`call` runs any coroutine there);
+the async model, its Swarm and its sessions are the ones an asyncio program would use directly.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
-import functools
-import logging
-from collections.abc import Iterator
-from dataclasses import replace
+import threading
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
-from transformers import GenerationConfig, GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from nesa_node.client.session import LinkFailed, RemoteInferenceSession, codec_for
-from nesa_node.client.swarm import SwarmClient
-from nesa_node.compression.codec import DEFAULT_CODEC
-from nesa_node.errors import (
-    CacheBudgetError,
-    NoRouteError,
-    QuotaExceededError,
-    SessionStateError,
-    TooManySessionsError,
-    WrongBlocksError,
-)
-from nesa_node.protocol.dht import default_dht_prefix
-from nesa_node.protocol.records import NodeState
-from nesa_node.protocol.wire import WireCodec
-from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams, SwarmSnapshot, select_chain
-from nesa_node.routing.ga import load_params
-from nesa_node.sharding.blocks import load_client_edges, load_config
-
-logger = logging.getLogger(__name__)
-
-# refusals at open that say the node's record no longer holds, not that the request is wrong
-ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)
+from nesa_node import event_loop
+from nesa_node.client.async_model import AsyncDistributedModel, client_config
+from nesa_node.client.config import ClientConfig
+from nesa_node.client.session import InferenceSession
+from nesa_node.compression.names import DEFAULT_CODEC
+from nesa_node.errors import PeerUnavailableError, SessionStateError
+from nesa_node.protocol.tensors import WireCodec
+from nesa_node.routing.chain import Chain, RoutingParams, SwarmSnapshot
 
 
-def _candidates(snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str]) -> str:
-    """Why the nodes of the requested block range were not used: what a NoRouteError adds for its reader."""
-    end = request.end_block if request.end_block is not None else snapshot.num_blocks
-    seen = []
-    for node in snapshot.nodes:
-        if node.end_block <= request.start_block or node.start_block >= end:
-            continue
-        if node.peer_id in banned:
-            reason = "banned after a failure"
-        elif node.peer_id in request.exclude:
-            reason = "already in the chain"
-        elif not node.online:
-            reason = "not online"
-        else:
-            reason = f"{node.cache_tokens_left} cache tokens left"
-        seen.append(f"{node.peer_id[-8:]} (blocks {node.start_block}:{node.end_block}, {reason})")
-    return f"nodes seen for blocks {request.start_block}:{end}: " + (", ".join(seen) or "none")
+class LoopThread:
+    """An event loop on a daemon thread of its own; `call` runs a coroutine there from any other thread."""
+
+    def __init__(self, name: str = "nesa-client-loop"):
+        self.loop = event_loop.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
+        """The coroutine's result; PeerUnavailableError (the coroutine cancelled) after `timeout` seconds."""
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise PeerUnavailableError(f"no answer within {timeout} s") from None
+
+    def stop(self) -> None:
+        """Cancel what still runs on the loop (hivemind's background tasks), stop it and join the thread."""
+        if not self.loop.is_running():
+            return
+
+        async def cancel_rest() -> None:
+            rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.call(cancel_rest(), timeout=30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=10)
+
+
+class SyncSession:
+    """An InferenceSession driven from synchronous code (through the model's loop thread). Attributes other than
+    the methods below are the async session's (position, timings, failovers, chain, session_id, ...)."""
+
+    def __init__(self, session: InferenceSession, runner: LoopThread):
+        self.session = session
+        self.runner = runner
+
+    def step(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.runner.call(self.session.step(hidden))
+
+    def close(self) -> None:
+        self.runner.call(self.session.close(), timeout=30)
+
+    def __getattr__(self, name: str):
+        return getattr(self.session, name)
+
+    def __enter__(self) -> SyncSession:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
 
 class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
-    """Causal LM over a swarm. Build it with `from_pretrained(path, initial_peers=[...])`; close it when done."""
+    """Causal LM over a swarm. Build it with `from_pretrained(path, initial_peers=[...])`; close it when done.
+
+    Its two bases are transformers' contract for a model that `generate` drives (transformers 5 requires
+    GenerationMixin explicitly); everything of nesa-node's own is composed: the async model, its loop thread."""
 
     main_input_name = "input_ids"
     _supports_cache_class = False
 
-    def __init__(
-        self,
-        config,
-        edges,
-        swarm: SwarmClient,
-        *,
-        mode: str = "direct",
-        compression: str | WireCodec = DEFAULT_CODEC,
-        routing_params: RoutingParams | None = None,
-        chain_selector=None,
-        lanes: bool = True,
-    ):
+    def __init__(self, config, client: AsyncDistributedModel, runner: LoopThread):
         super().__init__(config)
-        self.max_failovers = 3  # node failures survived per step (each bans the node and replaces its span)
-        # chains tried when opening a session (and replacements tried in a failover): records of crashed nodes
-        # linger until they expire (3 announce periods + 10 s), so after a burst of crashes many dead nodes can be
-        # met in a row; each one that fails is banned, so every attempt removes a candidate
-        self.max_open_attempts = 32
-        # hidden-state codec asked of every hop that accepts it (others get "none"); a name or a WireCodec
-        self.compression = compression if isinstance(compression, WireCodec) else WireCodec.of(compression)
-        self.model_edges = edges
-        self.swarm = swarm
-        self.mode = mode
-        # direct mode: hidden states over the nodes' data lanes (encrypted TCP, nesa_node.protocol.lane) where offered
-        self.lanes = lanes
-        # eq. 18 exponents and search settings (nesa_node.routing); `nesa-node tune` writes tuned ones
-        self.routing_params = routing_params or RoutingParams()
-        # (snapshot, request) -> Chain; chains may use a part of a node's span
-        self.chain_selector = chain_selector or functools.partial(select_chain, params=self.routing_params)
-        self.partial_spans = True
-        # first-block candidates pinged per session open (those with no round trip measured in the last minute),
-        # on their data lanes: a TCP socket the client closes itself, so a dead candidate leaves nothing behind
-        # (pings over libp2p, cancelled when a killed peer did not answer, once made the churn soak lose steps).
-        # Nodes without a lane are pinged over libp2p. 0 turns pings off: routing then uses the links nodes publish.
-        self.max_pinged_candidates = 8
-        self.probe_timeout_s = 1.0  # asking a node for its NodeInfo directly when routing finds no chain (reroute)
-        self.active_session: RemoteInferenceSession | None = None
+        self.client = client
+        self.runner = runner
+        self.active_session: SyncSession | None = None
         self._history: torch.Tensor | None = None  # (batch, position) tokens the active session has seen
-        self.last_chain: Chain | None = None
+        if client.generation_config is not None:
+            self.generation_config = client.generation_config
 
     @classmethod
     def from_pretrained(
@@ -120,7 +120,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         request_timeout_s: float = 30.0,
         routing_params: RoutingParams | str | Path | None = None,
         lanes: bool = True,
-        **unused,
+        config: ClientConfig | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
 
@@ -130,166 +130,99 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         (default: untuned, all exponents 1). Raises ValueError for a malformed file.
         `lanes`: in direct mode, send hidden states over the nodes' data lanes (direct TCP, AES-GCM with keys
         handed out over libp2p) where nodes offer them; False keeps every message on libp2p.
+        `config`: a ClientConfig for the other settings (the keywords above override its fields).
+        An unknown keyword raises TypeError.
         """
-        if unused:
-            logger.debug("ignoring from_pretrained arguments %s", sorted(unused))
-        model_path = str(model_path)
-        config = load_config(model_path)
-        if routing_params is not None and not isinstance(routing_params, RoutingParams):
-            routing_params = load_params(routing_params)
-        edges = load_client_edges(model_path, dtype=dtype, config=config)
-        swarm = SwarmClient(
-            list(initial_peers),
-            dht_prefix=dht_prefix or default_dht_prefix(model_path),
+        settings = client_config(
+            config,
+            mode=mode,
+            compression=compression,
             request_timeout_s=request_timeout_s,
+            routing_params=routing_params,
+            lanes=lanes,
         )
+        runner = LoopThread()
         try:
-            model = cls(
-                config, edges, swarm, mode=mode, compression=compression, routing_params=routing_params, lanes=lanes
+            client = runner.call(
+                AsyncDistributedModel.from_pretrained(
+                    model_path, initial_peers=initial_peers, dht_prefix=dht_prefix, dtype=dtype, config=settings
+                ),
+                timeout=120,
             )
         except BaseException:
-            swarm.close()
+            runner.stop()
             raise
-        with contextlib.suppress(OSError):
-            model.generation_config = GenerationConfig.from_pretrained(model_path)
-        return model.eval()
+        return cls(client.model_config, client, runner).eval()
 
-    # ---- transformers plumbing ----------------------------------------------------------------------------
+    # ---- the async model's parts -------------------------------------------------------------------------------------
+
+    def call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
+        """Run a coroutine on this model's event loop (for the async model, its Swarm and sessions)."""
+        return self.runner.call(coroutine, timeout=timeout)
+
+    @property
+    def swarm(self):
+        return self.client.swarm
+
+    @property
+    def router(self):
+        return self.client.router
+
+    @property
+    def last_chain(self) -> Chain | None:
+        return self.client.router.last_chain
+
+    # ---- transformers plumbing ---------------------------------------------------------------------------------------
 
     def get_input_embeddings(self):
-        return self.model_edges.embed_tokens
+        return self.client.edges.embed_tokens
 
     def get_output_embeddings(self):
-        return self.model_edges.lm_head
+        return self.client.edges.lm_head
 
     @property
     def device(self) -> torch.device:
-        return self.model_edges.embed_tokens.weight.device
+        return self.client.edges.embed_tokens.weight.device
 
     def prepare_inputs_for_generation(self, input_ids, attention_mask=None, logits_to_keep=0, **kwargs):
         # The caches live on the nodes: forward always gets the full sequence and sends only what is new.
         return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": logits_to_keep}
 
-    # ---- routing and sessions -----------------------------------------------------------------------------
+    # ---- routing and sessions ----------------------------------------------------------------------------------------
 
-    def choose_chain(
-        self,
-        *,
-        batch: int = 1,
-        max_length: int = 0,
-        exclude: frozenset[str] = frozenset(),
-        prompt_tokens: int = 0,
-        new_tokens: int = 0,
-    ) -> Chain:
-        """The chain for a new session (or a cacheless forward): first-block candidates the client has no recent
-        round trip to are pinged, so the first hop is chosen on the client's own measurement."""
-        request = ChainRequest(
-            batch=batch, max_length=max_length, exclude=exclude, prompt_tokens=prompt_tokens, new_tokens=new_tokens
-        )
-        self._ping_first_candidates(request)
-        chain = self.reroute(request)
-        self.last_chain = chain
-        return chain
-
-    def _ping_first_candidates(self, request: ChainRequest) -> None:
-        if self.max_pinged_candidates <= 0:
-            return
-        banned = self.swarm.banned() | request.exclude
-        try:
-            records = self.swarm.node_records()
-        except Exception as exc:  # reroute reads again and raises the error a user should see
-            logger.debug("no records to choose ping candidates from: %r", exc)
-            return
-        candidates = sorted(
-            record.info.peer_id
-            for record in records
-            if record.info.start_block <= request.start_block < record.info.end_block
-            and record.info.state == NodeState.online
-            and record.info.peer_id not in banned
-        )
-        self.swarm.measure_rtts(candidates[: self.max_pinged_candidates])
+    def choose_chain(self, **request) -> Chain:
+        """The chain for a new session (AsyncDistributedModel.choose_chain)."""
+        return self.call(self.client.choose_chain(**request))
 
     def snapshot(self, *, fresh: bool = False) -> SwarmSnapshot:
         """The routing snapshot of the swarm for this model (records, links and the client's round trips)."""
-        return self.swarm.snapshot(self.config.num_hidden_layers, fresh=fresh, hidden_size=self.config.hidden_size)
+        return self.call(self.client.router.snapshot(fresh=fresh))
 
-    def reroute(self, request: ChainRequest) -> Chain:
-        """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm."""
-        request = replace(
-            request,
-            exclude=request.exclude | self.swarm.banned(),
-            partial_spans=self.partial_spans,
-            codec=self.compression.name,
+    def open_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> SyncSession:
+        """An open session on a chosen chain (close it when done); see AsyncDistributedModel.open_session."""
+        session = self.call(self.client.open_session(max_length=max_length, batch=batch, prompt_tokens=prompt_tokens))
+        return SyncSession(session, self.runner)
+
+    def session_on(self, chain: Chain, *, batch: int = 1, max_length: int, failover: bool = True) -> SyncSession:
+        """An open session on exactly `chain` (tests and tools that pick nodes themselves)."""
+        reroute = self.client.router.reroute if failover else None
+        session = InferenceSession(
+            self.client.swarm, chain, self.client.config, batch=batch, max_length=max_length, reroute=reroute
         )
-        try:
-            return self.chain_selector(self.snapshot(), request)
-        except NoRouteError:
-            pass
-        # The records at hand may be stale or lack a live node (its announcements missed the DHT replicas read, or a
-        # replica that stopped answering slows every read): ask the nodes seen lately for these blocks directly, and
-        # if that gives no chain either, decide on a completed DHT read.
-        end = request.end_block if request.end_block is not None else self.config.num_hidden_layers
-        candidates = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
-        if self.swarm.probe_nodes(candidates, timeout_s=self.probe_timeout_s):
-            with contextlib.suppress(NoRouteError):
-                return self.chain_selector(self.snapshot(), request)
-        snapshot = self.snapshot(fresh=True)
-        try:
-            return self.chain_selector(snapshot, request)
-        except NoRouteError as error:
-            raise NoRouteError(f"{error.message}; {_candidates(snapshot, request, self.swarm.banned())}") from None
+        return SyncSession(self.call(session.open()), self.runner)
 
     @contextlib.contextmanager
-    def inference_session(
-        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0
-    ) -> Iterator[RemoteInferenceSession]:
-        """Open one session along a chain; `generate` calls inside the block share it (and its caches).
-
-        `prompt_tokens`, when known, tells routing how large the first pass is (eq. 18's transfer term)."""
+    def inference_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> Iterator[SyncSession]:
+        """Open one session along a chain; `generate` calls inside the block share it (and its caches)."""
         if self.active_session is not None:
             raise SessionStateError("an inference session is already active on this model")
-        session = self._open_session(batch=batch, max_length=max_length, prompt_tokens=prompt_tokens)
+        session = self.open_session(batch=batch, max_length=max_length, prompt_tokens=prompt_tokens)
         with session:
             self.active_session, self._history = session, None
             try:
                 yield session
             finally:
                 self.active_session, self._history = None, None
-
-    def _open_session(self, *, batch: int, max_length: int, prompt_tokens: int = 0) -> RemoteInferenceSession:
-        """Open a session on a chosen chain; a node that fails to open is banned and another chain chosen."""
-        prompt_tokens = min(max(prompt_tokens, 0), max_length)
-        for attempt in range(self.max_open_attempts):
-            chain = self.choose_chain(  # NoRouteError when nothing is left
-                batch=batch, max_length=max_length, prompt_tokens=prompt_tokens, new_tokens=max_length - prompt_tokens
-            )
-            session = RemoteInferenceSession(
-                self.swarm,
-                chain,
-                batch=batch,
-                max_length=max_length,
-                mode=self.mode,
-                lanes=self.lanes,
-                compression=self.compression,
-                reroute=self.reroute,
-                max_failovers=self.max_failovers,
-                max_replacement_attempts=self.max_open_attempts,
-            )
-            try:
-                return session.open()
-            except LinkFailed as failure:
-                if failure.link is None or attempt + 1 == self.max_open_attempts:
-                    raise
-                logger.info("could not open a session on %s: %s", failure.link.hop.peer_id, failure)
-                self.swarm.ban(failure.link.hop.peer_id)
-            except ROUTABLE_REFUSALS as refusal:
-                # the node's record was stale (it moved, filled its cache, began draining): route around it
-                peer_id = getattr(refusal, "peer_id", None)
-                if peer_id is None or attempt + 1 == self.max_open_attempts:
-                    raise
-                logger.info("%s refused the session: %s", peer_id, refusal)
-                self.swarm.ban(peer_id)
-        raise AssertionError("unreachable")  # the loop returns or raises
 
     @torch.inference_mode()
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
@@ -326,7 +259,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             and torch.equal(input_ids[:, : history.shape[1]].to(history.device), history)
         )
 
-    # ---- forward ------------------------------------------------------------------------------------------
+    # ---- forward -----------------------------------------------------------------------------------------------------
 
     def forward(
         self,
@@ -342,44 +275,34 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """
         if attention_mask is not None and not bool(attention_mask.all()):
             raise SessionStateError("padded batches are not supported yet: give rows of equal length")
+        keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
         session = self.active_session
         if session is None:
-            hidden = self.model_edges.embed_tokens(input_ids)  # (batch, seq, hidden)
-            hidden = self.remote_forward(hidden)
-            return CausalLMOutputWithPast(logits=self._logits(hidden, logits_to_keep))
-        seen = session.position
+            hidden = self.call(self.client.remote_forward(self.client.embed(input_ids)))
+            return CausalLMOutputWithPast(logits=self.client.logits(hidden, keep))
         if self._history is not None and not self._extends_history(input_ids):
             raise SessionStateError("input_ids do not extend the tokens this inference session has processed")
-        new_tokens = input_ids[:, seen:]
+        new_tokens = input_ids[:, session.position :]
         if new_tokens.shape[1] == 0:
             raise SessionStateError("no new tokens to process in this inference session")
-        hidden = self.model_edges.embed_tokens(new_tokens)  # (batch, new, hidden)
-        hidden = session.step(hidden)
+        hidden = session.step(self.client.embed(new_tokens))  # (batch, new, hidden)
         self._history = input_ids.clone()
-        return CausalLMOutputWithPast(logits=self._logits(hidden, logits_to_keep))
-
-    def _logits(self, hidden: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        if isinstance(logits_to_keep, int) and logits_to_keep > 0:
-            hidden = hidden[:, -logits_to_keep:]  # (batch, kept, hidden)
-        return self.model_edges.lm_head(self.model_edges.norm(hidden))  # (batch, kept, vocab)
-
-    def remote_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run hidden states (batch, seq, hidden) through every block without caches (client-relayed)."""
-        chain = self.choose_chain(batch=hidden.shape[0])
-
-        async def run(hidden: torch.Tensor) -> torch.Tensor:
-            for hop in chain.hops:
-                codec, output_codec = codec_for(None, hop, self.compression), codec_for(hop, None, self.compression)
-                hidden, _ = await self.swarm.forward_async(hop, hidden, codec, output_codec)
-            return hidden
-
-        return self.swarm.call(run(hidden))
+        return CausalLMOutputWithPast(logits=self.client.logits(hidden, keep))
 
     def close(self) -> None:
-        self.swarm.close()
+        if not self.runner.loop.is_running():
+            return
+        try:
+            with contextlib.suppress(Exception):
+                self.call(self.client.close(), timeout=30)
+        finally:
+            self.runner.stop()
 
     def __enter__(self) -> DistributedModelForCausalLM:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+__all__ = ["DistributedModelForCausalLM", "LoopThread", "SyncSession"]

@@ -5,6 +5,7 @@ serve one stage of a graph model (nesa_node.graph.stage). `nesa_node.cli` adds t
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 
 def add_arguments(run: argparse.ArgumentParser) -> None:
@@ -37,6 +38,7 @@ def run_graph_stage(args: argparse.Namespace) -> int:
     from nesa_node import event_loop
     from nesa_node.graph.plan import GraphPlan
     from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
+    from nesa_node.peer import write_address_file
 
     plan = GraphPlan.load(args.graph_plan) if args.graph_plan else GraphPlan(args.graph_model, args.stages)
     config = GraphStageConfig(
@@ -45,8 +47,8 @@ def run_graph_stage(args: argparse.Namespace) -> int:
         new_swarm=args.new_swarm,
         host=args.host,
         port=args.port,
-        identity_path=args.identity,
-        announce_period_s=args.announce_period,
+        identity_path=args.identity_path,
+        announce_period_s=args.announce_period_s,
     )
 
     async def serve() -> None:
@@ -58,6 +60,8 @@ def run_graph_stage(args: argparse.Namespace) -> int:
             for addr in await node.visible_maddrs():
                 print(f"listening on {addr}", flush=True)
             print(f"serving stage {args.stage} of {plan.stages} of {plan.factory} (key {plan.dht_prefix})", flush=True)
+            if args.address_file:
+                await asyncio.to_thread(write_address_file, args.address_file, await node.visible_maddrs())
 
         await event_loop.serve_until_signal(start, node.shutdown)
 

@@ -13,30 +13,34 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
-from hivemind.proto import runtime_pb2
 
-from nesa_node.client.swarm import SwarmClient
+from nesa_node.client.swarm import Swarm, check_answer
 from nesa_node.errors import NoRouteError, PeerUnavailableError
-from nesa_node.graph.plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
+from nesa_node.graph.plan import GraphPlan, build_stages
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import frame, read
 from nesa_node.protocol.dht import fetch_node_infos
+from nesa_node.protocol.messages import GRAPH_ANSWERS, GraphForward, GraphResult
 from nesa_node.protocol.records import NodeState
-from nesa_node.protocol.wire import pack_metadata, raise_if_error, tensor_from_proto, tensor_to_proto, unpack_metadata
+from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 from nesa_node.sharding.graph import output_value
 
 MAX_ANSWER_ELEMENTS = 1 << 26  # per tensor a stage sends back (256 MiB of float32)
 
 
 class GraphPipeline:
-    """A graph model served by the swarm; one SwarmClient can serve several plans (each has its own DHT key)."""
+    """A graph model served by the swarm; one Swarm can serve several plans (each has its own DHT key). Async: run
+    it on the Swarm's event loop."""
 
-    def __init__(self, swarm: SwarmClient, plan: GraphPlan):
+    def __init__(self, swarm: Swarm, plan: GraphPlan):
         self.swarm, self.plan = swarm, plan
         self.traced, self.stages, _ = build_stages(plan)  # names only: the client runs no stage itself
 
-    def stage_peers(self) -> list[str]:
+    async def stage_peers(self) -> list[str]:
         """A serving peer per stage, from the DHT records (the most recently announced); NoRouteError if a stage
         has none online."""
-        found = self.swarm.call(fetch_node_infos(self.swarm.dht, self.plan.dht_prefix), self.swarm.request_timeout_s)
+        async with asyncio.timeout(self.swarm.request_timeout_s):
+            found = await fetch_node_infos(self.swarm.dht, self.plan.dht_prefix)
         records = [record for record in found if record.info.state == NodeState.online]
         peers = []
         for stage in range(self.plan.stages):
@@ -49,31 +53,24 @@ class GraphPipeline:
     async def _forward(self, peers: Sequence[str], inputs: Sequence[torch.Tensor]):
         values: dict[str, object] = dict(zip(self.traced.input_names, inputs, strict=True))
         for index, (stage, peer_id) in enumerate(zip(self.stages, peers, strict=True)):
-            request = runtime_pb2.ExpertRequest(
-                tensors=[tensor_to_proto(values[name].contiguous()) for name in stage.input_names],
-                metadata=pack_metadata(
-                    {"plan": self.plan.dht_prefix, "stage": index, "names": list(stage.input_names)}
-                ),
-            )
-            response = await self.swarm._unary(peer_id, RPC_GRAPH_FORWARD, request)
-            metadata = unpack_metadata(response.metadata)
-            raise_if_error(metadata)
-            if metadata.get("names") != list(stage.output_names) or len(response.tensors) != len(stage.output_names):
+            message = GraphForward(plan=self.plan.dht_prefix, stage=index, names=tuple(stage.input_names))
+            request = frame(message, [tensor_to_proto(values[name].contiguous()) for name in stage.input_names])
+            answer = await self.swarm.unary(peer_id, rpc.GRAPH_FORWARD, request)
+            result = check_answer(read(answer, GRAPH_ANSWERS), GraphResult)
+            if result.names != tuple(stage.output_names) or len(answer.tensors) != len(stage.output_names):
                 raise PeerUnavailableError(f"peer {peer_id} sent a malformed answer for stage {index}")
-            for name, proto in zip(stage.output_names, response.tensors, strict=True):
+            for name, proto in zip(stage.output_names, answer.tensors, strict=True):
                 values[name] = tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=MAX_ANSWER_ELEMENTS)
         return output_value(self.traced, values)
 
-    def forward(self, *inputs: torch.Tensor):
+    async def forward(self, *inputs: torch.Tensor):
         """The model's output for `inputs`, computed stage by stage on the swarm."""
-        peers = self.stage_peers()
-        return self.swarm.call(self._forward(peers, inputs), timeout=self.swarm.request_timeout_s * len(peers))
+        peers = await self.stage_peers()
+        async with asyncio.timeout(self.swarm.request_timeout_s * len(peers)):
+            return await self._forward(peers, inputs)
 
-    def forward_many(self, batches: Sequence[Sequence[torch.Tensor]]) -> list:
+    async def forward_many(self, batches: Sequence[Sequence[torch.Tensor]]) -> list:
         """Outputs for several inputs, all in flight at once through the same stage peers (pipelined)."""
-        peers = self.stage_peers()
-
-        async def run_all():
-            return await asyncio.gather(*(self._forward(peers, inputs) for inputs in batches))
-
-        return self.swarm.call(run_all(), timeout=self.swarm.request_timeout_s * (len(peers) + len(batches)))
+        peers = await self.stage_peers()
+        async with asyncio.timeout(self.swarm.request_timeout_s * (len(peers) + len(batches))):
+            return list(await asyncio.gather(*(self._forward(peers, inputs) for inputs in batches)))

@@ -23,7 +23,6 @@ from nesa_node.errors import ModelLoadError
 from nesa_node.sharding.graph import Stage, TracedGraph, split_stages, trace_graph
 from nesa_node.sharding.partition import NodeProfile, Partition, kahn_order, uniform_partition
 
-RPC_GRAPH_FORWARD = "GraphStageHandler.rpc_graph_forward"  # the handler graph-stage nodes register
 MAX_STAGES = 256  # more pipeline stages than any swarm here would chain (guess; bounds a plan file)
 
 

@@ -18,21 +18,16 @@ from dataclasses import dataclass
 
 import torch
 from hivemind.p2p import P2PContext
-from hivemind.proto import runtime_pb2
 
 from nesa_node.errors import BadRequestError, RequestError
-from nesa_node.graph.plan import RPC_GRAPH_FORWARD, GraphPlan, build_stages
+from nesa_node.graph.plan import GraphPlan, build_stages
 from nesa_node.peer import SHUTDOWN_STEP_S, Peer, start_peer
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame, frame, read
 from nesa_node.protocol.dht import store_node_info
+from nesa_node.protocol.messages import GRAPH, ErrorReply, GraphForward, GraphResult, expect
 from nesa_node.protocol.records import NodeInfo, NodeState
-from nesa_node.protocol.wire import (
-    error_response,
-    field,
-    pack_metadata,
-    tensor_from_proto,
-    tensor_to_proto,
-    unpack_metadata,
-)
+from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 from nesa_node.sharding.graph import Stage
 from nesa_node.version import __version__
 
@@ -63,18 +58,15 @@ class GraphStageHandler:
         self.locks = {key: asyncio.Lock() for key in stages}  # one forward per stage at a time: a pipeline slot
         self.requests_served = 0
 
-    async def rpc_graph_forward(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
+    async def rpc_graph_forward(self, request: Frame, context: P2PContext) -> Frame:
         try:
-            metadata = unpack_metadata(request.metadata)
-            key = (field(metadata, "plan", str), field(metadata, "stage", int))
+            message = expect(read(request, GRAPH), GraphForward)
+            key = (message.plan, message.stage)
             stage = self.stages.get(key)
             if stage is None:
-                raise BadRequestError(f"this node does not serve stage {key[1]} of plan {key[0][:64]!r}")
-            names = field(metadata, "names", list)
-            if names != list(stage.input_names) or len(request.tensors) != len(names):
-                raise BadRequestError(f"stage {key[1]} takes tensors named {list(stage.input_names)}")
+                raise BadRequestError(f"this node does not serve stage {message.stage} of plan {message.plan[:64]!r}")
+            if message.names != tuple(stage.input_names) or len(request.tensors) != len(message.names):
+                raise BadRequestError(f"stage {message.stage} takes tensors named {list(stage.input_names)}")
             inputs = [
                 tensor_from_proto(proto, allowed_dtypes=ALLOWED_DTYPES, max_elements=self.max_elements)
                 for proto in request.tensors
@@ -84,12 +76,10 @@ class GraphStageHandler:
                 outputs = await asyncio.to_thread(self._run, stage, inputs)
                 seconds = time.perf_counter() - started
             self.requests_served += 1
-            return runtime_pb2.ExpertResponse(
-                tensors=[tensor_to_proto(tensor) for tensor in outputs],
-                metadata=pack_metadata({"names": list(stage.output_names), "compute_s": seconds}),
-            )
+            result = GraphResult(names=tuple(stage.output_names), compute_s=seconds)
+            return frame(result, [tensor_to_proto(tensor) for tensor in outputs])
         except RequestError as exc:
-            return error_response(exc)
+            return frame(ErrorReply.of(exc))
 
     @staticmethod
     def _run(stage: Stage, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -132,7 +122,7 @@ class GraphStageNode:
             signs_records=True,
         )
         try:
-            await peer.p2p.add_protobuf_handler(RPC_GRAPH_FORWARD, handler.rpc_graph_forward, runtime_pb2.ExpertRequest)
+            await peer.p2p.add_protobuf_handler(rpc.GRAPH_FORWARD, handler.rpc_graph_forward, Frame)
         except BaseException:
             await peer.shutdown()
             raise

@@ -1,17 +1,18 @@
-"""Streaming RPCs served with limits: every frame's length is checked before its bytes are read.
+"""libp2p streams as Channels, with limits: every frame's length is checked before its bytes are read.
 
-hivemind frames a protobuf stream as (marker byte, 8-byte big-endian length, payload) and its own stream
-handler reads whatever length a peer declares, so one header claiming 2**60 bytes makes the receiver buffer
-until memory runs out. `serve_stream` speaks the same framing (hivemind clients call it unchanged) but:
+hivemind frames a protobuf stream as (marker byte, 8-byte big-endian length, payload); an RPCError frame with an
+empty message ends a stream, one with text carries an error. Its own stream handler reads whatever length a peer
+declares, so one header claiming 2**60 bytes makes the receiver buffer until memory runs out. `StreamChannel` speaks
+the same framing but:
 
   - refuses a frame longer than `max_frame_bytes` as soon as its header arrives (`MessageTooLargeError`);
-  - answers an unparseable payload or an unknown marker with `BadRequestError`;
-  - sends those errors as hivemind's RPCError frame with text "[code] message", then closes the stream;
+  - refuses an unparseable payload or an unknown marker with `BadRequestError`;
+  - `refuse(error)` answers such a frame with an RPCError frame "[code] message" and ends the stream;
   - when it ends a stream the peer is still writing to, first drops the peer's bytes for up to `linger_s`
-    (closing with unread bytes would reset the connection and could lose the answers already sent);
-  - holds at most `max_prefetch` parsed requests the handler has not taken yet (the peer then waits on TCP).
+    (closing with unread bytes would reset the connection and could lose the answers already sent).
 
-Unary RPCs go through p2pd's persistent connection, which bounds their size itself (4 MiB by default).
+`serve_stream` registers a handler (channel, context) for a stream RPC; `open_stream` opens one to a peer. Unary RPCs
+go through p2pd's persistent connection, which bounds their size itself (4 MiB by default).
 """
 
 from __future__ import annotations
@@ -19,27 +20,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import Awaitable, Callable
 
-from google.protobuf.message import DecodeError, Message
-from hivemind.p2p import P2P, P2PContext
+from google.protobuf.message import DecodeError
+from hivemind.p2p import P2P, P2PContext, PeerID
 from hivemind.proto.p2pd_pb2 import RPCError
 
-from nesa_node.errors import BadRequestError, MessageTooLargeError, NesaError, RequestError
+from nesa_node.errors import (
+    BadRequestError,
+    MessageTooLargeError,
+    NesaError,
+    PeerUnavailableError,
+    RequestError,
+    error_from_code,
+)
+from nesa_node.protocol.channel import ChannelClosedError, Frame
 
 logger = logging.getLogger(__name__)
 
-StreamHandler = Callable[[AsyncIterator[Message], P2PContext], AsyncIterator[Message]]
+StreamHandler = Callable[["StreamChannel", P2PContext], Awaitable[None]]
 
 _HEADER_BYTES = P2P.HEADER_LEN  # 8, big-endian payload length
+_ERROR_TEXT = re.compile(r"^\[([a-z_]{1,32})\] (.*)$", re.DOTALL)
 
 
-async def read_frame(reader: asyncio.StreamReader, message_type: type[Message], max_frame_bytes: int) -> Message | None:
-    """One request from a peer's stream; None at its end (an RPCError frame, as hivemind ends streams).
+class UnparseableFrameError(BadRequestError):
+    """A frame whose payload is not the protobuf it should be (the stream itself is still readable)."""
 
-    Raises MessageTooLargeError before reading an oversized payload, BadRequestError for bytes that are not a
-    frame of `message_type`, and asyncio.IncompleteReadError when the peer closes mid-frame.
-    """
+
+async def read_frame(reader: asyncio.StreamReader, max_frame_bytes: int) -> Frame | RPCError:
+    """One frame from a peer's stream, or the RPCError frame that ends it.
+
+    Raises MessageTooLargeError before reading an oversized payload, BadRequestError for bytes that are not a frame,
+    and asyncio.IncompleteReadError when the peer closes (mid-frame or between frames)."""
     marker = await reader.readexactly(1)
     if marker not in (P2P.MESSAGE_MARKER, P2P.ERROR_MARKER):
         raise BadRequestError(f"unknown frame marker {marker!r}; expected a hivemind protobuf stream")
@@ -47,88 +61,135 @@ async def read_frame(reader: asyncio.StreamReader, message_type: type[Message], 
     if length > max_frame_bytes:
         raise MessageTooLargeError(f"frame of {length} bytes exceeds this node's limit of {max_frame_bytes} bytes")
     payload = await reader.readexactly(length)
-    message = message_type() if marker == P2P.MESSAGE_MARKER else RPCError()
+    message = Frame() if marker == P2P.MESSAGE_MARKER else RPCError()
     try:
         message.ParseFromString(payload)
     except DecodeError as exc:
-        raise BadRequestError(f"unparseable {type(message).__name__} protobuf: {exc}") from None
-    return message if marker == P2P.MESSAGE_MARKER else None
+        raise UnparseableFrameError(f"unparseable {type(message).__name__} protobuf: {exc}") from None
+    return message
 
 
-async def _discard_until_closed(reader: asyncio.StreamReader, timeout_s: float) -> None:
-    """Read and drop what the peer still sends, until it closes or `timeout_s` passes. Closing a socket with
-    unread bytes resets the connection, and a reset can drop our last answers before the peer reads them."""
-    with contextlib.suppress(Exception):
-        async with asyncio.timeout(timeout_s):
-            while await reader.read(1 << 16):
-                pass
+def _pack(marker: bytes, payload: bytes) -> bytes:
+    return marker + len(payload).to_bytes(_HEADER_BYTES, P2P.BYTEORDER) + payload
 
 
-def error_frame(error: NesaError) -> RPCError:
-    return RPCError(message=f"[{error.code}] {error.message}")
+def error_from_text(text: str) -> NesaError:
+    """The typed error an RPCError frame's text names ("[code] message"); a plain text is a peer that failed."""
+    found = _ERROR_TEXT.match(text)
+    if found is None:
+        return ChannelClosedError(f"stream ended with an error: {text[:500]}")
+    return error_from_code(found.group(1), found.group(2)[:4096])
+
+
+class StreamChannel:
+    """One libp2p stream (reader and writer of p2pd's unix socket) as a Channel of frames."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, max_frame_bytes: int):
+        self.reader, self.writer = reader, writer
+        self.max_frame_bytes = max_frame_bytes
+        self.closed = False
+        self.peer_ended = False  # the peer ended its side (end frame or close): nothing more to read
+
+    def send(self, frame: Frame) -> None:
+        if self.closed or self.writer.is_closing():
+            raise ChannelClosedError("stream is closed")
+        self.writer.write(_pack(P2P.MESSAGE_MARKER, frame.SerializeToString()))
+
+    def end(self) -> None:
+        """End our side: the peer reads the end of the stream (it may still answer)."""
+        if not (self.closed or self.writer.is_closing()):
+            self.writer.write(_pack(P2P.ERROR_MARKER, RPCError().SerializeToString()))
+
+    async def receive(self) -> Frame | None:
+        """The next frame; None at the stream's end. An error frame with text raises the error it names. A frame over
+        the limit or an unknown marker (MessageTooLargeError, BadRequestError) leaves the stream unreadable: it is
+        marked closed; an unparseable payload (BadRequestError) does not."""
+        if self.closed:
+            return None
+        try:
+            received = await read_frame(self.reader, self.max_frame_bytes)
+        except asyncio.IncompleteReadError as exc:
+            self.peer_ended = True
+            if exc.partial:
+                raise ChannelClosedError("stream closed mid-frame") from None
+            return None
+        except (ConnectionError, OSError) as exc:
+            self.peer_ended = True
+            raise ChannelClosedError(f"stream failed: {exc!r}") from None
+        except UnparseableFrameError:
+            raise
+        except RequestError:  # the payload was not read: no frame boundary is left
+            self.closed = True
+            raise
+        if isinstance(received, RPCError):
+            self.peer_ended = True
+            if received.message:
+                raise error_from_text(received.message)
+            return None
+        return received
+
+    def refuse(self, error: NesaError) -> None:
+        """Answer with an error frame "[code] message" (what a hivemind client raises), then stop reading."""
+        with contextlib.suppress(Exception):
+            if not self.writer.is_closing():
+                self.writer.write(_pack(P2P.ERROR_MARKER, RPCError(message=f"[{error.code}] {error.message}")
+                                        .SerializeToString()))  # fmt: skip
+        self.closed = True
+
+    async def linger(self, timeout_s: float) -> None:
+        """Flush our frames; unless the peer ended its side, read and drop what it still sends until it closes or
+        `timeout_s` passes: closing a socket with unread bytes resets the connection, and a reset can drop our last
+        frames before the peer reads them."""
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(timeout_s):
+                await self.writer.drain()
+        if self.peer_ended:
+            return
+        with contextlib.suppress(Exception):
+            async with asyncio.timeout(timeout_s):
+                while await self.reader.read(1 << 16):
+                    pass
+
+    def close(self) -> None:
+        """End our side (if not ended) and close the stream; frames already written are still delivered."""
+        with contextlib.suppress(Exception):
+            if not self.closed:
+                self.end()
+            self.writer.close()
+        self.closed = True
 
 
 async def serve_stream(
-    p2p: P2P,
-    name: str,
-    handler: StreamHandler,
-    request_type: type[Message],
-    *,
-    max_frame_bytes: int,
-    max_prefetch: int = 4,
-    linger_s: float = 1.0,
+    p2p: P2P, name: str, handler: StreamHandler, *, max_frame_bytes: int, linger_s: float = 1.0
 ) -> None:
-    """Register `handler` (requests, context) -> responses as stream RPC `name` on `p2p`, with frame limits."""
+    """Register `handler(channel, context)` as stream RPC `name` on `p2p`. The stream is closed when the handler
+    returns; a handler that raises (a defect) has its stream answered with an error frame."""
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         context = P2PContext(handle_name=name, local_id=p2p.peer_id, remote_id=stream_info.peer_id)
-        requests: asyncio.Queue = asyncio.Queue(max_prefetch)
-
-        async def incoming() -> AsyncIterator[Message]:
-            while (request := await requests.get()) is not None:
-                yield request
-
-        async def respond() -> None:
-            try:
-                async for response in handler(incoming(), context):
-                    try:
-                        await P2P.send_protobuf(response, writer)
-                    except Exception as exc:  # the caller went away
-                        logger.debug("%s: could not send a response: %r", name, exc)
-                        return
-            except Exception as exc:
-                logger.warning("%s: handler failed: %r", name, exc, exc_info=True)
-                with contextlib.suppress(Exception):
-                    await P2P.send_protobuf(error_frame(NesaError(f"handler failed: {type(exc).__name__}")), writer)
-
-        with contextlib.closing(writer):
-            responding = asyncio.create_task(respond())
-            try:
-                while True:
-                    receiving = asyncio.ensure_future(read_frame(reader, request_type, max_frame_bytes))
-                    await asyncio.wait({responding, receiving}, return_when=asyncio.FIRST_COMPLETED)
-                    if responding.done():  # the handler ended the stream (it may not have read everything)
-                        receiving.cancel()
-                        await _discard_until_closed(reader, linger_s)
-                        return
-                    try:
-                        request = receiving.result()
-                    except asyncio.IncompleteReadError:  # the caller closed the stream or died
-                        return
-                    except RequestError as exc:  # refuse the frame, end the stream; nothing else disturbed
-                        logger.debug("%s: refused a frame from %s: %s", name, stream_info.peer_id, exc)
-                        responding.cancel()
-                        with contextlib.suppress(Exception):
-                            await P2P.send_protobuf(error_frame(exc), writer)
-                        await _discard_until_closed(reader, linger_s)
-                        return
-                    await requests.put(request)  # None (end of stream) is passed on too
-                    if request is None:
-                        await responding
-                        return
-            except Exception as exc:
-                logger.debug("%s: stream from %s failed: %r", name, stream_info.peer_id, exc)
-            finally:
-                responding.cancel()
+        channel = StreamChannel(reader, writer, max_frame_bytes)
+        try:
+            await handler(channel, context)
+        except RequestError as exc:  # a frame refused before any session took it
+            logger.debug("%s: refused a stream from %s: %s", name, stream_info.peer_id, exc)
+            channel.refuse(exc)
+        except PeerUnavailableError as exc:  # the peer went away: normal
+            logger.debug("%s: stream from %s ended: %s", name, stream_info.peer_id, exc)
+        except Exception as exc:
+            logger.warning("%s: handler failed: %r", name, exc, exc_info=True)
+            channel.refuse(NesaError(f"handler failed: {type(exc).__name__}"))
+        finally:
+            await channel.linger(linger_s)
+            channel.close()
 
     await p2p.add_binary_stream_handler(name, handle)
+
+
+async def open_stream(p2p: P2P, peer_id: str, name: str, *, max_frame_bytes: int) -> StreamChannel:
+    """A stream to `peer_id`'s RPC `name`; raises hivemind's or OS errors when it cannot be opened (callers bound the
+    time with their own timeout)."""
+    _, reader, writer = await p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name)
+    return StreamChannel(reader, writer, max_frame_bytes)
+
+
+__all__ = ["StreamChannel", "error_from_text", "open_stream", "read_frame", "serve_stream"]

@@ -54,7 +54,7 @@ class NodeInfo(BaseModel):
     end_block: int = Field(ge=1)
     dtype: str = Field(max_length=16)
     quantization: str = Field("none", max_length=16)
-    compression: tuple[str, ...] = Field(("none",), max_length=MAX_LIST_ITEMS)
+    codecs: tuple[str, ...] = Field(("none",), max_length=MAX_LIST_ITEMS)  # hidden-state codecs it accepts
     weights_hash: str = Field("", max_length=64)
     gpu_total_mb: float = Field(0.0, ge=0, allow_inf_nan=False)
     gpu_free_mb: float = Field(0.0, ge=0, allow_inf_nan=False)  # G_A of eq. 18

@@ -1,10 +1,152 @@
-"""Settings of one node daemon (units in each field's comment)."""
+"""Settings of one node daemon: a frozen dataclass per concern, each field with its unit and its help text.
+
+`nesa-node run`'s options are generated from these fields (nesa_node/cli/options.py), so every default lives here
+once. Field metadata: "help" (the option's help), "flag" (the option name when it is not the field's name with
+dashes), "parse" (a function from the option's text, raising argparse.ArgumentTypeError), "choices".
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
-from nesa_node.compression.codec import CODECS
+from nesa_node.compression.names import CODECS
+
+REBALANCE_TRIGGERS = ("homology", "load-cv", "periodic", "off")
+
+
+def option(default, help: str, **extra):
+    """A config field with its command-line help (and optional flag, parse, choices, none_flag)."""
+    kind = {"default_factory": default} if callable(default) else {"default": default}
+    return field(**kind, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True)
+class NetworkConfig:
+    initial_peers: tuple[str, ...] = option((), "multiaddrs of peers already in the swarm", metavar="MADDR")
+    new_swarm: bool = option(False, "start a new swarm (no initial peers)")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(0, "TCP port of the libp2p host (0: any free port)", parse="port")
+    lane_port: int | None = option(
+        0,
+        "TCP port of the data lane: hidden states of open sessions straight between peers, AES-GCM encrypted with "
+        "keys the client hands out over libp2p (0: any free port)",
+        parse="port",
+        none_flag=("--no-lane", "no data lane: every step goes over libp2p (slower, one port less)"),
+    )
+    identity_path: str | None = option(
+        None, "RSA key file; created if missing, keeps the peer id (default: a fresh key per run)", flag="--identity"
+    )
+    dht_prefix: str | None = option(None, "model key on the DHT (default: the model folder's name)")
+    announce_period_s: float = option(10.0, "seconds between announcements of this node's record", parse="positive")
+    link_probe_period_s: float = option(
+        60.0,
+        "seconds between measurements of the links (RTT, bandwidth) to neighbours and a few peers",
+        parse="positive",
+    )
+    peer_timeout_s: float = option(30.0, "seconds any call to another peer may take", parse="positive")
+    address_file: str | None = option(None, "write the listening multiaddrs here once ready")
+    # the kernel here has no netem to delay packets, so a node on one machine looks far away only this way
+    inject_delay_ms: float = option(
+        0.0,
+        "testing: answer every RPC, pings included, this much later, so a node on one machine looks far away to "
+        "routing and link measurement",
+        parse="non_negative",
+    )
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """What one node takes on, checked before anything is allocated (RELIABILITY.md D and G)."""
+
+    max_cache_tokens: int = option(8192, "KV cache budget, tokens of batch 1 (bytes by eq. 4)", parse="positive_int")
+    max_length: int = option(4096, "longest session accepted, tokens", parse="positive_int")
+    max_batch: int = option(64, "rows per session", parse="positive_int")
+    max_sessions: int = option(256, "open inference sessions at once", parse="positive_int")
+    max_tokens_per_step: int = option(8192, "batch x tokens of one step or forward call", parse="positive_int")
+    max_message_bytes: int = option(
+        0, "longest frame a peer may send, bytes (0: room for the largest step in float32)", parse="non_negative_int"
+    )
+    # one peer's share of this node (a guess at fairness: two busy clients can always both be served)
+    max_sessions_per_peer: int = option(32, "open sessions one peer may hold here", parse="positive_int")
+    max_cache_share_per_peer: float = option(
+        0.5, "fraction of the KV cache budget one peer may reserve", parse="fraction"
+    )
+    max_queued_steps: int = option(
+        8, "steps of one session waiting for compute; more from a pusher are refused", parse="positive_int"
+    )
+    max_step_errors: int = option(
+        16, "refused steps in a row after which the node ends a session", parse="positive_int"
+    )
+    session_timeout_s: float = option(
+        300.0, "close an inference session after this many seconds without a step", parse="positive"
+    )
+    step_timeout_s: float = option(
+        30.0,
+        "close a session whose step is not computed and handed to the next node within this many seconds",
+        parse="positive",
+    )
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    device: str = option("cpu", "where the blocks run", choices=("cpu", "cuda"))
+    dtype: str = option("float32", "dtype of the blocks' weights", choices=("float32", "bfloat16", "float16"))
+    quant: str = option(
+        "none",
+        "quantize the blocks' linear layers with bitsandbytes: int8 (LLM.int8, outliers kept in 16/32 bit) or nf4 "
+        "(4-bit NormalFloat); refused at start where this device cannot run it",
+        choices=("none", "int8", "nf4"),
+    )
+    # codecs the node accepts for hidden states (and will produce when a client asks); "none" is always included
+    codecs: tuple[str, ...] = option(
+        CODECS,
+        f"hidden-state codecs this node accepts from clients and peers (none is always accepted; all of "
+        f"{', '.join(CODECS)} by default)",
+        flag="--compression",
+        choices=CODECS,
+        metavar="CODEC",
+    )
+    # A step expected to compute for less than this runs on the event loop itself: handing it to the compute
+    # thread and back costs two thread wake-ups (0.2-0.6 ms measured on a loaded 2-core host), more than a short
+    # stall of the loop costs. 0 sends every step to the compute thread.
+    inline_compute_ms: float = option(
+        15.0,
+        "decode steps expected to take less than this run on the event loop, saving two thread hand-offs "
+        "(0: always use the compute thread)",
+        parse="non_negative",
+    )
+    measure_throughput: bool = option(
+        True, "measure the span's throughput at start", none_flag=("--no-measure", "skip the throughput measurement")
+    )
+    throughput_cache: str | None = option(None, "file caching measured throughput (default ~/.cache/nesa-node)")
+
+
+@dataclass(frozen=True)
+class RebalanceConfig:
+    # what makes the node move to other blocks (server/rebalance.py): homology (persistent homology of the swarm,
+    # the design's trigger), load-cv (per-block load imbalance), periodic, or off (never moves); with any but off a
+    # block no node serves (a coverage hole) makes one node move to it at once
+    trigger: str = option(
+        "homology",
+        "what makes this node move to other blocks: homology (the swarm's topology changed), load-cv (per-block "
+        "load uneven), periodic, or off (never move); all but off also cover a block no node serves",
+        flag="--rebalance",
+        choices=REBALANCE_TRIGGERS,
+    )
+    period_s: float = option(
+        30.0,
+        "seconds between reads of the swarm's records to decide whether to move (three announce periods)",
+        flag="--rebalance-period",
+        parse="positive",
+    )
+    # a typical session is about a minute (topology/life.py SESSION_S); a hole move ends sessions at once
+    drain_timeout_s: float = option(
+        60.0,
+        "before moving, seconds the sessions in flight may take to finish; the rest are ended and their clients "
+        "fail over",
+        parse="positive",
+    )
 
 
 @dataclass(frozen=True)
@@ -12,58 +154,48 @@ class NodeConfig:
     model_path: str
     start_block: int
     end_block: int
-    dht_prefix: str | None = None  # model key on the DHT; default: the model folder's name
-    initial_peers: tuple[str, ...] = ()  # multiaddrs of peers already in the swarm
-    new_swarm: bool = False  # start a swarm alone (no initial peers needed)
-    host: str = "127.0.0.1"
-    port: int = 0  # 0: any free port
-    # TCP port of the data lane (hidden states of open sessions, encrypted: nesa_node.protocol.lane); 0: any free port;
-    # None: no lane, every step goes over libp2p
-    lane_port: int | None = 0
-    identity_path: str | None = None  # RSA key file; created if missing; None: a fresh key per run
-    device: str = "cpu"
-    dtype: str = "float32"
-    quant: str = "none"  # weights of the blocks' linear layers: none, int8 (LLM.int8 with outliers) or nf4
-    max_cache_tokens: int = 8192  # KV cache budget in tokens of batch 1 (converted to bytes with eq. 4)
-    max_length: int = 4096  # longest inference session accepted, tokens
-    max_batch: int = 64  # rows per session
-    max_sessions: int = 256  # open inference sessions at once
-    max_tokens_per_step: int = 8192  # batch * seq of one step or forward call
-    # longest frame a peer may send on a stream, bytes; 0: room for max_tokens_per_step float32 hidden states
-    max_message_bytes: int = 0
-    # one peer's share of this node (a guess at fairness: two busy clients can always both be served)
-    max_sessions_per_peer: int = 32
-    max_cache_share_per_peer: float = 0.5  # fraction of the KV cache budget one peer may reserve
-    max_queued_steps: int = 8  # steps of one session waiting for compute; more from a pusher are refused
-    max_step_errors: int = 16  # consecutive refused steps after which the node ends the session
-    announce_period_s: float = 10.0  # how often the NodeInfo record is refreshed
-    session_timeout_s: float = 300.0  # an idle inference session is closed after this
-    step_timeout_s: float = 30.0  # a step not computed and handed on within this closes its session
-    peer_timeout_s: float = 30.0  # every await on another peer
-    address_file: str | None = None  # written with the listening multiaddrs once ready
-    throughput_cache: str | None = None  # JSON file of measured throughputs; None: ~/.cache/nesa-node
-    measure_throughput: bool = True  # False: announce 0 tokens/s (tests that start many nodes)
-    # A step expected to compute for less than this runs on the event loop itself: handing it to the compute
-    # thread and back costs two thread wake-ups (0.2-0.6 ms measured on a loaded 2-core host), more than a short
-    # stall of the loop costs. 0 sends every step to the compute thread.
-    inline_compute_ms: float = 15.0
-    link_probe_period_s: float = 60.0  # how often the links to a sample of peers are measured (rpc_ping)
-    # test option: answer every RPC (pings included) this much later, so a node on loopback looks far away to
-    # routing and to the link measurements alike (the kernel here has no netem to add real delay)
-    inject_delay_ms: float = 0.0
-    # codecs the node accepts for hidden states (and will produce when a client asks); "none" is always included
-    compression: tuple[str, ...] = CODECS
-    # what makes the node move to other blocks (server/rebalance.py): homology (persistent homology of the swarm,
-    # the design's trigger), load-cv (per-block load imbalance), periodic, or off (never moves); with any but off a
-    # block no node serves (a coverage hole) makes one node move to it at once
-    rebalance: str = "homology"
-    rebalance_period_s: float = 30.0  # how often the swarm's records are read to decide (three announce periods)
-    # how long a node moving for throughput lets its sessions finish before ending them (clients then fail over);
-    # a typical session is about a minute (topology/life.py SESSION_S). A hole move ends them at once.
-    drain_timeout_s: float = 60.0
+    network: NetworkConfig = field(default_factory=NetworkConfig)
+    limits: LimitsConfig = field(default_factory=LimitsConfig)
+    compute: ComputeConfig = field(default_factory=ComputeConfig)
+    rebalance: RebalanceConfig = field(default_factory=RebalanceConfig)
 
     @property
     def record_ttl_s(self) -> float:
         """Lifetime of each announcement: two may be missed, and a store slowed by unresponsive DHT peers (hivemind
         waits 3 s per request before giving up on one) still lands before the previous record expires."""
-        return min(3 * self.announce_period_s + 10.0, 600.0)  # 600: protocol.dht.MAX_RECORD_TTL_S, what peers accept
+        return min(3 * self.network.announce_period_s + 10.0, 600.0)  # 600: protocol.dht.MAX_RECORD_TTL_S
+
+    def with_settings(self, **settings) -> NodeConfig:
+        """A copy with `settings` given by field name, whichever section holds each. Raises TypeError for a name
+        no section has."""
+        top = {name: value for name, value in settings.items() if name in _TOP_FIELDS}
+        by_section: dict[str, dict] = {}
+        for name, value in settings.items():
+            if name in top:
+                continue
+            section = _SECTION_OF.get(name)
+            if section is None:
+                raise TypeError(f"unknown node setting {name!r}")
+            by_section.setdefault(section, {})[name] = value
+        changes = {
+            section: dataclasses.replace(getattr(self, section), **values) for section, values in by_section.items()
+        }
+        return dataclasses.replace(self, **top, **changes)
+
+
+_TOP_FIELDS = {"model_path", "start_block", "end_block"}
+_SECTION_OF = {
+    item.name: section
+    for section, kind in (
+        ("network", NetworkConfig),
+        ("limits", LimitsConfig),
+        ("compute", ComputeConfig),
+        ("rebalance", RebalanceConfig),
+    )
+    for item in dataclasses.fields(kind)
+}
+if len(_SECTION_OF) != sum(len(dataclasses.fields(kind)) for kind in (NetworkConfig, LimitsConfig, ComputeConfig,
+                                                                      RebalanceConfig)):  # fmt: skip
+    raise RuntimeError("two node config sections share a field name")
+
+__all__ = ["ComputeConfig", "LimitsConfig", "NetworkConfig", "NodeConfig", "RebalanceConfig", "REBALANCE_TRIGGERS"]

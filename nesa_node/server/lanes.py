@@ -1,8 +1,11 @@
-"""The node's side of data lanes (nesa_node.protocol.lane): accepting lane connections, steps and forward calls arriving on
-them, pushing a session's outputs to the next node on one, and FORWARD lane tickets.
+"""The node's side of data lanes (protocol/lane.py): the listening socket, and what each connection is for.
 
-`LaneServing` is a part of BlockHandler (it uses the handler's sessions, config and forward path); the session
-stream protocol itself stays in nesa_node.server.handler.
+  SEND      steps into a session (from the client, or the previous node); they enter through SessionTable.admit,
+            and a refused one is answered on the lane (its sender reports it to the client)
+  RECEIVE   the client takes a session's outputs (this node is the last)
+  FORWARD   a client's cacheless forward calls, opened with a one-time ticket issued over libp2p (`issue_ticket`)
+  PING      answered at once, for round-trip times
+Anything malformed or unauthenticated closes the connection and touches no session.
 """
 
 from __future__ import annotations
@@ -11,83 +14,70 @@ import asyncio
 import logging
 import os
 import time
-from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer detects streams by typing's name
+from collections.abc import Awaitable, Callable
 
-from google.protobuf.message import DecodeError
-from hivemind.p2p import P2PContext
-from hivemind.proto import runtime_pb2
-
-from nesa_node.errors import (
-    BadRequestError,
-    NesaError,
-    PeerUnavailableError,
-    QuotaExceededError,
-    RequestError,
-    SessionNotFoundError,
-)
+from nesa_node.errors import BadRequestError, NesaError, QuotaExceededError, RequestError, SessionNotFoundError
 from nesa_node.protocol import lane
-from nesa_node.protocol.wire import error_response, field, pack_metadata, unpack_metadata
-from nesa_node.server.session import ServerSession, end_push_stream
+from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
+from nesa_node.protocol.messages import PUSHED, ErrorReply, LaneTicket, Step
+from nesa_node.server.config import NetworkConfig
+from nesa_node.server.sessions import Inbound, ServerSession, SessionTable
 
 logger = logging.getLogger(__name__)
 
 MAX_TICKETS_PER_PEER = 8  # unused FORWARD lane tickets one peer may hold (a client keeps one lane per node)
 MAX_TICKETS = 1024
 
-
-def close_lanes(session: ServerSession) -> None:
-    """Close every data lane of the session: inbound steps, the client's output lane, the push lane."""
-    for stream in list(session.lane_streams):
-        stream.close()
-    session.lane_streams.clear()
-    if session.output_lane is not None:
-        session.output_lane.close()
-        session.output_lane = None
-    end_push_stream(session)
+Forward = Callable[[Frame], Awaitable[Frame]]
 
 
-def lane_settings(metadata: dict) -> dict:
-    """The optional "lane" entry of an open or retarget message: {"in": key hex, "out": key hex, "next": address or
-    None}, each when given. Returns the parsed values under the session's field names."""
-    settings = field(metadata, "lane", (dict, type(None)), default=None)
-    if settings is None:
-        return {}
-    unknown = set(settings) - {"in", "out", "next"}
-    if unknown:
-        raise BadRequestError(f"unknown lane settings {sorted(unknown)[:4]}")
-    parsed: dict = {}
-    for name, attribute in (("in", "lane_in"), ("out", "lane_out")):
-        if name in settings:
-            parsed[attribute] = lane.parse_key(settings[name], name)
-    if "next" in settings:
-        if settings["next"] is not None:
-            lane.parse_address(settings["next"])
-        parsed["lane_next"] = settings["next"]
-    return parsed
+class LaneServer:
+    """Accepts data lane connections for the node's sessions and forward calls (see the module docstring)."""
 
+    def __init__(
+        self,
+        sessions: SessionTable,
+        forward: Forward,
+        network: NetworkConfig,
+        *,
+        session_timeout_s: float,
+        max_frame_bytes: int,
+        injected_delay: Callable[[], Awaitable[None]],
+    ):
+        self.sessions = sessions
+        self.forward = forward
+        self.network = network
+        self.session_timeout_s = session_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.injected_delay = injected_delay
+        self.address: str | None = None  # "ip:port" once listening; announced in the node's record
+        self.tickets: dict[str, tuple[bytes, str, float]] = {}  # FORWARD lane tickets: id -> (key, peer, issued)
+        self.forward_lanes: dict[str, int] = {}  # open FORWARD lanes per peer
+        self._server: asyncio.Server | None = None
 
-async def lane_responses(stream: lane.SealedStream) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-    """The next node's answers on a push lane (it answers only to refuse a step)."""
-    while (payload := await stream.receive()) is not None:
-        response = runtime_pb2.ExpertResponse()
-        try:
-            response.ParseFromString(payload)
-        except DecodeError:
-            raise BadRequestError("unparseable answer on a data lane") from None
-        yield response
+    async def start(self, visible_host: Callable[[], Awaitable[str]]) -> str:
+        """Listen on the node's host and lane port; returns the address to announce (`visible_host` names the
+        address peers reach the node on, when it listens on every interface)."""
+        self._server = await asyncio.start_server(self.serve, self.network.host, self.network.lane_port)
+        port = self._server.sockets[0].getsockname()[1]
+        host = self.network.host
+        if host in ("0.0.0.0", "::"):
+            host = await visible_host()
+        self.address = lane.format_address(host, port)
+        logger.info("data lane on %s", self.address)
+        return self.address
 
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
 
-class LaneServing:
-    """BlockHandler's data lane methods."""
+    # ---- tickets ------------------------------------------------------------------------------------------------
 
-    async def rpc_lane_ticket(
-        self, request: runtime_pb2.ExpertRequest, context: P2PContext
-    ) -> runtime_pb2.ExpertResponse:
-        """A ticket for a FORWARD data lane (nesa_node.protocol.lane): an id and a fresh key, known to this peer only. A
-        ticket serves one connection; a peer holds at most MAX_TICKETS_PER_PEER unused ones (the oldest go)."""
-        if self.lane_address is None:
-            return error_response(BadRequestError("this node has no data lane"))
-        peer = context.remote_id.to_base58()
+    def issue_ticket(self, peer: str) -> LaneTicket:
+        """A ticket for a FORWARD lane: an id and a fresh key, known to `peer` only. A ticket serves one connection;
+        a peer holds at most MAX_TICKETS_PER_PEER unused ones (the oldest go). BadRequestError without a lane."""
+        if self.address is None:
+            raise BadRequestError("this node has no data lane")
         held = [ticket for ticket, (_, owner, _) in self.tickets.items() if owner == peer]
         for ticket in held[: max(0, len(held) - MAX_TICKETS_PER_PEER + 1)]:
             del self.tickets[ticket]
@@ -95,141 +85,130 @@ class LaneServing:
             del self.tickets[next(iter(self.tickets))]
         ticket, key = os.urandom(16).hex(), lane.new_key()
         self.tickets[ticket] = (key, peer, time.monotonic())
-        return runtime_pb2.ExpertResponse(
-            metadata=pack_metadata({"ticket": ticket, "key": key.hex(), "lane": self.lane_address})
-        )
-
-    async def _push_lane(self, session: ServerSession, request: runtime_pb2.ExpertRequest) -> None:
-        if session.push_lane is None:
-            try:
-                async with asyncio.timeout(self.config.peer_timeout_s):
-                    stream = await lane.connect(
-                        session.lane_next,
-                        lane.ROLE_SEND,
-                        session.session_id,
-                        session.lane_out,
-                        max_frame_bytes=self.max_message_bytes,
-                    )
-            except (lane.LaneClosedError, TimeoutError) as exc:
-                raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {exc}") from None
-            session.push_lane = stream
-            session.push_reader = asyncio.create_task(self._read_push_errors(session, lane_responses(stream)))
-        try:
-            session.push_lane.send(request.SerializeToString())
-        except lane.LaneClosedError:
-            raise PeerUnavailableError(f"next node {session.next_peer}: data lane closed") from None
-
-    async def serve_lane(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One data lane connection (nesa_node.protocol.lane): a ping, steps into a session, a client taking the outputs
-        of a session whose last node this is, or a client's forward calls (with a ticket). Anything malformed or unauthenticated closes the connection and
-        touches no session."""
-        stream = session = None
-        try:
-            async with asyncio.timeout(self.config.peer_timeout_s):
-                role, session_id, salt = await lane.read_hello(reader)
-                if role == lane.ROLE_PING:
-                    await self._injected_delay()
-                    writer.write(os.urandom(lane.SALT_BYTES))
-                    await writer.drain()
-                    return
-                if role == lane.ROLE_FORWARD:
-                    key, owner = self._take_ticket(session_id)
-                else:
-                    session = self.sessions.get(session_id)
-                    key = None
-                    if session is not None:
-                        key = session.lane_in if role == lane.ROLE_SEND else None
-                        if role == lane.ROLE_RECEIVE and session.next_peer is None:
-                            key = session.lane_out
-                    if key is None:
-                        raise SessionNotFoundError(f"no session {session_id[:32]!r} with a lane of that role here")
-                stream = await lane.accept(reader, writer, role, salt, key, self.max_message_bytes)
-            if role == lane.ROLE_FORWARD:
-                self.forward_lanes[owner] = self.forward_lanes.get(owner, 0) + 1
-                try:
-                    lane.confirm(stream)
-                    await self._lane_forwards(stream)
-                finally:
-                    self.forward_lanes[owner] -= 1
-                    if not self.forward_lanes[owner]:
-                        del self.forward_lanes[owner]
-                return
-            if self.sessions.get(session_id) is not session:
-                return
-            if role == lane.ROLE_RECEIVE:
-                if session.output_lane is not None:
-                    session.output_lane.close()
-                session.output_lane = stream
-                lane.confirm(stream)
-                while await stream.receive() is not None:  # the client sends nothing more: wait for its close
-                    raise BadRequestError("frames from the client on an output lane")
-            else:
-                session.lane_streams.add(stream)
-                lane.confirm(stream)
-                await self._lane_steps(session, stream)
-        except (NesaError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
-            logger.debug("lane connection ended: %r", exc)
-        finally:
-            if session is not None:
-                session.lane_streams.discard(stream)
-                if session.output_lane is stream and stream is not None:
-                    session.output_lane = None
-            if stream is not None:
-                stream.close()
-            else:
-                writer.close()
+        return LaneTicket(ticket=ticket, key=key.hex(), lane=self.address)
 
     def _take_ticket(self, ticket: str) -> tuple[bytes, str]:
         """(key, peer) of an unexpired ticket, which is used up. SessionNotFoundError for any other ticket, and
         QuotaExceededError when its peer already holds MAX_TICKETS_PER_PEER open forward lanes."""
         key, owner, issued = self.tickets.pop(ticket, (None, None, 0.0))
-        if key is None or time.monotonic() - issued > self.config.peer_timeout_s:
+        if key is None or time.monotonic() - issued > self.network.peer_timeout_s:
             raise SessionNotFoundError("no such lane ticket (unknown, used or expired)")
         if self.forward_lanes.get(owner, 0) >= MAX_TICKETS_PER_PEER:
             raise QuotaExceededError(f"peer already has {MAX_TICKETS_PER_PEER} forward lanes open here")
         return key, owner
 
-    async def _lane_forwards(self, stream: lane.SealedStream) -> None:
-        """Forward calls on a FORWARD lane, answered in order on it, until the client closes it or leaves it idle
-        for session_timeout_s."""
-        while True:
-            try:
-                async with asyncio.timeout(self.config.session_timeout_s):
-                    payload = await stream.receive()
-            except TimeoutError:
-                return
-            if payload is None:
-                return
-            request = runtime_pb2.ExpertRequest()
-            try:
-                request.ParseFromString(payload)
-            except DecodeError:
-                stream.send(error_response(BadRequestError("unparseable forward on a data lane")).SerializeToString())
-                continue
-            stream.send((await self._forward(request)).SerializeToString())
+    # ---- connections --------------------------------------------------------------------------------------------
 
-    async def _lane_steps(self, session: ServerSession, stream: lane.SealedStream) -> None:
-        """Steps arriving on a lane go into the session's queue like pushed ones; a refused one is answered on the
-        lane (its sender reports it to the client), and the lane goes on."""
-        while (payload := await stream.receive()) is not None:
-            if self.sessions.get(session.session_id) is not session or stream.closed:
-                return
-            request, step_id = runtime_pb2.ExpertRequest(), None
-            try:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """One lane connection, from its hello to its end."""
+        channel: LaneChannel | None = None
+        session: ServerSession | None = None
+        try:
+            async with asyncio.timeout(self.network.peer_timeout_s):
+                role, session_id, salt = await lane.read_hello(reader)
+                if role == lane.ROLE_PING:
+                    await self.injected_delay()
+                    writer.write(os.urandom(lane.SALT_BYTES))
+                    await writer.drain()
+                    return
+                owner = None
+                if role == lane.ROLE_FORWARD:
+                    key, owner = self._take_ticket(session_id)
+                else:
+                    session = self.sessions.get(session_id)
+                    key = _session_key(session, role)
+                    if key is None:
+                        raise SessionNotFoundError(f"no session {session_id[:32]!r} with a lane of that role here")
+                stream = await lane.accept(reader, writer, role, salt, key, self.max_frame_bytes)
+                channel = LaneChannel(stream, "frame on a data lane")
+            if role == lane.ROLE_FORWARD:
+                await self._serve_forwards(channel, owner)
+            elif self.sessions.get(session_id) is session:
+                if role == lane.ROLE_RECEIVE:
+                    await self._serve_output(channel, session)
+                else:
+                    await self._serve_steps(channel, session)
+        except (NesaError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            logger.debug("lane connection ended: %r", exc)
+        finally:
+            if session is not None:
+                session.inbound.discard(channel)
+                if session.output is channel and channel is not None:
+                    session.output = None
+            if channel is not None:
+                channel.close()
+            else:
+                writer.close()
+
+    async def _serve_forwards(self, channel: LaneChannel, owner: str) -> None:
+        """Forward calls answered in order on the lane, until the client closes it or leaves it idle for the session
+        timeout."""
+        self.forward_lanes[owner] = self.forward_lanes.get(owner, 0) + 1
+        try:
+            lane.confirm(channel.stream)
+            while True:
                 try:
-                    request.ParseFromString(payload)
-                except DecodeError:
-                    raise BadRequestError("unparseable step on a data lane") from None
-                metadata = unpack_metadata(request.metadata)
-                step_id = metadata.get("step_id") if isinstance(metadata.get("step_id"), str) else None
-                if "control" in metadata or "replay" in metadata:
-                    raise BadRequestError("session control and replay come on the session's stream, not a lane")
-                if session.room.locked():
-                    raise QuotaExceededError(
-                        f"session {session.session_id!r} already has {self.config.max_queued_steps} steps waiting"
-                    )
-            except RequestError as exc:
-                stream.send(error_response(exc, step_id=step_id).SerializeToString())
-                continue
-            await session.room.acquire()  # free, so this does not wait
-            session.inbox.put_nowait((request, metadata))
+                    async with asyncio.timeout(self.session_timeout_s):
+                        request = await channel.receive()
+                except TimeoutError:
+                    return
+                except BadRequestError as exc:  # an unparseable frame: refused, the lane goes on
+                    channel.send(frame(ErrorReply.of(exc)))
+                    continue
+                if request is None:
+                    return
+                channel.send(await self.forward(request))
+        finally:
+            self.forward_lanes[owner] -= 1
+            if not self.forward_lanes[owner]:
+                del self.forward_lanes[owner]
+
+    async def _serve_output(self, channel: LaneChannel, session: ServerSession) -> None:
+        """The client takes the session's outputs here; it sends nothing more, so wait for its close."""
+        if session.output is not None:
+            session.output.close()
+        session.output = channel
+        lane.confirm(channel.stream)
+        if await channel.receive() is not None:
+            raise BadRequestError("frames from the client on an output lane")
+
+    async def _serve_steps(self, channel: LaneChannel, session: ServerSession) -> None:
+        session.inbound.add(channel)
+        lane.confirm(channel.stream)
+        await serve_steps(channel, session, self.sessions, sender=None)
+
+
+async def serve_steps(channel: Channel, session_of, sessions: SessionTable, *, sender: str | None) -> None:
+    """Steps arriving on a channel into their session's queue, until the channel ends; each refused one is answered on
+    the channel (its sender reports it to the client) and the channel goes on. `session_of`: the session (a lane is
+    bound to one at its handshake), or None to take it from each step's session_id (a libp2p push stream)."""
+    while True:
+        step_id = None
+        try:
+            request = await channel.receive()
+            if request is None:
+                return
+            message = read(request, PUSHED)
+            step_id = message.step_id if isinstance(message, Step) else None
+            session = session_of if session_of is not None else sessions.find(message.session_id)
+            if sessions.get(session.session_id) is not session or channel.closed:
+                return
+            await sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
+        except RequestError as exc:
+            if channel.closed:  # the channel cannot go on (a frame over the limit): its handler ends it
+                raise
+            channel.send(frame(ErrorReply.of(exc, step_id)))
+
+
+def _session_key(session: ServerSession | None, role: int) -> bytes | None:
+    """The key a lane of `role` into `session` must hold: steps in (SEND), or the outputs of a last node (RECEIVE)."""
+    if session is None:
+        return None
+    if role == lane.ROLE_SEND:
+        return session.lane_in
+    if role == lane.ROLE_RECEIVE and session.next_peer is None:
+        return session.lane_out
+    return None
+
+
+__all__ = ["MAX_TICKETS", "MAX_TICKETS_PER_PEER", "LaneServer", "serve_steps"]

@@ -14,14 +14,13 @@ import random
 import time
 
 from hivemind.p2p import P2P, PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import Tensor
 
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.records import LinkInfo, NodeInfo
-from nesa_node.protocol.wire import RPC_PING
 
 logger = logging.getLogger(__name__)
-
-MAX_PING_BYTES = 1 << 20  # what rpc_ping accepts: room for the bandwidth probe, nothing more
 
 
 class LinkProber:
@@ -55,10 +54,10 @@ class LinkProber:
 
     async def ping(self, peer_id: str, payload: bytes = b"") -> float:
         """Seconds for one rpc_ping round trip carrying `payload`."""
-        request = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=payload)] if payload else [])
+        request = Frame(tensors=[Tensor(buffer=payload)] if payload else [])
         started = time.perf_counter()
         await asyncio.wait_for(
-            self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), RPC_PING, request, runtime_pb2.ExpertResponse),
+            self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), rpc.PING, request, Frame),
             timeout=self.timeout_s,
         )
         return time.perf_counter() - started

@@ -1,9 +1,20 @@
-"""The node daemon's composition root: `Node.create(config)` wires every component explicitly.
+"""The node daemon's composition root and lifecycle.
 
-Components: the BlockSpan (weights of this node's blocks), the KV cache budget, a hivemind P2P host (one p2pd
-process shared by the DHT and the block handlers), a DHTNode whose records are signed with the node's identity
-key, the BlockHandler serving RPCs, the announcer that refreshes the node's NodeInfo record, and the Rebalancer
-that moves the node to other blocks when the swarm needs it (server/rebalance.py; none with rebalance "off").
+`Node.create(config)` builds every component and wires it explicitly, each depending only on those built before it:
+
+  BlockSpan, CacheBudget   the blocks' weights (sharding/blocks.py) and the KV cache budget (eq. 4)
+  Peer                     P2P host and DHT node with the record validators (nesa_node/peer.py)
+  SessionTable             open sessions, quotas, step ingress (server/sessions.py)
+  BlockCompute             the span, the compute thread, input checks (server/compute.py)
+  PushSender               outputs to the next node (server/push.py)
+  InferenceService         session streams, steps, control, forwards (server/inference.py)
+  LaneServer               data lane connections and tickets (server/lanes.py)
+  NodeRpc                  the RPC entries on the P2P host (server/rpc.py)
+  LinkProber, Rebalancer   link measurement (server/link_probe.py), when to move (server/rebalance.py)
+
+Once started, the announcer, the link prober and the rebalancer run as tasks of one TaskGroup until shutdown. The
+node owns its lifecycle: `drain` (refuse new sessions, let or make the open ones end), `move_to` (serve other blocks),
+`shutdown`; the rebalancer only decides when to move.
 """
 
 from __future__ import annotations
@@ -19,12 +30,17 @@ import psutil
 
 from nesa_node.peer import SHUTDOWN_STEP_S, Peer, start_peer, write_address_file
 from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_node_info
-from nesa_node.protocol.lane import format_address
+from nesa_node.protocol.messages import MAX_METADATA_BYTES
 from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import NodeConfig
-from nesa_node.server.handler import BlockHandler
+from nesa_node.server.inference import InferenceService
+from nesa_node.server.lanes import LaneServer
 from nesa_node.server.link_probe import LinkProber
+from nesa_node.server.push import PushSender
 from nesa_node.server.rebalance import Rebalancer, make_trigger
+from nesa_node.server.rpc import NodeRpc
+from nesa_node.server.sessions import SessionTable
 from nesa_node.server.throughput import cached_measure
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
@@ -32,235 +48,321 @@ from nesa_node.version import __version__
 
 logger = logging.getLogger(__name__)
 
+END_SESSIONS_S = 5.0  # for sessions to close once ended: their queued steps (guess: a few decode steps)
+
 
 def cache_budget(config: NodeConfig, model_config, blocks: int) -> CacheBudget:
     """The KV cache budget of a span of `blocks` blocks (eq. 4 bytes per token depend on the span's length)."""
-    element_bytes = DTYPES[config.dtype].itemsize
+    element_bytes = DTYPES[config.compute.dtype].itemsize
     bytes_per_token = kv_bytes_per_token_for(model_config, blocks, element_bytes)
     # plus this span's output per token, kept while a next node may need it to rebuild its cache (failover):
     # for a short span with grouped-query attention it can exceed the span's own KV cache
     bytes_per_token += model_config.hidden_size * element_bytes
-    return CacheBudget.for_tokens(config.max_cache_tokens, bytes_per_token)
+    return CacheBudget.for_tokens(config.limits.max_cache_tokens, bytes_per_token)
+
+
+def max_frame_bytes(config: NodeConfig, hidden_size: int) -> int:
+    """The longest frame a peer may send: float32 hidden states of the largest step, plus its message and framing."""
+    limits = config.limits
+    return limits.max_message_bytes or limits.max_tokens_per_step * hidden_size * 4 + MAX_METADATA_BYTES + 1024
 
 
 class Node:
-    def __init__(self, config, span, budget, peer: Peer, handler, throughput):
+    def __init__(self, config: NodeConfig, model_config, peer: Peer, throughput: dict[str, float]):
         self.config = config
-        self.span = span  # None while the node loads other blocks (rebalancing)
+        self.model_config = model_config
         self.start_block, self.end_block = config.start_block, config.end_block  # the span served or being loaded
-        self.budget = budget
         self.peer = peer
         self.p2p, self.dht = peer.p2p, peer.dht
-        self.handler = handler
-        self.signature_validator = peer.signature_validator
         self.throughput = throughput
-        self.dht_prefix = config.dht_prefix or default_dht_prefix(config.model_path)
+        self.dht_prefix = config.network.dht_prefix or default_dht_prefix(config.model_path)
         self.started_at = time.monotonic()
         self.state = NodeState.joining
-        self._stopped = asyncio.Event()
-        self._announcer: asyncio.Task | None = None
-        self._prober_task: asyncio.Task | None = None
         self.prober = LinkProber(peer.p2p)
-        self._process = psutil.Process()
+        self.moves: list[dict] = []  # what this node did: {from, to, reason, drained_s, ended_sessions, seconds}
         self.rebalancer: Rebalancer | None = None
-        self._rebalancer_task: asyncio.Task | None = None
-        self._lane_server: asyncio.Server | None = None
-        self.lane_address: str | None = None
+        self._process = psutil.Process()
+        self._stopped = asyncio.Event()
+        self._moving = asyncio.Lock()  # one move at a time (the rebalancer's, or one an operator asked for)
+        self._tasks: asyncio.Task | None = None
+        # the components, wired by create()
+        self.sessions: SessionTable
+        self.compute: BlockCompute
+        self.inference: InferenceService
+        self.lanes: LaneServer
+        self.rpc: NodeRpc
 
     @classmethod
     async def create(cls, config: NodeConfig) -> Node:
-        """Load the blocks, measure them, start P2P and the DHT, register the handlers. Announces nothing yet."""
+        """Load the blocks, measure them, start P2P and the DHT, register the RPCs, open the data lane. Announces
+        nothing yet (see start). Raises ModelLoadError and its kinds for a bad model folder or span, ValueError for
+        settings that cannot work together, OSError when a port cannot be opened."""
+        network, compute = config.network, config.compute
+        if not network.initial_peers and not network.new_swarm:
+            raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        trigger = None
+        if config.rebalance.trigger != "off":
+            trigger = make_trigger(config.rebalance.trigger, period_s=config.rebalance.period_s)
         model_config = load_config(config.model_path)
-        span = await asyncio.to_thread(
-            load_block_span,
-            config.model_path,
-            SpanSpec(config.start_block, config.end_block, config.dtype, config.device, config.quant),
-            config=model_config,
-        )
-        if config.measure_throughput:
-            cache_path = Path(config.throughput_cache) if config.throughput_cache else None
+        spec = SpanSpec(config.start_block, config.end_block, compute.dtype, compute.device, compute.quant)
+        span = await asyncio.to_thread(load_block_span, config.model_path, spec, config=model_config)
+        if compute.measure_throughput:
+            cache_path = Path(compute.throughput_cache) if compute.throughput_cache else None
             throughput = await asyncio.to_thread(cached_measure, span, cache_path)
         else:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
         budget = cache_budget(config, model_config, config.end_block - config.start_block)
-
-        if not config.initial_peers and not config.new_swarm:
-            raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
-        dht_prefix = config.dht_prefix or default_dht_prefix(config.model_path)
         peer = await start_peer(
-            initial_peers=config.initial_peers,
-            host=config.host,
-            port=config.port,
-            identity_path=config.identity_path,
-            dht_prefixes=(dht_prefix,),
+            initial_peers=network.initial_peers,
+            host=network.host,
+            port=network.port,
+            identity_path=network.identity_path,
+            dht_prefixes=(network.dht_prefix or default_dht_prefix(config.model_path),),
             signs_records=True,
         )
+        node = cls(config, model_config, peer, throughput)
+        frame_bytes = max_frame_bytes(config, model_config.hidden_size)
+        node.sessions = SessionTable(config.limits, budget)
+        node.compute = BlockCompute(span, compute, config.limits)
+        push = PushSender(peer.p2p, node.sessions, peer_timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes)
+        node.inference = InferenceService(node.sessions, node.compute, push, config.limits, network)
+        node.lanes = LaneServer(
+            node.sessions,
+            node.inference.forward,
+            network,
+            session_timeout_s=config.limits.session_timeout_s,
+            max_frame_bytes=frame_bytes,
+            injected_delay=node.inference.injected_delay,
+        )
+        node.rpc = NodeRpc(node.inference, node.sessions, node.lanes, node.current_info, max_frame_bytes=frame_bytes)
         try:
-            node = cls(config, span, budget, peer, None, throughput)
-            node.handler = BlockHandler(span, config, budget, node.current_info, peer.p2p)
-            await node.handler.add_p2p_handlers(peer.p2p)
-            if config.lane_port is not None:
-                await node._start_lane()
-            if config.rebalance != "off":
-                node.rebalancer = Rebalancer(
-                    node,
-                    make_trigger(config.rebalance, period_s=config.rebalance_period_s),
-                    num_blocks=model_config.num_hidden_layers,
-                    period_s=config.rebalance_period_s,
-                    drain_timeout_s=config.drain_timeout_s,
-                )
+            await node.rpc.register(peer.p2p)
+            if network.lane_port is not None:
+                await node.lanes.start(node._visible_host)
         except BaseException:
+            node.compute.close()
             await peer.shutdown()
             raise
+        if trigger is not None:
+            node.rebalancer = Rebalancer(
+                node,
+                trigger,
+                num_blocks=model_config.num_hidden_layers,
+                period_s=config.rebalance.period_s,
+                drain_timeout_s=config.rebalance.drain_timeout_s,
+            )
         return node
 
-    async def _start_lane(self) -> None:
-        """Listen for data lanes on the node's host; the record announces the address."""
-        self._lane_server = await asyncio.start_server(self.handler.serve_lane, self.config.host, self.config.lane_port)
-        port = self._lane_server.sockets[0].getsockname()[1]
-        host = self.config.host
-        if host in ("0.0.0.0", "::"):  # listening everywhere: announce the address peers reach the node's p2p on
-            host = next(
-                (str(addr).split("/")[2] for addr in await self.p2p.get_visible_maddrs() if "/ip4/" in str(addr)),
-                "127.0.0.1",
-            )
-        self.lane_address = self.handler.lane_address = format_address(host, port)
-        logger.info("data lane on %s", self.lane_address)
+    async def _visible_host(self) -> str:
+        """The IPv4 address peers reach this node's P2P host on (for a lane listening on every interface)."""
+        addresses = [str(addr) for addr in await self.p2p.get_visible_maddrs() if "/ip4/" in str(addr)]
+        return addresses[0].split("/")[2] if addresses else "127.0.0.1"
+
+    # ---- what the node is ----------------------------------------------------------------------------------------
 
     @property
     def peer_id(self) -> str:
-        return self.p2p.peer_id.to_base58()
+        return self.peer.peer_id
+
+    @property
+    def span(self):
+        """The blocks served (None while the node loads others)."""
+        return self.compute.span
+
+    @property
+    def budget(self) -> CacheBudget:
+        return self.sessions.budget
+
+    @property
+    def lane_address(self) -> str | None:
+        return self.lanes.address
 
     async def visible_maddrs(self) -> list[str]:
-        return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
+        return await self.peer.visible_maddrs()
 
     def current_info(self) -> NodeInfo:
         memory = psutil.virtual_memory()
+        span = self.compute.span
         return NodeInfo(
             peer_id=self.peer_id,
             state=self.state,
             start_block=self.start_block,
             end_block=self.end_block,
-            dtype=self.config.dtype,
-            compression=self.handler.accepted_codecs,
-            quantization=self.config.quant,
-            weights_hash=self.span.weights_hash if self.span is not None else "",
+            dtype=self.config.compute.dtype,
+            codecs=self.compute.accepted_codecs,
+            quantization=self.config.compute.quant,
+            weights_hash=span.weights_hash if span is not None else "",
             ram_total_mb=memory.total / 2**20,
             ram_free_mb=memory.available / 2**20,
             load=LoadInfo(
                 cpu_percent=min(self._process.cpu_percent(None), 100.0 * 1024),
-                queue=sum(session.inbox.qsize() for session in self.handler.sessions.values()),
-                sessions=len(self.handler.sessions),
+                queue=self.sessions.queued_steps(),
+                sessions=len(self.sessions),
             ),
             forward_tps=float(self.throughput["forward_tps"]),
             inference_tps=float(self.throughput["inference_tps"]),
             cache_tokens_left=self.budget.tokens_left,
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,
-            max_length=self.config.max_length,
+            max_length=self.config.limits.max_length,
             links=tuple(self.prober.links.values()),
-            lane=self.lane_address,
+            lane=self.lanes.address,
         )
 
-    def release_span(self) -> None:
-        """Drop the blocks' weights (no session may be open); requests naming blocks are refused until load_span."""
-        self.span = None
-        self.handler.use_span(None, self.budget)
-        gc.collect()  # the layers may sit in reference cycles (nn.Module); free them before loading others
-        if self.config.device.startswith("cuda"):
-            import torch
-
-            torch.cuda.empty_cache()
-
-    async def load_span(self, start: int, end: int) -> None:
-        """Load blocks [start, end) and serve them with a cache budget sized for them."""
-        spec = SpanSpec(start, end, self.config.dtype, self.config.device, self.config.quant)
-        span = await asyncio.to_thread(load_block_span, self.config.model_path, spec)
-        self.span, self.budget = span, cache_budget(self.config, span.config, end - start)
-        self.handler.use_span(span, self.budget)
+    # ---- announcing ----------------------------------------------------------------------------------------------
 
     async def announce(self) -> bool:
         ok = await store_node_info(
-            self.dht, self.dht_prefix, self.current_info(), self.signature_validator, self.config.record_ttl_s
+            self.dht, self.dht_prefix, self.current_info(), self.peer.signature_validator, self.config.record_ttl_s
         )
         if not ok:
             logger.debug("no DHT peer stored the announcement")
         return ok
 
+    async def announce_now(self, timeout_s: float | None = None) -> None:
+        """Store the record at once (a state change); a failure is left to the announce loop's next round."""
+        try:
+            await asyncio.wait_for(self.announce(), timeout=timeout_s or self.config.network.peer_timeout_s)
+        except Exception as exc:
+            logger.debug("announcement failed: %r", exc)
+
+    async def _until_stopped(self, seconds: float) -> bool:
+        """Wait `seconds` or until the node stops; whether it stopped."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopped.wait(), timeout=seconds)
+        return self._stopped.is_set()
+
     async def _announce_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                await asyncio.wait_for(self.announce(), timeout=self.config.peer_timeout_s)
+                await asyncio.wait_for(self.announce(), timeout=self.config.network.peer_timeout_s)
             except Exception as exc:
                 logger.warning("announce failed: %r", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), timeout=self.config.announce_period_s)
+            await self._until_stopped(self.config.network.announce_period_s)
 
     async def _probe_loop(self) -> None:
         """Measure links every link_probe_period_s, the first time one announce period after going online (once
         the neighbours' records are likely out); the next announcement carries them."""
-        delay = self.config.announce_period_s
-        while not self._stopped.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopped.wait(), timeout=delay)
-                return
+        delay = self.config.network.announce_period_s
+        while not await self._until_stopped(delay):
             try:
                 records = await asyncio.wait_for(
-                    fetch_node_infos(self.dht, self.dht_prefix), self.config.peer_timeout_s
+                    fetch_node_infos(self.dht, self.dht_prefix), self.config.network.peer_timeout_s
                 )
                 await self.prober.probe(self.current_info(), [record.info for record in records])
             except Exception as exc:
                 logger.debug("link measurement failed: %r", exc)
-            delay = self.config.link_probe_period_s
+            delay = self.config.network.link_probe_period_s
+
+    # ---- lifecycle -----------------------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Go online: announce now and every announce period; measure links; write the address file."""
+        """Go online: announce now, then run the announcer, link prober and rebalancer; write the address file."""
         self.state = NodeState.online
         await self.announce()
-        self._announcer = asyncio.create_task(self._announce_loop())
-        self._prober_task = asyncio.create_task(self._probe_loop())
-        if self.rebalancer is not None:
-            self._rebalancer_task = asyncio.create_task(self.rebalancer.run())
-        if self.config.address_file:
-            await asyncio.to_thread(write_address_file, self.config.address_file, await self.visible_maddrs())
+        self._tasks = asyncio.create_task(self._run_tasks(), name=f"node-{self.peer_id[-6:]}")
+        if self.config.network.address_file:
+            await asyncio.to_thread(write_address_file, self.config.network.address_file, await self.visible_maddrs())
 
-    async def run(self) -> None:
-        await self.start()
-        await self._stopped.wait()
+    async def _run_tasks(self) -> None:
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(self._announce_loop())
+            tasks.create_task(self._probe_loop())
+            if self.rebalancer is not None:
+                tasks.create_task(self.rebalancer.run(self._stopped))
 
-    def request_stop(self) -> None:
-        self._stopped.set()
+    async def drain(self, *, finish_s: float, end_s: float) -> int:
+        """Announce draining and refuse new sessions; give the open ones up to `finish_s` to end on their own, then
+        end the rest after the steps already in their queues (their clients fail over) and wait up to `end_s` for
+        them to close. Returns how many were ended."""
+        self.sessions.draining = True
+        self.state = NodeState.draining
+        await self.announce_now(SHUTDOWN_STEP_S if self._stopped.is_set() else None)
+        if self.sessions.sessions and finish_s > 0:
+            await self.sessions.wait_idle(finish_s)
+        ended = len(self.sessions)
+        if ended:
+            self.sessions.end_all()
+            await self.sessions.wait_idle(end_s)
+        return ended
+
+    async def move_to(self, start: int, *, reason: str = "operator", drain_timeout_s: float | None = None) -> None:
+        """Serve blocks [start, start + span length) instead: drain (a hole move ends its sessions at once: while a
+        block has no server no chain through it can go on), release the old span, announce joining with the new one,
+        load it with a cache budget sized for it, announce online. If loading fails, the old span is loaded again.
+        Raises ValueError for a span outside the model."""
+        length = self.end_block - self.start_block
+        num_blocks = self.model_config.num_hidden_layers
+        if not 0 <= start <= num_blocks - length:
+            raise ValueError(f"a span of {length} blocks cannot start at block {start} of {num_blocks}")
+        drain_s = self.config.rebalance.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
+        async with self._moving:
+            if start == self.start_block:
+                return
+            began = time.monotonic()
+            old = (self.start_block, self.end_block)
+            logger.info("moving from blocks %d:%d to %d:%d (%s)", *old, start, start + length, reason)
+            ended = await self.drain(finish_s=0.0 if reason == "hole" else drain_s, end_s=END_SESSIONS_S)
+            drained_s = time.monotonic() - began
+            self.sessions.drop_all()  # any still open (a step stuck in compute) lose their cache now
+            self._release_span()
+            self.start_block, self.end_block = start, start + length
+            self.state = NodeState.joining
+            await self.announce_now()
+            try:
+                await self._load_span(start, start + length)
+            except Exception as exc:
+                logger.error("loading blocks %d:%d failed (%r); reloading %d:%d", start, start + length, exc, *old)
+                self.start_block, self.end_block = old
+                await self._load_span(*old)
+            self.sessions.draining = False
+            seconds = time.monotonic() - began
+            self.moves.append(
+                {"from": old, "to": (self.start_block, self.end_block), "reason": reason, "drained_s": drained_s}
+                | {"ended_sessions": ended, "seconds": seconds}
+            )
+            self.state = NodeState.online
+            await self.announce_now()
+            logger.info("now serving blocks %d:%d (move took %.1f s)", self.start_block, self.end_block, seconds)
+
+    @property
+    def moving(self) -> bool:
+        return self._moving.locked()
+
+    def _release_span(self) -> None:
+        """Drop the blocks' weights (no session may be open); requests naming blocks are refused until loaded."""
+        self.compute.use_span(None)
+        gc.collect()  # the layers may sit in reference cycles (nn.Module); free them before loading others
+        if self.config.compute.device.startswith("cuda"):
+            import torch
+
+            torch.cuda.empty_cache()
+
+    async def _load_span(self, start: int, end: int) -> None:
+        compute = self.config.compute
+        spec = SpanSpec(start, end, compute.dtype, compute.device, compute.quant)
+        span = await asyncio.to_thread(load_block_span, self.config.model_path, spec, config=self.model_config)
+        self.sessions.use_budget(cache_budget(self.config, self.model_config, end - start))
+        self.compute.use_span(span)
 
     async def shutdown(self, *, drain_s: float = 5.0) -> None:
-        """Drain, then stop: announce `draining` and refuse new sessions, let the steps already queued finish and
-        end every session (clients re-route), wait up to `drain_s` for them to close, announce `offline`, stop the
-        DHT and P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire
-        anyway), and DHT peers that are gone too must not hold a stopping node (about drain_s + 8 s at most)."""
+        """Drain, then stop: announce `draining` and refuse new sessions, end every session after the steps already
+        queued (clients re-route) and wait up to `drain_s` for them to close, announce `offline`, stop the DHT and
+        P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire anyway),
+        and DHT peers that are gone too must not hold a stopping node (about drain_s + 8 s at most)."""
         self._stopped.set()
-        if self.rebalancer is not None:
-            await self.rebalancer.shutdown()
-        if self._rebalancer_task is not None:  # a move cut short leaves the node draining: it stops anyway
-            self._rebalancer_task.cancel()
+        if self._tasks is not None:  # a move cut short leaves the node draining: it stops anyway
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._tasks), timeout=SHUTDOWN_STEP_S)
+            self._tasks.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._rebalancer_task
-        if self._prober_task is not None:
-            self._prober_task.cancel()
-        if self._announcer is not None:
-            self._announcer.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._announcer
-        if self.handler is not None:
-            self.state = NodeState.draining
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.announce(), timeout=SHUTDOWN_STEP_S)
-            await self.handler.shutdown()  # refuses new sessions; ends each after the steps already in its queue
-            if self.handler.sessions:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.handler.idle.wait(), timeout=drain_s)
-            self.handler.close()
-        if self._lane_server is not None:
-            self._lane_server.close()
+                await self._tasks
+        await self.drain(finish_s=0.0, end_s=drain_s)
+        self.compute.close()
+        self.lanes.close()
         self.state = NodeState.offline
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.announce(), timeout=SHUTDOWN_STEP_S)
+        await self.announce_now(SHUTDOWN_STEP_S)
         await self.peer.shutdown(SHUTDOWN_STEP_S)
+
+
+__all__ = ["Node", "cache_budget", "max_frame_bytes"]

@@ -1,127 +1,85 @@
-"""A node's pushes along a direct chain over libp2p: taking the steps its upstream node pushes (one long-lived stream
-per session, or one message each), and pushing its own outputs to the next node, reporting to the client when the next
-node refuses a step or goes away. Data lanes, where the client set them up, carry the same pushes (server/lanes.py).
-
-`PushServing` is a part of BlockHandler (it uses the handler's sessions, config and P2P host).
+"""A node's pushes along a direct chain: each session's outputs go to its next node over one channel, a data lane
+when the client set one up (protocol/lane.py) or else a libp2p push stream, opened at the first push. The next node
+answers on that channel only to refuse a step; a refusal, or the channel ending while the session still pushes, is
+reported to the client at once (in order with the session's answers), so it replaces the next node now rather than
+at its step deadline.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator  # noqa: UP035 -- hivemind's servicer detects streams by typing's name
 
-import torch
-from hivemind.p2p import P2PContext, PeerID
+from hivemind.p2p import P2P
 from hivemind.proto import runtime_pb2
 
-from nesa_node.errors import (
-    BadRequestError,
-    PeerUnavailableError,
-    QuotaExceededError,
-    RequestError,
-    SessionNotFoundError,
-)
-from nesa_node.protocol.wire import (
-    RPC_PUSH_STREAM,
-    drain,
-    error_from_metadata,
-    error_response,
-    field,
-    pack_metadata,
-    tensor_to_proto,
-    unpack_metadata,
-)
-from nesa_node.server.session import END_OF_SESSION, MAX_ID_LENGTH, ServerSession
+from nesa_node.errors import NesaError, PeerUnavailableError, SessionNotFoundError
+from nesa_node.protocol import lane, rpc
+from nesa_node.protocol.channel import Channel, LaneChannel, frame, read
+from nesa_node.protocol.framing import open_stream
+from nesa_node.protocol.messages import PUSH_ANSWERS, ErrorReply, Step
+from nesa_node.server.sessions import ServerSession, SessionTable
 
 logger = logging.getLogger(__name__)
 
 
-class PushServing:
-    """Pushes between the nodes of a direct chain (see the module docstring)."""
+class PushSender:
+    """Opens and feeds the channel from each session to its next node (see the module docstring)."""
 
-    async def rpc_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> runtime_pb2.ExpertResponse:
-        """A step pushed by the upstream node of a direct chain; queued into its session."""
+    def __init__(self, p2p: P2P, sessions: SessionTable, *, peer_timeout_s: float, max_frame_bytes: int):
+        self.p2p = p2p
+        self.sessions = sessions
+        self.peer_timeout_s = peer_timeout_s
+        self.max_frame_bytes = max_frame_bytes
+
+    async def push(self, session: ServerSession, step: Step, tensors: list[runtime_pb2.Tensor]) -> None:
+        """Hand a step's output to the session's next node. PeerUnavailableError when it cannot be reached."""
+        if session.downstream is None:
+            session.downstream = await self._open(session)
+            session.downstream_reader = asyncio.create_task(self._read_answers(session, session.downstream))
         try:
-            await self._accept_push(request, context)
-            return runtime_pb2.ExpertResponse()
-        except RequestError as exc:
-            return error_response(exc)
+            session.downstream.send(frame(step, tensors))
+        except PeerUnavailableError as exc:
+            raise PeerUnavailableError(f"next node {session.next_peer}: {exc.message}") from None
 
-    async def rpc_push_stream(
-        self, requests: AsyncIterator[runtime_pb2.ExpertRequest], context: P2PContext
-    ) -> AsyncIterator[runtime_pb2.ExpertResponse]:
-        """Steps pushed by the upstream node over one long-lived stream (no per-step stream setup)."""
-        async for request in requests:
-            try:
-                await self._accept_push(request, context)
-            except RequestError as exc:
-                yield error_response(exc)
-
-    async def _accept_push(self, request: runtime_pb2.ExpertRequest, context: P2PContext) -> None:
-        metadata = unpack_metadata(request.metadata)
-        session_id = field(metadata, "session_id", str)
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise SessionNotFoundError(f"no open session {session_id[:MAX_ID_LENGTH]!r} on this node")
-        if context.remote_id.to_base58() != session.upstream_peer:
-            raise BadRequestError("push from a peer that is not this session's upstream")
-        if "control" in metadata or "replay" in metadata:
-            raise BadRequestError("session control and replay come from the session's client only")
-        if session.room.locked():
-            raise QuotaExceededError(
-                f"session {session_id[:MAX_ID_LENGTH]!r} already has {self.config.max_queued_steps} steps waiting"
-            )
-        await session.room.acquire()  # free, so this does not wait
-        session.inbox.put_nowait((request, metadata))
-
-    async def _push(self, session: ServerSession, output: torch.Tensor, reply: dict) -> None:
-        request = runtime_pb2.ExpertRequest(
-            tensors=[tensor_to_proto(output, session.output_codec)],
-            metadata=pack_metadata({**reply, "session_id": session.session_id}),
-        )
-        if session.lane_next is not None and session.lane_out is not None:
-            await self._push_lane(session, request)
-            return
-        if session.push_outbox is None:
-            outbox: asyncio.Queue = asyncio.Queue()
-            try:
-                responses = await asyncio.wait_for(
-                    self.p2p.iterate_protobuf_handler(
-                        PeerID.from_base58(session.next_peer),
-                        RPC_PUSH_STREAM,
-                        drain(outbox, END_OF_SESSION),
-                        runtime_pb2.ExpertResponse,
-                    ),
-                    timeout=self.config.peer_timeout_s,
+    async def _open(self, session: ServerSession) -> Channel:
+        try:
+            async with asyncio.timeout(self.peer_timeout_s):
+                if session.lane_next is not None and session.lane_out is not None:
+                    stream = await lane.connect(
+                        session.lane_next,
+                        lane.ROLE_SEND,
+                        session.session_id,
+                        session.lane_out,
+                        max_frame_bytes=self.max_frame_bytes,
+                    )
+                    return LaneChannel(stream, "answer on a data lane")
+                return await open_stream(
+                    self.p2p, session.next_peer, rpc.PUSH_STREAM, max_frame_bytes=self.max_frame_bytes
                 )
-            except Exception as exc:
-                logger.debug("push stream to %s failed: %r", session.next_peer, exc)
-                raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {exc!r}") from None
-            session.push_outbox = outbox
-            session.push_reader = asyncio.create_task(self._read_push_errors(session, responses))
-        session.push_outbox.put_nowait(request)
+        except Exception as exc:
+            logger.debug("push channel to %s failed: %r", session.next_peer, exc)
+            message = exc.message if isinstance(exc, NesaError) else repr(exc)
+            raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {message}") from None
 
-    async def _read_push_errors(self, session: ServerSession, responses) -> None:
-        """The next node answers a push stream only to refuse a step; report that to the client. The stream
-        ending while the session still pushes on it means the next node is gone: report that at once, so the
-        client replaces it now rather than when its step deadline passes."""
+    async def _read_answers(self, session: ServerSession, channel: Channel) -> None:
+        """The next node's refusals, reported to the client; then the channel's end, if the session still uses it."""
         try:
-            async for response in responses:
-                metadata = unpack_metadata(response.metadata)
-                if "error" in metadata:
-                    error = error_from_metadata(metadata)
+            while (answer := await channel.receive()) is not None:
+                message = read(answer, PUSH_ANSWERS)
+                if isinstance(message, ErrorReply):
+                    error = message.error()
                     if isinstance(error, SessionNotFoundError):  # it dropped the session (moved, restarted): failed
                         error = PeerUnavailableError(f"next node {session.next_peer} lost the session: {error.message}")
-                    session.inbox.put_nowait((None, {"_error": error}))
+                    session.report(error)
             ending = "ended"
         except Exception as exc:
             ending = f"failed: {exc!r}"
-        logger.debug("push stream of session %s %s", session.session_id, ending)
-        if session.push_reader is asyncio.current_task() and self.sessions.get(session.session_id) is session:
-            session.push_outbox = session.push_reader = None  # a later push opens a new stream
-            error = PeerUnavailableError(f"next node {session.next_peer}: push stream {ending}")
-            session.inbox.put_nowait((None, {"_error": error}))
+        logger.debug("push channel of session %s %s", session.session_id, ending)
+        if session.downstream is channel and self.sessions.get(session.session_id) is session:
+            session.downstream = session.downstream_reader = None  # a later push opens a new channel
+            channel.close()
+            session.report(PeerUnavailableError(f"next node {session.next_peer}: push channel {ending}"))
 
 
-__all__ = ["PushServing"]
+__all__ = ["PushSender"]

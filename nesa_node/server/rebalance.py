@@ -2,7 +2,7 @@
 
 Every `rebalance_period_s` (jittered by +-JITTER, from a generator seeded with the peer id, so nodes started together
 do not read the DHT in step) the Rebalancer reads the swarm's NodeInfo records, builds the snapshot a client would
-(client.views.build_snapshot, with this node's own record as it is now) and decides with the pure planners of
+(swarm_view.build_snapshot, with this node's own record as it is now) and decides with the pure planners of
 sharding/balancing.py:
 
 1. A coverage hole (a block no online node serves) always counts: `cover_hole` names the one node to move.
@@ -17,11 +17,7 @@ record keeps the plan stable: draining with its old span (the hole planner may s
 stays the one picked), then joining with its new span, which the planners count as served (a node loading blocks
 will serve them within seconds; counting it as absent would send a second node to the same blocks).
 
-Moving (`Rebalancer.move`): announce draining and refuse new sessions; let the sessions in flight finish for up to
-`drain_timeout_s` (a hole move ends them at once: while a block has no server, no chain through it can go on), then
-end the rest after their queued steps (their clients fail over and replay); release the old span, announce joining
-with the new one, load it, rebuild the KV cache budget for it, announce online. If loading fails, the node reloads
-its old span.
+Moving is the node's own (`Node.move_to`, server/node.py): drain, release the old span, load the new one.
 """
 
 from __future__ import annotations
@@ -52,7 +48,6 @@ TRIGGERS = ("homology", "load-cv", "periodic", "off")
 JITTER = 0.25  # share of the period each wait varies by (guess: spreads a swarm's reads over half a period)
 CONFIRM = 0.25  # a planned mover re-reads within this share of the period before moving (guess, as JITTER)
 CALIBRATION_SNAPSHOTS = 5  # snapshots behind the homology change threshold (10 pairs; topology/life.py uses 20)
-END_SESSIONS_S = 5.0  # for sessions to close once ended: their queued steps (guess: a few decode steps)
 
 __all__ = ["CalibratedHomologyTrigger", "Rebalancer", "TRIGGERS", "make_trigger", "planning_snapshot"]
 
@@ -113,8 +108,8 @@ def _seed(peer_id: str) -> int:
 
 
 class Rebalancer:
-    """Lives as a task of the node (run/shutdown). `node` is the daemon (server.node.Node): its records, its handler
-    and its span are what this changes."""
+    """Decides when the node moves; lives as a task of the node (run). `node` is the daemon (server.node.Node): this
+    reads its records and calls its `move_to`, which does the moving."""
 
     def __init__(self, node, trigger, *, num_blocks: int, period_s: float, drain_timeout_s: float):
         self.node = node
@@ -122,12 +117,10 @@ class Rebalancer:
         self.trigger_state = trigger.start()
         self.num_blocks = num_blocks
         self.period_s = period_s
-        self.drain_timeout_s = drain_timeout_s
+        self.drain_timeout_s = drain_timeout_s  # what a throughput move lets sessions take to finish (node.move_to)
         self.rng = np.random.default_rng(_seed(node.peer_id))
         self.episode = False  # the trigger fired and throughput moves are being planned
-        self.moves: list[dict] = []  # what this node did: {from, to, reason, drained_s, seconds}
         self._stopped = asyncio.Event()
-        self._lock = asyncio.Lock()  # one move at a time (the periodic check or a move asked by the operator)
         self._started = time.monotonic()
 
     # ---- deciding ----------------------------------------------------------------------------------------
@@ -135,7 +128,8 @@ class Rebalancer:
     async def read_swarm(self) -> list[NodeInfo]:
         """Every record under the model key, this node's own replaced by its live record."""
         node = self.node
-        records = await asyncio.wait_for(fetch_node_infos(node.dht, node.dht_prefix), node.config.peer_timeout_s)
+        timeout_s = node.config.network.peer_timeout_s
+        records = await asyncio.wait_for(fetch_node_infos(node.dht, node.dht_prefix), timeout_s)
         infos = [record.info for record in records if record.info.peer_id != node.peer_id]
         return [*infos, node.current_info()]
 
@@ -165,7 +159,7 @@ class Rebalancer:
 
     async def check(self) -> Move | None:
         """One round: read, decide, confirm after a random delay, move. Returns the move made, if any."""
-        if self._lock.locked():  # a move is under way (one asked by the operator)
+        if self.node.moving:  # a move is under way (one asked by the operator)
             return None
         now = time.monotonic() - self._started
         move, reason = await asyncio.to_thread(self.decide, await self.read_swarm(), now)  # homology: numpy/gudhi
@@ -182,10 +176,13 @@ class Rebalancer:
         if confirmed is None or confirmed.to_start != move.to_start:
             logger.debug("planned move to block %d no longer holds on a second read", move.to_start)
             return None
-        await self.move(confirmed.to_start, reason=reason)
+        await self.node.move_to(confirmed.to_start, reason=reason, drain_timeout_s=self.drain_timeout_s)
         return confirmed
 
-    async def run(self) -> None:
+    async def run(self, stopped: asyncio.Event | None = None) -> None:
+        """Check every period (jittered) until `stopped` is set or shutdown() is called."""
+        if stopped is not None:
+            self._stopped = stopped
         while not self._stopped.is_set():
             wait = self.period_s * self.rng.uniform(1.0 - JITTER, 1.0 + JITTER)
             with contextlib.suppress(TimeoutError):
@@ -198,58 +195,3 @@ class Rebalancer:
 
     async def shutdown(self) -> None:
         self._stopped.set()
-
-    # ---- moving ------------------------------------------------------------------------------------------
-
-    async def move(self, start: int, *, reason: str = "operator") -> None:
-        """Serve blocks [start, start + span length) instead (see the module docstring). Raises ValueError for a
-        span outside the model."""
-        node = self.node
-        length = node.end_block - node.start_block
-        if not 0 <= start <= self.num_blocks - length:
-            raise ValueError(f"a span of {length} blocks cannot start at block {start} of {self.num_blocks}")
-        async with self._lock:
-            if start == node.start_block:
-                return
-            began = time.monotonic()
-            old = (node.start_block, node.end_block)
-            logger.info("moving from blocks %d:%d to %d:%d (%s)", *old, start, start + length, reason)
-            handler = node.handler
-            handler.draining = True
-            node.state = NodeState.draining
-            await self._announce()
-            if handler.sessions and reason != "hole":
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(handler.idle.wait(), timeout=self.drain_timeout_s)
-            drained_s = time.monotonic() - began
-            ended = len(handler.sessions)
-            if ended:  # ends each after the steps already queued; their clients fail over
-                await handler.shutdown()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(handler.idle.wait(), timeout=END_SESSIONS_S)
-                handler.drop_sessions()  # any still open (a step stuck in compute) lose their cache now
-            node.release_span()
-            node.start_block, node.end_block = start, start + length
-            node.state = NodeState.joining
-            await self._announce()
-            try:
-                await node.load_span(start, start + length)
-            except Exception as exc:
-                logger.error("loading blocks %d:%d failed (%r); reloading %d:%d", start, start + length, exc, *old)
-                node.start_block, node.end_block = old
-                await node.load_span(*old)
-            handler.draining = False
-            seconds = time.monotonic() - began
-            self.moves.append(
-                {"from": old, "to": (node.start_block, node.end_block), "reason": reason, "drained_s": drained_s}
-                | {"ended_sessions": ended, "seconds": seconds}
-            )
-            node.state = NodeState.online
-            await self._announce()
-            logger.info("now serving blocks %d:%d (move took %.1f s)", node.start_block, node.end_block, seconds)
-
-    async def _announce(self) -> None:
-        try:
-            await asyncio.wait_for(self.node.announce(), timeout=self.node.config.peer_timeout_s)
-        except Exception as exc:  # the announce loop stores the record again next period
-            logger.debug("announcement during a move failed: %r", exc)

@@ -19,6 +19,7 @@ def default_cache_path() -> Path:
     return Path.home() / ".cache" / "nesa-node" / "throughput.json"
 
 
+@torch.inference_mode()
 def measure(span) -> dict[str, float]:
     """Tokens/s of the span: forward (a 128-token chunk) and inference (one token at a time, with cache)."""
     hidden = torch.randn(*FORWARD_SHAPE, span.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import replace
 
 from nesa_node.bootstrap import BootstrapPeer
+from nesa_node.client.model import LoopThread
+from nesa_node.client.swarm import Swarm
 from nesa_node.errors import NoRouteError
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.node import Node
@@ -32,18 +33,15 @@ class LocalSwarm:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     def start_node(self, model_path: str, start: int, end: int, **settings) -> Node:
-        config = NodeConfig(
-            model_path=model_path,
-            start_block=start,
-            end_block=end,
+        config = NodeConfig(model_path=model_path, start_block=start, end_block=end).with_settings(
             initial_peers=tuple(self.initial_peers),
             measure_throughput=False,
             announce_period_s=2.0,
             # in-process nodes move only in the tests about moving (test_rebalance.py asks for it): the other tests
             # build exact layouts (spares, holes, one node per span) that a move would change under them
-            rebalance="off",
+            trigger="off",
         )
-        config = replace(config, **settings)
+        config = config.with_settings(**settings)
         node = self.run(Node.create(config))
         self.run(node.start())
         self.nodes.append(node)
@@ -100,3 +98,37 @@ def wait_until(predicate, timeout_s: float = 10.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         time.sleep(0.05)
+
+
+class SyncSwarm:
+    """A client Swarm (nesa_node.client.swarm) on a loop thread of its own, for tests that read synchronously."""
+
+    def __init__(self, initial_peers: list[str], *, dht_prefix: str) -> None:
+        self.runner = LoopThread("test-client-loop")
+        try:
+            self.swarm = self.runner.call(Swarm.create(list(initial_peers), dht_prefix=dht_prefix), timeout=60)
+        except BaseException:
+            self.runner.stop()
+            raise
+
+    @property
+    def dht(self):
+        return self.swarm.dht
+
+    def call(self, coroutine, timeout: float | None = 60.0):
+        return self.runner.call(coroutine, timeout=timeout)
+
+    def node_records(self, fresh: bool = False):
+        return self.call(self.swarm.node_records(fresh))
+
+    def close(self) -> None:
+        try:
+            self.call(self.swarm.close(), timeout=30)
+        finally:
+            self.runner.stop()
+
+    def __enter__(self) -> SyncSwarm:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()

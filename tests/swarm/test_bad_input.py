@@ -7,9 +7,11 @@ same blocks, while the node holds no session but the honest one.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import dataclass
 
+import msgpack
 import pytest
 import torch
 from hivemind.p2p import P2P, PeerID
@@ -17,18 +19,11 @@ from hivemind.proto import runtime_pb2
 from hivemind.proto.p2pd_pb2 import RPCError
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.protocol import lane
-from nesa_node.protocol.wire import (
-    RPC_INFERENCE,
-    RPC_LANE_TICKET,
-    RPC_PUSH,
-    drain,
-    pack_metadata,
-    tensor_to_proto,
-    unpack_metadata,
-)
+from nesa_node.client.model import SyncSession
+from nesa_node.protocol import lane, rpc
+from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
+from nesa_node.server.node import max_frame_bytes
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 from tests.support.swarm import wait_for_chain, wait_until
 
@@ -48,10 +43,12 @@ _END = object()
 @dataclass
 class Target:
     node: object
-    honest: RemoteInferenceSession
+    honest: SyncSession
     reference: object  # the same blocks, run locally
     reference_cache: object
     attacker: DistributedModelForCausalLM  # a second client: another peer id, so quotas are its own
+    honest_client: DistributedModelForCausalLM
+    chain: object
 
     @property
     def p2p(self) -> P2P:
@@ -62,7 +59,7 @@ class Target:
         return PeerID.from_base58(self.node.peer_id)
 
     def call(self, coroutine, timeout: float = 30.0):
-        return self.attacker.swarm.call(coroutine, timeout=timeout)
+        return self.attacker.call(coroutine, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +73,11 @@ def target(module_swarm, tiny_llama):
     )
     try:
         chain = wait_for_chain(honest_client)
-        honest = RemoteInferenceSession(honest_client.swarm, chain, batch=1, max_length=64).open()
+        honest = honest_client.session_on(chain, batch=1, max_length=64, failover=False)
         reference = load_block_span(tiny_llama, SpanSpec(0, 4))
-        yield Target(node, honest, reference, reference.new_cache(), attacker)
-        honest.close()
+        target = Target(node, honest, reference, reference.new_cache(), attacker, honest_client, chain)
+        yield target
+        target.honest.close()
     finally:
         attacker.close()
         honest_client.close()
@@ -89,34 +87,56 @@ def target(module_swarm, tiny_llama):
 def others_undisturbed(target):
     """After each test: the honest session's next step is still right, and no other session lingers."""
     yield
+    if target.honest.position == target.honest.max_length:  # a full session: the honest client opens another
+        target.honest.close()
+        target.honest = target.honest_client.session_on(target.chain, batch=1, max_length=64, failover=False)
+        target.reference_cache = target.reference.new_cache()
     hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(target.honest.position))
     expected = target.reference(hidden, target.reference_cache, target.honest.position)
     assert torch.allclose(target.honest.step(hidden), expected, atol=1e-5)
-    wait_until(lambda: set(target.node.handler.sessions) == {target.honest.session_id})
-    honest_bytes = target.node.handler.sessions[target.honest.session_id].reserved_bytes
+    wait_until(lambda: set(target.node.sessions.sessions) == {target.honest.session_id})
+    honest_bytes = target.node.sessions.get(target.honest.session_id).reserved_bytes
     assert target.node.budget.used_bytes == honest_bytes
 
 
 # ---- helpers --------------------------------------------------------------------------------------------------
 
 
+def message(fields: dict, tensors: list | None = None) -> runtime_pb2.ExpertRequest:
+    """A frame with `fields` as its message, written by hand (as a hostile peer would) rather than by the models."""
+    return runtime_pb2.ExpertRequest(tensors=tensors or [], metadata=msgpack.packb(fields))
+
+
+def answer_of(response) -> dict:
+    """The message of a node's answer, as the map it sent."""
+    return msgpack.unpackb(response.metadata) if response.metadata else {}
+
+
+def is_error(answer: dict) -> bool:
+    return answer.get("kind") == "error"
+
+
 def opening(**changes) -> runtime_pb2.ExpertRequest:
-    metadata = {"session_id": uuid.uuid4().hex, "blocks": [0, 1, 2, 3], "batch": 1, "max_length": 16, **changes}
-    return runtime_pb2.ExpertRequest(metadata=pack_metadata(metadata))
+    fields = {"kind": "open", "session_id": uuid.uuid4().hex, "start_block": 0, "end_block": 4, "batch": 1}
+    return message({**fields, "max_length": 16, **changes})
 
 
 def step(position: int, hidden: torch.Tensor | None = None, **changes) -> runtime_pb2.ExpertRequest:
     if hidden is None:
         hidden = torch.randn(1, 1, HIDDEN)
-    return runtime_pb2.ExpertRequest(
-        tensors=[tensor_to_proto(hidden)],
-        metadata=pack_metadata({"step_id": f"s:{position}", "position": position, **changes}),
-    )
+    fields = {"kind": "step", "step_id": f"s:{position}", "position": position, **changes}
+    return message(fields, [tensor_to_proto(hidden)])
 
 
 def raw_tensor(shape: list[int], buffer: bytes, dtype: str = "float32") -> runtime_pb2.ExpertRequest:
     tensor = runtime_pb2.Tensor(buffer=buffer, size=shape, dtype=dtype, compression=runtime_pb2.CompressionType.NONE)
-    return runtime_pb2.ExpertRequest(tensors=[tensor], metadata=pack_metadata({"step_id": "s:0", "position": 0}))
+    return message({"kind": "step", "step_id": "s:0", "position": 0}, [tensor])
+
+
+async def drain(queue: asyncio.Queue, end: object):
+    """The items of `queue` until `end`: the request side of a stream."""
+    while (item := await queue.get()) is not end:
+        yield item
 
 
 def converse(target: Target, messages, *, answers: int | None = None, until=None, timeout: float = 20.0) -> list[dict]:
@@ -132,13 +152,13 @@ def converse(target: Target, messages, *, answers: int | None = None, until=None
         else:
             outbox, requests = None, messages
         stream = await target.p2p.iterate_protobuf_handler(
-            target.peer, RPC_INFERENCE, requests, runtime_pb2.ExpertResponse
+            target.peer, rpc.INFERENCE, requests, runtime_pb2.ExpertResponse
         )
         received = []
         try:
             async with asyncio.timeout(timeout):
                 async for response in stream:
-                    received.append(unpack_metadata(response.metadata))
+                    received.append(answer_of(response))
                     if answers is not None and len(received) == answers:
                         break
                     if until is not None and until(received[-1]):  # the client stops here, still writing
@@ -158,7 +178,7 @@ def refusal(target: Target, messages, *, answers: int) -> dict:
     """The last of `answers` answers, which must be a typed error."""
     received = converse(target, messages, answers=answers)
     assert len(received) == answers, received
-    assert "error" in received[-1], received
+    assert is_error(received[-1]), received
     return received[-1]
 
 
@@ -166,7 +186,7 @@ def raw_frame(target: Target, frame: bytes) -> str:
     """Write bytes on a fresh inference stream; the text of the error frame the node answers with."""
 
     async def run() -> str:
-        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, RPC_INFERENCE)
+        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, rpc.INFERENCE)
         try:
             writer.write(frame)
             await writer.drain()
@@ -193,7 +213,7 @@ async def held_stream(target: Target, first: runtime_pb2.ExpertRequest):
         yield first
 
     return await target.p2p.iterate_protobuf_handler(
-        target.peer, RPC_INFERENCE, hold_open(), runtime_pb2.ExpertResponse
+        target.peer, rpc.INFERENCE, hold_open(), runtime_pb2.ExpertResponse
     )
 
 
@@ -206,7 +226,7 @@ def frame(payload: bytes, declared: int | None = None) -> bytes:
 
 
 def test_d_frame_larger_than_the_limit_is_refused_before_it_is_read(target):
-    limit = target.node.handler.max_message_bytes
+    limit = max_frame_bytes(target.node.config, HIDDEN)
     assert limit == 64 * HIDDEN * 4 + 16 * 1024 + 1024
     # a header declaring 1 TiB followed by a few bytes: the node must answer without waiting for the rest
     message = raw_frame(target, frame(b"\x0a\x00", declared=1 << 40))
@@ -230,11 +250,11 @@ def test_d_endless_stream_ends_with_a_typed_error(target):
             position += 1
 
     received = converse(target, endless(), until=lambda answer: "session closed" in answer.get("message", ""))
-    assert received[0].get("ok") is True
-    served = [answer for answer in received[1:] if "error" not in answer]
-    refused = [answer for answer in received[1:] if "error" in answer]
+    assert received[0]["kind"] == "opened"
+    served = [answer for answer in received[1:] if not is_error(answer)]
+    refused = [answer for answer in received[1:] if is_error(answer)]
     assert len(served) == 8, received
-    assert [answer["error"] for answer in refused] == ["bad_request"] * (LIMITS["max_step_errors"] + 1)
+    assert [answer["code"] for answer in refused] == ["bad_request"] * (LIMITS["max_step_errors"] + 1)
     assert "over the session's max_length" in refused[0]["message"]
     assert refused[-1]["message"] == f"{LIMITS['max_step_errors']} refused steps in a row; session closed"
 
@@ -243,36 +263,47 @@ def test_d_endless_stream_ends_with_a_typed_error(target):
 
 
 @pytest.mark.parametrize(
-    "raw",
-    [b"\x93\x01\x02\x03", pack_metadata({str(key): key for key in range(40)}), pack_metadata({1: "a"}), b"\xc1"],
-    ids=["a list", "forty keys", "integer keys", "not msgpack"],
+    ("raw", "message"),
+    [
+        (b"\x93\x01\x02\x03", "a message is a map with a 'kind', got tuple"),
+        (msgpack.packb({str(key): key for key in range(40)}), "Unable to extract tag using discriminator 'kind'"),
+        (msgpack.packb({1: "a"}), "not valid msgpack"),
+        (b"\xc1", "not valid msgpack"),
+        (b"\xd4\x01\x00", "extension type 1 is not accepted"),
+        (msgpack.packb({"kind": "open", "x": [[[[[1]]]]]}), "nested deeper than 4 levels"),
+    ],
+    ids=["a list", "forty keys", "integer keys", "not msgpack", "extension type", "deep nesting"],
 )
-def test_d_metadata_that_is_not_a_small_map(target, raw):
+def test_d_metadata_that_is_not_a_small_map(target, raw, message):
     error = refusal(target, [runtime_pb2.ExpertRequest(metadata=raw)], answers=1)
-    assert error["error"] == "bad_request"
-    assert "small map" in error["message"] or "not valid msgpack" in error["message"]
+    assert error["code"] == "bad_request"
+    assert message in error["message"]
 
 
 @pytest.mark.parametrize(
     ("blocks", "message"),
     [
-        ([0, 1, 2, 9], "unknown block 9: the model has blocks 0..3"),
-        ([-1, 0, 1, 2], "unknown block -1: the model has blocks 0..3"),
-        ([], "blocks must be a list of 1..4 block ids"),
-        ([0, 1, 2, True], "blocks must be a list of 1..4 block ids"),
+        ((0, 10), "unknown block 9: the model has blocks 0..3"),
+        ((-1, 3), "start_block: Input should be greater than or equal to 0"),
+        ((2, 2), "start_block 2 must be below end_block 2"),
+        ((3, 1), "start_block 3 must be below end_block 1"),
+        ((0, True), "end_block: Input should be a valid integer"),
     ],
-    ids=["past the model", "negative", "empty", "not integers"],
+    ids=["past the model", "negative", "empty", "descending", "not integers"],
 )
-def test_d_unknown_block_ids(target, blocks, message):
-    error = refusal(target, [opening(blocks=blocks)], answers=1)
-    assert (error["error"], error["message"]) == ("bad_request", message)
+def test_d_unknown_or_empty_block_ranges(target, blocks, message):
+    error = refusal(target, [opening(start_block=blocks[0], end_block=blocks[1])], answers=1)
+    assert error["code"] == "bad_request"
+    assert message in error["message"]
 
 
-@pytest.mark.parametrize("blocks", [[0, 1, 3, 2], [0, 2, 3], [3, 2, 1, 0]], ids=["swapped", "gap", "descending"])
-def test_d_non_contiguous_block_ids(target, blocks):
-    error = refusal(target, [opening(blocks=blocks)], answers=1)
-    assert error["error"] == "bad_request"
-    assert error["message"].startswith("blocks must be contiguous and ascending")
+def test_d_blocks_as_a_list_are_an_unknown_key(target):
+    """Blocks travel as a range [start_block, end_block): a list of ids cannot even be non-contiguous."""
+    fields = msgpack.unpackb(opening().metadata)
+    del fields["start_block"], fields["end_block"]
+    error = refusal(target, [message({**fields, "blocks": [0, 2, 3]})], answers=1)
+    assert error["code"] == "bad_request"
+    assert "blocks: Extra inputs are not permitted" in error["message"]
 
 
 # ---- tensors ------------------------------------------------------------------------------------------------------
@@ -281,7 +312,7 @@ def test_d_non_contiguous_block_ids(target, blocks):
 @pytest.mark.parametrize("dtype", ["float64", "int64", "uint8", "bool", ""])
 def test_d_tensor_dtype_outside_the_allowed_set(target, dtype):
     error = refusal(target, [opening(), raw_tensor([1, 1, HIDDEN], bytes(8 * HIDDEN), dtype)], answers=2)
-    assert error["error"] == "bad_request"
+    assert error["code"] == "bad_request"
     assert error["message"].startswith(f"dtype {dtype!r} is not allowed")
 
 
@@ -289,14 +320,14 @@ def test_d_tensor_dtype_outside_the_allowed_set(target, dtype):
 def test_d_declared_shape_does_not_match_the_buffer(target, shape):
     one_token = bytes(4 * HIDDEN)
     error = refusal(target, [opening(), raw_tensor(shape, one_token)], answers=2)
-    assert error["error"] == "bad_request"
+    assert error["code"] == "bad_request"
     assert "needs" in error["message"] and f"payload has {len(one_token)} bytes" in error["message"]
 
 
 def test_d_element_count_over_the_limit(target):
     # the declared size alone is refused: the buffer holds one token, not 2**24
     error = refusal(target, [opening(), raw_tensor([1, 1 << 24, HIDDEN], bytes(4 * HIDDEN))], answers=2)
-    assert error["error"] == "bad_request"
+    assert error["code"] == "bad_request"
     assert f"exceeds the limit of {64 * HIDDEN} elements" in error["message"]
     error = refusal(target, [opening(max_length=64), step(0, torch.randn(1, 65, HIDDEN))], answers=2)
     assert f"exceeds the limit of {64 * HIDDEN} elements" in error["message"]
@@ -305,13 +336,13 @@ def test_d_element_count_over_the_limit(target):
 @pytest.mark.parametrize("shape", [[HIDDEN], [1, HIDDEN], [1, 1, 1, HIDDEN]])
 def test_d_wrong_rank(target, shape):
     error = refusal(target, [opening(), raw_tensor(shape, bytes(4 * HIDDEN))], answers=2)
-    assert error["error"] == "bad_request"
+    assert error["code"] == "bad_request"
     assert error["message"].startswith("expected a tensor of rank 3")
 
 
 def test_d_wrong_hidden_size(target):
     error = refusal(target, [opening(), step(0, torch.randn(1, 2, HIDDEN // 2))], answers=2)
-    assert (error["error"], error["message"]) == (
+    assert (error["code"], error["message"]) == (
         "bad_request",
         f"hidden size {HIDDEN // 2} does not match the model's {HIDDEN}",
     )
@@ -322,7 +353,7 @@ def test_d_nan_or_inf_in_hidden_states(target, value):
     hidden = torch.randn(1, 3, HIDDEN)
     hidden[0, 1, 7] = value
     error = refusal(target, [opening(), step(0, hidden)], answers=2)
-    assert (error["error"], error["message"]) == ("bad_request", "hidden states contain NaN or Inf")
+    assert (error["code"], error["message"]) == ("bad_request", "hidden states contain NaN or Inf")
 
 
 # ---- session state ------------------------------------------------------------------------------------------------
@@ -330,22 +361,26 @@ def test_d_nan_or_inf_in_hidden_states(target, value):
 
 def test_d_max_length_over_the_node_limit(target):
     error = refusal(target, [opening(max_length=LIMITS["max_length"] + 1)], answers=1)
-    assert (error["error"], error["message"]) == ("bad_request", "max_length must be in 1..64, got 65")
+    assert (error["code"], error["message"]) == ("bad_request", "max_length must be in 1..64, got 65")
 
 
 def test_d_position_before_0_or_past_the_prefix(target):
     received = converse(target, [opening(), step(0), step(-1), step(2), step(0, step_id="again"), step(1)], answers=6)
-    assert received[0]["ok"] and "error" not in received[1]
-    for refused in received[2:5]:
-        assert refused["error"] == "bad_request"
+    assert received[0]["kind"] == "opened" and not is_error(received[1])
+    assert (received[2]["code"], received[2]["message"]) == (
+        "bad_request",
+        "step message: position: Input should be greater than or equal to 0",
+    )
+    for refused in received[3:5]:
+        assert refused["code"] == "bad_request"
         assert refused["message"].startswith("step at position") and "cache holds 1" in refused["message"]
-    assert "error" not in received[5] and received[5]["position"] == 1  # the session went on undisturbed
+    assert not is_error(received[5]) and received[5]["position"] == 1  # the session went on undisturbed
 
 
 def test_d_batch_size_changed_mid_session(target):
     received = converse(target, [opening(batch=2), step(0, torch.randn(2, 1, HIDDEN)), step(1)], answers=3)
-    assert "error" not in received[1]
-    assert (received[2]["error"], received[2]["message"]) == (
+    assert not is_error(received[1])
+    assert (received[2]["code"], received[2]["message"]) == (
         "bad_request",
         "batch of 1 rows in a session opened with 2",
     )
@@ -357,15 +392,15 @@ def test_d_duplicate_session_id(target):
     async def run():
         stream = await held_stream(target, first)  # the first session stays open while a second tries the same id
         try:
-            opened = unpack_metadata((await anext(stream)).metadata)
-            assert opened.get("ok") is True
+            opened = answer_of(await anext(stream))
+            assert opened["kind"] == "opened"
             return await asyncio.to_thread(refusal, target, [first], answers=1)
         finally:
             await stream.aclose()
 
     error = target.call(run())
-    assert error["error"] == "bad_request"
-    assert error["message"] == f"session {unpack_metadata(first.metadata)['session_id']!r} is already open on this node"
+    assert error["code"] == "bad_request"
+    assert error["message"] == f"session {msgpack.unpackb(first.metadata)['session_id']!r} is already open on this node"
 
 
 def test_d_push_from_a_peer_that_is_not_the_upstream(target):
@@ -376,15 +411,15 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
     async def run():
         stream = await held_stream(target, opening(session_id=session_id, upstream=upstream))
         try:
-            assert unpack_metadata((await anext(stream)).metadata).get("ok") is True
+            assert answer_of(await anext(stream))["kind"] == "opened"
             push = step(0, session_id=session_id)
-            response = await target.p2p.call_protobuf_handler(target.peer, RPC_PUSH, push, runtime_pb2.ExpertResponse)
-            return unpack_metadata(response.metadata)
+            response = await target.p2p.call_protobuf_handler(target.peer, rpc.PUSH, push, runtime_pb2.ExpertResponse)
+            return answer_of(response)
         finally:
             await stream.aclose()
 
     error = target.call(run())
-    assert (error["error"], error["message"]) == ("bad_request", "push from a peer that is not this session's upstream")
+    assert (error["code"], error["message"]) == ("bad_request", "push from a peer that is not this session's upstream")
 
 
 # ---- data lanes ---------------------------------------------------------------------------------------------------
@@ -393,16 +428,19 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"in": "zz" * 32}, "lane key 'in' is not hex"),
-        ({"out": "ab"}, "lane key 'out' must be 64 hex characters"),
-        ({"next": "example.com:80"}, "lane address 'example.com:80' is not 'ip:port'"),
-        ({"sideways": 1}, "unknown lane settings ['sideways']"),
-        ("in", "metadata field 'lane' must be dict/NoneType"),
+        ({"in": "zz" * 32}, "open message: lane.in: String should match pattern '^[0-9a-fA-F]+$'"),
+        ({"out": "ab"}, "open message: lane.out: String should have at least 64 characters"),
+        (
+            {"next": "example.com:80"},
+            "open message: lane.next: Value error, lane address 'example.com:80' is not 'ip:port'",
+        ),
+        ({"sideways": 1}, "open message: lane.sideways: Extra inputs are not permitted"),
+        ("in", "open message: lane: Input should be a valid dictionary or instance of LaneSettings"),
     ],
 )
 def test_d_malformed_lane_settings_at_open(target, settings, message):
     error = refusal(target, [opening(lane=settings)], answers=1)
-    assert (error["error"], error["message"]) == ("bad_request", message)
+    assert (error["code"], error["message"]) == ("bad_request", message)
 
 
 def test_d_lane_connections_without_the_key_touch_no_session(target):
@@ -410,7 +448,7 @@ def test_d_lane_connections_without_the_key_touch_no_session(target):
     the honest session (which itself runs over lanes) goes on."""
     address = target.node.lane_address
     honest_id = target.honest.session_id
-    assert target.honest._links[0].send_lane is not None  # the honest client's steps do travel on a lane
+    assert target.honest.links.links[0].has_step_lane()  # the honest client's steps do travel on a lane
 
     async def run():
         host, port = lane.parse_address(address)
@@ -444,19 +482,20 @@ def test_d_a_lane_carries_steps_only(target):
         stream = await held_stream(target, opening(session_id=session_id, lane=settings))
         sender = receiver = None
         try:
-            assert unpack_metadata((await anext(stream)).metadata).get("ok") is True
+            assert answer_of(await anext(stream))["kind"] == "opened"
             sender = await lane.connect(target.node.lane_address, lane.ROLE_SEND, session_id, key_in)
             receiver = await lane.connect(target.node.lane_address, lane.ROLE_RECEIVE, session_id, key_out)
             answers = []
-            for payload in (step(0, control="history").SerializeToString(), b"\xff\xff not protobuf"):
+            control = message({"kind": "history", "position": 1})
+            for payload in (control.SerializeToString(), step(0, replay=True).SerializeToString(), b"\xff\xff not pb"):
                 sender.send(payload)
                 response = runtime_pb2.ExpertResponse()
                 response.ParseFromString(await asyncio.wait_for(sender.receive(), 10))
-                answers.append(unpack_metadata(response.metadata))
+                answers.append(answer_of(response))
             sender.send(step(0).SerializeToString())
             output = runtime_pb2.ExpertResponse()
             output.ParseFromString(await asyncio.wait_for(receiver.receive(), 10))
-            return answers, unpack_metadata(output.metadata), len(output.tensors)
+            return answers, answer_of(output), len(output.tensors)
         finally:
             for each in (sender, receiver):
                 if each is not None:
@@ -464,9 +503,10 @@ def test_d_a_lane_carries_steps_only(target):
             await stream.aclose()
 
     answers, output, tensors = target.call(run())
-    assert [(answer["error"], answer["message"]) for answer in answers] == [
-        ("bad_request", "session control and replay come on the session's stream, not a lane"),
-        ("bad_request", "unparseable step on a data lane"),
+    assert [(answer["code"], answer["message"]) for answer in answers] == [
+        ("bad_request", "history message: kind: Input should be 'step'; step_id: Field required"),
+        ("bad_request", "session control and replay come on the session's own stream only"),
+        ("bad_request", "unparseable frame on a data lane"),
     ]
     assert (output["step_id"], output["position"], tensors) == ("s:0", 0, 1)
 
@@ -476,9 +516,9 @@ def test_d_forward_lane_tickets_are_single_use_and_bound_to_their_key(target):
 
     async def ticket() -> dict:
         response = await target.p2p.call_protobuf_handler(
-            target.peer, RPC_LANE_TICKET, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
+            target.peer, rpc.LANE_TICKET, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
         )
-        return unpack_metadata(response.metadata)
+        return answer_of(response)
 
     async def run():
         issued = await ticket()
@@ -502,7 +542,8 @@ def test_d_forward_lane_tickets_are_single_use_and_bound_to_their_key(target):
         stream = await lane.connect(address, lane.ROLE_FORWARD, issued["ticket"], bytes.fromhex(issued["key"]))
         try:
             forward = runtime_pb2.ExpertRequest(
-                tensors=[tensor_to_proto(torch.randn(1, 3, HIDDEN))], metadata=pack_metadata({"blocks": [0, 1, 2, 3]})
+                tensors=[tensor_to_proto(torch.randn(1, 3, HIDDEN))],
+                metadata=msgpack.packb({"kind": "forward", "start_block": 0, "end_block": 4}),
             )
             stream.send(b"\x00garbage")
             stream.send(forward.SerializeToString())
@@ -510,7 +551,7 @@ def test_d_forward_lane_tickets_are_single_use_and_bound_to_their_key(target):
             for _ in range(2):
                 response = runtime_pb2.ExpertResponse()
                 response.ParseFromString(await asyncio.wait_for(stream.receive(), 10))
-                answers.append((unpack_metadata(response.metadata).get("error"), len(response.tensors)))
+                answers.append((answer_of(response).get("code"), len(response.tensors)))
         finally:
             stream.close()
         return outcomes, answers
@@ -526,9 +567,9 @@ def test_d_forward_lanes_per_peer_are_bounded(target):
 
     async def open_forward_lane() -> lane.SealedStream:
         response = await target.p2p.call_protobuf_handler(
-            target.peer, RPC_LANE_TICKET, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
+            target.peer, rpc.LANE_TICKET, runtime_pb2.ExpertRequest(), runtime_pb2.ExpertResponse
         )
-        issued = unpack_metadata(response.metadata)
+        issued = answer_of(response)
         return await asyncio.wait_for(
             lane.connect(issued["lane"], lane.ROLE_FORWARD, issued["ticket"], bytes.fromhex(issued["key"])), 10
         )
@@ -543,7 +584,7 @@ def test_d_forward_lanes_per_peer_are_bounded(target):
                 refused = True
             held.pop(0).close()
             for _ in range(100):  # the node notices the close on its next read
-                if target.node.handler.forward_lanes.get(target.attacker.swarm.peer_id, 0) < MAX_TICKETS_PER_PEER:
+                if target.node.lanes.forward_lanes.get(target.attacker.swarm.peer_id, 0) < MAX_TICKETS_PER_PEER:
                     break
                 await asyncio.sleep(0.05)
             held.append(await open_forward_lane())
@@ -571,10 +612,10 @@ def hold_sessions(target: Target, openings: list[runtime_pb2.ExpertRequest]) -> 
         try:
             for message in openings:
                 stream = await target.p2p.iterate_protobuf_handler(
-                    target.peer, RPC_INFERENCE, held(message), runtime_pb2.ExpertResponse
+                    target.peer, rpc.INFERENCE, held(message), runtime_pb2.ExpertResponse
                 )
                 streams.append(stream)
-                answers.append(unpack_metadata((await anext(stream)).metadata))
+                answers.append(answer_of(await anext(stream)))
             return answers
         finally:
             for stream in streams:
@@ -585,18 +626,86 @@ def hold_sessions(target: Target, openings: list[runtime_pb2.ExpertRequest]) -> 
 
 def test_d_more_sessions_than_the_per_peer_quota(target):
     answers = hold_sessions(target, [opening() for _ in range(LIMITS["max_sessions_per_peer"] + 1)])
-    assert all(answer.get("ok") for answer in answers[:-1])
-    assert answers[-1]["error"] == "quota"
+    assert all(answer["kind"] == "opened" for answer in answers[:-1])
+    assert answers[-1]["code"] == "quota"
     assert "3 open sessions here, the per-peer limit" in answers[-1]["message"]
 
 
 def test_d_more_cache_than_the_per_peer_quota(target):
     # 3 x 64 tokens per session: two fit the peer's 512-token share, the third does not (the node has room)
     answers = hold_sessions(target, [opening(batch=3, max_length=64) for _ in range(3)])
-    assert answers[0].get("ok") and answers[1].get("ok")
-    assert answers[-1]["error"] == "quota"
+    assert answers[0]["kind"] == answers[1]["kind"] == "opened"
+    assert answers[-1]["code"] == "quota"
     assert (
         "past its share of the node's cache (512 tokens of batch 1, of which 384 are reserved)"
         in answers[-1]["message"]
     )
     assert target.node.budget.tokens_left >= 3 * 64  # the node itself had room: the quota refused it
+
+
+# ---- every message kind: an unknown key, a wrong type, an oversized field ------------------------------------------
+
+LONG = "s" * 300
+SESSION_KINDS = {  # sent on a session stream, after a valid open (except the open itself)
+    "open": (
+        lambda: msgpack.unpackb(opening().metadata),
+        {"sideways": 1},
+        {"batch": "1"},
+        {"session_id": LONG},
+    ),
+    "step": (
+        lambda: {"kind": "step", "step_id": "s:0", "position": 0},
+        {"sideways": 1},
+        {"position": "0"},
+        {"step_id": LONG},
+    ),
+    "history": (lambda: {"kind": "history", "position": 1}, {"sideways": 1}, {"position": "1"}, {"position": 1 << 40}),
+    "retarget": (lambda: {"kind": "retarget"}, {"sideways": 1}, {"upstream": 5}, {"upstream": LONG}),
+}
+UNARY_KINDS = {  # unary RPCs: a pushed step and a cacheless forward
+    "push": (
+        rpc.PUSH,
+        lambda: {"kind": "step", "step_id": "s:0", "position": 0, "session_id": "x"},
+        {"session_id": LONG},
+    ),
+    "forward": (rpc.FORWARD, lambda: {"kind": "forward", "start_block": 0, "end_block": 4}, {"end_block": 1 << 20}),
+}
+EXPECTED = {
+    "unknown key": "sideways: Extra inputs are not permitted",
+    "wrong type": "Input should be a valid",
+    "oversized field": "should have at most|less than or equal to",
+}
+
+
+@pytest.mark.parametrize("variant", list(EXPECTED))
+@pytest.mark.parametrize("kind", list(SESSION_KINDS))
+def test_g_session_messages_refuse_unknown_keys_wrong_types_and_oversized_fields(target, kind, variant):
+    base, *changes = SESSION_KINDS[kind]
+    bad = message({**base(), **changes[list(EXPECTED).index(variant)]})
+    if kind == "open":
+        error = refusal(target, [bad], answers=1)
+    else:
+        error = refusal(target, [opening(), bad], answers=2)
+    assert error["code"] == "bad_request"
+    assert error["message"].startswith(f"{kind} message: ")
+    assert re.search(EXPECTED[variant], error["message"]), error["message"]
+
+
+@pytest.mark.parametrize("variant", list(EXPECTED))
+@pytest.mark.parametrize("kind", list(UNARY_KINDS))
+def test_g_unary_messages_refuse_unknown_keys_wrong_types_and_oversized_fields(target, kind, variant):
+    name, base, oversized = UNARY_KINDS[kind]
+    fields = base()
+    change = {"unknown key": {"sideways": 1}, "wrong type": {"start_block" if kind == "forward" else "position": "0"}}
+    fields.update(change.get(variant, oversized))
+    tensors = [tensor_to_proto(torch.randn(1, 1, HIDDEN))]
+
+    async def run() -> dict:
+        response = await target.p2p.call_protobuf_handler(
+            target.peer, name, message(fields, tensors), runtime_pb2.ExpertResponse
+        )
+        return answer_of(response)
+
+    error = target.call(run())
+    assert error["kind"] == "error" and error["code"] == "bad_request"
+    assert re.search(EXPECTED[variant], error["message"]), error["message"]

@@ -4,22 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import RemoteInferenceSession
+from nesa_node.client.session import InferenceSession
 from nesa_node.compression.codec import wire_bytes
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 from nesa_node.errors import BadRequestError
-from nesa_node.protocol.wire import (
-    RPC_FORWARD,
-    WireCodec,
-    pack_metadata,
-    raise_if_error,
-    tensor_to_proto,
-    unpack_metadata,
-)
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import frame, read
+from nesa_node.protocol.messages import FORWARD_ANSWERS, ErrorReply, ForwardRequest
+from nesa_node.protocol.tensors import WireCodec, tensor_to_proto
 from tests.support.swarm import wait_for_chain
 
 WIDE = TinyModelSpec(layers=2, hidden=1024, heads=8, kv_heads=8, intermediate=256, vocab=512, seed=3)
@@ -34,10 +28,14 @@ def wide_model(tmp_path_factory) -> str:
 def step_bytes(model: DistributedModelForCausalLM, codec: str) -> tuple[int, int]:
     """Serialized bytes the client sent and received for one decode step of batch 1 with `codec`."""
     chain = model.choose_chain(max_length=8)
-    session = RemoteInferenceSession(model.swarm, chain, batch=1, max_length=8, compression=WireCodec.of(codec))
-    with session.open():
-        session.step(torch.randn(1, 4, WIDE.hidden))  # prefill
-        session.step(torch.randn(1, 1, WIDE.hidden))  # one decode step
+    config = model.client.config.replace(compression=WireCodec.of(codec))
+    session = InferenceSession(model.swarm, chain, config, batch=1, max_length=8)
+    model.call(session.open())
+    try:
+        model.call(session.step(torch.randn(1, 4, WIDE.hidden)))  # prefill
+        model.call(session.step(torch.randn(1, 1, WIDE.hidden)))  # one decode step
+    finally:
+        model.call(session.close())
     last = session.timings[-1]
     return last.bytes_sent, last.bytes_received
 
@@ -61,33 +59,25 @@ def test_quantized_codecs_cut_the_bytes_of_a_decode_step(module_swarm, wide_mode
 
 
 def test_node_refuses_a_codec_it_does_not_accept(module_swarm, tiny_llama):
-    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="plain-only", compression=("none",))
-    assert node.current_info().compression == ("none",)
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="plain-only", codecs=("none",))
+    assert node.current_info().codecs == ("none",)
     hidden = torch.randn(1, 3, 64)
     codec = WireCodec.of("blockwise8")
-    request = runtime_pb2.ExpertRequest(
-        tensors=[tensor_to_proto(hidden, codec)],
-        metadata=pack_metadata({"blocks": [0, 1, 2, 3], "codec": codec.to_metadata()}),
-    )
+    request = frame(ForwardRequest(start_block=0, end_block=4, codec=codec), [tensor_to_proto(hidden, codec)])
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="plain-only"
     ) as model:
         wait_for_chain(model)
-        response = model.swarm.call(
-            model.swarm.p2p.call_protobuf_handler(
-                PeerID.from_base58(node.peer_id), RPC_FORWARD, request, runtime_pb2.ExpertResponse
-            )
-        )
-        metadata = unpack_metadata(response.metadata)
+        answer = read(model.call(model.swarm.unary(node.peer_id, rpc.FORWARD, request)), FORWARD_ANSWERS)
+        assert isinstance(answer, ErrorReply) and answer.code == "bad_request"
         with pytest.raises(BadRequestError, match="not accepted"):
-            raise_if_error(metadata)
-        assert metadata["error"] == "bad_request"
+            raise answer.error()
 
 
 def test_client_falls_back_to_none_for_nodes_without_its_codec(module_swarm, tiny_llama):
     """The client asks for dynamic8, but these nodes accept only none: the wire stays lossless."""
-    module_swarm.start_node(tiny_llama, 0, 2, dht_prefix="fallback", compression=("none",))
-    module_swarm.start_node(tiny_llama, 2, 4, dht_prefix="fallback", compression=("none",))
+    module_swarm.start_node(tiny_llama, 0, 2, dht_prefix="fallback", codecs=("none",))
+    module_swarm.start_node(tiny_llama, 2, 4, dht_prefix="fallback", codecs=("none",))
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama)

@@ -22,11 +22,10 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from nesa_node.bootstrap import BootstrapPeer
-from nesa_node.client.swarm import SwarmClient
 from nesa_node.protocol.dht import fetch_node_infos, model_key, store_node_info
 from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.records import NodeState
-from tests.support.swarm import LocalSwarm, wait_until
+from tests.support.swarm import LocalSwarm, SyncSwarm, wait_until
 
 
 def test_b_replayed_older_record_does_not_evict_the_newer_one(local_swarm, tiny_llama):
@@ -35,9 +34,11 @@ def test_b_replayed_older_record_does_not_evict_the_newer_one(local_swarm, tiny_
     assert newest.state == NodeState.online
     # an older record of the same node: correctly signed, but expiring before the one stored now
     stale = newest.model_copy(update={"state": NodeState.draining, "cache_tokens_left": 1})
-    stored = local_swarm.run(store_node_info(node.dht, node.dht_prefix, stale, node.signature_validator, ttl_s=5.0))
+    stored = local_swarm.run(
+        store_node_info(node.dht, node.dht_prefix, stale, node.peer.signature_validator, ttl_s=5.0)
+    )
     assert not stored  # every replica keeps the record with the later expiration
-    with SwarmClient(local_swarm.initial_peers, dht_prefix="replay") as swarm:
+    with SyncSwarm(local_swarm.initial_peers, dht_prefix="replay") as swarm:
         wait_until(lambda: any(r.info.peer_id == node.peer_id for r in swarm.node_records()), timeout_s=30)
         records = swarm.call(fetch_node_infos(swarm.dht, "replay"))
     (record,) = [record for record in records if record.info.peer_id == node.peer_id]
@@ -167,7 +168,7 @@ def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(ho
         for expiration in (float("nan"), float("inf"), now - 10, now + 10**6):
             assert not attacker.store(json.dumps(wire), expiration), expiration
         assert held_by(honest, attacker) == []
-        with SwarmClient(hostile_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
+        with SyncSwarm(hostile_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
             # on read: a replica that took a bad record anyway (planted in the peer nearest to the key, which
             # every read asks) does not get it past the reader
             key = DHTID.generate(source=model_key(PREFIX))
@@ -187,7 +188,7 @@ def test_b_schema_and_expiration_violations_are_rejected_on_store_and_on_read(ho
                 lambda: any(r.info.end_block == 999 for r in swarm.call(fetch_node_infos(swarm.dht, PREFIX))),
                 timeout_s=30,
             )
-            assert {view.peer_id for view in swarm.snapshot(num_blocks=4).nodes} == {node.peer_id}
+            assert {view.peer_id for view in swarm.call(swarm.swarm.snapshot(4)).nodes} == {node.peer_id}
     finally:
         attacker.close()
 
@@ -199,7 +200,7 @@ def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(hostile
     # the dying fifth: of the extra peers, the two nearest to the model key, i.e. replicas of its records
     key = DHTID.generate(source=model_key(PREFIX))
     dying = sorted(dht_peers.peers, key=lambda peer: peer.dht.node_id.xor_distance(key))[:2]
-    with SwarmClient(local_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
+    with SyncSwarm(local_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
         wait_until(lambda: first.peer_id in {r.info.peer_id for r in swarm.node_records()}, timeout_s=30)
         for peer in dying:
             dht_peers.kill(peer)

@@ -153,7 +153,7 @@ def test_forward_without_session_matches_full_model(swarm, tiny_models, lanes):
     with connect(swarm, path, "qwen2-k3") as model:
         chain = wait_for_chain(model, hops=3)
         if not lanes:  # as a client of nodes without data lanes sees them
-            model.swarm.lane_address = lambda peer_id: None
+            model.swarm.use_lanes = False
         with torch.inference_mode():
             logits = model(input_ids).logits
             again = model(input_ids).logits  # on the lanes kept open, when there are lanes
@@ -173,7 +173,7 @@ def test_a_chain_may_use_part_of_a_nodes_span(swarm, tiny_models, references):
         second = next(node for node in swarm.nodes if node.peer_id == chain.hops[1].peer_id)
         outside = Hop(second.peer_id, 0, 2)
         with pytest.raises(BadRequestError, match=r"serves blocks 2\.\.3, not 0\.\.1"):
-            model.swarm.call(model.swarm.forward_async(outside, torch.zeros(1, 2, model.config.hidden_size)))
+            model.call(model.swarm.forward(outside, torch.zeros(1, 2, model.config.hidden_size)))
     assert torch.equal(output.sequences, references["llama"].sequences)
     torch.testing.assert_close(output.logits[-1], references["llama"].logits[-1], atol=1e-4, rtol=0)
 
@@ -184,7 +184,7 @@ def test_a_node_refusing_blocks_it_no_longer_serves_is_routed_around(swarm, tiny
     moved = next(node for node in swarm.nodes if (node.start_block, node.end_block) == (1, 3))  # from llama-k3
     with connect(swarm, tiny_models["llama"], "llama-k2") as model:
         wait_for_chain(model, hops=2, max_length=PROMPT_LENGTH + NEW_TOKENS)
-        correct = model.chain_selector
+        correct = model.router.chain_selector
         stale_used = []
 
         def stale_first(snapshot, request):
@@ -193,7 +193,7 @@ def test_a_node_refusing_blocks_it_no_longer_serves_is_routed_around(swarm, tiny
             stale_used.append(True)  # as if its record still said blocks 0:4
             return Chain((Hop(moved.peer_id, 0, 4),))
 
-        model.chain_selector = stale_first
+        model.router.chain_selector = stale_first
         output = model.generate(prompt(), **GREEDY_WITH_LOGITS)
         assert stale_used and moved.peer_id in model.swarm.banned()
         assert moved.peer_id not in model.last_chain.peer_ids

@@ -5,23 +5,25 @@ from __future__ import annotations
 
 import time
 
+import msgpack
 import numpy as np
 import pytest
 import torch
-from hivemind.proto import runtime_pb2
 from torch.utils._pytree import tree_leaves
 
-from nesa_node.client.swarm import SwarmClient
 from nesa_node.errors import BadRequestError, NoRouteError
 from nesa_node.graph.models import FACTORIES
 from nesa_node.graph.pipeline import GraphPipeline
-from nesa_node.graph.plan import RPC_GRAPH_FORWARD, GraphPlan, load_factory, plan_from_partition
+from nesa_node.graph.plan import GraphPlan, load_factory, plan_from_partition
 from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
-from nesa_node.protocol.wire import pack_metadata, raise_if_error, tensor_to_proto, unpack_metadata
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame, read
+from nesa_node.protocol.messages import GRAPH_ANSWERS, ErrorReply
+from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.sharding.brkga import BrkgaSettings, brkga_partition
 from nesa_node.sharding.graph import trace_graph
 from nesa_node.sharding.partition import NodeProfile, kahn_order, slice_order
-from tests.support.swarm import LocalSwarm
+from tests.support.swarm import LocalSwarm, SyncSwarm
 
 STAGE_COUNTS = (2, 3, 4)
 LOOPBACK = NodeProfile(bandwidth=2.5e9)  # bytes/s, ~20 Gbit/s
@@ -54,7 +56,7 @@ def graph_swarm():
             node = swarm.run(GraphStageNode.create(config))
             nodes.append(node)
             swarm.run(node.start())
-        client = SwarmClient(list(swarm.initial_peers), dht_prefix="graph-tests")
+        client = SyncSwarm(list(swarm.initial_peers), dht_prefix="graph-tests")
         yield plans, client, nodes
     finally:
         if client is not None:
@@ -67,11 +69,11 @@ def graph_swarm():
         swarm.close()
 
 
-def wait_for_pipeline(pipeline: GraphPipeline, timeout_s: float = 30.0) -> None:
+def wait_for_pipeline(client: SyncSwarm, pipeline: GraphPipeline, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            pipeline.stage_peers()
+            client.call(pipeline.stage_peers())
             return
         except NoRouteError:
             if time.monotonic() > deadline:
@@ -93,11 +95,11 @@ def test_served_stages_equal_the_single_process_forward(graph_swarm, name):
         other_inputs = tuple(torch.randn_like(tensor) for tensor in inputs)
         other_expected = module(*other_inputs)
     for stages in STAGE_COUNTS:
-        pipeline = GraphPipeline(client, plans[(name, stages)])
-        wait_for_pipeline(pipeline)
-        assert len(set(pipeline.stage_peers())) == stages  # one node per stage
-        assert max_difference(pipeline.forward(*inputs), expected) <= 1e-5
-        first, second = pipeline.forward_many([inputs, other_inputs])  # both in flight at once
+        pipeline = GraphPipeline(client.swarm, plans[(name, stages)])
+        wait_for_pipeline(client, pipeline)
+        assert len(set(client.call(pipeline.stage_peers()))) == stages  # one node per stage
+        assert max_difference(client.call(pipeline.forward(*inputs)), expected) <= 1e-5
+        first, second = client.call(pipeline.forward_many([inputs, other_inputs]))  # both in flight at once
         assert max_difference(first, expected) <= 1e-5
         assert max_difference(second, other_expected) <= 1e-5
 
@@ -105,27 +107,29 @@ def test_served_stages_equal_the_single_process_forward(graph_swarm, name):
 def test_bad_requests_get_typed_errors(graph_swarm):
     plans, client, nodes = graph_swarm
     plan = plans[("resnet_tiny", 2)]
-    pipeline = GraphPipeline(client, plan)
-    wait_for_pipeline(pipeline)
+    pipeline = GraphPipeline(client.swarm, plan)
+    wait_for_pipeline(client, pipeline)
     stage = pipeline.stages[0]
     peer_id = nodes[0].peer_id
     image = torch.randn(2, 3, 32, 32)
 
-    def ask(metadata: dict, tensors: list[torch.Tensor]):
-        request = runtime_pb2.ExpertRequest(
-            tensors=[tensor_to_proto(tensor) for tensor in tensors], metadata=pack_metadata(metadata)
-        )
-        response = client.call(client._unary(peer_id, RPC_GRAPH_FORWARD, request), timeout=30)
-        raise_if_error(unpack_metadata(response.metadata))
+    def ask(message: dict, tensors: list[torch.Tensor]):
+        request = Frame(tensors=[tensor_to_proto(tensor) for tensor in tensors], metadata=msgpack.packb(message))
+        answer = read(client.call(client.swarm.unary(peer_id, rpc.GRAPH_FORWARD, request), timeout=30), GRAPH_ANSWERS)
+        if isinstance(answer, ErrorReply):
+            raise answer.error()
 
     names = list(stage.input_names)
+    graph = {"kind": "graph", "plan": plan.dht_prefix}
     with pytest.raises(BadRequestError, match="does not serve"):
-        ask({"plan": plan.dht_prefix, "stage": 1, "names": names}, [image])
+        ask({**graph, "stage": 1, "names": names}, [image])
     with pytest.raises(BadRequestError, match="takes tensors named"):
-        ask({"plan": plan.dht_prefix, "stage": 0, "names": ["wrong"]}, [image])
+        ask({**graph, "stage": 0, "names": ["wrong"]}, [image])
     with pytest.raises(BadRequestError, match="cannot run"):
-        ask({"plan": plan.dht_prefix, "stage": 0, "names": names}, [torch.randn(2, 5, 7)])
+        ask({**graph, "stage": 0, "names": names}, [torch.randn(2, 5, 7)])
     with pytest.raises(BadRequestError):
-        ask({"plan": plan.dht_prefix, "stage": 0, "names": names}, [image.double()])
-    with pytest.raises(BadRequestError, match="stage"):
-        ask({"plan": plan.dht_prefix, "names": names}, [image])
+        ask({**graph, "stage": 0, "names": names}, [image.double()])
+    with pytest.raises(BadRequestError, match="stage: Field required"):
+        ask({**graph, "names": names}, [image])
+    with pytest.raises(BadRequestError, match="sideways: Extra inputs are not permitted"):
+        ask({**graph, "stage": 0, "names": names, "sideways": 1}, [image])

@@ -3,12 +3,12 @@ their records; a node started with --inject-delay-ms looks that much further awa
 
 from __future__ import annotations
 
-from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
+from hivemind.proto.runtime_pb2 import Tensor
 
-from nesa_node.client.swarm import SwarmClient
-from nesa_node.protocol.wire import RPC_PING, unpack_metadata
-from nesa_node.server.link_probe import MAX_PING_BYTES
+from nesa_node.client.swarm import Swarm
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame, read
+from nesa_node.protocol.messages import INFO_ANSWERS
 from tests.support.swarm import wait_until
 
 DELAY_MS = 40.0
@@ -19,10 +19,11 @@ def test_nodes_measure_and_publish_their_links_and_an_injected_delay_shows(local
     first = local_swarm.start_node(tiny_llama, 0, 2, **settings)
     near = local_swarm.start_node(tiny_llama, 2, 4, **settings)
     far = local_swarm.start_node(tiny_llama, 2, 4, inject_delay_ms=DELAY_MS, **settings)
-    with SwarmClient(local_swarm.initial_peers, dht_prefix="links") as swarm:
+    swarm = local_swarm.run(Swarm.create(local_swarm.initial_peers, dht_prefix="links"))
+    try:
 
         def links_of_first() -> dict:
-            for record in swarm.node_records():
+            for record in local_swarm.run(swarm.node_records()):
                 if record.info.peer_id == first.peer_id:
                     return {link.peer_id: link for link in record.info.links}
             return {}
@@ -35,13 +36,11 @@ def test_nodes_measure_and_publish_their_links_and_an_injected_delay_shows(local
         assert links[near.peer_id].bandwidth_mbps is not None and links[near.peer_id].bandwidth_mbps > 0
 
         # a ping heavier than the node accepts is refused with a typed error
-        oversized = runtime_pb2.ExpertRequest(tensors=[runtime_pb2.Tensor(buffer=bytes(MAX_PING_BYTES + 1))])
-        response = swarm.call(
-            swarm.p2p.call_protobuf_handler(
-                PeerID.from_base58(near.peer_id), RPC_PING, oversized, runtime_pb2.ExpertResponse
-            )
-        )
-        assert unpack_metadata(response.metadata)["error"] == "too_large"
+        oversized = Frame(tensors=[Tensor(buffer=bytes(rpc.MAX_PING_BYTES + 1))])
+        answer = local_swarm.run(swarm.unary(near.peer_id, rpc.PING, oversized))
+        assert read(answer, INFO_ANSWERS).code == "too_large"
+    finally:
+        local_swarm.run(swarm.close())
 
 
 def test_the_client_routes_around_a_node_that_is_40_ms_further_away(local_swarm, tiny_models):
@@ -68,7 +67,7 @@ def test_the_client_routes_around_a_node_that_is_40_ms_further_away(local_swarm,
     ) as model:
 
         def every_link_published() -> bool:
-            records = {record.info.peer_id: record.info for record in model.swarm.node_records()}
+            records = {record.info.peer_id: record.info for record in model.call(model.swarm.node_records())}
             first, second = {node.peer_id for node in near[:1] + far[:1]}, {node.peer_id for node in near[1:] + far[1:]}
             return len(records) == 4 and all(
                 {link.peer_id for link in records[peer].links} >= (second if peer in first else first)

@@ -12,7 +12,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.errors import CacheBudgetError, NoRouteError
 from nesa_node.protocol.dht import fetch_node_infos
 from nesa_node.routing.chain import Chain, Hop
@@ -28,32 +27,35 @@ def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swar
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="budget"
     ) as model:
         wait_for_chain(model)
-        swarm = model.swarm
-        baseline = swarm.info(node.peer_id).cache_tokens_left
+
+        def tokens_left() -> int:
+            return model.call(model.swarm.info(node.peer_id)).cache_tokens_left
+
+        baseline = tokens_left()
         assert baseline == 64
         chain = Chain(hops=(Hop(node.peer_id, 0, 4),))
         with pytest.raises(CacheBudgetError) as refused:
-            RemoteInferenceSession(swarm, chain, batch=1, max_length=65).open()
+            model.session_on(chain, batch=1, max_length=65)
         assert refused.value.code == "cache_budget"
-        assert swarm.info(node.peer_id).cache_tokens_left == baseline
+        assert tokens_left() == baseline
         # routing does not pick a node whose cache cannot hold the session
         with pytest.raises(NoRouteError, match="blocks 0-3"):
             model.choose_chain(max_length=65)
 
-        first = RemoteInferenceSession(swarm, chain, batch=1, max_length=24).open()
-        second = RemoteInferenceSession(swarm, chain, batch=2, max_length=16).open()
+        first = model.session_on(chain, batch=1, max_length=24)
+        second = model.session_on(chain, batch=2, max_length=16)
         first.step(torch.randn(1, 5, 64))
-        assert swarm.info(node.peer_id).cache_tokens_left == baseline - 24 - 32
+        assert tokens_left() == baseline - 24 - 32
         with pytest.raises(CacheBudgetError):
-            RemoteInferenceSession(swarm, chain, batch=1, max_length=9).open()
+            model.session_on(chain, batch=1, max_length=9)
         first.close()
         second.close()
-        wait_until(lambda: swarm.info(node.peer_id).cache_tokens_left == baseline)
+        wait_until(lambda: tokens_left() == baseline)
         # generation still works on the freed budget
         output = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, do_sample=False)
         assert output.shape == (1, 11)
-        wait_until(lambda: swarm.info(node.peer_id).cache_tokens_left == baseline)
-    assert node.handler.sessions == {}
+        wait_until(lambda: tokens_left() == baseline)
+    assert node.sessions.sessions == {}
 
 
 def test_c_identity_file_is_owner_only_and_keeps_the_peer_id_across_restarts(local_swarm, tiny_llama, tmp_path):
@@ -78,7 +80,8 @@ def test_c_identity_file_is_owner_only_and_keeps_the_peer_id_across_restarts(loc
 
 
 def _online_peers(model) -> set[str]:
-    return {record.info.peer_id for record in model.swarm.node_records() if record.info.state.value == "online"}
+    records = model.call(model.swarm.node_records())
+    return {record.info.peer_id for record in records if record.info.state.value == "online"}
 
 
 def test_b_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_llama):
@@ -90,13 +93,13 @@ def test_b_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_
     forged = node.current_info().model_copy(update={"inference_tps": 1e9})
     from nesa_node.protocol.dht import store_node_info
 
-    local_swarm.run(store_node_info(other.dht, "forgery", forged, other.signature_validator, 30))
+    local_swarm.run(store_node_info(other.dht, "forgery", forged, other.peer.signature_validator, 30))
     for reader in (node, other):
         records = local_swarm.run(fetch_node_infos(reader.dht, "forgery"))
         assert {record.info.peer_id for record in records} == {node.peer_id, other.peer_id}
         assert all(record.info.inference_tps < 1e9 for record in records)
     # the forged record never reaches the storage of a node that knows the model key
-    forged_subkey = forged.peer_id.encode() + other.signature_validator.local_public_key
+    forged_subkey = forged.peer_id.encode() + other.peer.signature_validator.local_public_key
     from hivemind.dht.routing import DHTID
 
     from nesa_node.protocol.dht import model_key

@@ -9,8 +9,8 @@ import pytest
 from hivemind.p2p import P2P
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import LinkFailed, RemoteInferenceSession
-from nesa_node.protocol.wire import RPC_INFERENCE
+from nesa_node.client.chain_links import LinkFailed
+from nesa_node.protocol import rpc
 from nesa_node.routing.chain import Chain, Hop
 
 
@@ -22,7 +22,7 @@ async def silent_peer(initial_peers: list[str]) -> P2P:
         while await reader.read(1 << 16):
             pass
 
-    await p2p.add_binary_stream_handler(RPC_INFERENCE, swallow)
+    await p2p.add_binary_stream_handler(rpc.INFERENCE, swallow)
     return p2p
 
 
@@ -30,13 +30,12 @@ def test_a_node_that_never_acknowledges_the_open_is_named(local_swarm, tiny_llam
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=local_swarm.initial_peers, request_timeout_s=3.0
     ) as model:
-        client_maddrs = [str(maddr) for maddr in model.swarm.call(model.swarm.p2p.get_visible_maddrs())]
+        client_maddrs = model.call(model.swarm.peer.visible_maddrs())
         silent = local_swarm.run(silent_peer(client_maddrs))  # connected to the client from the start
         try:
             peer_id = silent.peer_id.to_base58()
-            session = RemoteInferenceSession(model.swarm, Chain(hops=(Hop(peer_id, 0, 4),)), batch=1, max_length=8)
             with pytest.raises(LinkFailed) as failure:
-                session.open()
+                model.session_on(Chain(hops=(Hop(peer_id, 0, 4),)), batch=1, max_length=8, failover=False)
             assert failure.value.link is not None and failure.value.link.hop.peer_id == peer_id
             assert "did not acknowledge the open" in failure.value.message
         finally:

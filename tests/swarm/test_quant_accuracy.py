@@ -72,7 +72,9 @@ def test_quantized_nodes_shrink_weights_and_keep_accuracy(module_swarm, quantize
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to ask for an impossible device")
 async def test_unsupported_quantization_is_refused_at_start(tiny_llama):
-    config = NodeConfig(model_path=tiny_llama, start_block=0, end_block=4, device="cuda", quant="nf4", new_swarm=True)
+    config = NodeConfig(model_path=tiny_llama, start_block=0, end_block=4).with_settings(
+        device="cuda", quant="nf4", new_swarm=True, trigger="off"
+    )
     with pytest.raises(QuantizationUnsupportedError) as error:
         await Node.create(config)
     assert error.value.code == "unsupported_quantization"

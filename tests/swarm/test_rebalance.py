@@ -23,10 +23,10 @@ MAX_LENGTH = 16 + NEW_TOKENS
 PERIOD_S = 1.0  # the nodes' rebalance period (their announce period too)
 COVER_LIMIT_S = 30.0  # acceptance: the hole is covered within a bounded time (a generous bound; ~3 periods expected)
 SETTINGS = {
-    "rebalance": "homology",  # the daemon's default, spelled out: the swarm fixtures turn it off elsewhere
+    "trigger": "homology",  # the daemon's default, spelled out: the swarm fixtures turn it off elsewhere
     "dht_prefix": "rebalance",
     "announce_period_s": PERIOD_S,
-    "rebalance_period_s": PERIOD_S,
+    "period_s": PERIOD_S,
     "drain_timeout_s": 30.0,
 }
 
@@ -38,8 +38,8 @@ def swarm(tiny_llama):
     local = LocalSwarm()
     try:
         configs = [
-            NodeConfig(
-                tiny_llama, *span, initial_peers=tuple(local.initial_peers), measure_throughput=False, **SETTINGS
+            NodeConfig(tiny_llama, *span).with_settings(
+                initial_peers=tuple(local.initial_peers), measure_throughput=False, **SETTINGS
             )
             for span in SPANS
         ]
@@ -89,17 +89,15 @@ def test_a_coverage_hole_is_covered_by_one_node_and_generation_resumes(swarm, ti
     for node in last:  # blocks 2-3 are left without a server
         swarm.stop_node(node)
     stopped = time.monotonic()
-    wait_until(
-        lambda: any(node.state == NodeState.online and node.rebalancer.moves for node in swarm.nodes), COVER_LIMIT_S
-    )
+    wait_until(lambda: any(node.state == NodeState.online and node.moves for node in swarm.nodes), COVER_LIMIT_S)
     covered_s = time.monotonic() - stopped
     moved = [node for node in swarm.nodes if spans(swarm)[node.peer_id] != before[node.peer_id]]
     assert len(moved) == 1, spans(swarm)  # the plan is deterministic: exactly one node moved
     mover = moved[0]
     assert (mover.start_block, mover.end_block) == (2, 4)
-    assert [(move["from"], move["to"], move["reason"]) for move in mover.rebalancer.moves] == [((0, 2), (2, 4), "hole")]
+    assert [(move["from"], move["to"], move["reason"]) for move in mover.moves] == [((0, 2), (2, 4), "hole")]
     assert mover.peer_id == min(peer for peer, span in before.items() if span == (0, 2))  # most redundant, then id
-    assert mover.handler.budget.tokens_left == mover.config.max_cache_tokens and not mover.handler.draining
+    assert mover.budget.tokens_left == mover.config.limits.max_cache_tokens and not mover.sessions.draining
     with connect(swarm, tiny_llama) as model:
         chain = wait_for_chain(model, max_length=MAX_LENGTH, timeout_s=COVER_LIMIT_S)
         assert mover.peer_id in {hop.peer_id for hop in chain.hops}  # the only server of blocks 2-3
@@ -112,18 +110,19 @@ class MoveDuringGeneration:
     """A `generate` streamer that asks `node` to move to `start` once `count` new tokens were produced (without
     waiting: the move waits for this very session), and records the node's state at every later token."""
 
-    def __init__(self, swarm: LocalSwarm, node, start: int, count: int) -> None:
+    def __init__(self, swarm: LocalSwarm, node, start: int, count: int, drain_timeout_s: float) -> None:
         self.swarm, self.node, self.start, self.count, self.seen = swarm, node, start, count, -1
+        self.drain_timeout_s = drain_timeout_s
         self.future = None
         self.states: list[tuple[NodeState, bool]] = []
 
     def put(self, value) -> None:
         self.seen += 1
         if self.seen == self.count:
-            move = self.node.rebalancer.move(self.start)
+            move = self.node.move_to(self.start, drain_timeout_s=self.drain_timeout_s)
             self.future = asyncio.run_coroutine_threadsafe(move, self.swarm.loop)
         elif self.seen > self.count:
-            self.states.append((self.node.state, self.node.handler.draining))
+            self.states.append((self.node.state, self.node.sessions.draining))
 
     def end(self) -> None:
         pass
@@ -141,13 +140,12 @@ def test_a_generation_in_flight_on_a_draining_node_completes(swarm, tiny_llama, 
             hop = next(hop for hop in session.chain.hops if list(held.values()).count(held[hop.peer_id]) >= 2)
             node = next(node for node in swarm.nodes if node.peer_id == hop.peer_id)
             old = (node.start_block, node.end_block)
-            node.rebalancer.drain_timeout_s = drain_timeout_s
-            streamer = MoveDuringGeneration(swarm, node, 2 - old[0], MOVE_AFTER)
+            streamer = MoveDuringGeneration(swarm, node, 2 - old[0], MOVE_AFTER, drain_timeout_s)
             output = generate(model, streamer)
         streamer.future.result(timeout=60)
     assert torch.equal(output, reference)
     assert (node.start_block, node.end_block, node.state) == (2 - old[0], 4 - old[0], NodeState.online)
-    move = node.rebalancer.moves[-1]
+    move = node.moves[-1]
     assert (move["from"], move["to"], move["reason"]) == (old, (node.start_block, node.end_block), "operator")
     if drain_timeout_s > 0:
         assert session.failovers == [] and move["ended_sessions"] == 0
@@ -155,4 +153,4 @@ def test_a_generation_in_flight_on_a_draining_node_completes(swarm, tiny_llama, 
     else:
         assert [failover["failed"] for failover in session.failovers] == [node.peer_id]
         assert move["ended_sessions"] == 1
-    assert not node.handler.sessions and node.handler.budget.tokens_left == node.config.max_cache_tokens
+    assert not node.sessions.sessions and node.budget.tokens_left == node.config.limits.max_cache_tokens

@@ -25,11 +25,11 @@ def test_a_live_node_missing_from_the_dht_is_asked_directly(local_swarm, tiny_ll
         with pytest.raises(NoRouteError, match="nodes seen for blocks 0:4: none"):
             model.choose_chain(max_length=32)  # a node the client never saw is not found
         # a record seen longer ago than the horizon: not asked
-        model.swarm._hold([NodeRecord(info=node.current_info(), expiration_time=get_dht_time() - RECENT_RECORD_S - 5)])
+        model.swarm.hold([NodeRecord(info=node.current_info(), expiration_time=get_dht_time() - RECENT_RECORD_S - 5)])
         with pytest.raises(NoRouteError):
             model.choose_chain(max_length=32)
         # the same record, expired 30 s ago: the client asks the node, which answers with its live NodeInfo
-        model.swarm._hold([NodeRecord(info=node.current_info(), expiration_time=get_dht_time() - 30)])
+        model.swarm.hold([NodeRecord(info=node.current_info(), expiration_time=get_dht_time() - 30)])
         chain = model.choose_chain(max_length=32)
         assert [(hop.peer_id, hop.start_block, hop.end_block) for hop in chain.hops] == [(node.peer_id, 0, 4)]
         output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)

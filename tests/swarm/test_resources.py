@@ -13,12 +13,14 @@ import psutil
 import pytest
 import torch
 from hivemind.p2p import PeerID
-from hivemind.proto import runtime_pb2
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import RemoteInferenceSession
-from nesa_node.protocol.wire import RPC_FORWARD, RPC_INFO, pack_metadata, tensor_to_proto
+from nesa_node.client.session import InferenceSession
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame, frame
+from nesa_node.protocol.messages import ForwardRequest
+from nesa_node.protocol.tensors import tensor_to_proto
 from tests.support.swarm import wait_for_chain, wait_until
 
 HIDDEN = 64  # the tiny Llama's hidden size
@@ -53,7 +55,7 @@ def churn_sessions(local_swarm, tiny_llama, sessions: int, warm_up: int, rss_gro
         hidden = torch.randn(1, 4, HIDDEN, generator=torch.Generator().manual_seed(0))
 
         def one_session() -> torch.Tensor:
-            with RemoteInferenceSession(model.swarm, chain, batch=1, max_length=32) as session:
+            with model.session_on(chain, batch=1, max_length=32, failover=False) as session:
                 output = session.step(hidden)
                 session.step(output[:, -1:])
                 return output
@@ -63,18 +65,18 @@ def churn_sessions(local_swarm, tiny_llama, sessions: int, warm_up: int, rss_gro
         # (measured: memory grows by ~60 MB over the first few hundred sessions, then stays flat)
         for _ in range(warm_up):
             one_session()
-        wait_until(lambda: all(not node.handler.sessions for node in nodes))
+        wait_until(lambda: all(not node.sessions.sessions for node in nodes))
         gc.collect()
         tasks, files, memory = node_tasks(local_swarm), open_files(), rss_mb()
         for index in range(sessions):
             output = one_session()
             if index % 100 == 0:
                 assert torch.equal(output, expected)
-        wait_until(lambda: all(not node.handler.sessions for node in nodes), timeout_s=30)
+        wait_until(lambda: all(not node.sessions.sessions for node in nodes), timeout_s=30)
         # cache accounting is exact: nothing reserved, every token of the budget free again
         for node in nodes:
             assert node.budget.used_bytes == 0
-            assert node.budget.tokens_left == node.config.max_cache_tokens
+            assert node.budget.tokens_left == node.config.limits.max_cache_tokens
         gc.collect()
         wait_until(lambda: node_tasks(local_swarm) <= tasks, timeout_s=30)
         wait_until(lambda: open_files() <= files + 8, timeout_s=30)  # a few DHT connections come and go
@@ -116,22 +118,19 @@ def test_f_a_flooded_node_keeps_serving_honest_clients(local_swarm, tiny_llama):
         sent = [0, 0]
 
         async def flood(model, slot: int) -> None:
-            forward = runtime_pb2.ExpertRequest(
-                tensors=[tensor_to_proto(torch.randn(1, 64, HIDDEN))], metadata=pack_metadata({"blocks": [0, 1, 2, 3]})
-            )
-            info = runtime_pb2.ExpertRequest()
+            forward = frame(ForwardRequest(start_block=0, end_block=4), [tensor_to_proto(torch.randn(1, 64, HIDDEN))])
             p2p = model.swarm.p2p
             while not stop.is_set():
-                calls = [p2p.call_protobuf_handler(peer, RPC_INFO, info, runtime_pb2.ExpertResponse) for _ in range(8)]
-                calls.append(p2p.call_protobuf_handler(peer, RPC_FORWARD, forward, runtime_pb2.ExpertResponse))
+                calls = [p2p.call_protobuf_handler(peer, rpc.INFO, Frame(), Frame) for _ in range(8)]
+                calls.append(p2p.call_protobuf_handler(peer, rpc.FORWARD, forward, Frame))
                 await asyncio.gather(*calls, return_exceptions=True)
                 sent[slot] += len(calls)
-                session = RemoteInferenceSession(model.swarm, chain, batch=1, max_length=64)
-                await session._open()  # opened and dropped without a step
-                await session._close()
+                session = InferenceSession(model.swarm, chain, model.client.config, batch=1, max_length=64)
+                await session.open()  # opened and dropped without a step
+                await session.close()
 
         flooders = [
-            asyncio.run_coroutine_threadsafe(flood(model, slot), model.swarm.loop)
+            asyncio.run_coroutine_threadsafe(flood(model, slot), model.runner.loop)
             for slot, model in enumerate((flooder_a, flooder_b))
         ]
         try:

@@ -9,13 +9,20 @@ import time
 
 import pytest
 import torch
-from hivemind.proto import runtime_pb2
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.errors import BadRequestError
-from nesa_node.protocol.wire import pack_metadata, raise_if_error, tensor_to_proto
+from nesa_node.protocol.channel import Frame, frame
+from nesa_node.protocol.messages import ErrorReply, Retarget, Step
+from nesa_node.protocol.tensors import tensor_to_proto
 from tests.support.swarm import wait_for_chain
+
+
+def succeeded(message):
+    """The message, unless it is a node's ErrorReply: then the error it names is raised."""
+    if isinstance(message, ErrorReply):
+        raise message.error()
+    return message
 
 
 def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):
@@ -24,43 +31,40 @@ def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="steps", compression="none"
     ) as model:
         chain = wait_for_chain(model)
-        session = RemoteInferenceSession(model.swarm, chain, batch=1, max_length=16).open()
-        link = session._links[0]
+        session = model.session_on(chain, batch=1, max_length=16, failover=False)
+        link = session.links.links[0]
         hidden = torch.randn(1, 2, 64, generator=torch.Generator().manual_seed(0))
 
-        def request(tensor: torch.Tensor) -> runtime_pb2.ExpertRequest:
-            return runtime_pb2.ExpertRequest(
-                tensors=[tensor_to_proto(tensor)], metadata=pack_metadata({"step_id": "s:0", "position": 0})
-            )
+        def request(tensor: torch.Tensor) -> Frame:
+            return frame(Step(step_id="s:0", position=0), [tensor_to_proto(tensor)])
 
-        async def send(message: runtime_pb2.ExpertRequest):
-            link.outbox.put_nowait(message)
-            _, metadata, response = await session._next_response(10.0)
-            return metadata, response
+        async def send(message: Frame):
+            link.send(message)  # on the session's stream, around the session's own bookkeeping
+            _, answer, answer_frame = await session.links.next_answer(10.0)
+            return answer, answer_frame
 
         try:
-            served = node.handler.steps_served
-            first_meta, first = model.swarm.call(send(request(hidden)))
-            again_meta, again = model.swarm.call(send(request(hidden)))
-            raise_if_error(first_meta)
-            raise_if_error(again_meta)
+            served = node.compute.steps_served
+            first_answer, first = model.call(send(request(hidden)))
+            again_answer, again = model.call(send(request(hidden)))
+            succeeded(first_answer)
+            succeeded(again_answer)
             assert again.tensors[0].buffer == first.tensors[0].buffer  # the same output, from the record
-            assert again_meta["position"] == first_meta["position"] == 0
-            assert node.handler.steps_served == served + 1  # computed once
-            forged_meta, _ = model.swarm.call(send(request(hidden + 1)))  # same id, other content
+            assert again_answer.position == first_answer.position == 0
+            assert node.compute.steps_served == served + 1  # computed once
+            forged_answer, _ = model.call(send(request(hidden + 1)))  # same id, other content
             with pytest.raises(BadRequestError, match="already used for different content"):
-                raise_if_error(forged_meta)
+                succeeded(forged_answer)
             # after a retarget to a new upstream (a replacement of the previous node), the same step recomputed by
             # that replacement may differ in the last bits: answered from the record, not refused, not recomputed
-            retarget = pack_metadata({"control": "retarget", "upstream": local_swarm.bootstrap.p2p.peer_id.to_base58()})
-            retarget_meta, _ = model.swarm.call(send(runtime_pb2.ExpertRequest(metadata=retarget)))
-            raise_if_error(retarget_meta)
-            recomputed_meta, recomputed = model.swarm.call(send(request(hidden * (1 + 1e-6))))
-            raise_if_error(recomputed_meta)
+            retarget = Retarget(upstream=local_swarm.bootstrap.p2p.peer_id.to_base58())
+            succeeded(model.call(send(frame(retarget)))[0])
+            recomputed_answer, recomputed = model.call(send(request(hidden * (1 + 1e-6))))
+            succeeded(recomputed_answer)
             assert recomputed.tensors[0].buffer == first.tensors[0].buffer
-            assert node.handler.steps_served == served + 1
+            assert node.compute.steps_served == served + 1
             # the session is undisturbed: the next step continues from position 2
-            session.position = 2  # the two raw steps above went around the session's own bookkeeping
+            session.session.position = 2  # the raw steps above went around the session's own bookkeeping
             assert session.step(torch.randn(1, 1, 64)).shape == (1, 1, 64)
         finally:
             session.close()
@@ -99,7 +103,7 @@ def test_a5_a_dead_client_frees_every_node_cache(local_swarm, tiny_llama):
         while [node.budget.tokens_left for node in nodes] != baseline and time.monotonic() < deadline:
             time.sleep(0.2)
         assert [node.budget.tokens_left for node in nodes] == baseline
-        assert all(not node.handler.sessions for node in nodes)
+        assert all(not node.sessions.sessions for node in nodes)
     finally:
         client.kill()
         client.wait(timeout=10)

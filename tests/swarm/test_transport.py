@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.session import RemoteInferenceSession
 from nesa_node.protocol import lane
+from nesa_node.protocol.channel import LaneChannel
 from tests.support.swarm import wait_for_chain
 
 HIDDEN = 64  # the tiny Llama's hidden size
@@ -112,8 +112,8 @@ def send_in_plaintext(data: bytes) -> None:
 
 async def pushed_on_lanes(node, session_id: str) -> bool:
     """Whether `node` pushes the session's outputs to its next node over a data lane (not libp2p)."""
-    session = node.handler.sessions.get(session_id)
-    return session is not None and session.push_lane is not None and session.push_outbox is None
+    session = node.sessions.get(session_id)
+    return session is not None and isinstance(session.downstream, LaneChannel)
 
 
 def test_c_a_known_hidden_state_pattern_never_appears_in_a_loopback_capture(local_swarm, tiny_llama, capture):
@@ -125,9 +125,10 @@ def test_c_a_known_hidden_state_pattern_never_appears_in_a_loopback_capture(loca
     ) as model:
         chain = wait_for_chain(model, hops=2)
         session_capture = capture()
-        with RemoteInferenceSession(model.swarm, chain, batch=1, max_length=64) as session:
+        with model.session_on(chain, batch=1, max_length=64, failover=False) as session:
             # hidden states travel on data lanes: client -> first node, first -> second, second -> client
-            assert session._links[0].send_lane is not None and session._links[-1].receive_lane is not None
+            links = session.links.links
+            assert links[0].has_step_lane() and links[-1].outputs is not None
             session.step(hidden)  # prefill: 32 tokens, 8 KiB of the motif from the client to the first node
             for _ in range(8):
                 session.step(known_pattern(1))

@@ -72,3 +72,30 @@ def test_bfloat16_span_runs(tiny_llama):
     span = load_block_span(tiny_llama, SpanSpec(0, 2, dtype="bfloat16"))
     output = span(torch.randn(1, 3, 64))
     assert output.dtype == torch.bfloat16 and output.shape == (1, 3, 64)
+
+
+def test_the_caller_chooses_the_grad_mode(tiny_llama):
+    """The span's forward takes the grad mode of its caller: inference mode for serving, autograd for a training
+    pass, whose gradients reach the input and any weight that asks for them (the span's own weights are frozen)."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 2))
+    assert not any(parameter.requires_grad for parameter in span.parameters())
+    hidden = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        served = span(hidden)
+    assert served.is_inference() and not served.requires_grad
+
+    trainable = hidden.clone().requires_grad_(True)
+    output = span(trainable)  # autograd on, as a training service runs it
+    assert output.requires_grad and not output.is_inference()
+    output.square().mean().backward()
+    assert trainable.grad is not None and trainable.grad.abs().sum() > 0
+    torch.testing.assert_close(output.detach(), served, atol=1e-6, rtol=0)
+
+    weight = span.layers[0].mlp.down_proj.weight
+    weight.requires_grad_(True)  # an adapter or fine-tuned weight would ask the same
+    try:
+        span(hidden).sum().backward()
+        assert weight.grad is not None and weight.grad.abs().sum() > 0
+    finally:
+        weight.requires_grad_(False)
+        weight.grad = None

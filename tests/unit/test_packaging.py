@@ -73,3 +73,43 @@ def test_no_assert_in_package_code():
         if isinstance(node, ast.Assert)
     ]
     assert found == []
+
+
+def test_run_options_come_from_the_node_config_and_keep_its_defaults():
+    """Every field of the node's config sections is a `run` option, and parsing no option gives the defaults."""
+    import dataclasses
+
+    from nesa_node.cli.options import config_from_args
+    from nesa_node.server.config import ComputeConfig, LimitsConfig, NetworkConfig, RebalanceConfig
+
+    sections = (NetworkConfig, LimitsConfig, ComputeConfig, RebalanceConfig)
+    defaults = build_parser().parse_args(["run", "--model", "m", "--blocks", "0:2"])
+    for section in sections:
+        assert config_from_args(section, defaults) == section()
+    args = build_parser().parse_args(
+        ["run", "--model", "m", "--blocks", "0:2", "--max-queued-steps", "3", "--no-lane", "--session-timeout", "5"]
+        + ["--compression", "none", "fp16", "--no-measure", "--rebalance", "off", "--identity", "key"]
+    )
+    assert config_from_args(LimitsConfig, args) == LimitsConfig(max_queued_steps=3, session_timeout_s=5.0)
+    assert config_from_args(NetworkConfig, args) == NetworkConfig(lane_port=None, identity_path="key")
+    assert config_from_args(ComputeConfig, args) == ComputeConfig(codecs=("none", "fp16"), measure_throughput=False)
+    assert config_from_args(RebalanceConfig, args) == RebalanceConfig(trigger="off")
+    flags = {action.dest for action in build_parser()._subparsers._group_actions[0].choices["run"]._actions}
+    for section in sections:
+        assert {item.name for item in dataclasses.fields(section)} <= flags
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--max-queued-steps", "0", "a whole number above 0"),
+        ("--session-timeout", "inf", "a finite number above 0"),
+        ("--max-cache-share-per-peer", "1.5", "a fraction in (0, 1]"),
+        ("--inject-delay-ms", "-1", "a finite number of 0 or more"),
+    ],
+)
+def test_bad_run_option_values_are_usage_errors(capsys, option, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["run", "--model", "m", "--blocks", "0:2", option, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""Messages between peers: codec naming in metadata, tensor protos, metadata limits."""
+"""The tensor wire format: codecs named in messages, tensor protos, per-hop codec choice."""
 
 from __future__ import annotations
 
@@ -6,24 +6,18 @@ import pytest
 import torch
 from hivemind.proto import runtime_pb2
 
-from nesa_node.client.session import codec_for
+from nesa_node.client.session_chain import codec_for
 from nesa_node.errors import BadRequestError
-from nesa_node.protocol.wire import (
-    NO_CODEC,
-    WireCodec,
-    pack_metadata,
-    tensor_from_proto,
-    tensor_to_proto,
-    unpack_metadata,
-)
+from nesa_node.protocol.messages import TO_SESSION, Step, decode, encode
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto
 from nesa_node.routing.chain import Hop
 
 
 @pytest.mark.parametrize("name", ["none", "fp16", "bf16", "blockwise8", "dynamic8"])
 def test_codec_named_in_metadata_round_trips_a_tensor(name):
     codec = WireCodec.of(name)
-    named = unpack_metadata(pack_metadata({"codec": codec.to_metadata()}))["codec"]
-    assert WireCodec.from_metadata(named) == codec
+    named = decode(encode(Step(step_id="s:0", position=0, codec=codec)), TO_SESSION).codec
+    assert named == codec
     hidden = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))
     proto = runtime_pb2.Tensor.FromString(tensor_to_proto(hidden, codec).SerializeToString())
     decoded = tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=10_000, rank=3, codec=codec)

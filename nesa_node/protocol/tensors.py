@@ -1,5 +1,5 @@
-"""Messages between peers: hivemind's `ExpertRequest`/`ExpertResponse` protobufs carrying tensors and a small
-msgpack metadata map. Everything read from a peer is validated here before use.
+"""The tensor wire format: hivemind's `Tensor` protobuf carrying a codec's payload (compression/codec.py), and the
+codec a message names for it. Everything read from a peer is checked here before a tensor is built.
 """
 
 from __future__ import annotations
@@ -9,22 +9,9 @@ from typing import Any
 
 import torch
 from hivemind.proto import runtime_pb2
-from hivemind.utils.serializer import MSGPackSerializer
 
 from nesa_node.compression.codec import CODECS, CodecError, EncodedTensor, decode, encode, wire_bytes
-from nesa_node.errors import BadRequestError, NesaError, RequestError, error_from_code
-
-# handler names registered by the node (hivemind ServicerBase names them "<class>.<method>")
-RPC_INFO = "BlockHandler.rpc_info"
-RPC_FORWARD = "BlockHandler.rpc_forward"
-RPC_INFERENCE = "BlockHandler.rpc_inference"
-RPC_PUSH = "BlockHandler.rpc_push"
-RPC_PUSH_STREAM = "BlockHandler.rpc_push_stream"
-RPC_PING = "BlockHandler.rpc_ping"
-RPC_LANE_TICKET = "BlockHandler.rpc_lane_ticket"
-
-MAX_METADATA_BYTES = 16 * 1024  # metadata is a handful of ids and integers
-MAX_METADATA_KEYS = 32
+from nesa_node.errors import BadRequestError
 
 MAX_CODEC_PARAMS = 4
 
@@ -34,7 +21,7 @@ class WireCodec:
     """A codec with its parameters, as named in a message's metadata: {"name": "blockwise8", "block_size": 64}.
 
     Tensors on the wire are opaque bytes to hivemind (its own compression field stays NONE); the codec that
-    encoded a message's tensor travels in the message's metadata under "codec" (absent: "none").
+    encoded a message's tensor is named in the message (absent: "none").
     """
 
     name: str = "none"
@@ -110,69 +97,4 @@ def tensor_from_proto(
         raise BadRequestError(str(exc)) from None
 
 
-async def drain(queue, end: object):
-    """Yield items of an asyncio queue until `end`: the request side of an outgoing stream."""
-    while True:
-        item = await queue.get()
-        if item is end:
-            return
-        yield item
-
-
-def pack_metadata(metadata: dict[str, Any]) -> bytes:
-    return MSGPackSerializer.dumps(metadata)
-
-
-def unpack_metadata(raw: bytes) -> dict[str, Any]:
-    """Metadata from a peer: a small map with string keys, or BadRequestError."""
-    if len(raw) > MAX_METADATA_BYTES:
-        raise BadRequestError(f"metadata of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
-    if not raw:
-        return {}
-    try:
-        value = MSGPackSerializer.loads(raw)
-    except Exception as exc:
-        raise BadRequestError(f"metadata is not valid msgpack: {exc}") from None
-    if not isinstance(value, dict) or len(value) > MAX_METADATA_KEYS or not all(isinstance(k, str) for k in value):
-        raise BadRequestError("metadata must be a small map with string keys")
-    return value
-
-
-def field(metadata: dict[str, Any], name: str, kind: type | tuple[type, ...], *, default: Any = ...) -> Any:
-    """Read one typed metadata field; bool is never accepted where int is asked."""
-    if name not in metadata:
-        if default is ...:
-            raise BadRequestError(f"metadata field {name!r} is missing")
-        return default
-    value = metadata[name]
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
-        raise BadRequestError(f"metadata field {name!r} must be {'/'.join(k.__name__ for k in kinds)}")
-    return value
-
-
-def error_response(error: NesaError, **extra: Any) -> runtime_pb2.ExpertResponse:
-    return runtime_pb2.ExpertResponse(metadata=pack_metadata({"error": error.code, "message": error.message, **extra}))
-
-
-def error_from_metadata(metadata: dict[str, Any]) -> NesaError:
-    return error_from_code(str(metadata.get("error")), str(metadata.get("message", "")))
-
-
-def raise_if_error(metadata: dict[str, Any]) -> None:
-    if "error" in metadata:
-        raise error_from_metadata(metadata)
-
-
-__all__ = [
-    "NO_CODEC",
-    "RequestError",
-    "WireCodec",
-    "error_response",
-    "field",
-    "pack_metadata",
-    "raise_if_error",
-    "tensor_from_proto",
-    "tensor_to_proto",
-    "unpack_metadata",
-]
+__all__ = ["NO_CODEC", "WireCodec", "tensor_from_proto", "tensor_to_proto"]

@@ -1,0 +1,116 @@
+"""Command-line options generated from config dataclasses (server/config.py), so a default lives in one place.
+
+A field becomes `--its-name` (a trailing `_s` dropped: `announce_period_s` is `--announce-period`) unless its metadata
+names a "flag". Its metadata gives the "help", a "parse" (one of PARSERS), "choices" and "metavar"; a bool field is a
+switch (False by default) or, with "none_flag" (True by default), a `--no-...` switch; a field with "none_flag" and
+another default gets both its option and the switch that sets it to None; a tuple field takes one or more values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+
+
+def _number(kind: type, low: float, *, above: bool, high: float = math.inf, what: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not (value > low if above else value >= low) or not value <= high or not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    return parse
+
+
+def parse_port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port number, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0: any free port), got {value}")
+    return value
+
+
+PARSERS = {
+    "port": parse_port,
+    "positive": _number(float, 0, above=True, what="a finite number above 0"),
+    "positive_int": _number(int, 0, above=True, what="a whole number above 0"),
+    "non_negative": _number(float, 0, above=False, what="a finite number of 0 or more"),
+    "non_negative_int": _number(int, 0, above=False, what="a whole number of 0 or more"),
+    "fraction": _number(float, 0, above=True, high=1.0, what="a fraction in (0, 1]"),
+}
+
+
+def flag_of(field: dataclasses.Field) -> str:
+    name = field.name[:-2] if field.name.endswith("_s") else field.name
+    return field.metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def _metavar(name: str, default, parse: str | None) -> str:
+    """What the option's value is, for --help: S (seconds), MS, PORT, N, F (a fraction), X, PATH or TEXT."""
+    if name.endswith("_s"):
+        return "S"
+    if name.endswith("_ms"):
+        return "MS"
+    if parse == "port":
+        return "PORT"
+    if parse == "fraction":
+        return "F"
+    if isinstance(default, int) and not isinstance(default, bool):
+        return "N"
+    if isinstance(default, float):
+        return "X"
+    return "PATH" if name.endswith(("_path", "_file", "_cache")) else "TEXT"
+
+
+def add_config_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, config_class: type) -> None:
+    """One option per field of `config_class` (see the module docstring); each writes the field's name."""
+    for field in dataclasses.fields(config_class):
+        metadata = field.metadata
+        if "help" not in metadata:
+            continue
+        default = field.default
+        none_flag = metadata.get("none_flag")
+        if isinstance(default, bool):
+            if default:
+                flag, help_text = none_flag
+                parser.add_argument(flag, dest=field.name, action="store_false", help=help_text)
+            else:
+                parser.add_argument(flag_of(field), dest=field.name, action="store_true", help=metadata["help"])
+            continue
+        options: dict = {"dest": field.name, "default": default, "help": metadata["help"]}
+        if "parse" in metadata:
+            options["type"] = PARSERS[metadata["parse"]]
+        for key in ("choices", "metavar"):
+            if key in metadata:
+                options[key] = metadata[key]
+        if "metavar" not in options and "choices" not in options:
+            options["metavar"] = _metavar(field.name, default, metadata.get("parse"))
+        if isinstance(default, tuple):
+            options.update(nargs="+", default=list(default))
+        elif default is not None and "type" not in options:
+            options["type"] = type(default)
+        if default not in (None, (), "") and not isinstance(default, tuple):
+            options["help"] += f" (default {default})"
+        parser.add_argument(flag_of(field), **options)
+        if none_flag is not None:
+            flag, help_text = none_flag
+            parser.add_argument(flag, dest=field.name, action="store_const", const=None, help=help_text)
+
+
+def config_from_args(config_class: type, args: argparse.Namespace):
+    """An instance of `config_class` from the parsed options add_config_options made."""
+    values = {}
+    for field in dataclasses.fields(config_class):
+        if hasattr(args, field.name):
+            value = getattr(args, field.name)
+            values[field.name] = tuple(value) if isinstance(value, list) else value
+    return config_class(**values)
+
+
+__all__ = ["PARSERS", "add_config_options", "config_from_args", "flag_of", "parse_port"]

@@ -1,0 +1,301 @@
+"""`AsyncDistributedModel`: a causal LM whose transformer blocks run on the swarm, for asyncio programs and servers.
+
+The client holds the embeddings, the final norm and the LM head; one Swarm (one P2P host) serves any number of
+concurrent sessions and generations:
+
+    model = await AsyncDistributedModel.from_pretrained(path, initial_peers=[...])
+    tokens = await model.generate(input_ids, max_new_tokens=32)           # greedy; do_sample=True samples
+    async for token in model.stream(input_ids, max_new_tokens=32): ...    # one (batch,) tensor per new token
+    async with model.inference_session(max_length=128) as session: ...   # steps of hidden states
+    await model.close()
+
+The client's own compute (embedding a token, the LM head of one position) runs on the event loop: it is small next
+to a step through the chain.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from nesa_node.client.chain_links import LinkFailed
+from nesa_node.client.config import ClientConfig
+from nesa_node.client.routing import ChainSelector, Router
+from nesa_node.client.session import InferenceSession
+from nesa_node.client.session_chain import codec_for
+from nesa_node.client.swarm import Swarm
+from nesa_node.errors import (
+    CacheBudgetError,
+    QuotaExceededError,
+    SessionStateError,
+    TooManySessionsError,
+    WrongBlocksError,
+)
+from nesa_node.protocol.dht import default_dht_prefix
+from nesa_node.protocol.tensors import WireCodec
+from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
+from nesa_node.sharding.blocks import ClientEdges, load_client_edges, load_config
+
+logger = logging.getLogger(__name__)
+
+# refusals at open that say the node's record no longer holds, not that the request is wrong
+ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)
+CONFIG_FIELDS = frozenset(item.name for item in fields(ClientConfig))
+
+
+def client_config(config: ClientConfig | None = None, **settings) -> ClientConfig:
+    """`config` (default: the defaults) with `settings` by field name. `compression` may be a codec name,
+    `routing_params` the path of a JSON file `nesa-node tune` wrote. TypeError for a name ClientConfig has not;
+    ValueError for a bad value (CodecError for an unknown codec)."""
+    unknown = sorted(set(settings) - CONFIG_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown client settings {unknown}; known: {', '.join(sorted(CONFIG_FIELDS))}")
+    if isinstance(settings.get("compression"), str):
+        settings["compression"] = WireCodec.of(settings["compression"])
+    params = settings.get("routing_params")
+    if params is not None and not isinstance(params, RoutingParams):
+        from nesa_node.routing.ga import load_params
+
+        settings["routing_params"] = load_params(params)
+    elif "routing_params" in settings and params is None:
+        settings["routing_params"] = RoutingParams()
+    return (config or ClientConfig()).replace(**settings)
+
+
+class AsyncDistributedModel:
+    """A causal LM over a swarm (see the module docstring). Build it with `from_pretrained`; close it when done."""
+
+    def __init__(
+        self,
+        model_config,
+        edges: ClientEdges,
+        swarm: Swarm,
+        config: ClientConfig,
+        *,
+        chain_selector: ChainSelector | None = None,
+        generation_config=None,
+    ):
+        self.model_config = model_config
+        self.edges = edges
+        self.swarm = swarm
+        self.config = config
+        self.router = Router(
+            swarm,
+            config,
+            num_blocks=model_config.num_hidden_layers,
+            hidden_size=model_config.hidden_size,
+            chain_selector=chain_selector,
+        )
+        self.generation_config = generation_config
+
+    @classmethod
+    async def from_pretrained(
+        cls,
+        model_path: str | Path,
+        *,
+        initial_peers: list[str] | tuple[str, ...],
+        dht_prefix: str | None = None,
+        dtype: str = "float32",
+        config: ClientConfig | None = None,
+        **settings,
+    ) -> AsyncDistributedModel:
+        """Load the client-side weights of `model_path` and join the swarm through `initial_peers`.
+
+        `settings` are ClientConfig fields (mode, compression, lanes, request_timeout_s, routing_params, ...); an
+        unknown one raises TypeError. Raises ModelLoadError for a bad model folder, ValueError for bad settings,
+        PeerUnavailableError when the swarm cannot be joined."""
+        config = client_config(config, **settings)
+        model_path = str(model_path)
+        model_config = load_config(model_path)
+        edges = await asyncio.to_thread(load_client_edges, model_path, dtype=dtype, config=model_config)
+        generation_config = None
+        with contextlib.suppress(OSError):
+            from transformers import GenerationConfig
+
+            generation_config = GenerationConfig.from_pretrained(model_path)
+        swarm = await Swarm.create(
+            list(initial_peers),
+            dht_prefix=dht_prefix or default_dht_prefix(model_path),
+            request_timeout_s=config.request_timeout_s,
+            records_wait_s=config.records_wait_s,
+        )
+        swarm.use_lanes = config.lanes
+        return cls(model_config, edges, swarm, config, generation_config=generation_config)
+
+    async def close(self) -> None:
+        await self.swarm.close()
+
+    async def __aenter__(self) -> AsyncDistributedModel:
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.close()
+
+    # ---- routing and sessions ----------------------------------------------------------------------------------------
+
+    async def choose_chain(
+        self,
+        *,
+        batch: int = 1,
+        max_length: int = 0,
+        exclude: frozenset[str] = frozenset(),
+        prompt_tokens: int = 0,
+        new_tokens: int = 0,
+    ) -> Chain:
+        """The chain for a new session (or a cacheless forward); NoRouteError when the swarm has none."""
+        request = ChainRequest(
+            batch=batch, max_length=max_length, exclude=exclude, prompt_tokens=prompt_tokens, new_tokens=new_tokens
+        )
+        return await self.router.choose_chain(request)
+
+    async def open_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> InferenceSession:
+        """An open session on a chosen chain; a node that fails to open, or refuses because its record no longer
+        holds, is banned and another chain chosen (up to max_open_attempts). `prompt_tokens`, when known, tells
+        routing how large the first pass is (eq. 18's transfer term). Close it when done."""
+        prompt_tokens = min(max(prompt_tokens, 0), max_length)
+        attempts = self.config.max_open_attempts
+        for attempt in range(attempts):
+            chain = await self.choose_chain(  # NoRouteError when nothing is left
+                batch=batch, max_length=max_length, prompt_tokens=prompt_tokens, new_tokens=max_length - prompt_tokens
+            )
+            session = InferenceSession(
+                self.swarm, chain, self.config, batch=batch, max_length=max_length, reroute=self.router.reroute
+            )
+            try:
+                return await session.open()
+            except LinkFailed as failure:
+                if failure.link is None or attempt + 1 == attempts:
+                    raise
+                logger.info("could not open a session on %s: %s", failure.link.peer_id, failure)
+                self.swarm.ban(failure.link.peer_id)
+            except ROUTABLE_REFUSALS as refusal:
+                # the node's record was stale (it moved, filled its cache, began draining): route around it
+                peer_id = getattr(refusal, "peer_id", None)
+                if peer_id is None or attempt + 1 == attempts:
+                    raise
+                logger.info("%s refused the session: %s", peer_id, refusal)
+                self.swarm.ban(peer_id)
+        raise SessionStateError("no session could be opened")  # the loop returns or raises first
+
+    @contextlib.asynccontextmanager
+    async def inference_session(
+        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0
+    ) -> AsyncIterator[InferenceSession]:
+        session = await self.open_session(max_length=max_length, batch=batch, prompt_tokens=prompt_tokens)
+        try:
+            yield session
+        finally:
+            await session.close()
+
+    # ---- the client's own layers -------------------------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode():
+            return self.edges.embed_tokens(input_ids)  # (batch, seq, hidden)
+
+    def logits(self, hidden: torch.Tensor, keep: int = 0) -> torch.Tensor:
+        """Logits of the last `keep` positions (all with 0): the final norm and LM head over (batch, seq, hidden)."""
+        with torch.inference_mode():
+            if keep > 0:
+                hidden = hidden[:, -keep:]  # (batch, keep, hidden)
+            return self.edges.lm_head(self.edges.norm(hidden))  # (batch, kept, vocab)
+
+    async def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of a whole sequence, through a chain without caches (client-relayed)."""
+        return self.logits(await self.remote_forward(self.embed(input_ids)))
+
+    async def remote_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Run hidden states (batch, seq, hidden) through every block without caches (client-relayed)."""
+        chain = await self.choose_chain(batch=hidden.shape[0])
+        preferred = self.config.compression
+        for hop in chain.hops:
+            codec, output_codec = codec_for(None, hop, preferred), codec_for(hop, None, preferred)
+            hidden, _ = await self.swarm.forward(hop, hidden, codec, output_codec)
+        return hidden
+
+    # ---- generation --------------------------------------------------------------------------------------------------
+
+    async def stream(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        max_new_tokens: int,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+        session: InferenceSession | None = None,
+    ) -> AsyncIterator[torch.Tensor]:
+        """Generate up to `max_new_tokens` after `input_ids` (batch, seq); yields each new token column (batch,).
+
+        Greedy by default (the tokens single-process transformers generates, with compression "none"); `do_sample`
+        samples with `temperature`, `top_k` and `top_p` from `generator`. Rows that produced `eos_token_id` continue
+        with `pad_token_id` (default: the eos token) until every row has; then the generation ends. `session`: an open
+        session whose caches hold exactly the tokens before input_ids' new ones (default: one opened for this call).
+        A consumer that stops early closes the stream (`contextlib.aclosing`), which closes a session it opened."""
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise SessionStateError("input_ids must be (batch, tokens) with at least one token")
+        if max_new_tokens < 1:
+            return
+        batch, length = input_ids.shape
+        owned = session is None
+        if owned:
+            session = await self.open_session(max_length=length + max_new_tokens, batch=batch, prompt_tokens=length)
+        try:
+            pad = eos_token_id if pad_token_id is None else pad_token_id
+            finished = torch.zeros(batch, dtype=torch.bool)
+            new = input_ids[:, session.position :]  # the tokens the session's caches have not seen
+            for index in range(max_new_tokens):
+                hidden = await session.step(self.embed(new))
+                scores = self.logits(hidden, keep=1)[:, -1].float()  # (batch, vocab)
+                token = self._choose(scores, do_sample, temperature, top_k, top_p, generator)  # (batch,)
+                if eos_token_id is not None:
+                    token = torch.where(finished, torch.full_like(token, pad), token)
+                    finished |= token == eos_token_id
+                yield token
+                if index + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+                    return
+                new = token[:, None]  # (batch, 1)
+        finally:
+            if owned:
+                await session.close()
+
+    async def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, **options) -> torch.Tensor:
+        """`input_ids` (batch, seq) followed by the generated tokens (batch, seq + new); options as for `stream`."""
+        tokens = [token async for token in self.stream(input_ids, max_new_tokens=max_new_tokens, **options)]
+        if not tokens:
+            return input_ids.clone()
+        return torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+
+    @staticmethod
+    def _choose(
+        scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float, generator
+    ) -> torch.Tensor:
+        """The next token per row of `scores` (batch, vocab): the argmax, or a sample after temperature, top-k and
+        top-p (nucleus) filtering."""
+        if not do_sample:
+            return scores.argmax(dim=-1)
+        if not temperature > 0:
+            raise ValueError(f"temperature must be above 0, got {temperature}")
+        scores = scores / temperature
+        if top_k > 0:
+            kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (batch, 1)
+            scores = scores.masked_fill(scores < kth, -torch.inf)
+        if top_p < 1.0:
+            ordered, order = torch.sort(scores, descending=True, dim=-1)
+            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+            drop = cumulative - ordered.softmax(dim=-1) >= top_p  # keep the smallest prefix reaching top_p
+            scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
+        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+__all__ = ["AsyncDistributedModel", "ROUTABLE_REFUSALS", "client_config"]

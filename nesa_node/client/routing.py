@@ -1,0 +1,119 @@
+"""Choosing chains for a client: eq. 18 routing (nesa_node.routing) on a live snapshot of the swarm, with the
+client's own round trips to first-block candidates, banned peers left out, and fallbacks when the records at hand
+give no chain (ask the nodes seen lately directly, then wait for a complete DHT read).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable
+from dataclasses import replace
+
+from nesa_node.client.config import ClientConfig
+from nesa_node.client.swarm import Swarm
+from nesa_node.errors import NoRouteError
+from nesa_node.protocol.records import NodeState
+from nesa_node.routing.chain import Chain, ChainRequest, SwarmSnapshot, select_chain
+
+logger = logging.getLogger(__name__)
+
+ChainSelector = Callable[[SwarmSnapshot, ChainRequest], Chain]
+
+
+def explain_missing(snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str]) -> str:
+    """Why the nodes of the requested block range were not used: what a NoRouteError adds for its reader."""
+    end = request.end_block if request.end_block is not None else snapshot.num_blocks
+    seen = []
+    for node in snapshot.nodes:
+        if node.end_block <= request.start_block or node.start_block >= end:
+            continue
+        if node.peer_id in banned:
+            reason = "banned after a failure"
+        elif node.peer_id in request.exclude:
+            reason = "already in the chain"
+        elif not node.online:
+            reason = "not online"
+        else:
+            reason = f"{node.cache_tokens_left} cache tokens left"
+        seen.append(f"{node.peer_id[-8:]} (blocks {node.start_block}:{node.end_block}, {reason})")
+    return f"nodes seen for blocks {request.start_block}:{end}: " + (", ".join(seen) or "none")
+
+
+class Router:
+    """Chains over `swarm` for a model of `num_blocks` blocks of width `hidden_size`."""
+
+    def __init__(
+        self,
+        swarm: Swarm,
+        config: ClientConfig,
+        *,
+        num_blocks: int,
+        hidden_size: int,
+        chain_selector: ChainSelector | None = None,
+    ):
+        self.swarm = swarm
+        self.config = config
+        self.num_blocks = num_blocks
+        self.hidden_size = hidden_size
+        self.chain_selector = chain_selector or functools.partial(select_chain, params=config.routing_params)
+        self.last_chain: Chain | None = None
+
+    async def snapshot(self, *, fresh: bool = False) -> SwarmSnapshot:
+        """The routing snapshot of the swarm for this model (records, links and the client's round trips)."""
+        return await self.swarm.snapshot(self.num_blocks, fresh=fresh, hidden_size=self.hidden_size)
+
+    async def choose_chain(self, request: ChainRequest) -> Chain:
+        """The chain for a new session (or a cacheless forward): first-block candidates the client has no recent
+        round trip to are pinged first, so the first hop is chosen on the client's own measurement."""
+        await self._ping_first_candidates(request)
+        chain = await self.reroute(request)
+        self.last_chain = chain
+        return chain
+
+    async def _ping_first_candidates(self, request: ChainRequest) -> None:
+        if self.config.max_pinged_candidates <= 0:
+            return
+        banned = self.swarm.banned() | request.exclude
+        try:
+            records = await self.swarm.node_records()
+        except Exception as exc:  # reroute reads again and raises the error a user should see
+            logger.debug("no records to choose ping candidates from: %r", exc)
+            return
+        candidates = sorted(
+            record.info.peer_id
+            for record in records
+            if record.info.start_block <= request.start_block < record.info.end_block
+            and record.info.state == NodeState.online
+            and record.info.peer_id not in banned
+        )
+        await self.swarm.measure_rtts(candidates[: self.config.max_pinged_candidates])
+
+    async def reroute(self, request: ChainRequest) -> Chain:
+        """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm. Raises
+        NoRouteError naming the missing blocks and why each node seen for them was not used."""
+        request = replace(
+            request,
+            exclude=request.exclude | self.swarm.banned(),
+            partial_spans=self.config.partial_spans,
+            codec=self.config.compression.name,
+        )
+        with contextlib.suppress(NoRouteError):
+            return self.chain_selector(await self.snapshot(), request)
+        # The records at hand may be stale or lack a live node (its announcements missed the DHT replicas read, or a
+        # replica that stopped answering slows every read): ask the nodes seen lately for these blocks directly, and
+        # if that gives no chain either, decide on a completed DHT read.
+        end = request.end_block if request.end_block is not None else self.num_blocks
+        candidates = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
+        if candidates and await self.swarm.probe_nodes(candidates, timeout_s=self.config.probe_timeout_s):
+            with contextlib.suppress(NoRouteError):
+                return self.chain_selector(await self.snapshot(), request)
+        snapshot = await self.snapshot(fresh=True)
+        try:
+            return self.chain_selector(snapshot, request)
+        except NoRouteError as error:
+            raise NoRouteError(f"{error.message}; {explain_missing(snapshot, request, self.swarm.banned())}") from None
+
+
+__all__ = ["ChainSelector", "Router", "explain_missing"]

@@ -1,0 +1,297 @@
+"""The links of one inference session, and everything said on them: opening a segment of the chain (a stream per node,
+acknowledged), the client's own data lanes, one queue of every node's answers, control messages and their answers,
+replaying a history into replacement nodes, closing. The session (client/session.py) and its failover
+(client/failover.py) both work through this object and nothing else of each other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import torch
+
+from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
+from nesa_node.client.config import ClientConfig
+from nesa_node.client.swarm import ANSWER_DTYPES, Swarm
+from nesa_node.errors import NesaError, PeerUnavailableError, RequestError
+from nesa_node.protocol import lane, rpc
+from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
+from nesa_node.protocol.framing import open_stream
+from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
+from nesa_node.protocol.messages import (
+    FROM_SESSION,
+    ErrorReply,
+    History,
+    HistoryRequest,
+    LaneSettings,
+    Message,
+    Opened,
+    OpenSession,
+    Retarget,
+    Retargeted,
+    Step,
+    StepResult,
+)
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto
+from nesa_node.routing.chain import Hop
+
+logger = logging.getLogger(__name__)
+
+REPLAY_CHUNK_TOKENS = 1024  # history replayed per message: well under a node's max_tokens_per_step
+MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
+
+
+def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) -> WireCodec:
+    """The codec for hidden states going from `sender` to `receiver`: `preferred` when both ends accept it, else
+    "none". None stands for the client, which accepts every codec."""
+    for hop in (sender, receiver):
+        if hop is not None and preferred.name not in hop.codecs:
+            return NO_CODEC
+    return preferred
+
+
+class SessionChain:
+    """The links of session `session_id` and the queue of their answers."""
+
+    def __init__(self, swarm: Swarm, config: ClientConfig, *, session_id: str, batch: int, max_length: int):
+        self.swarm = swarm
+        self.config = config
+        self.session_id = session_id
+        self.batch = batch
+        self.max_length = max_length
+        self.direct = config.mode == "direct"
+        # direct mode: hidden states go over data lanes where nodes offer them, else over libp2p
+        self.lanes = config.lanes and self.direct
+        self.links: list[ChainLink] = []
+        self.answers: asyncio.Queue = asyncio.Queue()  # (link, frame or exception), from every channel
+
+    @property
+    def hops(self) -> tuple[Hop, ...]:
+        return tuple(link.hop for link in self.links)
+
+    # ---- opening -----------------------------------------------------------------------------------------------------
+
+    def _open_message(
+        self,
+        index: int,
+        hops: tuple[Hop, ...],
+        upstream: str,
+        downstream: Hop | None,
+        lane_settings: LaneSettings | None,
+    ) -> OpenSession:
+        # who decodes this node's output: the next node in a direct chain, else the client
+        receiver = (hops[index + 1] if index + 1 < len(hops) else downstream) if self.direct else None
+        hop = hops[index]
+        return OpenSession(
+            session_id=self.session_id,
+            start_block=hop.start_block,
+            end_block=hop.end_block,
+            batch=self.batch,
+            max_length=self.max_length,
+            upstream=(hops[index - 1].peer_id if index > 0 else upstream) if self.direct else self.swarm.peer_id,
+            next=receiver.peer_id if receiver is not None else None,
+            output_codec=codec_for(hop, receiver, self.config.compression),
+            lane=lane_settings,
+        )
+
+    def _lane_settings(self, links: list[ChainLink], downstream: ChainLink | None) -> list[LaneSettings | None]:
+        """Each link's lane settings for its open message: keys of the links into and out of the node, the next
+        node's lane address. A segment's end links take the keys of their neighbours' links (`downstream`: the
+        node after the segment; at the chain's end, the client)."""
+        if not self.lanes:
+            return [None] * len(links)
+        for index, link in enumerate(links[1:], start=1):
+            link.key_in = links[index - 1].key_out
+        settings = []
+        for index, link in enumerate(links):
+            receiver = links[index + 1].hop if index + 1 < len(links) else downstream.hop if downstream else None
+            next_lane = self.swarm.lane_address(receiver.peer_id) if receiver is not None else None
+            settings.append(LaneSettings(key_in=link.key_in.hex(), key_out=link.key_out.hex(), next=next_lane))
+        return settings
+
+    async def open_segment(self, hops: tuple[Hop, ...], upstream: str, downstream: ChainLink | None) -> list[ChainLink]:
+        """Open a session stream on each hop (a chain segment between `upstream` and `downstream`, None: the
+        client) and wait for every acknowledgement. The segment's outer lane keys are fresh: a replaced segment's
+        neighbours get them by retarget, so a node that was dropped holds no key still in use. Raises LinkFailed
+        naming the node that failed, or the RequestError a node refused with (its `peer_id` set)."""
+        links = [ChainLink(hop) for hop in hops]
+        settings = self._lane_settings(links, downstream)
+        timeout_s = self.swarm.request_timeout_s
+        for index, link in enumerate(links):
+            try:
+                async with asyncio.timeout(timeout_s):
+                    link.control = await open_stream(
+                        self.swarm.p2p, link.peer_id, rpc.INFERENCE, max_frame_bytes=CLIENT_MAX_FRAME_BYTES
+                    )
+            except Exception as exc:
+                self.close_links(links)
+                raise LinkFailed(f"could not open a session on {link.peer_id}: {exc!r}", link) from None
+            message = self._open_message(index, hops, upstream, downstream.hop if downstream else None, settings[index])
+            link.send(frame(message))
+            link.readers.append(asyncio.create_task(self._read(link, link.control, "the session")))
+        # every node acknowledges the open (cache reserved) or refuses it with a typed error
+        pending = {id(link): link for link in links}
+        try:
+            while pending:
+                try:
+                    answered, message, _ = await self.next_answer(timeout_s)
+                except LinkFailed as silent:
+                    if silent.link is not None:
+                        raise
+                    # a node that took the stream but never answered the open has failed for this session: name it,
+                    # so the caller bans it and opens on another chain
+                    unanswered = next(iter(pending.values()))
+                    raise LinkFailed(
+                        f"{silent.message}: node {unanswered.peer_id} did not acknowledge the open", unanswered
+                    ) from None
+                if stale_report(answered, message, links):
+                    continue
+                if isinstance(message, ErrorReply):
+                    refusal = message.error()
+                    refusal.peer_id = answered.peer_id  # who refused: the caller may route around it
+                    raise refusal
+                if isinstance(message, Opened):
+                    pending.pop(id(answered), None)
+        except BaseException:
+            self.close_links(links)
+            raise
+        return links
+
+    async def connect_client_lanes(self) -> None:
+        """The client's own lanes: steps to the first node, outputs from the last. A node without a lane, or one
+        that cannot be reached on it, is spoken to over its session stream instead."""
+        if not self.lanes:
+            return
+        first, last = self.links[0], self.links[-1]
+        if first.steps is None:
+            first.steps = await self._connect_lane(first, lane.ROLE_SEND, first.key_in)
+        if last.outputs is None:
+            last.outputs = await self._connect_lane(last, lane.ROLE_RECEIVE, last.key_out)
+
+    async def _connect_lane(self, link: ChainLink, role: int, key: bytes) -> Channel | None:
+        address = self.swarm.lane_address(link.peer_id)
+        if address is None:
+            return None
+        try:
+            async with asyncio.timeout(self.swarm.request_timeout_s):
+                stream = await lane.connect(address, role, self.session_id, key)
+        except (lane.LaneClosedError, TimeoutError) as exc:
+            logger.info("no data lane to %s (%s); its steps go over libp2p", link.peer_id, exc)
+            return None
+        channel = LaneChannel(stream, "answer on a data lane")
+        link.readers.append(asyncio.create_task(self._read(link, channel, "the data lane")))
+        return channel
+
+    async def _read(self, link: ChainLink, channel: Channel, what: str) -> None:
+        try:
+            while (received := await channel.receive()) is not None:
+                self.answers.put_nowait((link, received))
+        except Exception as exc:  # a channel that fails is a node that fails, whatever the reason
+            message = exc.message if isinstance(exc, NesaError) else repr(exc)
+            self.answers.put_nowait((link, PeerUnavailableError(f"{what} of {link.peer_id} failed: {message}")))
+            return
+        self.answers.put_nowait((link, PeerUnavailableError(f"node {link.peer_id} closed {what}")))
+
+    # ---- answers -----------------------------------------------------------------------------------------------------
+
+    async def next_answer(self, timeout_s: float) -> tuple[ChainLink, Message, Frame]:
+        """The next answer from any link still open: (link, message, frame). LinkFailed when a link's channel broke,
+        a node sent something malformed, or nothing came within `timeout_s` (link None)."""
+        while True:
+            try:
+                async with asyncio.timeout(timeout_s):  # no task per step, unlike wait_for
+                    link, item = await self.answers.get()
+            except TimeoutError:
+                raise LinkFailed(f"no answer from the chain within {timeout_s} s", None) from None
+            if link.closed:
+                continue  # a link closed by failover: its last words no longer matter
+            if isinstance(item, BaseException):
+                message = item.message if isinstance(item, NesaError) else repr(item)
+                raise LinkFailed(f"stream to {link.peer_id} failed: {message}", link)
+            try:
+                return link, read(item, FROM_SESSION), item
+            except RequestError as exc:
+                raise LinkFailed(f"node {link.peer_id} sent a malformed answer: {exc.message}", link) from None
+
+    def read_hidden(self, link: ChainLink, answer: Frame, codec: WireCodec, max_elements: int) -> torch.Tensor:
+        """The hidden states of a node's answer; LinkFailed when they are not one well-formed tensor."""
+        if len(answer.tensors) != 1:
+            raise LinkFailed(f"node {link.peer_id} sent a malformed answer", link)
+        try:
+            return tensor_from_proto(
+                answer.tensors[0], allowed_dtypes=ANSWER_DTYPES, max_elements=max_elements, rank=3, codec=codec
+            )
+        except RequestError as exc:
+            raise LinkFailed(f"node {link.peer_id} sent malformed hidden states: {exc.message}", link) from None
+
+    # ---- control -----------------------------------------------------------------------------------------------------
+
+    async def history(self, link: ChainLink, position: int) -> torch.Tensor:
+        """The outputs `link`'s node kept for the first `position` tokens (batch, position, hidden), lossless."""
+        link.send(frame(HistoryRequest(position=position)))
+        _, answer = await self._control_answer(link, History)
+        return self.read_hidden(link, answer, NO_CODEC, position * self.batch * MAX_HIDDEN)
+
+    async def retarget(self, link: ChainLink, message: Retarget) -> None:
+        link.send(frame(message))
+        await self._control_answer(link, Retargeted)
+
+    async def _control_answer(self, link: ChainLink, model: type[Message]) -> tuple[Message, Frame]:
+        while True:
+            answered, message, answer = await self.next_answer(self.swarm.request_timeout_s)
+            if isinstance(message, ErrorReply):
+                if message.code == PeerUnavailableError.code:
+                    continue  # a node reporting that its next node is gone: the failure being recovered from
+                raise message.error()
+            if answered is link and isinstance(message, model):
+                return message, answer
+
+    async def replay(self, links: list[ChainLink], history: torch.Tensor) -> list[list[torch.Tensor]]:
+        """Rebuild the caches of replacement nodes: the history (batch, position, hidden) goes through them one by
+        one, via the client. Returns each link's input history (one tensor per link)."""
+        inputs = []
+        for link in links:
+            inputs.append([history])
+            outputs = []
+            for start in range(0, history.shape[1], REPLAY_CHUNK_TOKENS):
+                chunk = history[:, start : start + REPLAY_CHUNK_TOKENS]  # (batch, <= chunk, hidden)
+                step_id = f"{self.session_id}:replay:{start}"
+                link.send(frame(Step(step_id=step_id, position=start, replay=True), [tensor_to_proto(chunk)]))
+                while True:
+                    try:
+                        answered, message, answer = await self.next_answer(self.swarm.request_timeout_s)
+                    except LinkFailed as failure:  # only the replayed node owes an answer now: silence is its
+                        raise LinkFailed(failure.message, failure.link or link) from None
+                    if stale_report(answered, message, [link]):
+                        continue
+                    if isinstance(message, ErrorReply):
+                        if message.code == PeerUnavailableError.code:  # the replayed node gave up (timeout)
+                            raise LinkFailed(message.message, link)
+                        raise message.error()
+                    if answered is link and isinstance(message, StepResult) and message.step_id == step_id:
+                        break
+                outputs.append(self.read_hidden(link, answer, message.codec, chunk.numel()))
+            history = torch.cat(outputs, dim=1)
+        return inputs
+
+    # ---- closing -----------------------------------------------------------------------------------------------------
+
+    @staticmethod
+    def close_links(links: list[ChainLink]) -> None:
+        for link in links:
+            link.close()
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """End the session on every node: end each stream and wait up to `timeout_s` for the nodes to close theirs
+        (their caches are then free), then close everything."""
+        for link in self.links:
+            if link.control is not None:
+                link.control.end()
+        readers = [link.readers[0] for link in self.links if link.readers]
+        if readers:
+            await asyncio.wait(readers, timeout=timeout_s)
+        self.close_links(self.links)
+
+
+__all__ = ["MAX_HIDDEN", "REPLAY_CHUNK_TOKENS", "SessionChain", "codec_for"]

@@ -1,0 +1,392 @@
+"""Every message peers exchange, as frozen pydantic models, and the one function that reads them from peer bytes.
+
+A frame on the wire is a protobuf (hivemind's ExpertRequest / ExpertResponse: tensors and a metadata field); the
+metadata holds one message, msgpack-encoded, whose `kind` names its model:
+
+  session stream (rpc_inference), client -> node
+    open        OpenSession     session id, blocks, batch, max_length, neighbours, output codec, lane keys
+    step        Step            hidden states of new tokens at a position (also pushed node -> node, and on lanes)
+    history     HistoryRequest  this node's outputs for the first `position` tokens (failover of the next node)
+    retarget    Retarget        new next node and/or upstream node (failover of a neighbour)
+  session stream, node -> client
+    opened      Opened          cache reserved
+    result      StepResult      a step's output (or a replayed step's, to the client)
+    history     History         the outputs asked for, lossless
+    retargeted  Retargeted
+    error       ErrorReply      a typed error (code, message), with the refused step's id when there is one
+  unary and lane calls
+    forward     ForwardRequest  run blocks on a whole sequence, no cache  -> ForwardResult
+    info        InfoReply       a node's live NodeInfo record
+    ticket      LaneTicket      a one-time FORWARD lane ticket and key
+    graph       GraphForward    a graph-model stage's named inputs      -> GraphResult
+
+Reading a peer's metadata (`decode`) refuses, with BadRequestError and before any model is built: more than
+MAX_METADATA_BYTES, msgpack extension types (whose decoders may recurse), nesting deeper than MAX_DEPTH, anything but
+a map; then the model refuses unknown keys, wrong types (no coercion: strict) and oversized fields. Models for
+later features (training passes, adapters) are added as new kinds; a peer that does not know a kind refuses it.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from typing import Annotated, Literal, TypeVar
+
+import msgpack
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    TypeAdapter,
+    ValidationError,
+    model_validator,
+)
+
+from nesa_node.errors import BadRequestError, NesaError, error_from_code
+from nesa_node.protocol import lane
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec
+
+MAX_METADATA_BYTES = 16 * 1024  # a message is a handful of ids and numbers
+MAX_DEPTH = 4  # a message, a nested map (lane keys, codec) and a list inside it
+MAX_ID_LENGTH = 128  # session ids, step ids' parts, peer ids
+MAX_BLOCKS = 1 << 16  # block indices: more than any model has
+MAX_NAMES = 64  # tensors named in a graph-model stage call
+
+_ID_PATTERN = r"^[0-9A-Za-z._:-]+$"  # printable, no spaces or line breaks: ids end up in logs and lane hellos
+
+
+def _peer_id(value: object) -> object:
+    """A base58 libp2p peer id (checked by parsing it, and its multihash)."""
+    if isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH:
+        from hivemind.p2p import PeerID
+        from multihash import decode as decode_multihash
+
+        try:
+            decode_multihash(PeerID.from_base58(value).to_bytes())
+        except Exception:
+            raise ValueError("not a valid peer id") from None
+    return value
+
+
+def _codec(value: object) -> object:
+    if isinstance(value, WireCodec):
+        return value
+    if isinstance(value, dict) and all(isinstance(item, str | int) for item in value.values()):
+        return _known_codec(tuple(sorted(value.items())))  # the same few codecs arrive on every step
+    return _parse_codec(value)
+
+
+def _parse_codec(value: object) -> WireCodec:
+    try:
+        return WireCodec.from_metadata(value)
+    except BadRequestError as error:
+        raise ValueError(error.message) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _known_codec(items: tuple) -> WireCodec:
+    return _parse_codec(dict(items))
+
+
+Id = Annotated[str, Field(min_length=1, max_length=MAX_ID_LENGTH, pattern=_ID_PATTERN)]
+StepIdText = Annotated[str, Field(min_length=1, max_length=2 * MAX_ID_LENGTH, pattern=_ID_PATTERN)]
+PeerIdText = Annotated[str, BeforeValidator(_peer_id), Field(min_length=1, max_length=MAX_ID_LENGTH)]
+Block = Annotated[int, Field(ge=0, le=MAX_BLOCKS)]
+Seconds = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Codec = Annotated[
+    WireCodec,
+    BeforeValidator(_codec),
+    PlainSerializer(lambda codec: codec.to_metadata(), return_type=dict | None),
+]
+HexKey = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-fA-F]+$")]
+
+
+def _lane_address(value: object) -> object:
+    """'ip:port' of a data lane (protocol/lane.py: an IP address, never a name to resolve)."""
+    if isinstance(value, str):
+        try:
+            lane.parse_address(value)
+        except BadRequestError as error:
+            raise ValueError(error.message) from None
+    return value
+
+
+LaneAddress = Annotated[str, BeforeValidator(_lane_address), Field(min_length=1, max_length=64)]
+
+
+class Message(BaseModel):
+    """A message between peers: frozen, strict types, unknown keys refused."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", arbitrary_types_allowed=True)
+
+
+class LaneSettings(Message):
+    """Data lane settings of a session link (protocol/lane.py): the key of the link into the node, of the link out
+    of it, and the next node's lane address (None: push over libp2p). Each only when given."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    key_in: HexKey | None = Field(None, alias="in")
+    key_out: HexKey | None = Field(None, alias="out")
+    next: LaneAddress | None = None
+
+
+class OpenSession(Message):
+    """Open an inference session for blocks [start_block, end_block) of the node's span (a contiguous part of it:
+    a chain may use a node for part of its range; the cache is reserved for the whole span)."""
+
+    kind: Literal["open"] = "open"
+    session_id: Id
+    start_block: Block
+    end_block: Block
+    batch: int = Field(ge=1, le=1 << 16)  # rows, fixed for the session
+    max_length: int = Field(ge=1, le=1 << 24)  # tokens the cache must hold
+    upstream: PeerIdText | None = None  # the only peer whose pushes are taken; None: the opener
+    next: PeerIdText | None = None  # where outputs are pushed; None: back to the client
+    output_codec: Codec = NO_CODEC
+    lane: LaneSettings | None = None
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> OpenSession:
+        if self.start_block >= self.end_block:
+            raise ValueError(f"start_block {self.start_block} must be below end_block {self.end_block}")
+        return self
+
+
+class Step(Message):
+    """Hidden states (batch, seq, hidden) of new tokens starting at `position`, in one tensor. `step_id` is the
+    same on a retry, so a duplicate is answered from record; `compute_s` is what the nodes before spent on it;
+    `replay` (from the client only) rebuilds a replacement's cache and answers to the client; `session_id` names the
+    session on a libp2p push stream, where nothing else does."""
+
+    kind: Literal["step"] = "step"
+    step_id: StepIdText
+    position: int = Field(ge=0, le=1 << 24)
+    codec: Codec = NO_CODEC
+    compute_s: Seconds = 0.0
+    replay: bool = False
+    session_id: Id | None = None
+
+
+class HistoryRequest(Message):
+    kind: Literal["history"] = "history"
+    position: int = Field(ge=1, le=1 << 24)
+
+
+class Retarget(Message):
+    """Point a node at a replacement neighbour: `next` (push there; None: answer the client) and/or `upstream`,
+    each only when given; `lane` replaces the lane settings it names."""
+
+    kind: Literal["retarget"] = "retarget"
+    next: PeerIdText | None = None
+    upstream: PeerIdText | None = None
+    lane: LaneSettings | None = None
+
+
+class Opened(Message):
+    kind: Literal["opened"] = "opened"
+    cache_tokens_left: int = Field(ge=0)
+
+
+class StepResult(Message):
+    kind: Literal["result"] = "result"
+    step_id: StepIdText
+    position: int = Field(ge=0)
+    compute_s: Seconds = 0.0  # this node's and those before it
+    codec: Codec = NO_CODEC
+    replayed: bool = False
+
+
+class History(Message):
+    kind: Literal["history"] = "history"
+    position: int = Field(ge=1)
+
+
+class Retargeted(Message):
+    kind: Literal["retargeted"] = "retargeted"
+
+
+class ErrorReply(Message):
+    kind: Literal["error"] = "error"
+    code: str = Field(max_length=64)
+    message: str = Field(max_length=4096)
+    step_id: StepIdText | None = None
+
+    @classmethod
+    def of(cls, error: NesaError, step_id: str | None = None) -> ErrorReply:
+        return cls(code=error.code[:64], message=error.message[:4096], step_id=step_id)
+
+    def error(self) -> NesaError:
+        return error_from_code(self.code, self.message)
+
+
+class ForwardRequest(Message):
+    kind: Literal["forward"] = "forward"
+    start_block: Block
+    end_block: Block
+    codec: Codec = NO_CODEC
+    output_codec: Codec = NO_CODEC
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> ForwardRequest:
+        if self.start_block >= self.end_block:
+            raise ValueError(f"start_block {self.start_block} must be below end_block {self.end_block}")
+        return self
+
+
+class ForwardResult(Message):
+    kind: Literal["forward_result"] = "forward_result"
+    compute_s: Seconds = 0.0
+    codec: Codec = NO_CODEC
+
+
+class InfoReply(Message):
+    kind: Literal["info"] = "info"
+    info: str = Field(max_length=32 * 1024)  # NodeInfo JSON (protocol/records.py)
+
+
+class LaneTicket(Message):
+    kind: Literal["ticket"] = "ticket"
+    ticket: Annotated[str, Field(min_length=32, max_length=32, pattern=r"^[0-9a-f]+$")]
+    key: HexKey
+    lane: LaneAddress
+
+
+class GraphForward(Message):
+    kind: Literal["graph"] = "graph"
+    plan: str = Field(min_length=1, max_length=128)
+    stage: int = Field(ge=0, le=1024)
+    names: tuple[Annotated[str, Field(max_length=128)], ...] = Field(max_length=MAX_NAMES)
+
+
+class GraphResult(Message):
+    kind: Literal["graph_result"] = "graph_result"
+    names: tuple[Annotated[str, Field(max_length=128)], ...] = Field(max_length=MAX_NAMES)
+    compute_s: Seconds = 0.0
+
+
+M = TypeVar("M", bound=Message)
+
+
+def _union(*models: type[Message]) -> TypeAdapter:
+    """What a receiver accepts: one of `models`, chosen by the message's `kind`."""
+    if len(models) == 1:
+        return TypeAdapter(models[0])
+    return TypeAdapter(Annotated[functools.reduce(operator.or_, models), Field(discriminator="kind")])
+
+
+# what each receiver accepts, by direction
+TO_SESSION = _union(OpenSession, Step, HistoryRequest, Retarget)  # on a session stream, from its client
+FROM_SESSION = _union(Opened, StepResult, History, Retargeted, ErrorReply)  # a node's answers on a session stream
+PUSHED = _union(Step)  # pushed node -> node, or sent on a data lane
+PUSH_ANSWERS = _union(ErrorReply)  # a next node answers a push stream only to refuse a step
+FORWARD = _union(ForwardRequest)
+FORWARD_ANSWERS = _union(ForwardResult, ErrorReply)
+INFO_ANSWERS = _union(InfoReply, ErrorReply)
+TICKET_ANSWERS = _union(LaneTicket, ErrorReply)
+GRAPH = _union(GraphForward)
+GRAPH_ANSWERS = _union(GraphResult, ErrorReply)
+
+
+def _no_extensions(code: int, data: bytes) -> None:
+    raise ValueError(f"msgpack extension type {code} is not accepted")
+
+
+def _nested_within(value: dict, limit: int) -> bool:
+    """Whether a decoded map nests containers at most `limit` levels deep (counted without recursion; map keys are
+    strings, as msgpack was told to require)."""
+    pending = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if depth > limit:
+            return False
+        for child in item.values() if isinstance(item, dict) else item:
+            if isinstance(child, dict | tuple | list):
+                pending.append((child, depth + 1))
+    return True
+
+
+def _describe(error: ValidationError, kind: object) -> str:
+    parts = []
+    for item in error.errors(include_url=False)[:3]:
+        location = item["loc"][1:] if item["loc"][:1] == (kind,) else item["loc"]  # the union's tag: said already
+        where = ".".join(str(part) for part in location)
+        parts.append(f"{where}: {item['msg']}" if where else item["msg"])
+    return "; ".join(parts)
+
+
+def decode(raw: bytes, kinds: TypeAdapter) -> Message:
+    """The message in a peer's metadata bytes, as one of the models `kinds` accepts; BadRequestError otherwise (see
+    the module docstring for every check, all made before anything is built from the bytes)."""
+    if len(raw) > MAX_METADATA_BYTES:
+        raise BadRequestError(f"message of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
+    try:
+        value = msgpack.unpackb(
+            raw,
+            raw=False,
+            strict_map_key=True,
+            use_list=False,  # arrays as tuples: the models' sequences are tuples (strict types)
+            ext_hook=_no_extensions,
+        )
+    except Exception as exc:  # msgpack raises several types for malformed input
+        raise BadRequestError(f"message is not valid msgpack: {str(exc)[:200]}") from None
+    if not isinstance(value, dict):
+        raise BadRequestError(f"a message is a map with a 'kind', got {type(value).__name__}")
+    if not _nested_within(value, MAX_DEPTH):
+        raise BadRequestError(f"message nested deeper than {MAX_DEPTH} levels")
+    try:
+        return kinds.validate_python(value)
+    except ValidationError as exc:
+        kind = value.get("kind")
+        label = f"{kind[:32]} message" if isinstance(kind, str) else "message"
+        raise BadRequestError(f"{label}: {_describe(exc, kind)}") from None
+
+
+def encode(message: Message) -> bytes:
+    """Metadata bytes of `message`: its kind and every field it was given (a field given its default value still
+    travels: a Retarget's `next=None` means "answer the client", its absence "keep the next node")."""
+    fields = message.model_dump(mode="python", exclude_unset=True, by_alias=True, exclude={"kind"})
+    return msgpack.packb({"kind": message.kind, **fields}, use_bin_type=True)
+
+
+def expect(message: Message, model: type[M]) -> M:
+    """`message` if it is a `model`; BadRequestError naming both kinds otherwise."""
+    if not isinstance(message, model):
+        raise BadRequestError(f"expected a {model.model_fields['kind'].default} message, got {message.kind!r}")
+    return message
+
+
+__all__ = [
+    "FORWARD",
+    "FORWARD_ANSWERS",
+    "FROM_SESSION",
+    "GRAPH",
+    "GRAPH_ANSWERS",
+    "INFO_ANSWERS",
+    "MAX_METADATA_BYTES",
+    "PUSHED",
+    "PUSH_ANSWERS",
+    "TICKET_ANSWERS",
+    "TO_SESSION",
+    "ErrorReply",
+    "ForwardRequest",
+    "ForwardResult",
+    "GraphForward",
+    "GraphResult",
+    "History",
+    "HistoryRequest",
+    "InfoReply",
+    "LaneSettings",
+    "LaneTicket",
+    "Message",
+    "OpenSession",
+    "Opened",
+    "Retarget",
+    "Retargeted",
+    "Step",
+    "StepResult",
+    "decode",
+    "encode",
+    "expect",
+]

@@ -1,0 +1,16 @@
+"""Names of the RPCs a node registers on its P2P host, and the frame size limit of unary calls.
+
+Streams (a Channel each, protocol/channel.py): INFERENCE (one per session), PUSH_STREAM (a node's pushes to its
+next node for one session). Unary: INFO, PING, FORWARD, PUSH (one pushed step), LANE_TICKET, GRAPH_FORWARD.
+"""
+
+INFO = "nesa.info"
+PING = "nesa.ping"
+FORWARD = "nesa.forward"
+INFERENCE = "nesa.inference"
+PUSH = "nesa.push"
+PUSH_STREAM = "nesa.push_stream"
+LANE_TICKET = "nesa.lane_ticket"
+GRAPH_FORWARD = "nesa.graph_forward"
+
+MAX_PING_BYTES = 1 << 20  # what a ping may carry: room for a bandwidth probe, nothing more

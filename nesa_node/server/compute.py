@@ -1,0 +1,131 @@
+"""Running the node's blocks: the span being served, the compute thread, and what every step is checked against
+before it runs (blocks inside the span, hidden states of the right shape, dtype and values).
+
+Inference runs under `torch.inference_mode`, chosen here and not in the span (sharding/blocks.py), so a training
+service can run the same blocks with autograd.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from nesa_node.compression.codec import WIRE_DTYPES, all_finite
+from nesa_node.errors import BadRequestError, TooManySessionsError, WrongBlocksError
+from nesa_node.protocol.channel import Frame
+from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
+from nesa_node.server.config import ComputeConfig, LimitsConfig
+
+SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
+
+
+class BlockCompute:
+    """The span of blocks this node serves (None while it loads others) and the thread its steps run on."""
+
+    def __init__(self, span, compute: ComputeConfig, limits: LimitsConfig):
+        self.span = span
+        self.config = compute
+        self.limits = limits
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nesa-compute")
+        self.accepted_codecs = tuple(dict.fromkeys(("none", *compute.codecs)))  # "none" always works
+        self.compute_seconds = 0.0  # total time spent in the blocks
+        self.steps_served = 0
+        self._small_step_s: float | None = None  # moving average compute time of small steps, seconds
+
+    def use_span(self, span) -> None:
+        """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
+        self.span = span
+
+    # ---- checks ------------------------------------------------------------------------------------------------
+
+    def check_blocks(self, start_block: int, end_block: int) -> tuple[int, int]:
+        """(first, end) of the blocks a peer asks this node to run: inside the model and inside this node's span.
+        TooManySessionsError while the node loads other blocks, BadRequestError past the model's blocks,
+        WrongBlocksError outside the span (the peer read a stale record: the node moved)."""
+        span = self.span
+        if span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
+        total = span.config.num_hidden_layers
+        if end_block > total:
+            raise BadRequestError(f"unknown block {end_block - 1}: the model has blocks 0..{total - 1}")
+        if not span.start <= start_block < end_block <= span.end:
+            raise WrongBlocksError(
+                f"this node serves blocks {span.start}..{span.end - 1}, not {start_block}..{end_block - 1}"
+            )
+        return start_block, end_block
+
+    def codec(self, codec: WireCodec) -> WireCodec:
+        """`codec` if this node accepts it; BadRequestError otherwise."""
+        if codec.name not in self.accepted_codecs:
+            raise BadRequestError(
+                f"codec {codec.name!r} is not accepted here; accepted: {', '.join(self.accepted_codecs)}"
+            )
+        return codec
+
+    def read_hidden(self, frame: Frame, codec: WireCodec, *, batch: int | None) -> torch.Tensor:
+        """The hidden states (batch, seq, hidden) a frame carries; BadRequestError unless they are one finite tensor
+        of this model's width within the step limit (and of `batch` rows, when given)."""
+        span = self.span
+        if span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
+        if len(frame.tensors) != 1:
+            raise BadRequestError(f"expected one tensor of hidden states, got {len(frame.tensors)}")
+        hidden = tensor_from_proto(
+            frame.tensors[0],
+            allowed_dtypes=tuple(WIRE_DTYPES),
+            max_elements=self.limits.max_tokens_per_step * span.hidden_size,
+            rank=3,
+            codec=self.codec(codec),
+        )
+        rows, seq, width = hidden.shape  # (batch, seq, hidden)
+        if width != span.hidden_size:
+            raise BadRequestError(f"hidden size {width} does not match the model's {span.hidden_size}")
+        if seq == 0 or rows == 0:
+            raise BadRequestError("hidden states must hold at least one token")
+        if batch is not None and rows != batch:
+            raise BadRequestError(f"batch of {rows} rows in a session opened with {batch}")
+        if not all_finite(hidden):
+            raise BadRequestError("hidden states contain NaN or Inf")
+        return hidden
+
+    # ---- running -----------------------------------------------------------------------------------------------
+
+    async def run(
+        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int]
+    ) -> tuple[torch.Tensor, float]:
+        """Run `blocks` (first, end) on `hidden` with `cache` from `position`; (output, seconds in the blocks). Short
+        steps run on the loop itself, others on the compute thread (ComputeConfig.inline_compute_ms)."""
+        span = self.span  # the span the blocks were checked against, even if the node moves meanwhile
+        if span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
+
+        def run() -> tuple[torch.Tensor, float]:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                output = span(hidden, cache, position, blocks)
+            return output, time.perf_counter() - started
+
+        small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
+        inline_s = self.config.inline_compute_ms / 1000
+        if small and self._small_step_s is not None and self._small_step_s < inline_s:
+            output, seconds = run()
+        else:
+            output, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        if small:  # moving average of recent small steps: what the next one will likely cost
+            previous = self._small_step_s
+            self._small_step_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        self.compute_seconds += seconds
+        self.steps_served += 1
+        return output, seconds
+
+    def close(self) -> None:
+        """Stop the compute thread; steps still waiting for it are cancelled."""
+        with contextlib.suppress(Exception):
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+__all__ = ["BlockCompute", "SMALL_STEP_TOKENS"]

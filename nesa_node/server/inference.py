@@ -1,0 +1,288 @@
+"""Inference on the node: a session's stream, its steps with the KV cache, session control, and cacheless forwards.
+
+A session (one client stream, `serve_session`):
+  1. the client sends OpenSession; the node checks the blocks against its span, reserves the session's cache (within
+     the node's budget and the peer's quota) and answers Opened, or an ErrorReply;
+  2. steps arrive as Step messages with hidden states (batch, seq, hidden): on this stream (first node, or
+     client-relayed mode), pushed by the upstream node (direct chain) over a push stream or a data lane; every one
+     enters through SessionTable.admit and is taken in order from the session's queue;
+  3. each step's output goes to the next node (server/push.py), or back to the client (on its output lane when it
+     has one, else on this stream) when there is no next node; a replayed step's output always goes to the client;
+  4. the session ends, and its cache is freed, when the stream ends, on `max_step_errors` refused steps in a row,
+     after `session_timeout_s` without a step, or when a step is not computed and handed on within
+     `step_timeout_s` (a stuck next node, or this node stalled).
+A step whose step_id equals the previous one is a duplicate: its recorded output is the answer, not recomputed.
+HistoryRequest and Retarget are the client's failover controls, answered in order with the steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+
+import torch
+from hivemind.p2p import P2PContext
+
+from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, RequestError
+from nesa_node.protocol.channel import Channel, ChannelClosedError, Frame, frame, read
+from nesa_node.protocol.framing import StreamChannel
+from nesa_node.protocol.messages import (
+    FORWARD,
+    TO_SESSION,
+    ErrorReply,
+    ForwardRequest,
+    ForwardResult,
+    History,
+    HistoryRequest,
+    Opened,
+    OpenSession,
+    Retarget,
+    Retargeted,
+    Step,
+    StepResult,
+    expect,
+)
+from nesa_node.protocol.tensors import tensor_to_proto
+from nesa_node.server.compute import BlockCompute
+from nesa_node.server.config import LimitsConfig, NetworkConfig
+from nesa_node.server.push import PushSender
+from nesa_node.server.sessions import END_OF_SESSION, Inbound, ServerSession, SessionTable
+
+logger = logging.getLogger(__name__)
+
+
+def _step_digest(request: Frame, step: Step) -> bytes:
+    """What identifies a step's content: position, codec and the tensor bytes as sent (a retry sends the same)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(str((step.position, step.codec)).encode())
+    for tensor in request.tensors:
+        digest.update(str((tensor.dtype, tuple(tensor.size))).encode())
+        digest.update(tensor.buffer)
+    return digest.digest()
+
+
+class InferenceService:
+    """Sessions and forwards over the node's blocks (see the module docstring)."""
+
+    def __init__(
+        self,
+        sessions: SessionTable,
+        compute: BlockCompute,
+        push: PushSender,
+        limits: LimitsConfig,
+        network: NetworkConfig,
+    ):
+        self.sessions = sessions
+        self.compute = compute
+        self.push = push
+        self.limits = limits
+        self.network = network
+
+    async def injected_delay(self) -> None:
+        if self.network.inject_delay_ms > 0:
+            await asyncio.sleep(self.network.inject_delay_ms / 1000)
+
+    # ---- cacheless forward ---------------------------------------------------------------------------------------
+
+    async def forward(self, request: Frame) -> Frame:
+        """Run the asked blocks on a whole sequence without a cache (positions from 0); an ErrorReply frame for
+        anything refused."""
+        await self.injected_delay()
+        try:
+            message = expect(read(request, FORWARD), ForwardRequest)
+            blocks = self.compute.check_blocks(message.start_block, message.end_block)
+            hidden = self.compute.read_hidden(request, message.codec, batch=None)
+            output_codec = self.compute.codec(message.output_codec)
+            output, seconds = await self.compute.run(hidden, None, 0, blocks)
+            return frame(ForwardResult(compute_s=seconds, codec=output_codec), [tensor_to_proto(output, output_codec)])
+        except RequestError as exc:
+            return frame(ErrorReply.of(exc))
+
+    # ---- sessions ------------------------------------------------------------------------------------------------
+
+    async def serve_session(self, channel: StreamChannel, context: P2PContext) -> None:
+        """One session stream, from its OpenSession to its end (see the module docstring)."""
+        try:
+            async with asyncio.timeout(self.network.peer_timeout_s):
+                first = await channel.receive()
+        except TimeoutError:
+            return
+        if first is None:
+            return
+        try:
+            session = self._open(first, channel, context.remote_id.to_base58())
+        except RequestError as exc:
+            channel.send(frame(ErrorReply.of(exc)))
+            return
+        reader = asyncio.create_task(self._read_stream(channel, session))
+        try:
+            channel.send(frame(Opened(cache_tokens_left=self.sessions.budget.tokens_left)))
+            await self._run(session)
+        finally:
+            reader.cancel()
+            self.sessions.close(session)
+
+    def _open(self, request: Frame, channel: Channel, client_peer: str) -> ServerSession:
+        message = expect(read(request, TO_SESSION), OpenSession)
+        blocks = self.compute.check_blocks(message.start_block, message.end_block)
+        self.compute.codec(message.output_codec)
+        return self.sessions.open(
+            message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
+        )
+
+    async def _read_stream(self, channel: StreamChannel, session: ServerSession) -> None:
+        """The client's frames into the session's queue, in order (a malformed one too: it is answered in order)."""
+        try:
+            while (request := await channel.receive()) is not None:
+                try:
+                    item = Inbound(request, read(request, TO_SESSION))
+                except RequestError as exc:
+                    item = Inbound(request, error=exc)
+                await self.sessions.admit(session, item, sender=None, wait=True)
+        except RequestError as exc:  # a frame over the limit, or not a frame: refused, and the stream ends
+            logger.debug("session %s: stream refused: %s", session.session_id, exc)
+            channel.refuse(exc)
+        except Exception as exc:  # the client went away: a normal event
+            logger.debug("stream of session %s ended: %r", session.session_id, exc)
+        session.inbox.put_nowait(END_OF_SESSION)  # not when cancelled: the session is over already
+
+    async def _run(self, session: ServerSession) -> None:
+        """Take the session's queue in order until it ends."""
+        while True:
+            try:
+                if session.inbox.empty():  # asyncio.timeout: no task per step, unlike wait_for
+                    async with asyncio.timeout(self.limits.session_timeout_s):
+                        item = await session.inbox.get()
+                else:
+                    item = session.inbox.get_nowait()
+            except TimeoutError:
+                logger.info("session %s idle for %.0f s, closing", session.session_id, self.limits.session_timeout_s)
+                return
+            if item is END_OF_SESSION:
+                return
+            if item.from_peer:
+                session.room.release()
+            step_id = item.message.step_id if isinstance(item.message, Step) else None
+            try:
+                if item.error is not None:
+                    raise item.error
+                if isinstance(item.message, HistoryRequest | Retarget):
+                    session.reply.send(self._control(session, item.message))
+                    continue
+                if not await self._step(session, item.frame, expect(item.message, Step)):
+                    return  # a step not done within the step timeout: the session is closed
+                session.refused_in_a_row = 0
+            except ChannelClosedError:  # the client's stream is gone: so is the session
+                return
+            except NesaError as exc:
+                session.refused_in_a_row += 1
+                replies = [ErrorReply.of(exc, step_id)]
+                if session.refused_in_a_row >= self.limits.max_step_errors:
+                    refusal = BadRequestError(f"{session.refused_in_a_row} refused steps in a row; session closed")
+                    replies.append(ErrorReply.of(refusal))
+                try:
+                    for reply in replies:
+                        session.reply.send(frame(reply))
+                except ChannelClosedError:
+                    return
+                if len(replies) > 1:
+                    return
+
+    async def _step(self, session: ServerSession, request: Frame, step: Step) -> bool:
+        """Compute a step and hand its output on; False when it missed the step timeout (the session ends)."""
+        try:
+            async with asyncio.timeout(self.limits.step_timeout_s):
+                output, seconds = await self._compute_step(session, request, step)
+                result = StepResult(
+                    step_id=step.step_id,
+                    position=session.last_position,  # of this step, also when it was a duplicate
+                    compute_s=seconds + step.compute_s,  # this node's and those before it
+                    codec=session.output_codec,
+                    replayed=step.replay,
+                )
+                tensors = [tensor_to_proto(output, session.output_codec)]
+                if not step.replay and session.next_peer is not None:
+                    await self.push.push(session, Step(
+                        step_id=result.step_id,
+                        position=result.position,
+                        codec=result.codec,
+                        compute_s=result.compute_s,
+                        session_id=session.session_id,
+                    ), tensors)  # fmt: skip
+        except TimeoutError:
+            logger.info("session %s: step over %.1f s, closing", session.session_id, self.limits.step_timeout_s)
+            error = PeerUnavailableError(
+                f"step not done within this node's step timeout of {self.limits.step_timeout_s} s; session closed"
+            )
+            with contextlib.suppress(ChannelClosedError):
+                session.reply.send(frame(ErrorReply.of(error, step.step_id)))
+            return False
+        if step.replay:  # rebuilding this node's cache after a failover: the output goes back to the client
+            session.reply.send(frame(result, tensors))
+        elif session.next_peer is None:
+            self._send_output(session, frame(result, tensors))
+        return True
+
+    @staticmethod
+    def _send_output(session: ServerSession, output: Frame) -> None:
+        """A last node's output: on the client's output lane when it has one, else on the session's stream."""
+        if session.output is not None:
+            try:
+                session.output.send(output)
+                return
+            except PeerUnavailableError:
+                session.output = None
+        session.reply.send(output)
+
+    async def _compute_step(self, session: ServerSession, request: Frame, step: Step) -> tuple[torch.Tensor, float]:
+        await self.injected_delay()
+        digest = _step_digest(request, step)
+        if step.step_id == session.last_step_id and session.last_output is not None:
+            # A new upstream (a replacement of the previous node, since retargeted) resends a step this node already
+            # took from the old one: it recomputed it from a cache rebuilt by replay, so its values may differ from
+            # the old node's in the last bits. The recorded output stays the answer: it is what this node's cache
+            # holds. From the same upstream, other content under a used id is refused.
+            if digest != session.last_digest and session.last_upstream == session.upstream_peer:
+                raise BadRequestError(f"step id {step.step_id!r} was already used for different content")
+            return session.last_output, 0.0  # a duplicate delivery (a retry): same output, computed once
+        if step.position != session.position:
+            raise BadRequestError(f"step at position {step.position}, but the session's cache holds {session.position}")
+        hidden = self.compute.read_hidden(request, step.codec, batch=session.batch)
+        if step.position + hidden.shape[1] > session.max_length:
+            raise BadRequestError(
+                f"step would reach {step.position + hidden.shape[1]} tokens, over the session's max_length "
+                f"{session.max_length}"
+            )
+        output, seconds = await self.compute.run(hidden, session.cache, step.position, session.blocks)
+        session.last_position = step.position
+        session.position += hidden.shape[1]
+        if session.next_peer is not None:  # kept for a replacement of the next node (see _control, history)
+            session.outputs.append(output)
+        session.last_step_id, session.last_output, session.last_digest = step.step_id, output, digest
+        session.last_upstream = session.upstream_peer
+        return output, seconds
+
+    def _control(self, session: ServerSession, message: HistoryRequest | Retarget) -> Frame:
+        """Session control from the client, in order with its steps (failover of a neighbouring node): a history
+        request returns this node's outputs for the first `position` tokens (lossless), so a replacement for the next
+        span can rebuild its cache; a retarget points the node at a new next node and/or upstream, each when given."""
+        if isinstance(message, HistoryRequest):
+            kept = sum(output.shape[1] for output in session.outputs)  # tokens; only nodes with a next node keep any
+            if not message.position <= kept:
+                raise BadRequestError(f"history position {message.position} outside 1..{kept} (the outputs kept)")
+            history = torch.cat(session.outputs, dim=1)[:, : message.position]  # (batch, position, hidden)
+            return frame(History(position=message.position), [tensor_to_proto(history)])
+        given = message.model_fields_set
+        if message.upstream is not None:
+            session.upstream_peer = message.upstream
+        if "next" in given:
+            session.end_downstream()
+            session.next_peer = message.next
+            session.lane_next = None  # unless the retarget names the new next node's lane
+        session.apply_lane_settings(message.lane)
+        return frame(Retargeted())
+
+
+__all__ = ["InferenceService"]

@@ -1,0 +1,96 @@
+"""The node's RPCs on its P2P host (names in protocol/rpc.py): each a thin entry that reads the peer's frame and calls
+the component that does the work.
+
+  INFO         the node's live record                 PING          an empty answer (RTT, bandwidth probes)
+  FORWARD      a cacheless forward (InferenceService)  INFERENCE     one session stream (InferenceService)
+  PUSH         one step pushed by an upstream node    PUSH_STREAM   a session's pushes over one stream
+  LANE_TICKET  a FORWARD data lane ticket (LaneServer)
+Unary calls are bounded by p2pd (4 MiB); streams by the node's frame limit (protocol/framing.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hivemind.p2p import P2P, P2PContext
+
+from nesa_node.errors import MessageTooLargeError, RequestError
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame, frame, read
+from nesa_node.protocol.framing import StreamChannel, serve_stream
+from nesa_node.protocol.messages import PUSHED, ErrorReply, InfoReply
+from nesa_node.protocol.records import NodeInfo
+from nesa_node.server.inference import InferenceService
+from nesa_node.server.lanes import LaneServer, serve_steps
+from nesa_node.server.sessions import Inbound, SessionTable
+
+
+class NodeRpc:
+    """Registers and answers the node's RPCs."""
+
+    def __init__(
+        self,
+        inference: InferenceService,
+        sessions: SessionTable,
+        lanes: LaneServer,
+        info: Callable[[], NodeInfo],
+        *,
+        max_frame_bytes: int,
+    ):
+        self.inference = inference
+        self.sessions = sessions
+        self.lanes = lanes
+        self.info = info
+        self.max_frame_bytes = max_frame_bytes
+
+    async def register(self, p2p: P2P) -> None:
+        for name, handler in (
+            (rpc.INFO, self.rpc_info),
+            (rpc.PING, self.rpc_ping),
+            (rpc.FORWARD, self.rpc_forward),
+            (rpc.PUSH, self.rpc_push),
+            (rpc.LANE_TICKET, self.rpc_lane_ticket),
+        ):
+            await p2p.add_protobuf_handler(name, handler, Frame)
+        for name, handler in ((rpc.INFERENCE, self.inference.serve_session), (rpc.PUSH_STREAM, self.rpc_push_stream)):
+            await serve_stream(p2p, name, handler, max_frame_bytes=self.max_frame_bytes)
+
+    async def rpc_info(self, request: Frame, context: P2PContext) -> Frame:
+        await self.inference.injected_delay()
+        return frame(InfoReply(info=self.info().to_wire()))
+
+    async def rpc_ping(self, request: Frame, context: P2PContext) -> Frame:
+        """An empty answer, for RTT; a request may carry up to MAX_PING_BYTES of payload, for bandwidth."""
+        await self.inference.injected_delay()
+        if request.ByteSize() > rpc.MAX_PING_BYTES:
+            error = MessageTooLargeError(f"ping of {request.ByteSize()} bytes over {rpc.MAX_PING_BYTES}")
+            return frame(ErrorReply.of(error))
+        return Frame()
+
+    async def rpc_forward(self, request: Frame, context: P2PContext) -> Frame:
+        return await self.inference.forward(request)
+
+    async def rpc_push(self, request: Frame, context: P2PContext) -> Frame:
+        """A step pushed by the upstream node of a direct chain, queued into its session."""
+        try:
+            message = read(request, PUSHED)
+            session = self.sessions.find(message.session_id)
+            await self.sessions.admit(
+                session, Inbound(request, message), sender=context.remote_id.to_base58(), wait=False
+            )
+            return Frame()
+        except RequestError as exc:
+            return frame(ErrorReply.of(exc))
+
+    async def rpc_push_stream(self, channel: StreamChannel, context: P2PContext) -> None:
+        """Steps pushed by the upstream node over one long-lived stream (no per-step stream set-up)."""
+        await serve_steps(channel, None, self.sessions, sender=context.remote_id.to_base58())
+
+    async def rpc_lane_ticket(self, request: Frame, context: P2PContext) -> Frame:
+        try:
+            return frame(self.lanes.issue_ticket(context.remote_id.to_base58()))
+        except RequestError as exc:
+            return frame(ErrorReply.of(exc))
+
+
+__all__ = ["NodeRpc"]

@@ -1,0 +1,256 @@
+"""The node's open inference sessions: the session table (open with quotas and the cache budget, close, drain), and
+step ingress, the one place where a step from any channel (the client's stream, a push stream, a unary push, a data
+lane) enters a session's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError, TooManySessionsError
+from nesa_node.protocol.channel import Channel, Frame
+from nesa_node.protocol.messages import MAX_ID_LENGTH, LaneSettings, Message, OpenSession, Step
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec
+from nesa_node.server.config import LimitsConfig
+from nesa_node.sharding.kv_cache import CacheBudget
+
+logger = logging.getLogger(__name__)
+
+END_OF_SESSION = object()  # put in a session's inbox when its stream ends or the node ends it
+
+
+@dataclass
+class Inbound:
+    """One item of a session's queue: a peer's frame and its message (or the error reading it gave), or a report
+    from this node itself (frame None: its push to the next node failed)."""
+
+    frame: Frame | None
+    message: Message | None = None
+    error: Exception | None = None
+    from_peer: bool = True  # took a place in the queue (a report from this node does not)
+
+
+@dataclass
+class ServerSession:
+    session_id: str
+    batch: int  # rows, fixed for the session
+    max_length: int  # tokens, reserved in the cache budget
+    reserved_bytes: int
+    cache: object  # transformers DynamicCache for this span
+    blocks: tuple[int, int]  # (first, end): the part of the span this session runs
+    client_peer: str  # base58 peer id that opened the session
+    upstream_peer: str  # the only peer allowed to push steps (the previous node, or the client)
+    next_peer: str | None  # direct chain: push results here; None: answer on the client's stream
+    reply: Channel  # the client's session stream: acks, errors, control answers, outputs when no lane takes them
+    output_codec: WireCodec = NO_CODEC  # how this node encodes its outputs, chosen by the client at open
+    position: int = 0  # tokens already in the cache
+    last_step_id: str | None = None
+    last_position: int = 0  # where the last step started
+    last_digest: bytes = b""  # content of the last step: a duplicate id must come with the same content
+    last_upstream: str | None = None  # the upstream peer when the last step was taken (see retarget)
+    last_output: torch.Tensor | None = None
+    # outputs of every step (batch, seq, hidden), in order: one hidden vector per token, small next to the span's
+    # KV cache (2 * kv width per block per token); lets a replacement of the next node rebuild its cache
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # free places for peers' messages in `inbox` (the node's own reports always fit): LimitsConfig.max_queued_steps
+    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
+    refused_in_a_row: int = 0  # consecutive refused steps; the session ends at LimitsConfig.max_step_errors
+    # data lanes (protocol/lane.py), when the client asked for them: the keys of the links into and out of this node
+    # and the next node's lane address
+    lane_in: bytes | None = None  # steps from the upstream peer (the client, or the previous node)
+    lane_out: bytes | None = None  # outputs to the next node, or to the client when this node is the last
+    lane_next: str | None = None  # the next node's lane address; None: push over libp2p
+    output: Channel | None = None  # the client's output lane (this node is the last), once it connects
+    downstream: Channel | None = None  # to the next node (a push stream or lane), opened at the first push
+    downstream_reader: asyncio.Task | None = None
+    inbound: set = field(default_factory=set)  # data lanes carrying steps into the session
+
+    def apply_lane_settings(self, settings: LaneSettings | None) -> None:
+        """Take the lane settings a client gave (at open or retarget): each named one replaces the current one; a new
+        inbound key ends the lanes of the old upstream, a new outbound key or next address the downstream channel."""
+        if settings is None:
+            return
+        given = settings.model_fields_set
+        if "key_in" in given:
+            self.lane_in = bytes.fromhex(settings.key_in) if settings.key_in is not None else None
+            for channel in list(self.inbound):
+                channel.close()
+        if "key_out" in given:
+            self.lane_out = bytes.fromhex(settings.key_out) if settings.key_out is not None else None
+        if "next" in given:
+            self.lane_next = settings.next
+        if given & {"key_out", "next"}:
+            self.end_downstream()
+
+    def end_downstream(self) -> None:
+        """Close the channel to the next node, if one is open (a later push opens a new one)."""
+        if self.downstream is not None:
+            self.downstream.close()
+        if self.downstream_reader is not None:
+            self.downstream_reader.cancel()
+        self.downstream = self.downstream_reader = None
+
+    def close_channels(self) -> None:
+        """Close every channel but the client's stream: inbound lanes, the output lane, the downstream."""
+        for channel in list(self.inbound):
+            channel.close()
+        self.inbound.clear()
+        if self.output is not None:
+            self.output.close()
+            self.output = None
+        self.end_downstream()
+
+    def report(self, error: Exception) -> None:
+        """A failure this node met on the session's behalf (its next node refused or went away): answered to the
+        client in order with the steps."""
+        self.inbox.put_nowait(Inbound(frame=None, error=error, from_peer=False))
+
+
+class SessionTable:
+    """Sessions by id, with the node's limits, the per-peer quotas and the KV cache budget."""
+
+    def __init__(self, limits: LimitsConfig, budget: CacheBudget):
+        self.limits = limits
+        self.sessions: dict[str, ServerSession] = {}
+        self.draining = False  # refuse new sessions (the node is stopping or moving)
+        self.idle = asyncio.Event()  # set while no session is open
+        self.idle.set()
+        self.use_budget(budget)
+
+    def use_budget(self, budget: CacheBudget) -> None:
+        """Account sessions in `budget` (a node that moved to a span of another length); no session may be open."""
+        self.budget = budget
+        self.peer_cache_bytes = int(budget.capacity_bytes * self.limits.max_cache_share_per_peer)
+
+    def __len__(self) -> int:
+        return len(self.sessions)
+
+    def get(self, session_id: str) -> ServerSession | None:
+        return self.sessions.get(session_id)
+
+    def queued_steps(self) -> int:
+        return sum(session.inbox.qsize() for session in self.sessions.values())
+
+    def open(
+        self, request: OpenSession, *, client_peer: str, blocks: tuple[int, int], cache, reply: Channel
+    ) -> ServerSession:
+        """Reserve the session's cache and register it. Raises TooManySessionsError (draining, node limit),
+        BadRequestError (duplicate id, batch or length out of range), QuotaExceededError (the peer's share),
+        CacheBudgetError (the node's budget)."""
+        limits = self.limits
+        if self.draining:
+            raise TooManySessionsError("node is draining and accepts no new sessions")
+        if request.session_id in self.sessions:
+            raise BadRequestError(f"session {request.session_id!r} is already open on this node")
+        if len(self.sessions) >= limits.max_sessions:
+            raise TooManySessionsError(f"node has {len(self.sessions)} open sessions, its limit")
+        if request.batch > limits.max_batch:
+            raise BadRequestError(f"batch must be in 1..{limits.max_batch}, got {request.batch}")
+        if request.max_length > limits.max_length:
+            raise BadRequestError(f"max_length must be in 1..{limits.max_length}, got {request.max_length}")
+        peer_sessions = [session for session in self.sessions.values() if session.client_peer == client_peer]
+        if len(peer_sessions) >= limits.max_sessions_per_peer:
+            raise QuotaExceededError(
+                f"peer already has {len(peer_sessions)} open sessions here, the per-peer limit "
+                "(node setting max_sessions_per_peer)"
+            )
+        budget = self.budget
+        peer_bytes = sum(session.reserved_bytes for session in peer_sessions)
+        need = budget.session_bytes(request.batch, request.max_length)
+        if need <= budget.free_bytes and peer_bytes + need > self.peer_cache_bytes:  # else: CacheBudgetError
+            raise QuotaExceededError(
+                f"a cache of batch {request.batch} x {request.max_length} tokens would take this peer past its share "
+                f"of the node's cache ({self.peer_cache_bytes // budget.bytes_per_token} tokens of batch 1, of which "
+                f"{peer_bytes // budget.bytes_per_token} are reserved); use a shorter max_length"
+            )
+        reserved = budget.reserve(request.batch, request.max_length)  # raises CacheBudgetError
+        session = ServerSession(
+            session_id=request.session_id,
+            batch=request.batch,
+            max_length=request.max_length,
+            reserved_bytes=reserved,
+            cache=cache,
+            blocks=blocks,
+            client_peer=client_peer,
+            upstream_peer=request.upstream or client_peer,
+            next_peer=request.next,
+            reply=reply,
+            output_codec=request.output_codec,
+            room=asyncio.Semaphore(limits.max_queued_steps),
+        )
+        session.apply_lane_settings(request.lane)
+        self.sessions[session.session_id] = session
+        self.idle.clear()
+        logger.debug(
+            "opened session %s (batch %d, max_length %d)", session.session_id, session.batch, session.max_length
+        )
+        return session
+
+    def close(self, session: ServerSession) -> None:
+        """Free the session's cache and channels (the client's stream is its handler's to close)."""
+        if self.sessions.get(session.session_id) is not session:
+            return
+        del self.sessions[session.session_id]
+        self.budget.release(session.reserved_bytes)
+        session.cache = None
+        session.close_channels()
+        session.last_output = None
+        session.outputs.clear()
+        if not self.sessions:
+            self.idle.set()
+        logger.debug("closed session %s", session.session_id)
+
+    def end_all(self) -> None:
+        """Ask every session to end after the steps already in its queue."""
+        for session in list(self.sessions.values()):
+            session.inbox.put_nowait(END_OF_SESSION)
+
+    def drop_all(self) -> None:
+        """Close every session still open now, freeing its cache (a stuck one, after end_all asked it to end)."""
+        for session in list(self.sessions.values()):
+            session.inbox.put_nowait(END_OF_SESSION)
+            self.close(session)
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for every session to close; whether they did."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.idle.wait(), timeout=timeout_s)
+        return not self.sessions
+
+    # ---- step ingress ------------------------------------------------------------------------------------------
+
+    def find(self, session_id: str | None) -> ServerSession:
+        """The open session `session_id` names; SessionNotFoundError otherwise."""
+        session = self.sessions.get(session_id) if session_id is not None else None
+        if session is None:
+            name = session_id[:MAX_ID_LENGTH] if session_id else None
+            raise SessionNotFoundError(f"no open session {name!r} on this node")
+        return session
+
+    async def admit(self, session: ServerSession, item: Inbound, *, sender: str | None, wait: bool) -> None:
+        """Queue a step for `session`. From a pusher (`sender`: the peer on a libp2p push; None on a data lane, whose
+        key authenticates it) only plain steps of the session's upstream are taken, and a full queue refuses
+        (QuotaExceededError); the client's own stream (`wait`) instead waits for room, so a client sending faster
+        than the node computes is slowed by TCP. Raises BadRequestError for a push that is not the upstream's or
+        that carries anything but a step."""
+        if not wait:
+            if sender is not None and sender != session.upstream_peer:
+                raise BadRequestError("push from a peer that is not this session's upstream")
+            if not isinstance(item.message, Step) or item.message.replay:
+                raise BadRequestError("session control and replay come on the session's own stream only")
+            if session.room.locked():
+                raise QuotaExceededError(
+                    f"session {session.session_id[:MAX_ID_LENGTH]!r} already has {self.limits.max_queued_steps} "
+                    "steps waiting"
+                )
+        await session.room.acquire()  # a pusher: free, so this does not wait
+        session.inbox.put_nowait(item)
+
+
+__all__ = ["END_OF_SESSION", "Inbound", "ServerSession", "SessionTable"]

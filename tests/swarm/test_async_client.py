@@ -1,0 +1,128 @@
+"""The async client (nesa_node.client.async_model) from an asyncio program: one AsyncDistributedModel, one P2P host,
+many generations at once, each with its single-process reference tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import psutil
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import AsyncDistributedModel
+from nesa_node.errors import NoRouteError
+
+GENERATIONS = 8
+NEW_TOKENS = 24
+
+
+def p2pd_children() -> set[int]:
+    return {child.pid for child in psutil.Process().children(recursive=True) if child.name() == "p2pd"}
+
+
+async def wait_for_chain_async(model: AsyncDistributedModel, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await model.choose_chain(max_length=64)
+            return
+        except NoRouteError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.3)
+
+
+def test_eight_concurrent_generations_through_one_async_client(local_swarm, tiny_llama):
+    nodes = [local_swarm.start_node(tiny_llama, start, end, dht_prefix="async") for start, end in ((0, 2), (2, 4))]
+    prompts = [
+        torch.randint(3, 1000, (1, 4 + index), generator=torch.Generator().manual_seed(index))
+        for index in range(GENERATIONS)
+    ]
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        expected = [
+            reference.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            for prompt in prompts
+        ]
+    before = p2pd_children()
+
+    async def program():
+        model = await AsyncDistributedModel.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="async", compression="none"
+        )
+        try:
+            hosts = p2pd_children() - before  # the client's own p2pd daemons
+            await wait_for_chain_async(model)
+            peak = 0
+
+            async def watch() -> None:  # how many sessions the nodes hold at once
+                nonlocal peak
+                while True:
+                    peak = max(peak, *(len(node.sessions) for node in nodes))
+                    await asyncio.sleep(0.005)
+
+            watcher = asyncio.create_task(watch())
+            try:
+                outputs = await asyncio.gather(
+                    *(model.generate(prompt, max_new_tokens=NEW_TOKENS) for prompt in prompts)
+                )
+            finally:
+                watcher.cancel()
+            return outputs, hosts, peak, p2pd_children() - before
+        finally:
+            await model.close()
+
+    outputs, hosts, peak, hosts_after = asyncio.run(program())
+    assert len(hosts) == 1 and hosts_after == hosts  # one P2P host for every generation
+    assert peak >= 2, peak  # the generations did run at the same time
+    for output, reference_tokens in zip(outputs, expected, strict=True):
+        assert torch.equal(output, reference_tokens)
+    print(f"\n{GENERATIONS} generations at once through one client: up to {peak} sessions open per node")
+
+
+def test_async_sampling_is_seeded_and_streams_token_by_token(local_swarm, tiny_llama):
+    """Sampling with the same seed gives the same tokens; `stream` yields each new token as it is chosen, and
+    stopping early closes the session it opened."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="async-sampling")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+
+    async def program():
+        model = await AsyncDistributedModel.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="async-sampling", compression="none"
+        )
+        try:
+            await wait_for_chain_async(model)
+            options = {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.9}
+            runs = [
+                await model.generate(prompt, max_new_tokens=12, generator=torch.Generator().manual_seed(3), **options)
+                for _ in range(2)
+            ]
+            streamed = []
+            stream = model.stream(prompt, max_new_tokens=12)
+            async for token in stream:
+                streamed.append(int(token[0]))
+                if len(streamed) == 5:
+                    break
+            await stream.aclose()
+            greedy = await model.generate(prompt, max_new_tokens=12)
+            return runs, streamed, greedy
+        finally:
+            await model.close()
+
+    runs, streamed, greedy = asyncio.run(program())
+    assert torch.equal(runs[0], runs[1]) and runs[0].shape == (1, 16)
+    assert streamed == greedy[0, 4:9].tolist()
+    assert not node.sessions.sessions  # the stream stopped early closed its session
+
+
+def test_unknown_keywords_are_refused(tiny_llama):
+    with pytest.raises(TypeError, match="unknown client settings"):
+        asyncio.run(
+            AsyncDistributedModel.from_pretrained(tiny_llama, initial_peers=["/ip4/127.0.0.1/tcp/1"], lane=True)
+        )
+    from nesa_node import DistributedModelForCausalLM
+
+    with pytest.raises(TypeError, match="unexpected keyword argument 'compresion'"):
+        DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[], compresion="none")
