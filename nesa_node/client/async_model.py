@@ -165,7 +165,12 @@ class AsyncDistributedModel:
                 batch=batch, max_length=max_length, prompt_tokens=prompt_tokens, new_tokens=max_length - prompt_tokens
             )
             session = InferenceSession(
-                self.swarm, chain, self.config, batch=batch, max_length=max_length, reroute=self.router.reroute
+                self.swarm,
+                chain,
+                self.config,
+                batch=batch,
+                max_length=max_length,
+                reroute=self.router.reachable_chain,
             )
             try:
                 return await session.open()

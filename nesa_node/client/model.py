@@ -33,8 +33,8 @@ from nesa_node.routing.chain import Chain, RoutingParams, SwarmSnapshot
 class LoopThread:
     """An event loop on a daemon thread of its own; `call` runs a coroutine there from any other thread."""
 
-    def __init__(self, name: str = "nesa-client-loop"):
-        self.loop = event_loop.new_event_loop()
+    def __init__(self, name: str = "nesa-client-loop", loop_factory=event_loop.new_event_loop):
+        self.loop = loop_factory()
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
@@ -205,7 +205,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
     def session_on(self, chain: Chain, *, batch: int = 1, max_length: int, failover: bool = True) -> SyncSession:
         """An open session on exactly `chain` (tests and tools that pick nodes themselves)."""
-        reroute = self.client.router.reroute if failover else None
+        reroute = self.client.router.reachable_chain if failover else None
         session = InferenceSession(
             self.client.swarm, chain, self.client.config, batch=batch, max_length=max_length, reroute=reroute
         )

@@ -68,7 +68,7 @@ class Router:
         """The chain for a new session (or a cacheless forward): first-block candidates the client has no recent
         round trip to are pinged first, so the first hop is chosen on the client's own measurement."""
         await self._ping_first_candidates(request)
-        chain = await self.reroute(request)
+        chain = await self.reachable_chain(request)
         self.last_chain = chain
         return chain
 
@@ -89,6 +89,20 @@ class Router:
             and record.info.peer_id not in banned
         )
         await self.swarm.measure_rtts(candidates[: self.config.max_pinged_candidates])
+
+    async def reachable_chain(self, request: ChainRequest) -> Chain:
+        """A chain for `request` whose nodes answer a ping now: a node that does not is banned and the chain chosen
+        again (records of crashed nodes linger until they expire; opening a stream to one waits out a dial timeout).
+        Raises NoRouteError when no chain of answering nodes is left."""
+        for _ in range(self.config.max_open_attempts):
+            chain = await self.reroute(request)
+            silent = await self.swarm.unreachable(list(chain.peer_ids), timeout_s=self.config.probe_timeout_s)
+            if not silent:
+                return chain
+            for peer_id in silent:
+                logger.info("%s does not answer; routing around it", peer_id)
+                self.swarm.ban(peer_id)
+        return await self.reroute(request)
 
     async def reroute(self, request: ChainRequest) -> Chain:
         """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm. Raises

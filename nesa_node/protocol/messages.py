@@ -132,26 +132,31 @@ class LaneSettings(Message):
     next: LaneAddress | None = None
 
 
-class OpenSession(Message):
+class BlockRange(Message):
+    """Blocks [start_block, end_block) a message asks a node to run: a non-empty contiguous range."""
+
+    start_block: Block
+    end_block: Block
+
+    @model_validator(mode="after")
+    def _check_blocks(self) -> BlockRange:
+        if self.start_block >= self.end_block:
+            raise ValueError(f"start_block {self.start_block} must be below end_block {self.end_block}")
+        return self
+
+
+class OpenSession(BlockRange):
     """Open an inference session for blocks [start_block, end_block) of the node's span (a contiguous part of it:
     a chain may use a node for part of its range; the cache is reserved for the whole span)."""
 
     kind: Literal["open"] = "open"
     session_id: Id
-    start_block: Block
-    end_block: Block
     batch: int = Field(ge=1, le=1 << 16)  # rows, fixed for the session
     max_length: int = Field(ge=1, le=1 << 24)  # tokens the cache must hold
     upstream: PeerIdText | None = None  # the only peer whose pushes are taken; None: the opener
     next: PeerIdText | None = None  # where outputs are pushed; None: back to the client
     output_codec: Codec = NO_CODEC
     lane: LaneSettings | None = None
-
-    @model_validator(mode="after")
-    def _check_blocks(self) -> OpenSession:
-        if self.start_block >= self.end_block:
-            raise ValueError(f"start_block {self.start_block} must be below end_block {self.end_block}")
-        return self
 
 
 class Step(Message):
@@ -221,18 +226,10 @@ class ErrorReply(Message):
         return error_from_code(self.code, self.message)
 
 
-class ForwardRequest(Message):
+class ForwardRequest(BlockRange):
     kind: Literal["forward"] = "forward"
-    start_block: Block
-    end_block: Block
     codec: Codec = NO_CODEC
     output_codec: Codec = NO_CODEC
-
-    @model_validator(mode="after")
-    def _check_blocks(self) -> ForwardRequest:
-        if self.start_block >= self.end_block:
-            raise ValueError(f"start_block {self.start_block} must be below end_block {self.end_block}")
-        return self
 
 
 class ForwardResult(Message):

@@ -7,7 +7,6 @@ Nodes run in this process on one background event loop (each with its own p2pd a
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 from nesa_node.bootstrap import BootstrapPeer
@@ -22,15 +21,14 @@ class LocalSwarm:
     """A bootstrap peer plus nodes started on demand; `close` stops everything it started."""
 
     def __init__(self, dht_prefixes: tuple[str, ...] = ()) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="test-swarm-loop", daemon=True)
-        self.thread.start()
+        self.runner = LoopThread("test-swarm-loop", loop_factory=asyncio.new_event_loop)
+        self.loop = self.runner.loop
         self.nodes: list[Node] = []
         self.bootstrap = self.run(BootstrapPeer.create(dht_prefixes=dht_prefixes))  # model keys it validates
         self.initial_peers = self.run(self.bootstrap.visible_maddrs())
 
     def run(self, coroutine, timeout: float = 120.0):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        return self.runner.call(coroutine, timeout=timeout)
 
     def start_node(self, model_path: str, start: int, end: int, **settings) -> Node:
         config = NodeConfig(model_path=model_path, start_block=start, end_block=end).with_settings(
@@ -61,18 +59,7 @@ class LocalSwarm:
             self.nodes.clear()
             self.run(self.bootstrap.shutdown(), timeout=60)
         finally:
-
-            async def cancel_rest() -> None:
-                rest = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-                for task in rest:
-                    task.cancel()
-                await asyncio.gather(*rest, return_exceptions=True)
-
-            try:
-                self.run(cancel_rest(), timeout=30)
-            finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
-                self.thread.join(timeout=10)
+            self.runner.stop()
 
 
 def wait_for_chain(model, *, max_length: int = 0, hops: int | None = None, timeout_s: float = 60.0):

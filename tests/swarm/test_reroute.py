@@ -3,6 +3,10 @@ replica slows every read): the client asks the nodes it saw lately for the block
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import pytest
 import torch
 from hivemind.utils import get_dht_time
@@ -10,8 +14,11 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.swarm import RECENT_RECORD_S
+from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.errors import NoRouteError
 from nesa_node.protocol.dht import NodeRecord
+from nesa_node.routing.chain import Chain, Hop
+from tests.support.swarm import wait_until
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -37,3 +44,57 @@ def test_a_live_node_missing_from_the_dht_is_asked_directly(local_swarm, tiny_ll
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
     )
     assert torch.equal(output, reference)
+
+
+def test_nodes_gone_or_frozen_without_a_goodbye_are_routed_around_at_open(local_swarm, tiny_llama):
+    """One node process killed outright and one stopped (SIGSTOP), both with their p2pd: they announced nothing, so
+    their records stay until they expire, and opening a libp2p stream to the killed one then waits out p2pd's dial
+    timeout (20 s measured). The client pings a chain's nodes before opening on them (a dead node's lane port
+    refuses at once, a frozen one stays silent for the probe timeout): both are banned and the session opens on the
+    live node within seconds."""
+    live = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="gone")
+    with ProcessGroup() as group:
+        args = ["run", "--model", tiny_llama, "--blocks", "0:4", "--initial-peers", *local_swarm.initial_peers]
+        args += ["--dht-prefix", "gone", "--no-measure", "--rebalance", "off"]
+        processes = [group.start(name, args) for name in ("gone", "frozen")]
+        for process, address_file in processes:
+            group.wait_address(process, address_file)
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="gone", compression="none"
+        ) as model:
+            seen = lambda: {record.info.peer_id for record in model.call(model.swarm.node_records())}  # noqa: E731
+            wait_until(lambda: len(seen()) == 3, timeout_s=30)
+            for peer_id in seen():  # the client's p2pd holds a connection to each, as after sessions
+                model.call(model.swarm.info(peer_id))
+            gone, frozen = (group_peer_id(group, process) for process, _ in processes)
+            os.killpg(processes[0][0].pid, signal.SIGKILL)  # the node and its p2pd, no goodbye
+            processes[0][0].wait(timeout=10)
+            os.killpg(processes[1][0].pid, signal.SIGSTOP)
+            try:
+                correct = model.router.chain_selector
+
+                def dead_first(snapshot, request):  # as if routing ranked the dead nodes first
+                    for peer_id in (gone, frozen):
+                        if peer_id not in request.exclude:
+                            return Chain((Hop(peer_id, 0, 4),))
+                    return correct(snapshot, request)
+
+                model.router.chain_selector = dead_first
+                started = time.monotonic()
+                output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                elapsed = time.monotonic() - started
+            finally:
+                os.killpg(processes[1][0].pid, signal.SIGCONT)
+            assert {gone, frozen} <= model.swarm.banned() and model.last_chain.peer_ids == (live.peer_id,)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(output, reference)
+    assert elapsed < 8.0, elapsed  # a dial to the dead node would take 20 s; the frozen one costs the probe's 1 s
+
+
+def group_peer_id(group: ProcessGroup, process) -> str:
+    for line in group.log_path(process).read_text(errors="replace").splitlines():
+        if line.startswith("peer id "):
+            return line.split()[-1]
+    raise AssertionError(f"node {process.pid} printed no peer id")
