@@ -3,7 +3,7 @@
 A frame on the wire is a protobuf (hivemind's ExpertRequest / ExpertResponse: tensors and a metadata field); the
 metadata holds one message, msgpack-encoded, whose `kind` names its model:
 
-  session stream (rpc_inference), client -> node
+  session stream (protocol.rpc.INFERENCE), client -> node
     open        OpenSession     session id, blocks, batch, max_length, neighbours, output codec, lane keys
     step        Step            hidden states of new tokens at a position (also pushed node -> node, and on lanes)
     history     HistoryRequest  this node's outputs for the first `position` tokens (failover of the next node)

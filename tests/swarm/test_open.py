@@ -15,7 +15,7 @@ from nesa_node.routing.chain import Chain, Hop
 
 
 async def silent_peer(initial_peers: list[str]) -> P2P:
-    """A peer serving rpc_inference that reads every request and answers none."""
+    """A peer serving the inference stream that reads every request and answers none."""
     p2p = await P2P.create(initial_peers=initial_peers)
 
     async def swallow(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
