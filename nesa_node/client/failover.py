@@ -25,7 +25,8 @@ from nesa_node.routing.chain import ChainRequest, Hop
 
 logger = logging.getLogger(__name__)
 
-Rerouter = Callable[[ChainRequest], Awaitable]  # a chain for a block range, banned peers excluded (Router.reroute)
+# a chain for a block range, banned peers excluded (Router.reachable_chain: its nodes answered a ping just now)
+Rerouter = Callable[[ChainRequest], Awaitable]
 
 
 class Failover:
@@ -62,7 +63,9 @@ class Failover:
     async def recover(self, failure: LinkFailed, *, position: int, inputs: list[list[torch.Tensor]]) -> None:
         """Replace the failed node. `position`: tokens the nodes' caches hold; `inputs`: what the client sent per link
         and step (the first link's in direct mode, every link's in relay mode), updated for replaced links in relay
-        mode. Raises NoRouteError when no node can take the span, LinkFailed when every replacement failed."""
+        mode. Raises NoRouteError when no node can take the span, LinkFailed when every replacement failed,
+        PeerUnavailableError when the chain went quiet yet every node still answers, or a replacement took over four
+        request timeouts to set up."""
         started = time.perf_counter()
         self._phases = {}
         chain = self.chain

@@ -81,6 +81,7 @@ class InferenceSession:
         # what the client sent, per step, for replay: direct mode to the first span only, relay mode to every link
         self._inputs: list[list[torch.Tensor]] = []  # [link][step] (batch, seq, hidden)
         self._opened = self._closed = False
+        self._stepping = False  # a step is under way: the answers of the chain belong to it
 
     @property
     def chain(self) -> Chain:
@@ -132,12 +133,21 @@ class InferenceSession:
         """Run the new tokens' hidden states (batch, seq, hidden) through the chain; returns the last block's."""
         if self._closed or not self._opened:
             raise SessionStateError("the inference session is not open")
+        if self._stepping:
+            raise SessionStateError("a step is already under way on this session: steps go one at a time")
         if hidden.shape[0] != self.batch:
             raise SessionStateError(f"session opened for batch {self.batch}, got {hidden.shape[0]} rows")
         if self.position + hidden.shape[1] > self.max_length:
             raise SessionStateError(
                 f"{self.position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}"
             )
+        self._stepping = True
+        try:
+            return await self._step_with_failover(hidden)
+        finally:
+            self._stepping = False
+
+    async def _step_with_failover(self, hidden: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
         failovers = 0
         deadline_s = self.deadline(hidden.shape[0] * hidden.shape[1])

@@ -24,6 +24,7 @@ from nesa_node.protocol.dht import NodeRecord, fetch_node_infos
 from nesa_node.protocol.messages import (
     FORWARD_ANSWERS,
     INFO_ANSWERS,
+    MAX_INFO_BYTES,
     TICKET_ANSWERS,
     ErrorReply,
     ForwardRequest,
@@ -295,7 +296,7 @@ class Swarm:
     async def info(self, peer_id: str, *, timeout_s: float | None = None) -> NodeInfo:
         """The live NodeInfo of a peer, asked directly (not from the DHT); PeerUnavailableError after timeout_s."""
         answer = await self.unary(peer_id, rpc.INFO, Frame(), timeout_s)
-        reply = check_answer(read(answer, INFO_ANSWERS), InfoReply)
+        reply = check_answer(read(answer, INFO_ANSWERS, max_bytes=MAX_INFO_BYTES), InfoReply)
         return NodeInfo.from_wire(reply.info)
 
     async def forward(
@@ -350,9 +351,11 @@ class Swarm:
             if answer is None:
                 raise PeerUnavailableError("the node closed the lane")
             return answer
-        except Exception as exc:  # the lane is unusable after any failure mid-call
+        except BaseException as exc:  # the lane is unusable after any failure mid-call: an answer may still be owed
             channel.close()
             self._forward_lanes.pop(peer_id, None)
+            if not isinstance(exc, Exception):  # cancelled: the caller's own timeout or shutdown
+                raise
             raise PeerUnavailableError(f"peer {peer_id} did not answer a forward on its data lane: {exc!r}") from None
 
 

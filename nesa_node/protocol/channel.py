@@ -19,7 +19,7 @@ from pydantic import TypeAdapter
 
 from nesa_node.errors import BadRequestError, PeerUnavailableError
 from nesa_node.protocol import lane
-from nesa_node.protocol.messages import Message, decode, encode
+from nesa_node.protocol.messages import MAX_METADATA_BYTES, Message, decode, encode
 
 Frame = runtime_pb2.ExpertRequest  # metadata: one encoded message; tensors: its tensors
 
@@ -30,12 +30,16 @@ class ChannelClosedError(PeerUnavailableError):
 
 class Channel(Protocol):
     """Frames to and from one peer. `send` queues a frame without waiting (ChannelClosedError once closed);
-    `receive` returns the next frame, None when the peer ended the channel between frames, and raises
-    ChannelClosedError when it broke, a RequestError when the peer sent something malformed."""
+    `drain` waits until what was queued has gone to the peer's side of the connection (a peer that stops reading
+    holds it: callers bound it with a timeout); `receive` returns the next frame, None when the peer ended the
+    channel between frames, and raises ChannelClosedError when it broke, a RequestError when the peer sent something
+    malformed, or the typed error a libp2p stream's error frame names."""
 
     closed: bool
 
     def send(self, frame: Frame) -> None: ...
+
+    async def drain(self) -> None: ...
 
     async def receive(self) -> Frame | None: ...
 
@@ -46,9 +50,9 @@ def frame(message: Message, tensors: Sequence[runtime_pb2.Tensor] = ()) -> Frame
     return Frame(metadata=encode(message), tensors=list(tensors))
 
 
-def read(frame: Frame, kinds: TypeAdapter) -> Message:
+def read(frame: Frame, kinds: TypeAdapter, *, max_bytes: int = MAX_METADATA_BYTES) -> Message:
     """The typed message of a frame from a peer (protocol/messages.py decode); BadRequestError if malformed."""
-    return decode(frame.metadata, kinds)
+    return decode(frame.metadata, kinds, max_bytes=max_bytes)
 
 
 def parse_frame(payload: bytes, what: str) -> Frame:
@@ -75,6 +79,12 @@ class LaneChannel:
     def send(self, frame: Frame) -> None:
         try:
             self.stream.send(frame.SerializeToString())
+        except lane.LaneClosedError as exc:
+            raise ChannelClosedError(exc.message) from None
+
+    async def drain(self) -> None:
+        try:
+            await self.stream.drain()
         except lane.LaneClosedError as exc:
             raise ChannelClosedError(exc.message) from None
 

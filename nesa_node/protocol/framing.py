@@ -7,7 +7,8 @@ the same framing but:
 
   - refuses a frame longer than `max_frame_bytes` as soon as its header arrives (`MessageTooLargeError`);
   - refuses an unparseable payload or an unknown marker with `BadRequestError`;
-  - `refuse(error)` answers such a frame with an RPCError frame "[code] message" and ends the stream;
+  - `refuse(error)` answers such a frame with an RPCError frame "[code] message" and stops reading (the stream's
+    owner then closes it);
   - when it ends a stream the peer is still writing to, first drops the peer's bytes for up to `linger_s`
     (closing with unread bytes would reset the connection and could lose the answers already sent).
 
@@ -94,6 +95,14 @@ class StreamChannel:
         if self.closed or self.writer.is_closing():
             raise ChannelClosedError("stream is closed")
         self.writer.write(_pack(P2P.MESSAGE_MARKER, frame.SerializeToString()))
+
+    async def drain(self) -> None:
+        """Wait until the frames written have left for p2pd (a peer that stops reading holds this)."""
+        try:
+            await self.writer.drain()
+        except (ConnectionError, OSError) as exc:
+            self.closed = True
+            raise ChannelClosedError(f"stream failed: {exc!r}") from None
 
     def end(self) -> None:
         """End our side: the peer reads the end of the stream (it may still answer)."""

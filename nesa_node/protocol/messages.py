@@ -46,9 +46,11 @@ from pydantic import (
 
 from nesa_node.errors import BadRequestError, NesaError, error_from_code
 from nesa_node.protocol import lane
+from nesa_node.protocol.records import MAX_RECORD_BYTES
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
 
 MAX_METADATA_BYTES = 16 * 1024  # a message is a handful of ids and numbers
+MAX_INFO_BYTES = MAX_RECORD_BYTES + 1024  # an InfoReply carries a whole NodeInfo record
 MAX_DEPTH = 4  # a message, a nested map (lane keys, codec) and a list inside it
 MAX_ID_LENGTH = 128  # session ids, step ids' parts, peer ids
 MAX_BLOCKS = 1 << 16  # block indices: more than any model has
@@ -73,7 +75,9 @@ def _peer_id(value: object) -> object:
 def _codec(value: object) -> object:
     if isinstance(value, WireCodec):
         return value
-    if isinstance(value, dict) and all(isinstance(item, str | int) for item in value.values()):
+    if not isinstance(value, dict) or not all(isinstance(key, str) for key in value):
+        return _parse_codec(value)
+    if all(isinstance(item, str | int) for item in value.values()):
         return _known_codec(tuple(sorted(value.items())))  # the same few codecs arrive on every step
     return _parse_codec(value)
 
@@ -240,7 +244,7 @@ class ForwardResult(Message):
 
 class InfoReply(Message):
     kind: Literal["info"] = "info"
-    info: str = Field(max_length=32 * 1024)  # NodeInfo JSON (protocol/records.py)
+    info: str = Field(max_length=MAX_RECORD_BYTES)  # NodeInfo JSON (protocol/records.py); decode with MAX_INFO_BYTES
 
 
 class LaneTicket(Message):
@@ -313,11 +317,12 @@ def _describe(error: ValidationError, kind: object) -> str:
     return "; ".join(parts)
 
 
-def decode(raw: bytes, kinds: TypeAdapter) -> Message:
+def decode(raw: bytes, kinds: TypeAdapter, *, max_bytes: int = MAX_METADATA_BYTES) -> Message:
     """The message in a peer's metadata bytes, as one of the models `kinds` accepts; BadRequestError otherwise (see
-    the module docstring for every check, all made before anything is built from the bytes)."""
-    if len(raw) > MAX_METADATA_BYTES:
-        raise BadRequestError(f"message of {len(raw)} bytes exceeds {MAX_METADATA_BYTES}")
+    the module docstring for every check, all made before anything is built from the bytes). `max_bytes`: a larger
+    bound for the few answers that carry a whole record (MAX_INFO_BYTES)."""
+    if len(raw) > max_bytes:
+        raise BadRequestError(f"message of {len(raw)} bytes exceeds {max_bytes}")
     try:
         value = msgpack.unpackb(
             raw,
@@ -338,6 +343,8 @@ def decode(raw: bytes, kinds: TypeAdapter) -> Message:
         kind = value.get("kind")
         label = f"{kind[:32]} message" if isinstance(kind, str) else "message"
         raise BadRequestError(f"{label}: {_describe(exc, kind)}") from None
+    except (TypeError, ValueError) as exc:  # a value no validator expected (say, bytes where text belongs)
+        raise BadRequestError(f"malformed message: {str(exc)[:200]}") from None
 
 
 def encode(message: Message) -> bytes:

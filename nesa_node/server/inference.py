@@ -123,6 +123,7 @@ class InferenceService:
         finally:
             reader.cancel()
             self.sessions.close(session)
+            session.close_channels()  # also when the node dropped the session first (a move): a push opened since
 
     def _open(self, request: Frame, channel: Channel, client_peer: str) -> ServerSession:
         message = expect(read(request, TO_SESSION), OpenSession)
@@ -169,12 +170,12 @@ class InferenceService:
                 if item.error is not None:
                     raise item.error
                 if isinstance(item.message, HistoryRequest | Retarget):
-                    session.reply.send(self._control(session, item.message))
+                    await self._answer(session.reply, self._control(session, item.message))
                     continue
                 if not await self._step(session, item.frame, expect(item.message, Step)):
                     return  # a step not done within the step timeout: the session is closed
                 session.refused_in_a_row = 0
-            except ChannelClosedError:  # the client's stream is gone: so is the session
+            except ChannelClosedError:  # the client's stream is gone, or it stopped reading: so is the session
                 return
             except NesaError as exc:
                 session.refused_in_a_row += 1
@@ -184,11 +185,22 @@ class InferenceService:
                     replies.append(ErrorReply.of(refusal))
                 try:
                     for reply in replies:
-                        session.reply.send(frame(reply))
+                        await self._answer(session.reply, frame(reply))
                 except ChannelClosedError:
                     return
                 if len(replies) > 1:
                     return
+
+    async def _answer(self, channel: Channel, answer: Frame) -> None:
+        """Send `answer` and wait until it has left: a client that stops reading cannot make the node buffer its
+        answers without bound. ChannelClosedError when the channel is gone or stays full for step_timeout_s."""
+        channel.send(answer)
+        try:
+            async with asyncio.timeout(self.limits.step_timeout_s):
+                await channel.drain()
+        except TimeoutError:
+            channel.close()
+            raise ChannelClosedError(f"the peer read nothing for {self.limits.step_timeout_s} s") from None
 
     async def _step(self, session: ServerSession, request: Frame, step: Step) -> bool:
         """Compute a step and hand its output on; False when it missed the step timeout (the session ends)."""
@@ -220,21 +232,20 @@ class InferenceService:
                 session.reply.send(frame(ErrorReply.of(error, step.step_id)))
             return False
         if step.replay:  # rebuilding this node's cache after a failover: the output goes back to the client
-            session.reply.send(frame(result, tensors))
+            await self._answer(session.reply, frame(result, tensors))
         elif session.next_peer is None:
-            self._send_output(session, frame(result, tensors))
+            await self._send_output(session, frame(result, tensors))
         return True
 
-    @staticmethod
-    def _send_output(session: ServerSession, output: Frame) -> None:
+    async def _send_output(self, session: ServerSession, output: Frame) -> None:
         """A last node's output: on the client's output lane when it has one, else on the session's stream."""
         if session.output is not None:
             try:
-                session.output.send(output)
+                await self._answer(session.output, output)
                 return
             except PeerUnavailableError:
                 session.output = None
-        session.reply.send(output)
+        await self._answer(session.reply, output)
 
     async def _compute_step(self, session: ServerSession, request: Frame, step: Step) -> tuple[torch.Tensor, float]:
         await self.injected_delay()

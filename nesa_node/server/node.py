@@ -349,7 +349,8 @@ class Node:
         """Drain, then stop: announce `draining` and refuse new sessions, end every session after the steps already
         queued (clients re-route) and wait up to `drain_s` for them to close, announce `offline`, stop the DHT and
         P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire anyway),
-        and DHT peers that are gone too must not hold a stopping node (about drain_s + 8 s at most)."""
+        and DHT peers that are gone too must not hold a stopping node (about drain_s + 10 s at most: the tasks, two
+        announcements, the DHT and P2P)."""
         self._stopped.set()
         if self._tasks is not None:  # a move cut short leaves the node draining: it stops anyway
             with contextlib.suppress(TimeoutError):

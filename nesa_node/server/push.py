@@ -35,10 +35,15 @@ class PushSender:
     async def push(self, session: ServerSession, step: Step, tensors: list[runtime_pb2.Tensor]) -> None:
         """Hand a step's output to the session's next node. PeerUnavailableError when it cannot be reached."""
         if session.downstream is None:
-            session.downstream = await self._open(session)
-            session.downstream_reader = asyncio.create_task(self._read_answers(session, session.downstream))
+            channel = await self._open(session)
+            if self.sessions.get(session.session_id) is not session:  # closed while the channel opened (a move)
+                channel.close()
+                raise PeerUnavailableError(f"session {session.session_id} closed; its output is not pushed")
+            session.downstream = channel
+            session.downstream_reader = asyncio.create_task(self._read_answers(session, channel))
         try:
             session.downstream.send(frame(step, tensors))
+            await session.downstream.drain()  # a next node that reads nothing holds the step, within its timeout
         except PeerUnavailableError as exc:
             raise PeerUnavailableError(f"next node {session.next_peer}: {exc.message}") from None
 
@@ -76,9 +81,9 @@ class PushSender:
         except Exception as exc:
             ending = f"failed: {exc!r}"
         logger.debug("push channel of session %s %s", session.session_id, ending)
+        channel.close()
         if session.downstream is channel and self.sessions.get(session.session_id) is session:
             session.downstream = session.downstream_reader = None  # a later push opens a new channel
-            channel.close()
             session.report(PeerUnavailableError(f"next node {session.next_peer}: push channel {ending}"))
 
 

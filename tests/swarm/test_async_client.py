@@ -12,7 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import AsyncDistributedModel
-from nesa_node.errors import NoRouteError
+from nesa_node.errors import NoRouteError, SessionStateError
 
 GENERATIONS = 8
 NEW_TOKENS = 24
@@ -126,3 +126,49 @@ def test_unknown_keywords_are_refused(tiny_llama):
 
     with pytest.raises(TypeError, match="unexpected keyword argument 'compresion'"):
         DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[], compresion="none")
+
+
+def test_a_cancelled_forward_leaves_nothing_owed_on_a_shared_lane(local_swarm, tiny_llama):
+    """A forward cancelled while its answer is owed (a caller's timeout) closes the node's forward lane, so the next
+    forward to that node, maybe another request's, reads its own answer and not the stale one."""
+    local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="cancelled", inject_delay_ms=300.0)
+    first, second = (torch.randint(3, 1000, (1, 6), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2))
+    with torch.inference_mode():
+        expected = AutoModelForCausalLM.from_pretrained(tiny_llama)(second).logits
+
+    async def program():
+        model = await AsyncDistributedModel.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="cancelled", compression="none"
+        )
+        try:
+            await wait_for_chain_async(model)
+            await model.forward(first)  # the forward lane is open and kept
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(model.forward(first), timeout=0.15)  # cancelled with its answer owed
+            return await model.forward(second)
+        finally:
+            await model.close()
+
+    torch.testing.assert_close(asyncio.run(program()), expected, atol=1e-4, rtol=0)
+
+
+def test_steps_of_one_session_go_one_at_a_time(local_swarm, tiny_llama):
+    local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="one-step")
+
+    async def program():
+        model = await AsyncDistributedModel.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="one-step", compression="none"
+        )
+        try:
+            await wait_for_chain_async(model)
+            async with model.inference_session(max_length=16) as session:
+                hidden = model.embed(torch.tensor([[5, 6, 7]]))
+                results = await asyncio.gather(session.step(hidden), session.step(hidden), return_exceptions=True)
+                return results, session.position
+        finally:
+            await model.close()
+
+    (first, second), position = asyncio.run(program())
+    assert isinstance(first, torch.Tensor) and first.shape == (1, 3, 64)
+    assert isinstance(second, SessionStateError) and "one at a time" in second.message
+    assert position == 3

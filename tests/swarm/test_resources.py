@@ -6,13 +6,15 @@ The short forms run in `make test`; the thousands-of-sessions form is marked slo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import threading
 
+import msgpack
 import psutil
 import pytest
 import torch
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2P, PeerID
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
@@ -142,3 +144,43 @@ def test_f_a_flooded_node_keeps_serving_honest_clients(local_swarm, tiny_llama):
                 flooder.result(timeout=30)
         assert torch.equal(output, expected)
         print(f"\nhonest generation done while the node answered {sum(sent)} flood requests")
+
+
+def test_g_a_client_that_stops_reading_loses_its_session(local_swarm, tiny_llama):
+    """A client keeps sending (a step, then the same step again and again, each answered from record) and reads none
+    of the answers: the node waits for its answers to leave for at most its step timeout, then ends the session, so
+    nothing piles up in its buffers."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="slow-reader", step_timeout_s=1.0)
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="slow-reader"
+    ) as client:
+        wait_for_chain(client)
+        fields = {"kind": "open", "session_id": "slow", "start_block": 0, "end_block": 4, "batch": 1, "max_length": 64}
+        opening = Frame(metadata=msgpack.packb(fields))
+        hidden = tensor_to_proto(torch.randn(1, 64, HIDDEN))  # 16 KiB of answer per step
+        step = Frame(metadata=msgpack.packb({"kind": "step", "step_id": "slow:0", "position": 0}), tensors=[hidden])
+
+        async def flood() -> tuple[int, bool]:
+            """(steps sent, whether the node ended the session while this client was still sending)."""
+            _, reader, writer = await client.swarm.p2p.call_binary_stream_handler(
+                PeerID.from_base58(node.peer_id), rpc.INFERENCE
+            )
+            sent = 0
+            try:
+                for payload in (opening, *[step] * 20000):  # up to 320 MiB of answers, never read
+                    data = payload.SerializeToString()
+                    writer.write(P2P.MESSAGE_MARKER + len(data).to_bytes(P2P.HEADER_LEN, P2P.BYTEORDER) + data)
+                    sent += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(writer.drain(), 0.05)
+                    if sent > 10 and node.sessions.get("slow") is None:
+                        return sent, True
+                return sent, False
+            finally:
+                writer.close()
+
+        sent, ended_while_sending = client.call(flood(), timeout=300)
+        # without a bound the node answers at full speed into its own buffers, and the flood ends on its own terms
+        assert ended_while_sending, f"the node kept the session through all {sent} steps"
+        wait_until(lambda: node.budget.used_bytes == 0, timeout_s=30)
+        print(f"\nthe node ended the session of a client that reads nothing after {sent} steps")

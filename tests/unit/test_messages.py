@@ -180,3 +180,12 @@ def test_random_maps_give_a_typed_error_or_a_valid_message(value):
     except BadRequestError:
         return
     assert decode(encode(message), TO_SESSION) == message
+
+
+def test_bytes_where_text_belongs_is_a_typed_error():
+    """msgpack's strict_map_key still admits bytes keys: a codec map with one is refused like any bad field."""
+    for value in ({**STEP, "codec": {"name": "none", b"x": 1}}, {**STEP, "codec": {b"name": "none"}}):
+        with pytest.raises(BadRequestError):
+            decode(raw(value), TO_SESSION)
+    with pytest.raises(BadRequestError):
+        decode(raw({**STEP, b"replay": True}), TO_SESSION)
