@@ -88,7 +88,7 @@ async def start_peer(
             options.update(identity_path=str(identity_path), check_if_identity_free=False)
         if client_mode:
             options["dht_mode"] = "client"
-        p2p = await P2P.create(**options)
+        p2p = await _create_p2p(options)
     except BaseException:
         if identity_tmp is not None:
             identity_tmp.cleanup()
@@ -107,6 +107,20 @@ async def start_peer(
             identity_tmp.cleanup()
         raise
     return Peer(p2p, dht, signature_validator, identity_tmp)
+
+
+async def _create_p2p(options: dict, attempts: int = 20) -> P2P:
+    """P2P.create, which spawns p2pd. uvloop refuses to spawn a process while a loop in another thread of this process
+    is spawning one ("Racing with another loop to spawn a process"), before anything is started: two clients made
+    at once from two threads meet this. The spawn is tried again after a short, growing pause."""
+    for attempt in range(attempts):
+        try:
+            return await P2P.create(**options)
+        except RuntimeError as exc:
+            if "Racing with another loop" not in str(exc) or attempt + 1 == attempts:
+                raise
+            await asyncio.sleep(0.01 * (attempt + 1))
+    raise RuntimeError("unreachable")  # the loop returns or raises
 
 
 def write_address_file(path: str | Path, addresses: list[str]) -> None:

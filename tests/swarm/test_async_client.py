@@ -4,6 +4,7 @@ many generations at once, each with its single-process reference tokens."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import psutil
@@ -12,7 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import AsyncDistributedModel
+from nesa_node.client.model import LoopThread
 from nesa_node.errors import NoRouteError, SessionStateError
+from nesa_node.peer import start_peer
 
 GENERATIONS = 8
 NEW_TOKENS = 24
@@ -172,3 +175,37 @@ def test_steps_of_one_session_go_one_at_a_time(local_swarm, tiny_llama):
     assert isinstance(first, torch.Tensor) and first.shape == (1, 3, 64)
     assert isinstance(second, SessionStateError) and "one at a time" in second.message
     assert position == 3
+
+
+def test_clients_started_at_once_from_several_threads_all_start(local_swarm):
+    """Each synchronous client runs its own uvloop loop, and uvloop refuses to spawn a process (p2pd) while another
+    loop of the process spawns one: peers started at the same moment from four threads must all come up."""
+    errors: list[BaseException] = []
+
+    def start_together(runners: list[LoopThread], barrier: threading.Barrier, peers: list, index: int) -> None:
+        barrier.wait(timeout=30)
+        try:
+            peer = start_peer(initial_peers=local_swarm.initial_peers, host=None, client_mode=True)
+            peers[index] = runners[index].call(peer, timeout=60)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+
+    started = 0
+    for _ in range(3):
+        runners = [LoopThread(f"start-{index}") for index in range(4)]
+        barrier, peers = threading.Barrier(len(runners)), [None] * len(runners)
+        threads = [
+            threading.Thread(target=start_together, args=(runners, barrier, peers, index))
+            for index in range(len(runners))
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+        for runner, peer in zip(runners, peers, strict=True):
+            if peer is not None:
+                started += 1
+                runner.call(peer.shutdown(), timeout=30)
+            runner.stop()
+    assert not errors, errors
+    assert started == 12
