@@ -2,9 +2,9 @@
 
 Packages, each importing only those listed before it (checked by `make lint`, contracts in pyproject.toml):
   errors, version      the error tree and the release: import nothing of the project
-  compression, routing, topology
-                       pure math over frozen inputs (numpy, torch, networkx, gudhi); no networking
-  sharding             what runs where: block spans, KV cache accounting, LoRA, partitioning; no networking
+  compression, routing pure math over frozen inputs (numpy, torch); no networking
+  sharding             what runs where: block spans, KV cache accounting, partitioning, rebalancing plans
+  topology             persistent homology of swarm snapshots (gudhi, networkx); no networking
   protocol             what travels between peers: typed messages, records, tensors, framing, lanes
   peer, swarm_view     shared by node and client: starting a P2P host and DHT node, records -> routing snapshot
   server, client       the node daemon and the client SDK; neither imports the other

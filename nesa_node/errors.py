@@ -3,7 +3,8 @@
     NesaError (code)
     ├── ModelLoadError              model_load       bad model folder, missing weights, bad block range
     │   ├── UnsupportedModelError   unsupported_model
-    │   └── QuantizationUnsupportedError  unsupported_quantization: a --quant mode bitsandbytes cannot run here
+    │   ├── QuantizationUnsupportedError  unsupported_quantization: a --quant mode bitsandbytes cannot run here
+    │   └── DeviceUnavailableError  device           --device names a device this machine or torch build lacks
     ├── RequestError                                  a request a node refuses; travels back over the wire
     │   ├── BadRequestError         bad_request      malformed message, wrong shape/dtype, NaN/Inf, bad position
     │   │   ├── MessageTooLargeError  too_large      a frame over the node's byte limit, refused before it is read
@@ -14,7 +15,9 @@
     │   └── QuotaExceededError      quota            one peer's share of sessions, cache or queued steps used up
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
     ├── NoRouteError                no_route         no chain of online nodes covers every block
-    └── SessionStateError           session_state    client-side misuse of an inference session
+    ├── SessionStateError           session_state    client-side misuse of an inference session
+    ├── PortInUseError              port_in_use      a port this process must listen on is taken
+    └── InitialPeersError           initial_peers    --initial-peers malformed, or none of them answered
 
 Errors that cross the wire are sent as (code, message) and rebuilt on the other side by `error_from_code`.
 """
@@ -43,6 +46,10 @@ class UnsupportedModelError(ModelLoadError):
 
 class QuantizationUnsupportedError(ModelLoadError):
     code = "unsupported_quantization"
+
+
+class DeviceUnavailableError(ModelLoadError):
+    code = "device"
 
 
 class RequestError(NesaError):
@@ -89,12 +96,21 @@ class SessionStateError(NesaError):
     code = "session_state"
 
 
+class PortInUseError(NesaError):
+    code = "port_in_use"
+
+
+class InitialPeersError(NesaError):
+    code = "initial_peers"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         ModelLoadError,
         UnsupportedModelError,
         QuantizationUnsupportedError,
+        DeviceUnavailableError,
         RequestError,
         BadRequestError,
         MessageTooLargeError,
@@ -106,6 +122,8 @@ _BY_CODE = {
         PeerUnavailableError,
         NoRouteError,
         SessionStateError,
+        PortInUseError,
+        InitialPeersError,
     )
 }
 

@@ -8,8 +8,10 @@ comparison, or if a platform's uvloop misbehaves).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
@@ -35,14 +37,39 @@ def run(coroutine: Coroutine) -> Any:
         return runner.run(coroutine)
 
 
-async def serve_until_signal(start: Callable[[], Awaitable[None]], shutdown: Callable[[], Awaitable[None]]) -> None:
-    """Run `start`, wait for SIGINT or SIGTERM, then `shutdown` (also when `start` fails)."""
+async def serve_until_signal(
+    start: Callable[[], Awaitable[None]], shutdown: Callable[[], Awaitable[None]], *, name: str = "nesa-node"
+) -> None:
+    """Run `start`, wait for SIGINT or SIGTERM, then `shutdown` (also when `start` fails or is interrupted).
+
+    A second signal while shutting down exits at once (status 128 + signal): an operator who presses Ctrl-C twice
+    does not want to wait. Child p2pd daemons run in process groups of their own (nesa_node.peer), so a signal to
+    this process's group reaches this process alone and the shutdown can still use the network."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            print(f"{name}: second {sig.name}, exiting now", file=sys.stderr, flush=True)
+            os._exit(128 + sig)
+        print(f"{name}: {sig.name} received, stopping (send it again to exit at once)", file=sys.stderr, flush=True)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
+    starting = asyncio.ensure_future(start())
+    stopping = asyncio.ensure_future(stop.wait())
     try:
-        await start()
-        await stop.wait()
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():  # a signal while starting: stop without waiting for the start
+            starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        else:
+            starting.result()  # a failed start raises here (after shutdown, below)
+        await stopping
     finally:
+        stopping.cancel()
         await shutdown()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

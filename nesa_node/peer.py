@@ -7,16 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import errno
 import logging
 import os
+import signal
+import socket
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID, p2p_daemon
+from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils.multiaddr import Multiaddr
 
+from nesa_node.errors import InitialPeersError, PortInUseError
 from nesa_node.protocol.dht import make_validator
 from nesa_node.protocol.identity import ensure_identity, load_private_key
 
@@ -33,6 +41,7 @@ class Peer:
     p2p: P2P
     dht: DHTNode
     signature_validator: RSASignatureValidator | None
+    initial_peers: tuple[str, ...] = ()
     _identity_tmp: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -41,6 +50,29 @@ class Peer:
 
     async def visible_maddrs(self) -> list[str]:
         return [str(addr) for addr in await self.p2p.get_visible_maddrs()]
+
+    async def contact_initial_peers(self, timeout_s: float = 5.0) -> int:
+        """Dial every initial peer at its address again and ping it over the DHT; returns how many answered.
+
+        hivemind drops a peer that stops answering from its routing table and never asks for it again, and a peer
+        that restarts knows nobody: without this, a bootstrap peer restarted after some time down (same identity and
+        port) would never learn the swarm again, and clients that join through it would see no node. Called every
+        announce period by nodes and stage nodes, and by bootstrap peers."""
+        results = await asyncio.gather(*(self._contact(address, timeout_s) for address in self.initial_peers))
+        return sum(results)
+
+    async def _contact(self, address: str, timeout_s: float) -> bool:
+        maddr = Multiaddr(address)
+        peer_id = PeerID.from_base58(maddr["p2p"])
+        if peer_id == self.p2p.peer_id:
+            return True
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.p2p._client.connect(peer_id, [maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))])
+                return await self.dht.protocol.call_ping(peer_id) is not None
+        except Exception as exc:  # gone, or not up yet: tried again next period
+            logger.debug("initial peer %s did not answer: %r", address, exc)
+            return False
 
     async def shutdown(self, step_s: float = SHUTDOWN_STEP_S) -> None:
         """Leave the DHT, then stop p2pd; each step bounded by `step_s` (peers that are gone must not hold a
@@ -69,8 +101,11 @@ async def start_peer(
 
     `signs_records`: the peer announces records signed with its identity key (nodes); without `identity_path` a
     fresh key is made for this run. `client_mode`: a DHT client that stores nothing for others (SDK clients).
-    `host` None lets hivemind pick its default listening address. Raises OSError or hivemind's errors when p2pd
-    cannot start; nothing is left running then."""
+    `host` None lets hivemind pick its default listening address. Raises PortInUseError for a taken `port`,
+    InitialPeersError when `initial_peers` are malformed or none answers, OSError or hivemind's errors when p2pd
+    cannot start otherwise; nothing is left running then."""
+    check_initial_peers(initial_peers)
+    check_port_free(host or "0.0.0.0", port, "--port")
     identity_tmp = None
     if identity_path is None and signs_records:  # records need a key this process can read: a fresh one
         identity_tmp = tempfile.TemporaryDirectory(prefix="nesa-node-")
@@ -89,6 +124,12 @@ async def start_peer(
         if client_mode:
             options["dht_mode"] = "client"
         p2p = await _create_p2p(options)
+    except P2PDaemonError as exc:
+        if identity_tmp is not None:
+            identity_tmp.cleanup()
+        if "bootstrap peers" in str(exc):
+            raise InitialPeersError(_no_initial_peer_answered(initial_peers)) from exc
+        raise
     except BaseException:
         if identity_tmp is not None:
             identity_tmp.cleanup()
@@ -100,13 +141,95 @@ async def start_peer(
             client_mode=client_mode,
             record_validator=make_validator(signature_validator, list(dht_prefixes)),
         )
-    except BaseException:
+    except BaseException as exc:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(p2p.shutdown(), timeout=SHUTDOWN_STEP_S)
         if identity_tmp is not None:
             identity_tmp.cleanup()
+        if isinstance(exc, P2PDaemonError) and "none of the initial_peers responded" in str(exc):
+            raise InitialPeersError(_no_initial_peer_answered(initial_peers)) from exc
         raise
-    return Peer(p2p, dht, signature_validator, identity_tmp)
+    return Peer(p2p, dht, signature_validator, tuple(initial_peers), identity_tmp)
+
+
+ADDRESS_HINT = (
+    "the address of any running peer of the swarm works (a node's or the bootstrap's `listening on` line, "
+    "or its --address-file)"
+)
+
+
+def check_initial_peers(initial_peers) -> None:
+    """Raise InitialPeersError unless every entry is a multiaddr that names its peer: /ip4/HOST/tcp/PORT/p2p/ID."""
+    for address in initial_peers:
+        try:
+            peer_id = Multiaddr(str(address))["p2p"]
+        except Exception:
+            peer_id = None
+        if not peer_id:
+            raise InitialPeersError(
+                f"{str(address)!r} is not a peer address: it should look like /ip4/HOST/tcp/PORT/p2p/PEER_ID; "
+                + ADDRESS_HINT
+            )
+
+
+def _no_initial_peer_answered(initial_peers) -> str:
+    names = ", ".join(str(address) for address in initial_peers)
+    return f"none of the initial peers answered ({names}); check that they run, or use another: {ADDRESS_HINT}"
+
+
+def check_port_free(host: str, port: int, option: str) -> None:
+    """Raise PortInUseError when a process listens on host:port (port 0 picks a free one and passes). p2pd listens
+    with SO_REUSEPORT and so would share a taken port silently; a plain bind sees the listener."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # connections in TIME_WAIT do not count
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    f"{option} {port}: port {port} on {host} is already in use (another nesa-node?); "
+                    f"stop that process, pick another port, or {option} 0 for any free one"
+                ) from None
+            raise
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _own_process_group() -> None:
+    """Run in the forked p2pd before exec: a process group of its own, so the signal a terminal or a service manager
+    sends to this process's group (Ctrl-C, `timeout`, systemd's KillMode) reaches this process alone and p2pd lives
+    until this process stops it (after announcing `offline`, which needs p2pd); and SIGKILL when the thread that
+    spawned it dies, so a killed process never leaves its p2pd behind."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+class _Subprocess:
+    """asyncio.subprocess as hivemind's P2P sees it: every process it spawns (p2pd) runs `_own_process_group`."""
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio.subprocess, name)
+
+    @staticmethod
+    async def create_subprocess_exec(*args, **kwargs):
+        kwargs.setdefault("preexec_fn", _own_process_group)
+        return await asyncio.subprocess.create_subprocess_exec(*args, **kwargs)
+
+
+class _Asyncio:
+    subprocess = _Subprocess()
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio, name)
+
+
+# P2P.create has no hook for how p2pd is spawned; its module alone gets this view of asyncio
+p2p_daemon.asyncio = _Asyncio()
 
 
 async def _create_p2p(options: dict, attempts: int = 20) -> P2P:
@@ -130,4 +253,4 @@ def write_address_file(path: str | Path, addresses: list[str]) -> None:
     tmp.replace(path)
 
 
-__all__ = ["Peer", "start_peer", "write_address_file"]
+__all__ = ["Peer", "check_initial_peers", "check_port_free", "start_peer", "write_address_file"]

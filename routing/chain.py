@@ -10,8 +10,8 @@
   node's per-token compute time), then peer ids. It is kept as the default because today's client builds snapshots
   without the loads, regions and bandwidths eq. 18 reads; a request with `partial_spans` always uses eq. 18.
 
-Live nodes only run their whole span, so by default a hop is a node's whole span inside the requested range; with
-`request.partial_spans` a hop may be any contiguous part of a span. Nodes offline, draining, excluded, or without
+By default a hop is a node's whole span inside the requested range; with `request.partial_spans` (what the live
+client asks for: nodes run any contiguous part of their span) a hop may be any contiguous part of a span. Nodes offline, draining, excluded, or without
 cache room for batch * max_length tokens are skipped. `request.alternatives` asks for that many node-disjoint
 alternative chains as well (found one after another, each excluding the nodes of the chains before it).
 """

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from nesa_node.errors import ModelLoadError, UnsupportedModelError
+from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from nesa_node.compression.weights import QuantizationReport
@@ -206,6 +206,25 @@ class BlockSpan(nn.Module):
         return hidden
 
 
+def check_device(device: str) -> None:
+    """Raise DeviceUnavailableError unless torch can place tensors on `device` ("cpu", "cuda", "cuda:1")."""
+    try:
+        kind = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise DeviceUnavailableError(f"{device!r} is not a device name torch knows ({exc})") from None
+    if kind.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+        raise DeviceUnavailableError(
+            f"--device {device}: torch {torch.__version__} ({build}) sees no CUDA device here; use --device cpu"
+        )
+    if kind.index is not None and kind.index >= torch.cuda.device_count():
+        raise DeviceUnavailableError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+        )
+
+
 def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> BlockSpan:
     """Read only the weights of blocks [spec.start, spec.end) and build them on `spec.device` in `spec.dtype`.
 
@@ -214,7 +233,7 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
     source tensors' names and bytes as read from the folder; with quantization it is sha256("<source sha256>:<mode>:
     <served digest>"), where the served digest (`quantized_state_digest`) covers the quantized weights, their scales and
     settings: two nodes announce the same hash only when they serve the same checkpoint quantized the same way.
-    Raises ModelLoadError for a bad folder or range, UnsupportedModelError for another model family,
+    Raises ModelLoadError for a bad folder or range, DeviceUnavailableError for a device torch cannot use here, UnsupportedModelError for another model family,
     QuantizationUnsupportedError for a quantization mode this device or bitsandbytes cannot run.
     """
     config = config if config is not None else load_config(model_path)
@@ -224,6 +243,7 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
         )
     if spec.dtype not in DTYPES:
         raise ModelLoadError(f"dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}")
+    check_device(spec.device)
     quantizer = None
     if spec.quant != "none":
         from nesa_node.compression import weights as quantizer  # bitsandbytes is loaded for quantized spans only

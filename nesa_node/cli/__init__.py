@@ -8,12 +8,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 
 from nesa_node import event_loop
+from nesa_node.cli.failures import ArgumentParser, Terminated, raise_terminated, report
 from nesa_node.cli.options import add_config_options, config_from_args, parse_port
 from nesa_node.compression.names import CODECS, DEFAULT_CODEC
-from nesa_node.errors import NesaError
 from nesa_node.server.config import ComputeConfig, LimitsConfig, NetworkConfig, NodeConfig, RebalanceConfig
 
 logger = logging.getLogger("nesa_node.cli")
@@ -29,8 +30,24 @@ def _parse_span(text: str) -> tuple[int, int]:
     return start, end
 
 
+INITIAL_PEERS_HELP = (
+    "multiaddrs of swarm peers, /ip4/HOST/tcp/PORT/p2p/PEER_ID: the bootstrap's or any running node's (each prints "
+    "it as `listening on`); give several and any that answers is used"
+)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_peer_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help="multiaddrs of swarm peers")
+    parser.add_argument("--initial-peers", nargs="+", default=[], metavar="MADDR", help=INITIAL_PEERS_HELP)
     parser.add_argument("--model", required=True, help="Hugging Face model folder (config, tokenizer, safetensors)")
     parser.add_argument("--dht-prefix", default=None, help="model key on the DHT (default: the folder's name)")
 
@@ -89,11 +106,13 @@ def _train_tiny(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="nesa-node",
         description="Peer-to-peer swarm serving large language models split by transformer blocks.",
     )
-    parser.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    parser.add_argument(
+        "-v", "--verbose", action="count", default=0, help="more logging (-vv for debug); tracebacks with errors"
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     model = commands.add_parser("model", help="model utilities").add_subparsers(dest="model_command", required=True)
@@ -137,17 +156,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_graph_arguments(run)
 
-    dht = commands.add_parser("dht", help="run a bootstrap DHT peer that serves no blocks")
-    dht.add_argument("--host", default="127.0.0.1")
-    dht.add_argument("--port", type=parse_port, default=0)
-    dht.add_argument("--identity", default=None, metavar="FILE")
-    dht.add_argument("--initial-peers", nargs="*", default=[], metavar="MADDR")
-    dht.add_argument("--address-file", default=None)
+    dht = commands.add_parser(
+        "dht",
+        help="run a bootstrap DHT peer that serves no blocks",
+        description="A DHT peer that serves no blocks: a stable first address for a swarm. Give it --identity and "
+        "--port so that a restart keeps its address (peer id and port): nodes dial their initial peers again every "
+        "announce period, so a restarted bootstrap knows the swarm within one period. Any running node's address "
+        "works as --initial-peers as well. SIGINT or SIGTERM stops it.",
+    )
+    dht.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    dht.add_argument("--port", type=parse_port, default=0, help="TCP port to listen on (default 0: any free one)")
+    dht.add_argument(
+        "--identity",
+        default=None,
+        metavar="FILE",
+        help="private key file that fixes the peer id (created owner-only if missing; default: a new id each run)",
+    )
+    dht.add_argument(
+        "--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers of the same swarm"
+    )
+    dht.add_argument("--address-file", default=None, help="write the peer's multiaddrs here once it listens")
 
     generate = commands.add_parser("generate", help="generate text through the swarm")
     _add_peer_args(generate)
     generate.add_argument("--prompt", required=True)
-    generate.add_argument("--max-new-tokens", type=int, default=32)
+    generate.add_argument(
+        "--max-new-tokens",
+        type=_positive_int,
+        default=None,
+        help="tokens to generate (default: the model's generation config, else 20, as transformers)",
+    )
     generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     generate.add_argument("--temperature", type=float, default=1.0)
     generate.add_argument("--mode", choices=["direct", "relay"], default="direct", help="chain routing mode")
@@ -168,6 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_parser(commands)
 
+    from nesa_node.graph.cli import add_graph_commands
+
+    add_graph_commands(commands)
+
     status = commands.add_parser("status", help="table of nodes and block coverage")
     _add_peer_args(status)
 
@@ -175,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--nodes", type=int, default=3)
     demo.add_argument("--model", default=None, help="model folder (default: a tiny random Llama)")
     demo.add_argument("--prompt", default="Beautiful is better than ugly.")
-    demo.add_argument("--max-new-tokens", type=int, default=32)
+    demo.add_argument("--max-new-tokens", type=_positive_int, default=32)
     demo.add_argument(
         "--compression",
         choices=CODECS,
@@ -191,6 +233,8 @@ def _configure_logging(verbosity: int) -> None:
     if verbosity < 2:
         for noisy in ("hivemind", "transformers"):
             logging.getLogger(noisy).setLevel(logging.ERROR)
+    if verbosity < 1:
+        logging.getLogger("nesa_node.events").setLevel(logging.INFO)  # a node's moves are shown by default
 
 
 async def _run_node(args) -> None:
@@ -231,7 +275,7 @@ async def _run_node(args) -> None:
             flush=True,
         )
 
-    await event_loop.serve_until_signal(start, node.shutdown)
+    await event_loop.serve_until_signal(start, node.shutdown, name="nesa-node run")
 
 
 async def _run_dht(args) -> None:
@@ -242,19 +286,24 @@ async def _run_dht(args) -> None:
     )
 
     async def start() -> None:
+        peer.start()
+        print(f"peer id {peer.peer_id}", flush=True)
         for addr in await peer.visible_maddrs():
             print(f"listening on {addr}", flush=True)
         if args.address_file:
             await peer.write_address_file(args.address_file)
 
-    await event_loop.serve_until_signal(start, peer.shutdown)
+    await event_loop.serve_until_signal(start, peer.shutdown, name="nesa-node dht")
 
 
 def _generate(args) -> int:
     from transformers import AutoTokenizer
 
+    from nesa_node.client.async_model import DEFAULT_NEW_TOKENS
     from nesa_node.client.model import DistributedModelForCausalLM
+    from nesa_node.sharding.blocks import load_config
 
+    load_config(args.model)  # a wrong folder is a ModelLoadError, not the Hub's "repo id" error
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     with DistributedModelForCausalLM.from_pretrained(
         args.model,
@@ -266,7 +315,10 @@ def _generate(args) -> int:
     ) as model:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
-        output = model.generate(input_ids, max_new_tokens=args.max_new_tokens, **sampling)
+        # transformers' own default, said explicitly (it warns when the length comes from its defaults)
+        configured = getattr(model.generation_config, "max_new_tokens", None)
+        max_new_tokens = args.max_new_tokens or configured or DEFAULT_NEW_TOKENS
+        output = model.generate(input_ids, max_new_tokens=max_new_tokens, **sampling)
         print(tokenizer.decode(output[0], skip_special_tokens=True))
     return 0
 
@@ -320,61 +372,66 @@ def main(argv: list[str] | None = None) -> int:
 
         check_arguments(parser, args)
     _configure_logging(args.verbose)
+    signal.signal(signal.SIGTERM, raise_terminated)  # long commands serving until a signal install their own
     try:
-        if args.command == "model" and args.model_command == "train-tiny":
-            return _train_tiny(args)
-        if args.command == "model":
-            from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
+        return _dispatch(args)
+    except (Exception, KeyboardInterrupt, Terminated) as exc:
+        return report(exc, verbose=args.verbose > 0)
 
-            spec = TinyModelSpec(
-                arch=args.arch,
-                layers=args.layers,
-                hidden=args.hidden,
-                heads=args.heads,
-                kv_heads=args.kv_heads,
-                intermediate=args.intermediate or 2 * args.hidden,
-                vocab=args.vocab,
-                seed=args.seed,
-            )
-            print(f"wrote {init_tiny_model(args.path, spec)}")
-            return 0
-        if args.command == "run" and (args.graph_model or args.graph_plan):
-            from nesa_node.graph.cli import run_graph_stage
 
-            return run_graph_stage(args)
-        if args.command == "run":
-            # idle OpenMP threads sleep instead of spinning, so a node waiting for its next step leaves the cores
-            # to others (measured: nodes sharing 2 cores, decode step 13.7 ms passive vs 42 ms spinning under load);
-            # read when torch loads, so it is set before anything imports torch
-            os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-            event_loop.run(_run_node(args))
-            return 0
-        if args.command == "dht":
-            event_loop.run(_run_dht(args))
-            return 0
-        if args.command == "generate":
-            return _generate(args)
-        if args.command == "status":
-            return _status(args)
-        if args.command == "tune":
-            from nesa_node.cli.tune import check_args, run_tune
+def _dispatch(args) -> int:
+    if args.command == "model" and args.model_command == "train-tiny":
+        return _train_tiny(args)
+    if args.command == "model":
+        from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 
-            check_args(args)
-            return run_tune(args)
-        if args.command == "demo":
-            from nesa_node.devtools.demo import run_demo
+        spec = TinyModelSpec(
+            arch=args.arch,
+            layers=args.layers,
+            hidden=args.hidden,
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            intermediate=args.intermediate or 2 * args.hidden,
+            vocab=args.vocab,
+            seed=args.seed,
+        )
+        print(f"wrote {init_tiny_model(args.path, spec)}")
+        return 0
+    if args.command == "run" and (args.graph_model or args.graph_plan):
+        from nesa_node.graph.cli import run_graph_stage
 
-            return run_demo(
-                nodes=args.nodes,
-                model=args.model,
-                prompt=args.prompt,
-                max_new_tokens=args.max_new_tokens,
-                compression=args.compression,
-            )
-    except NesaError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 1
+        return run_graph_stage(args)
+    if args.command == "run":
+        # idle OpenMP threads sleep instead of spinning, so a node waiting for its next step leaves the cores
+        # to others (measured: nodes sharing 2 cores, decode step 13.7 ms passive vs 42 ms spinning under load);
+        # read when torch loads, so it is set before anything imports torch
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        event_loop.run(_run_node(args))
+        return 0
+    if args.command == "dht":
+        event_loop.run(_run_dht(args))
+        return 0
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "graph":
+        from nesa_node.graph.cli import run_graph_command
+
+        return run_graph_command(args)
+    if args.command == "tune":
+        from nesa_node.cli.tune import check_args, run_tune
+
+        check_args(args)
+        return run_tune(args)
+    if args.command == "demo":
+        from nesa_node.devtools.demo import run_demo
+
+        return run_demo(
+            nodes=args.nodes,
+            model=args.model,
+            prompt=args.prompt,
+            max_new_tokens=args.max_new_tokens,
+            compression=args.compression,
+        )
+    raise AssertionError(f"unhandled command {args.command!r}")  # argparse allows only the commands above

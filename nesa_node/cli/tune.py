@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import fields, replace
 from pathlib import Path
@@ -73,14 +74,19 @@ def run_tune(args) -> int:
         source = f"live swarm ({len(snapshot.nodes)} nodes)"
         requests = synthetic_requests(args.requests, np.random.default_rng(args.seed))
         latency = snapshot_fitness(snapshot, requests)
+        heldout = snapshot_fitness(snapshot, synthetic_requests(args.requests, np.random.default_rng(args.seed + 1)))
     else:
         chosen = load_scenario(args.scenario)
         source = f"scenario {chosen.name}"
         simulator = Simulator(chosen)
         training = simulator.requests(args.requests, args.seed)
+        other = simulator.requests(args.requests, args.seed + 1)
 
         def latency(population):
             return population_latency(simulator, training, population)
+
+        def heldout(population):
+            return population_latency(simulator, other, population)
 
     started = time.perf_counter()
     columns = (TextColumn("tuning {task.description}"), BarColumn(), TextColumn("{task.fields[best]}"))
@@ -111,7 +117,26 @@ def run_tune(args) -> int:
         f"{params.window}; best mean latency {first:.3f} s in generation 0, {last:.3f} s after {args.generations} "
         f"({time.perf_counter() - started:.1f} s, {source})"
     )
+    untuned = RoutingParams(window=args.window)  # all exponents 1: what clients use without a params file
+    before_train, after_train = latency([untuned, params])
+    before_held, after_held = heldout([untuned, params])
+    print(
+        f"mean latency, untuned -> tuned: {before_train:.3f} -> {after_train:.3f} s on the training requests, "
+        f"{before_held:.3f} -> {after_held:.3f} s on as many held-out requests; {_verdict(before_held, after_held)}"
+    )
     return 0
+
+
+def _verdict(before: float, after: float) -> str:
+    """Whether tuning helped, judged on held-out requests (1% is within the noise of a few requests)."""
+    if not math.isfinite(before) or not math.isfinite(after):
+        return "some requests found no chain"
+    change = (after - before) / before if before > 0 else 0.0
+    if change < -0.01:
+        return f"tuning helped ({-change:.1%} lower)"
+    if change > 0.01:
+        return f"tuning did not help ({change:.1%} higher: keep the untuned exponents)"
+    return "no difference beyond 1%: tuning did not change the outcome"
 
 
 def _live_snapshot(args):

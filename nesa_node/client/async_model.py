@@ -68,6 +68,9 @@ def client_config(config: ClientConfig | None = None, **settings) -> ClientConfi
     return (config or ClientConfig()).replace(**settings)
 
 
+DEFAULT_NEW_TOKENS = 20  # what transformers generates when no length is set
+
+
 class AsyncDistributedModel:
     """A causal LM over a swarm (see the module docstring). Build it with `from_pretrained`; close it when done."""
 
@@ -230,7 +233,7 @@ class AsyncDistributedModel:
         self,
         input_ids: torch.Tensor,
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | None = None,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_k: int = 0,
@@ -241,6 +244,8 @@ class AsyncDistributedModel:
         session: InferenceSession | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Generate up to `max_new_tokens` after `input_ids` (batch, seq); yields each new token column (batch,).
+        Without `max_new_tokens`, the model folder's generation config decides, else DEFAULT_NEW_TOKENS (as
+        transformers does).
 
         Greedy by default (the tokens single-process transformers generates, with compression "none"); `do_sample`
         samples with `temperature`, `top_k` and `top_p` from `generator`. Rows that produced `eos_token_id` continue
@@ -249,6 +254,8 @@ class AsyncDistributedModel:
         A consumer that stops early closes the stream (`contextlib.aclosing`), which closes a session it opened."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise SessionStateError("input_ids must be (batch, tokens) with at least one token")
+        if max_new_tokens is None:
+            max_new_tokens = getattr(self.generation_config, "max_new_tokens", None) or DEFAULT_NEW_TOKENS
         if max_new_tokens < 1:
             return
         batch, length = input_ids.shape
@@ -274,7 +281,7 @@ class AsyncDistributedModel:
             if owned:
                 await session.close()
 
-    async def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int, **options) -> torch.Tensor:
+    async def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int | None = None, **options) -> torch.Tensor:
         """`input_ids` (batch, seq) followed by the generated tokens (batch, seq + new); options as for `stream`."""
         tokens = [token async for token in self.stream(input_ids, max_new_tokens=max_new_tokens, **options)]
         if not tokens:

@@ -21,7 +21,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nesa_node import event_loop
-from nesa_node.client.async_model import AsyncDistributedModel, client_config
+from nesa_node.client.async_model import DEFAULT_NEW_TOKENS, AsyncDistributedModel, client_config
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.session import InferenceSession
 from nesa_node.compression.names import DEFAULT_CODEC
@@ -243,13 +243,27 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             return output
         if input_ids is None:
             raise SessionStateError("generate needs input_ids outside an inference session")
-        generation_config = kwargs.get("generation_config") or self.generation_config
-        max_new = kwargs.get("max_new_tokens") or generation_config.max_new_tokens
-        max_length = (
-            input_ids.shape[1] + max_new if max_new else kwargs.get("max_length") or generation_config.max_length
-        )
+        max_length = self._session_length(input_ids.shape[1], kwargs)
         with self.inference_session(max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1]):
             return super().generate(input_ids, *args, **kwargs)
+
+    def _session_length(self, prompt: int, kwargs: dict) -> int:
+        """The tokens a session for one generate call must hold, read as transformers reads its length settings:
+        `max_new_tokens` (argument, else generation config) after the prompt; else `max_length` in all; else the
+        prompt and DEFAULT_NEW_TOKENS, capped at the model's max_position_embeddings."""
+        generation_config = kwargs.get("generation_config") or self.generation_config
+        max_new = kwargs.get("max_new_tokens")
+        if max_new is None:
+            max_new = getattr(generation_config, "max_new_tokens", None)
+        if max_new is not None:
+            if max_new < 1:
+                raise ValueError(f"max_new_tokens must be at least 1, got {max_new}")
+            return prompt + max_new
+        max_length = kwargs.get("max_length") or getattr(generation_config, "max_length", None)
+        if max_length:
+            return max_length
+        length = prompt + DEFAULT_NEW_TOKENS
+        return min(length, getattr(self.config, "max_position_embeddings", None) or length)
 
     def _extends_history(self, input_ids: torch.Tensor) -> bool:
         history = self._history

@@ -1,5 +1,6 @@
 """Fault injection for soak tests and benchmarks: a swarm of node processes on this machine whose nodes are killed
-(SIGKILL of the whole process group, p2pd included) and restarted on a schedule.
+(SIGKILL of the whole process group; its p2pd, in a group of its own, dies with it: nesa_node.peer) and restarted on
+a schedule.
 
 `ChaosSwarm` starts a bootstrap peer and `copies` node processes per span; `Churn` kills a random node on a
 fixed period, keeping at least one live node per span, and starts a fresh one (new identity) for its span.

@@ -1,7 +1,8 @@
 """Start nesa-node processes (bootstrap peer, node daemons) on this machine and always stop them.
 
-Used by `nesa-node demo` and the swarm tests. Every child runs in its own process group, so stopping it also
-stops the p2pd daemon it spawned, even after a SIGKILL of the child itself.
+Used by `nesa-node demo` and the swarm tests. Every child runs in its own process group; the p2pd daemon a child
+spawns has a group of its own and is killed by the kernel when the child dies (nesa_node.peer), also after a SIGKILL
+of the child itself.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ class ProcessGroup:
         return "log: " + " | ".join(text.splitlines()[-lines:]) if text else "no log"
 
     def stop(self, process: subprocess.Popen, *, grace_s: float = 15.0, sig: int = signal.SIGTERM) -> None:
-        """Signal the child (only it: its p2pd must outlive it while it drains and says goodbye on the network),
-        wait up to `grace_s`, then SIGKILL its whole process group."""
+        """Signal the child (its p2pd, in a group of its own, outlives the signal while the child drains and says
+        goodbye on the network), wait up to `grace_s`, then SIGKILL its process group (p2pd dies with the child)."""
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(sig)
         try:
@@ -81,7 +82,7 @@ class ProcessGroup:
         except subprocess.TimeoutExpired:
             pass
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)  # the group: p2pd daemons included
+            os.killpg(process.pid, signal.SIGKILL)  # the group; p2pd follows its parent
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(timeout=5)
 

@@ -162,6 +162,7 @@ class GraphStageNode:
     async def _announce_loop(self) -> None:
         while True:
             try:
+                await self.peer.contact_initial_peers()  # a restarted bootstrap peer learns this node again
                 await self.announce()
             except Exception as exc:
                 logger.debug("announce failed: %r", exc)

@@ -11,12 +11,20 @@ Anything malformed or unauthenticated closes the connection and touches no sessi
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable
 
-from nesa_node.errors import BadRequestError, NesaError, QuotaExceededError, RequestError, SessionNotFoundError
+from nesa_node.errors import (
+    BadRequestError,
+    NesaError,
+    PortInUseError,
+    QuotaExceededError,
+    RequestError,
+    SessionNotFoundError,
+)
 from nesa_node.protocol import lane
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.messages import PUSHED, ErrorReply, LaneTicket, Step
@@ -58,7 +66,15 @@ class LaneServer:
     async def start(self, visible_host: Callable[[], Awaitable[str]]) -> str:
         """Listen on the node's host and lane port; returns the address to announce (`visible_host` names the
         address peers reach the node on, when it listens on every interface)."""
-        self._server = await asyncio.start_server(self.serve, self.network.host, self.network.lane_port)
+        try:
+            self._server = await asyncio.start_server(self.serve, self.network.host, self.network.lane_port)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise PortInUseError(
+                    f"--lane-port {self.network.lane_port}: port {self.network.lane_port} on {self.network.host} "
+                    "is already in use; pick another, or --lane-port 0 for any free one"
+                ) from None
+            raise
         port = self._server.sockets[0].getsockname()[1]
         host = self.network.host
         if host in ("0.0.0.0", "::"):

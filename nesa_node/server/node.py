@@ -28,7 +28,14 @@ from pathlib import Path
 
 import psutil
 
-from nesa_node.peer import SHUTDOWN_STEP_S, Peer, start_peer, write_address_file
+from nesa_node.peer import (
+    SHUTDOWN_STEP_S,
+    Peer,
+    check_initial_peers,
+    check_port_free,
+    start_peer,
+    write_address_file,
+)
 from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_node_info
 from nesa_node.protocol.messages import MAX_METADATA_BYTES
 from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
@@ -47,6 +54,7 @@ from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
 from nesa_node.version import __version__
 
 logger = logging.getLogger(__name__)
+events = logging.getLogger("nesa_node.events")  # what an operator sees at the default log level: moves
 
 END_SESSIONS_S = 5.0  # for sessions to close once ended: their queued steps (guess: a few decode steps)
 
@@ -96,10 +104,15 @@ class Node:
     async def create(cls, config: NodeConfig) -> Node:
         """Load the blocks, measure them, start P2P and the DHT, register the RPCs, open the data lane. Announces
         nothing yet (see start). Raises ModelLoadError and its kinds for a bad model folder or span, ValueError for
-        settings that cannot work together, OSError when a port cannot be opened."""
+        settings that cannot work together, InitialPeersError for malformed or silent initial peers, PortInUseError
+        for a taken --port or --lane-port, OSError when a port cannot be opened otherwise."""
         network, compute = config.network, config.compute
         if not network.initial_peers and not network.new_swarm:
             raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
+        check_initial_peers(network.initial_peers)  # before loading the model: mistakes show at once
+        check_port_free(network.host, network.port, "--port")
+        if network.lane_port:
+            check_port_free(network.host, network.lane_port, "--lane-port")
         trigger = None
         if config.rebalance.trigger != "off":
             trigger = make_trigger(config.rebalance.trigger, period_s=config.rebalance.period_s)
@@ -235,6 +248,7 @@ class Node:
     async def _announce_loop(self) -> None:
         while not self._stopped.is_set():
             try:
+                await self.peer.contact_initial_peers()  # a restarted bootstrap peer learns this node again
                 await asyncio.wait_for(self.announce(), timeout=self.config.network.peer_timeout_s)
             except Exception as exc:
                 logger.warning("announce failed: %r", exc)
@@ -301,7 +315,7 @@ class Node:
                 return
             began = time.monotonic()
             old = (self.start_block, self.end_block)
-            logger.info("moving from blocks %d:%d to %d:%d (%s)", *old, start, start + length, reason)
+            events.info("moving from blocks %d:%d to %d:%d (%s)", *old, start, start + length, reason)
             ended = await self.drain(finish_s=0.0 if reason == "hole" else drain_s, end_s=END_SESSIONS_S)
             drained_s = time.monotonic() - began
             self.sessions.drop_all()  # any still open (a step stuck in compute) lose their cache now
@@ -323,7 +337,7 @@ class Node:
             )
             self.state = NodeState.online
             await self.announce_now()
-            logger.info("now serving blocks %d:%d (move took %.1f s)", self.start_block, self.end_block, seconds)
+            events.info("now serving blocks %d:%d (move took %.1f s)", self.start_block, self.end_block, seconds)
 
     @property
     def moving(self) -> bool:

@@ -43,6 +43,7 @@ from nesa_node.topology.monitor import learn_threshold
 from nesa_node.topology.triggers import HomologyTrigger, LoadVariationTrigger, PeriodicTrigger, TriggerInput
 
 logger = logging.getLogger(__name__)
+events = logging.getLogger("nesa_node.events")  # shown at the default log level
 
 TRIGGERS = ("homology", "load-cv", "periodic", "off")
 JITTER = 0.25  # share of the period each wait varies by (guess: spreads a swarm's reads over half a period)
@@ -147,7 +148,7 @@ class Rebalancer:
             logger.debug("rebalance trigger %s failed on this snapshot: %r", self.trigger.name, exc)
             fired = False
         if fired and not self.episode:
-            logger.info("rebalance trigger %s fired", self.trigger.name)
+            events.info("rebalance trigger %s fired", self.trigger.name)
         self.episode = self.episode or fired
         if not self.episode:
             return None, ""

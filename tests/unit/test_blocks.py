@@ -2,8 +2,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nesa_node.errors import ModelLoadError
-from nesa_node.sharding.blocks import SafetensorsIndex, SpanSpec, load_block_span, load_client_edges, load_config
+from nesa_node.errors import DeviceUnavailableError, ModelLoadError
+from nesa_node.sharding.blocks import (
+    SafetensorsIndex,
+    SpanSpec,
+    check_device,
+    load_block_span,
+    load_client_edges,
+    load_config,
+)
 from tests.support.models import ARCHES
 
 
@@ -66,6 +73,19 @@ def test_bad_ranges_and_folders_raise_model_load_error(tiny_llama, tmp_path):
         load_block_span(tmp_path, SpanSpec(0, 1))
     with pytest.raises(ModelLoadError, match="dtype"):
         load_block_span(tiny_llama, SpanSpec(0, 1, dtype="int8"))
+
+
+def test_devices_torch_cannot_use_are_refused_with_advice():
+    check_device("cpu")
+    with pytest.raises(DeviceUnavailableError, match="not a device name"):
+        check_device("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceUnavailableError, match="use --device cpu") as caught:
+            check_device("cuda")
+        assert caught.value.code == "device" and isinstance(caught.value, ModelLoadError)
+    else:
+        with pytest.raises(DeviceUnavailableError, match="numbered from 0"):
+            check_device(f"cuda:{torch.cuda.device_count()}")
 
 
 def test_bfloat16_span_runs(tiny_llama):

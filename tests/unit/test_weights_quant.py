@@ -26,7 +26,7 @@ from nesa_node.compression.weights import (
     quantized_state_digest,
 )
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
-from nesa_node.errors import ModelLoadError, QuantizationUnsupportedError, error_from_code
+from nesa_node.errors import DeviceUnavailableError, ModelLoadError, QuantizationUnsupportedError, error_from_code
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
 HIDDEN = 128
@@ -131,7 +131,7 @@ def test_a_device_without_cuda_is_refused(model, fresh_support_cache):
         check_quantization_supported("int8", "cuda", torch.float32)
     assert caught.value.code == "unsupported_quantization"
     assert "use --device cpu" in str(caught.value)
-    with pytest.raises(QuantizationUnsupportedError):
+    with pytest.raises(DeviceUnavailableError, match="use --device cpu"):  # the device is refused before its quant
         load_block_span(model, SpanSpec(0, 1, device="cuda", quant="nf4"))
     rebuilt = error_from_code(caught.value.code, caught.value.message)
     assert isinstance(rebuilt, QuantizationUnsupportedError) and isinstance(rebuilt, ModelLoadError)
