@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import errno
 import logging
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -196,29 +194,31 @@ def check_port_free(host: str, port: int, option: str) -> None:
             raise
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _own_process_group() -> None:
-    """Run in the forked p2pd before exec: a process group of its own, so the signal a terminal or a service manager
-    sends to this process's group (Ctrl-C, `timeout`, systemd's KillMode) reaches this process alone and p2pd lives
-    until this process stops it (after announcing `offline`, which needs p2pd); and SIGKILL when the thread that
-    spawned it dies, so a killed process never leaves its p2pd behind."""
-    os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+# Run as `python -I -S -c EXEC_DYING_WITH_PARENT PROGRAM ARGS...`: asks the kernel for SIGKILL when the parent dies,
+# then becomes PROGRAM (same pid). The setting survives exec. A separate interpreter rather than a preexec_fn: Python
+# code in the forked child of a threaded process (clients run loops in threads) can deadlock or fail.
+EXEC_DYING_WITH_PARENT = (
+    "import ctypes, os, signal, sys; "
+    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
+    "os.execv(sys.argv[1], sys.argv[1:])"
+)
 
 
 class _Subprocess:
-    """asyncio.subprocess as hivemind's P2P sees it: every process it spawns (p2pd) runs `_own_process_group`."""
+    """asyncio.subprocess as hivemind's P2P sees it. p2pd gets a session and process group of its own, so the signal a
+    terminal or a service manager sends to this process's group (Ctrl-C, `timeout`, systemd's KillMode) reaches this
+    process alone and p2pd lives until this process stops it, after announcing `offline` (which needs p2pd). On Linux
+    it is also killed by the kernel when the thread that spawned it dies, so a killed process leaves no p2pd behind."""
 
     def __getattr__(self, name: str):
         return getattr(asyncio.subprocess, name)
 
     @staticmethod
-    async def create_subprocess_exec(*args, **kwargs):
-        kwargs.setdefault("preexec_fn", _own_process_group)
-        return await asyncio.subprocess.create_subprocess_exec(*args, **kwargs)
+    async def create_subprocess_exec(program, *args, **kwargs):
+        kwargs.setdefault("start_new_session", True)
+        if sys.platform.startswith("linux") and sys.executable:
+            program, args = sys.executable, ("-I", "-S", "-c", EXEC_DYING_WITH_PARENT, program, *args)
+        return await asyncio.subprocess.create_subprocess_exec(program, *args, **kwargs)
 
 
 class _Asyncio:

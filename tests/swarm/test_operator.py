@@ -112,15 +112,16 @@ def test_graph_stage_stops_on_signal(operator, sig):
 @pytest.mark.parametrize(
     "sig, status, word", [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")], ids=["INT", "TERM"]
 )
-def test_generate_and_tune_stop_on_signal(operator, tiny_llama, sig, status, word):
+def test_generate_tune_and_training_stop_on_signal(operator, tiny_llama, sig, status, word):
     _, address = start_bootstrap(operator)
     start_node(operator, tiny_llama, "0:4", address, "node", "--inject-delay-ms", "100")  # steps of 0.1 s at least
     generate = operator.start(
         "generate", "--model", tiny_llama, "--initial-peers", address, "--prompt", "hello", "--max-new-tokens", "500"
     )
     tune = operator.start("tune", "--scenario", "global-1000", "--out", "params.json")
-    time.sleep(6.0)  # both are under way: generating (500 steps take 50 s or more), tuning (about 40 s)
-    for command in (generate, tune):
+    train = operator.start("model", "train-tiny", "trained", "--steps", "100000", "--no-progress")  # never cached
+    time.sleep(6.0)  # all under way: generating (500 steps take 50 s or more), tuning (about 40 s), training
+    for command in (generate, tune, train):
         assert command.process.poll() is None, command.output()
         assert_stopped_cleanly(operator, command, sig, expected_status=status)
         assert command.output().strip().splitlines()[-1] == word
@@ -138,6 +139,19 @@ def test_demo_stops_what_it_started_on_ctrl_c(operator):
     assert "Traceback" not in output, output
     assert status in (0, 130), output  # 0: the demo was already done when the signal came
     assert wait_gone(pids) == [], output
+
+
+def test_a_node_prints_its_moves_at_the_default_log_level(operator, tiny_llama):
+    """Two nodes on blocks 0:2 and none on 2:4: one of them moves to cover the hole, and its terminal says so."""
+    _, address = start_bootstrap(operator)
+    settings = ("--announce-period", "1", "--rebalance-period", "2", "--rebalance", "periodic")
+    nodes = [start_node(operator, tiny_llama, "0:2", address, f"node{index}", *settings) for index in range(2)]
+    deadline = time.monotonic() + 90
+    while not any("now serving blocks 2:4" in node.output() for node in nodes):
+        assert time.monotonic() < deadline, "\n".join(node.output() for node in nodes)
+        time.sleep(0.5)
+    moved = next(node for node in nodes if "now serving blocks 2:4" in node.output())
+    assert "moving from blocks 0:2 to 2:4" in moved.output()
 
 
 # ---- ports, bootstrap ------------------------------------------------------------------------------------------------

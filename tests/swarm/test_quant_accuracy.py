@@ -10,7 +10,7 @@ from transformers import AutoTokenizer
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.devtools.evaluation import accuracy_table, format_table
 from nesa_node.devtools.tiny_train import heldout_token_windows
-from nesa_node.errors import QuantizationUnsupportedError
+from nesa_node.errors import DeviceUnavailableError
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.node import Node
 from tests.support.swarm import wait_for_chain
@@ -71,10 +71,11 @@ def test_quantized_nodes_shrink_weights_and_keep_accuracy(module_swarm, quantize
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA to ask for an impossible device")
-async def test_unsupported_quantization_is_refused_at_start(tiny_llama):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+async def test_a_quantized_span_on_a_missing_device_is_refused_at_start(tiny_llama):
     config = NodeConfig(model_path=tiny_llama, start_block=0, end_block=4).with_settings(
         device="cuda", quant="nf4", new_swarm=True, trigger="off"
     )
-    with pytest.raises(QuantizationUnsupportedError) as error:
+    with pytest.raises(DeviceUnavailableError) as error:  # the device is checked before its quantization kernels
         await Node.create(config)
-    assert error.value.code == "unsupported_quantization"
+    assert error.value.code == "device" and "use --device cpu" in error.value.message

@@ -113,3 +113,27 @@ def test_bad_run_option_values_are_usage_errors(capsys, option, value, message):
         build_parser().parse_args(["run", "--model", "m", "--blocks", "0:2", option, value])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_what_the_readme_commands_write_is_ignored_by_git():
+    """Identity keys are private; address files, the tiny model and params are per machine."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    names = ["boot.key", "node1.key", "boot.addr", "tiny/config.json", "plan.json", "params.json"]
+    result = subprocess.run(["git", "check-ignore", *names], cwd=root, capture_output=True, text=True)
+    assert sorted(result.stdout.split()) == sorted(names)
+
+
+def test_the_design_document_names_only_paths_that_exist():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "ARCHITECTURE.md").read_text()
+    paths = set(re.findall(r"`((?:nesa_node|routing|sharding|compression|topology|tests|bench|docs)/[\w./]*)`", text))
+    assert len(paths) > 30
+    missing = sorted(path for path in paths if not (root / path).exists())
+    assert missing == []
