@@ -162,8 +162,8 @@ class GraphStageNode:
     async def _announce_loop(self) -> None:
         while True:
             try:
-                await self.peer.contact_initial_peers()  # a restarted bootstrap peer learns this node again
-                await self.announce()
+                # a restarted bootstrap peer learns this node again
+                await asyncio.gather(self.peer.contact_initial_peers(), self.announce())
             except Exception as exc:
                 logger.debug("announce failed: %r", exc)
             await asyncio.sleep(self.config.announce_period_s)

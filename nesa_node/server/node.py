@@ -248,8 +248,10 @@ class Node:
     async def _announce_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                await self.peer.contact_initial_peers()  # a restarted bootstrap peer learns this node again
-                await asyncio.wait_for(self.announce(), timeout=self.config.network.peer_timeout_s)
+                await asyncio.gather(
+                    self.peer.contact_initial_peers(),  # a restarted bootstrap peer learns this node again
+                    asyncio.wait_for(self.announce(), timeout=self.config.network.peer_timeout_s),
+                )
             except Exception as exc:
                 logger.warning("announce failed: %r", exc)
             await self._until_stopped(self.config.network.announce_period_s)
