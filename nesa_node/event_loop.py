@@ -55,7 +55,8 @@ async def serve_until_signal(
         print(f"{name}: {sig.name} received, stopping (send it again to exit at once)", file=sys.stderr, flush=True)
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
         loop.add_signal_handler(sig, on_signal, sig)
     starting = asyncio.ensure_future(start())
     stopping = asyncio.ensure_future(stop.wait())
@@ -71,5 +72,6 @@ async def serve_until_signal(
     finally:
         stopping.cancel()
         await shutdown()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig, handler in previous.items():  # what the program had before (the CLI's own SIGTERM handling)
             loop.remove_signal_handler(sig)
+            signal.signal(sig, handler)

@@ -56,7 +56,12 @@ class Peer:
         that restarts knows nobody: without this, a bootstrap peer restarted after some time down (same identity and
         port) would never learn the swarm again, and clients that join through it would see no node. Called every
         announce period by nodes and stage nodes, and by bootstrap peers."""
-        results = await asyncio.gather(*(self._contact(address, timeout_s) for address in self.initial_peers))
+        return await self.contact(self.initial_peers, timeout_s)
+
+    async def contact(self, addresses, timeout_s: float = 5.0) -> int:
+        """Dial each peer at its address (/ip4/HOST/tcp/PORT/p2p/ID) and ping it over the DHT, all at once: each
+        side then has the other in its routing table. Returns how many answered."""
+        results = await asyncio.gather(*(self._contact(address, timeout_s) for address in addresses))
         return sum(results)
 
     async def _contact(self, address: str, timeout_s: float) -> bool:
@@ -103,7 +108,8 @@ async def start_peer(
     InitialPeersError when `initial_peers` are malformed or none answers, OSError or hivemind's errors when p2pd
     cannot start otherwise; nothing is left running then."""
     check_initial_peers(initial_peers)
-    check_port_free(host or "0.0.0.0", port, "--port")
+    if host is not None:
+        check_port_free(host, port, "--port")
     identity_tmp = None
     if identity_path is None and signs_records:  # records need a key this process can read: a fresh one
         identity_tmp = tempfile.TemporaryDirectory(prefix="nesa-node-")
@@ -144,7 +150,7 @@ async def start_peer(
             await asyncio.wait_for(p2p.shutdown(), timeout=SHUTDOWN_STEP_S)
         if identity_tmp is not None:
             identity_tmp.cleanup()
-        if isinstance(exc, P2PDaemonError) and "none of the initial_peers responded" in str(exc):
+        if "none of the initial_peers responded" in str(exc):  # hivemind's RuntimeError: p2pd answered, the DHT not
             raise InitialPeersError(_no_initial_peer_answered(initial_peers)) from exc
         raise
     return Peer(p2p, dht, signature_validator, tuple(initial_peers), identity_tmp)
@@ -197,11 +203,22 @@ def check_port_free(host: str, port: int, option: str) -> None:
 # Run as `python -I -S -c EXEC_DYING_WITH_PARENT PROGRAM ARGS...`: asks the kernel for SIGKILL when the parent dies,
 # then becomes PROGRAM (same pid). The setting survives exec. A separate interpreter rather than a preexec_fn: Python
 # code in the forked child of a threaded process (clients run loops in threads) can deadlock or fail.
-EXEC_DYING_WITH_PARENT = (
-    "import ctypes, os, signal, sys; "
-    "ctypes.CDLL(None).prctl(1, signal.SIGKILL); "  # PR_SET_PDEATHSIG
-    "os.execv(sys.argv[1], sys.argv[1:])"
-)
+# argv: PARENT_PID PROGRAM ARGS...; a parent gone before the prctl took effect ends it at once. Python starts with
+# SIGPIPE and SIGXFSZ ignored, which exec would hand on: PROGRAM gets the defaults back. A PROGRAM that cannot be run
+# is one line on stderr, exit 127 (as a shell says it).
+EXEC_DYING_WITH_PARENT = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    os._exit(1)
+for sig in (signal.SIGPIPE, signal.SIGXFSZ):
+    signal.signal(sig, signal.SIG_DFL)
+try:
+    os.execv(sys.argv[2], sys.argv[2:])
+except OSError as exc:
+    print(f"cannot run {sys.argv[2]}: {exc}", file=sys.stderr, flush=True)
+    os._exit(127)
+"""
 
 
 class _Subprocess:
@@ -217,7 +234,10 @@ class _Subprocess:
     async def create_subprocess_exec(program, *args, **kwargs):
         kwargs.setdefault("start_new_session", True)
         if sys.platform.startswith("linux") and sys.executable:
-            program, args = sys.executable, ("-I", "-S", "-c", EXEC_DYING_WITH_PARENT, program, *args)
+            if not os.access(program, os.X_OK):  # what hivemind reports, with its advice, when exec itself fails
+                raise FileNotFoundError(errno.ENOENT, "no executable p2pd", program)
+            wrapper = ("-I", "-S", "-c", EXEC_DYING_WITH_PARENT, str(os.getpid()))
+            program, args = sys.executable, (*wrapper, program, *args)
         return await asyncio.subprocess.create_subprocess_exec(program, *args, **kwargs)
 
 

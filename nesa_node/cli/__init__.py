@@ -160,9 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         "dht",
         help="run a bootstrap DHT peer that serves no blocks",
         description="A DHT peer that serves no blocks: a stable first address for a swarm. Give it --identity and "
-        "--port so that a restart keeps its address (peer id and port): nodes dial their initial peers again every "
-        "announce period, so a restarted bootstrap knows the swarm within one period. Any running node's address "
-        "works as --initial-peers as well. SIGINT or SIGTERM stops it.",
+        "--port so that a restart keeps its address (peer id and port). It keeps the peers it knows in a peers file "
+        "(next to the identity: boot.key -> boot.peers) and dials them when it starts again, and nodes dial their "
+        "initial peers every announce period, so a restarted bootstrap knows the swarm again at once. Any running "
+        "node's address works as --initial-peers as well. SIGINT or SIGTERM stops it.",
     )
     dht.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     dht.add_argument("--port", type=parse_port, default=0, help="TCP port to listen on (default 0: any free one)")
@@ -176,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--initial-peers", nargs="*", default=[], metavar="MADDR", help="other bootstrap peers of the same swarm"
     )
     dht.add_argument("--address-file", default=None, help="write the peer's multiaddrs here once it listens")
+    dht.add_argument(
+        "--peers-file",
+        default=None,
+        metavar="FILE",
+        help="where the known peers are kept across restarts (default: the --identity file with suffix .peers; "
+        "none without --identity)",
+    )
 
     generate = commands.add_parser("generate", help="generate text through the swarm")
     _add_peer_args(generate)
@@ -282,11 +290,17 @@ async def _run_dht(args) -> None:
     from nesa_node.bootstrap import BootstrapPeer
 
     peer = await BootstrapPeer.create(
-        host=args.host, port=args.port, identity_path=args.identity, initial_peers=tuple(args.initial_peers)
+        host=args.host,
+        port=args.port,
+        identity_path=args.identity,
+        initial_peers=tuple(args.initial_peers),
+        peers_file=args.peers_file,
     )
 
     async def start() -> None:
-        peer.start()
+        answered = await peer.start()
+        if peer.remembered or answered:
+            print(f"{answered} of {len(peer.remembered)} remembered peers answered ({peer.peers_file})", flush=True)
         print(f"peer id {peer.peer_id}", flush=True)
         for addr in await peer.visible_maddrs():
             print(f"listening on {addr}", flush=True)
@@ -299,7 +313,7 @@ async def _run_dht(args) -> None:
 def _generate(args) -> int:
     from transformers import AutoTokenizer
 
-    from nesa_node.client.async_model import DEFAULT_NEW_TOKENS
+    from nesa_node.client.async_model import default_new_tokens
     from nesa_node.client.model import DistributedModelForCausalLM
     from nesa_node.sharding.blocks import load_config
 
@@ -316,8 +330,9 @@ def _generate(args) -> int:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
         # transformers' own default, said explicitly (it warns when the length comes from its defaults)
-        configured = getattr(model.generation_config, "max_new_tokens", None)
-        max_new_tokens = args.max_new_tokens or configured or DEFAULT_NEW_TOKENS
+        max_new_tokens = args.max_new_tokens or default_new_tokens(model.generation_config, input_ids.shape[1])
+        if max_new_tokens < 1:
+            raise ValueError(f"the prompt has {input_ids.shape[1]} tokens, the model's max_length or more")
         output = model.generate(input_ids, max_new_tokens=max_new_tokens, **sampling)
         print(tokenizer.decode(output[0], skip_special_tokens=True))
     return 0
@@ -372,11 +387,13 @@ def main(argv: list[str] | None = None) -> int:
 
         check_arguments(parser, args)
     _configure_logging(args.verbose)
-    signal.signal(signal.SIGTERM, raise_terminated)  # long commands serving until a signal install their own
+    previous = signal.signal(signal.SIGTERM, raise_terminated)  # commands serving until a signal have their own
     try:
         return _dispatch(args)
     except (Exception, KeyboardInterrupt, Terminated) as exc:
         return report(exc, verbose=args.verbose > 0)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _dispatch(args) -> int:

@@ -45,6 +45,8 @@ def describe(exc: BaseException) -> tuple[str, str, int]:
     text = str(exc).strip() or name
     if name in ("P2PDaemonError", "ControlFailure", "P2PHandlerError"):  # hivemind's, from p2pd
         return "p2p", f"the p2p daemon failed: {text}", USER_ERROR
+    if isinstance(exc, TimeoutError):
+        return "timeout", f"{text}: a peer or the network did not answer in time; try again", USER_ERROR
     if isinstance(exc, OSError):
         if exc.errno == errno.EADDRINUSE:
             return "port_in_use", f"{text}; pick another port, or 0 for any free one", USER_ERROR

@@ -71,6 +71,18 @@ def client_config(config: ClientConfig | None = None, **settings) -> ClientConfi
 DEFAULT_NEW_TOKENS = 20  # what transformers generates when no length is set
 
 
+def default_new_tokens(generation_config, prompt_tokens: int) -> int:
+    """New tokens when a call names no length, read as transformers reads a generation config: its max_new_tokens;
+    else its max_length, prompt included; else DEFAULT_NEW_TOKENS."""
+    configured = getattr(generation_config, "max_new_tokens", None)
+    if configured is not None:
+        return configured
+    total = getattr(generation_config, "max_length", None)
+    if total:
+        return max(total - prompt_tokens, 0)
+    return DEFAULT_NEW_TOKENS
+
+
 class AsyncDistributedModel:
     """A causal LM over a swarm (see the module docstring). Build it with `from_pretrained`; close it when done."""
 
@@ -244,8 +256,8 @@ class AsyncDistributedModel:
         session: InferenceSession | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Generate up to `max_new_tokens` after `input_ids` (batch, seq); yields each new token column (batch,).
-        Without `max_new_tokens`, the model folder's generation config decides, else DEFAULT_NEW_TOKENS (as
-        transformers does).
+        Without `max_new_tokens`, the model folder's generation config decides, else DEFAULT_NEW_TOKENS, as in
+        transformers (`default_new_tokens`).
 
         Greedy by default (the tokens single-process transformers generates, with compression "none"); `do_sample`
         samples with `temperature`, `top_k` and `top_p` from `generator`. Rows that produced `eos_token_id` continue
@@ -255,7 +267,7 @@ class AsyncDistributedModel:
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise SessionStateError("input_ids must be (batch, tokens) with at least one token")
         if max_new_tokens is None:
-            max_new_tokens = getattr(self.generation_config, "max_new_tokens", None) or DEFAULT_NEW_TOKENS
+            max_new_tokens = default_new_tokens(self.generation_config, input_ids.shape[1])
         if max_new_tokens < 1:
             return
         batch, length = input_ids.shape

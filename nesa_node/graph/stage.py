@@ -99,6 +99,7 @@ class GraphStageNode:
         self.p2p, self.dht, self.signature_validator = peer.p2p, peer.dht, peer.signature_validator
         self.started_at = time.monotonic()
         self._announcer: asyncio.Task | None = None
+        self._contacter: asyncio.Task | None = None
 
     @classmethod
     async def create(cls, config: GraphStageConfig) -> GraphStageNode:
@@ -162,21 +163,28 @@ class GraphStageNode:
     async def _announce_loop(self) -> None:
         while True:
             try:
-                # a restarted bootstrap peer learns this node again
-                await asyncio.gather(self.peer.contact_initial_peers(), self.announce())
+                await self.announce()
             except Exception as exc:
                 logger.debug("announce failed: %r", exc)
             await asyncio.sleep(self.config.announce_period_s)
 
+    async def _contact_loop(self) -> None:
+        """A restarted bootstrap peer learns this node again (Peer.contact_initial_peers), beside the announcer."""
+        while True:
+            await asyncio.sleep(self.config.announce_period_s)
+            await self.peer.contact_initial_peers()
+
     async def start(self) -> None:
         await self.announce()
         self._announcer = asyncio.create_task(self._announce_loop())
+        self._contacter = asyncio.create_task(self._contact_loop())
 
     async def shutdown(self) -> None:
-        if self._announcer is not None:
-            self._announcer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._announcer
+        for task in (self._announcer, self._contacter):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.announce(NodeState.offline), timeout=SHUTDOWN_STEP_S)
         await self.peer.shutdown()

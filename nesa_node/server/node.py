@@ -248,13 +248,16 @@ class Node:
     async def _announce_loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                await asyncio.gather(
-                    self.peer.contact_initial_peers(),  # a restarted bootstrap peer learns this node again
-                    asyncio.wait_for(self.announce(), timeout=self.config.network.peer_timeout_s),
-                )
+                await asyncio.wait_for(self.announce(), timeout=self.config.network.peer_timeout_s)
             except Exception as exc:
                 logger.warning("announce failed: %r", exc)
             await self._until_stopped(self.config.network.announce_period_s)
+
+    async def _contact_loop(self) -> None:
+        """Dial the initial peers every announce period: a bootstrap peer restarted after being down learns this
+        node again (Peer.contact_initial_peers). Its own task: an unreachable peer's dial never delays announcing."""
+        while not await self._until_stopped(self.config.network.announce_period_s):
+            await self.peer.contact_initial_peers()
 
     async def _probe_loop(self) -> None:
         """Measure links every link_probe_period_s, the first time one announce period after going online (once
@@ -283,6 +286,7 @@ class Node:
     async def _run_tasks(self) -> None:
         async with asyncio.TaskGroup() as tasks:
             tasks.create_task(self._announce_loop())
+            tasks.create_task(self._contact_loop())
             tasks.create_task(self._probe_loop())
             if self.rebalancer is not None:
                 tasks.create_task(self.rebalancer.run(self._stopped))

@@ -218,3 +218,45 @@ def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(hostile
         # and it keeps working: ten more fresh reads in a row each see both
         for _ in range(10):
             assert both_found()
+
+
+def test_a_restarted_bootstrap_dials_the_peers_it_remembered(tmp_path):
+    """The peers file alone brings a restarted bootstrap back into the swarm: the other peer here never dials it
+    again (a bare DHT peer, no announce loop)."""
+    import socket
+
+    from nesa_node import event_loop
+    from nesa_node.peer import start_peer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    identity = str(tmp_path / "boot.key")
+
+    async def scenario() -> None:
+        first = await BootstrapPeer.create(port=port, identity_path=identity)
+        assert first.peers_file == tmp_path / "boot.peers"
+        assert await first.start() == 0
+        other = await start_peer(initial_peers=await first.visible_maddrs())
+        try:
+            deadline = time.monotonic() + 30
+            while other.peer_id not in first.remembered:
+                assert time.monotonic() < deadline, "the bootstrap never wrote the other peer down"
+                await first.remember()
+                await asyncio.sleep(0.2)
+            assert other.peer_id in (tmp_path / "boot.peers").read_text()
+            await first.shutdown()
+
+            again = await BootstrapPeer.create(port=port, identity_path=identity)
+            try:
+                assert again.peer_id == first.peer_id
+                assert await again.start() == 1
+                table = {str(peer) for peer in again.dht.protocol.routing_table.peer_id_to_uid}
+                assert other.peer_id in table
+                assert str(again.p2p.peer_id) in {str(peer) for peer in other.dht.protocol.routing_table.peer_id_to_uid}
+            finally:
+                await again.shutdown()
+        finally:
+            await other.shutdown()
+
+    event_loop.run(scenario())

@@ -13,6 +13,8 @@ import pytest
 from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.graph.plan import GraphPlan
 
+pytestmark = pytest.mark.cli
+
 FACTORY = "nesa_node.graph.models:unet_tiny"
 STAGES = 3
 

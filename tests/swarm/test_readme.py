@@ -15,6 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytestmark = pytest.mark.cli
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -122,7 +122,7 @@ def test_what_the_readme_commands_write_is_ignored_by_git():
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         pytest.skip("not a git checkout")
-    names = ["boot.key", "node1.key", "boot.addr", "tiny/config.json", "plan.json", "params.json"]
+    names = ["boot.key", "node1.key", "boot.addr", "boot.peers", "tiny/config.json", "plan.json", "params.json"]
     result = subprocess.run(["git", "check-ignore", *names], cwd=root, capture_output=True, text=True)
     assert sorted(result.stdout.split()) == sorted(names)
 
