@@ -17,6 +17,7 @@
     ├── NoRouteError                no_route         no chain of online nodes covers every block
     ├── SessionStateError           session_state    client-side misuse of an inference session
     ├── PortInUseError              port_in_use      a port this process must listen on is taken
+    ├── IdentityFileError           identity         an identity key file that is a link, not ours, or unreadable
     └── InitialPeersError           initial_peers    --initial-peers malformed, or none of them answered
 
 Errors that cross the wire are sent as (code, message) and rebuilt on the other side by `error_from_code`.
@@ -104,6 +105,10 @@ class InitialPeersError(NesaError):
     code = "initial_peers"
 
 
+class IdentityFileError(NesaError):
+    code = "identity"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -124,6 +129,7 @@ _BY_CODE = {
         SessionStateError,
         PortInUseError,
         InitialPeersError,
+        IdentityFileError,
     )
 }
 

@@ -23,6 +23,7 @@ from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from nesa_node.errors import InitialPeersError, PortInUseError
+from nesa_node.protocol import msgpack_guard
 from nesa_node.protocol.dht import make_validator
 from nesa_node.protocol.identity import ensure_identity, load_private_key
 
@@ -250,6 +251,8 @@ class _Asyncio:
 
 # P2P.create has no hook for how p2pd is spawned; its module alone gets this view of asyncio
 p2p_daemon.asyncio = _Asyncio()
+# every peer of this process decodes DHT traffic with bounded nesting (a deep payload would crash it)
+msgpack_guard.install()
 
 
 async def _create_p2p(options: dict, attempts: int = 20) -> P2P:

@@ -43,7 +43,15 @@ def load_config(model_path: str | Path):
     path = Path(model_path)
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"{path} has no config.json; point --model at a Hugging Face model folder")
-    config = AutoConfig.from_pretrained(path)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a model's own code never runs here
+    except ValueError as exc:
+        if "trust_remote_code" not in str(exc):
+            raise ModelLoadError(f"{path}: config.json cannot be read ({exc})") from None
+        raise UnsupportedModelError(
+            f"{path} needs custom code (auto_map in config.json), which nesa-node does not run; supported: "
+            f"{', '.join(sorted(FAMILIES))}"
+        ) from None
     if config.model_type not in FAMILIES:
         raise UnsupportedModelError(
             f"model type {config.model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"

@@ -318,7 +318,7 @@ def _generate(args) -> int:
     from nesa_node.sharding.blocks import load_config
 
     load_config(args.model)  # a wrong folder is a ModelLoadError, not the Hub's "repo id" error
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     with DistributedModelForCausalLM.from_pretrained(
         args.model,
         initial_peers=args.initial_peers,

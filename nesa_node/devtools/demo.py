@@ -65,7 +65,7 @@ def run_demo(
             print(f"node {process.pid} serves blocks {start}:{end}", flush=True)
         print(f"started pids: {' '.join(map(str, group.pids))}", flush=True)
 
-        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer = AutoTokenizer.from_pretrained(model, trust_remote_code=False)
         input_ids = tokenizer(prompt, return_tensors="pt").input_ids
         with DistributedModelForCausalLM.from_pretrained(
             model, initial_peers=peers, compression=compression
@@ -88,7 +88,7 @@ def run_demo(
             output = swarm_model.generate(
                 input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False, streamer=clock
             )
-        reference_model = AutoModelForCausalLM.from_pretrained(model)
+        reference_model = AutoModelForCausalLM.from_pretrained(model, trust_remote_code=False)
         with torch.inference_mode():
             reference = reference_model.generate(
                 input_ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False

@@ -75,6 +75,17 @@ def test_bad_ranges_and_folders_raise_model_load_error(tiny_llama, tmp_path):
         load_block_span(tiny_llama, SpanSpec(0, 1, dtype="int8"))
 
 
+def test_a_model_folder_that_needs_its_own_code_is_refused_without_running_it(tmp_path):
+    import json
+
+    (tmp_path / "configuration_custom.py").write_text("raise SystemExit('custom code ran')\n")
+    config = {"model_type": "custom-llm", "auto_map": {"AutoConfig": "configuration_custom.CustomConfig"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="custom code") as caught:
+        load_config(tmp_path)
+    assert caught.value.code == "unsupported_model"
+
+
 def test_devices_torch_cannot_use_are_refused_with_advice():
     check_device("cpu")
     with pytest.raises(DeviceUnavailableError, match="not a device name"):
