@@ -24,7 +24,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from nesa_node.errors import InitialPeersError, PortInUseError
 from nesa_node.protocol import msgpack_guard
-from nesa_node.protocol.dht import make_validator
+from nesa_node.protocol.dht import install_subkey_filter, make_validator
 from nesa_node.protocol.identity import ensure_identity, load_private_key
 
 logger = logging.getLogger(__name__)
@@ -253,6 +253,8 @@ class _Asyncio:
 p2p_daemon.asyncio = _Asyncio()
 # every peer of this process decodes DHT traffic with bounded nesting (a deep payload would crash it)
 msgpack_guard.install()
+# and keeps the valid records of a DHT dictionary that also holds forged ones
+install_subkey_filter()
 
 
 async def _create_p2p(options: dict, attempts: int = 20) -> P2P:

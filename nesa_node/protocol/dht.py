@@ -120,6 +120,36 @@ def make_validator(signature_validator: RSASignatureValidator | None, dht_prefix
     )
 
 
+def _keep_valid_subkeys(protocol: DHTProtocol, key_bytes: bytes, dictionary) -> bool:
+    """DHTProtocol._validate_dictionary as nesa-node runs it: drop the subkeys that fail validation and keep the
+    rest. hivemind's own refuses the whole dictionary for one bad subkey, so a single forged record on a replica
+    (a peer that does not know the model key stores any correctly signed record) hid every honest node's record
+    on that replica from readers, and a store mixing good and bad subkeys stored nothing."""
+    if protocol.record_validator is None:
+        return True
+    invalid = []
+    with dictionary.freeze():
+        for subkey, (value_bytes, expiration_time) in dictionary.items():
+            try:
+                record = DHTRecord(key_bytes, protocol.serializer.dumps(subkey), value_bytes, expiration_time)
+                valid = protocol.record_validator.validate(record)
+            except Exception:  # a subkey or value hivemind cannot even re-encode
+                valid = False
+            if not valid:
+                invalid.append(subkey)
+    for subkey in invalid:
+        del dictionary[subkey]
+    if invalid:
+        logger.debug("dropped %d invalid subkeys of a DHT dictionary", len(invalid))
+    return True
+
+
+def install_subkey_filter() -> None:
+    """Make every DHT peer of this process keep the valid subkeys of a dictionary it stores or reads (idempotent;
+    called when nesa_node.peer is imported)."""
+    DHTProtocol._validate_dictionary = _keep_valid_subkeys
+
+
 @dataclass(frozen=True)
 class NodeRecord:
     info: NodeInfo

@@ -158,3 +158,49 @@ def test_deep_payload_to_a_node_and_a_bootstrap_leaves_both_up(operator, tiny_ll
     with DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[address], compression="none") as model:
         assert torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None), expected)
     assert boot.process.poll() is None and node.process.poll() is None
+
+
+# ---- forged records on a replica -------------------------------------------------------------------------------------
+
+
+def test_a_forged_record_on_a_replica_does_not_hide_the_honest_ones(tiny_llama):
+    """The bootstrap knows no model key, so it stores any correctly signed record under the model's key: here a
+    junk one, beside a real node's record. A reader that validates NodeInfo keeps the real one (hivemind's own
+    check dropped the replica's whole dictionary for one bad subkey)."""
+    from hivemind.dht.crypto import RSASignatureValidator
+
+    from nesa_node.bootstrap import BootstrapPeer
+    from nesa_node.protocol.dht import fetch_node_infos, model_key, store_node_info
+    from nesa_node.protocol.records import LoadInfo, NodeState
+
+    prefix = "forged-replica"
+
+    async def scenario() -> tuple[str, list]:
+        bootstrap = await BootstrapPeer.create()  # no model keys: it checks expirations and signatures only
+        address = await bootstrap.visible_maddrs()
+        peers = []
+        try:
+            # writers and reader are DHT clients: the bootstrap is the only replica
+            writer = await start_peer(initial_peers=address, client_mode=True, signs_records=True)
+            attacker = await start_peer(initial_peers=address, client_mode=True, signs_records=True)
+            reader = await start_peer(initial_peers=address, client_mode=True, dht_prefixes=(prefix,))
+            peers += [writer, attacker, reader]
+            info = NodeInfo(
+                peer_id=writer.peer_id, start_block=0, end_block=4, state=NodeState.online,
+                dtype="float32", inference_tps=10.0, cache_tokens_left=100, load=LoadInfo(),
+            )  # fmt: skip
+            assert await store_node_info(writer.dht, prefix, info, writer.signature_validator, ttl_s=60)
+            validator: RSASignatureValidator = attacker.signature_validator
+            junk_subkey = attacker.peer_id.encode() + validator.local_public_key
+            stored = await attacker.dht.store(
+                model_key(prefix), b"not a node record", get_dht_time() + 60, subkey=junk_subkey
+            )
+            assert stored  # the bootstrap took it
+            return writer.peer_id, await fetch_node_infos(reader.dht, prefix)
+        finally:
+            for peer in reversed(peers):
+                await peer.shutdown()
+            await bootstrap.shutdown()
+
+    honest, records = event_loop.run(scenario())
+    assert [record.info.peer_id for record in records] == [honest]
