@@ -3,24 +3,33 @@ when the client set one up (protocol/lane.py) or else a libp2p push stream, open
 answers on that channel only to refuse a step; a refusal, or the channel ending while the session still pushes, is
 reported to the client at once (in order with the session's answers), so it replaces the next node now rather than
 at its step deadline.
+
+A lane is dialed only at the address the next node itself announces (its `rpc_info` answer over libp2p, which
+authenticates the peer), never at an address a client names: otherwise any client could make a node connect to any
+ip:port it can reach and write there.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
 from nesa_node.errors import NesaError, PeerUnavailableError, SessionNotFoundError
 from nesa_node.protocol import lane, rpc
-from nesa_node.protocol.channel import Channel, LaneChannel, frame, read
+from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
-from nesa_node.protocol.messages import PUSH_ANSWERS, ErrorReply, Step
+from nesa_node.protocol.messages import INFO_ANSWERS, MAX_INFO_BYTES, PUSH_ANSWERS, ErrorReply, InfoReply, Step
+from nesa_node.protocol.records import NodeInfo
 from nesa_node.server.sessions import ServerSession, SessionTable
 
 logger = logging.getLogger(__name__)
+
+LANE_CACHE_S = 60.0  # how long a next node's announced lane address is reused before asking it again
+LANE_CACHE_PEERS = 1024  # next nodes remembered at most
 
 
 class PushSender:
@@ -31,6 +40,7 @@ class PushSender:
         self.sessions = sessions
         self.peer_timeout_s = peer_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self._lanes: dict[str, tuple[str | None, float]] = {}  # peer id -> (its announced lane, monotonic s)
 
     async def push(self, session: ServerSession, step: Step, tensors: list[runtime_pb2.Tensor]) -> None:
         """Hand a step's output to the session's next node. PeerUnavailableError when it cannot be reached."""
@@ -50,9 +60,17 @@ class PushSender:
     async def _open(self, session: ServerSession) -> Channel:
         try:
             async with asyncio.timeout(self.peer_timeout_s):
+                address = None
                 if session.lane_next is not None and session.lane_out is not None:
+                    address = await self.announced_lane(session.next_peer)
+                    if address != session.lane_next:
+                        logger.debug(
+                            "session %s names lane %s for %s, which announces %s",
+                            session.session_id, session.lane_next, session.next_peer, address,
+                        )  # fmt: skip
+                if address is not None:
                     stream = await lane.connect(
-                        session.lane_next,
+                        address,
                         lane.ROLE_SEND,
                         session.session_id,
                         session.lane_out,
@@ -66,6 +84,26 @@ class PushSender:
             logger.debug("push channel to %s failed: %r", session.next_peer, exc)
             message = exc.message if isinstance(exc, NesaError) else repr(exc)
             raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {message}") from None
+
+    async def announced_lane(self, peer_id: str) -> str | None:
+        """The lane address `peer_id` announces for itself (None: it has none, or did not answer properly), asked
+        over libp2p and kept for LANE_CACHE_S."""
+        now = time.monotonic()
+        cached = self._lanes.get(peer_id)
+        if cached is not None and now - cached[1] < LANE_CACHE_S:
+            return cached[0]
+        try:
+            answer = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), rpc.INFO, Frame(), Frame)
+            reply = read(answer, INFO_ANSWERS, max_bytes=MAX_INFO_BYTES)
+            info = NodeInfo.from_wire(reply.info) if isinstance(reply, InfoReply) else None
+            address = info.lane if info is not None and info.peer_id == peer_id else None
+        except Exception as exc:
+            logger.debug("lane address of %s unknown: %r", peer_id, exc)
+            address = None
+        if len(self._lanes) >= LANE_CACHE_PEERS:
+            self._lanes.clear()
+        self._lanes[peer_id] = (address, now)
+        return address
 
     async def _read_answers(self, session: ServerSession, channel: Channel) -> None:
         """The next node's refusals, reported to the client; then the channel's end, if the session still uses it."""

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
+import socket
 import uuid
 from dataclasses import dataclass
 
@@ -441,6 +443,27 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
 def test_d_malformed_lane_settings_at_open(target, settings, message):
     error = refusal(target, [opening(lane=settings)], answers=1)
     assert (error["code"], error["message"]) == ("bad_request", message)
+
+
+def test_d_a_node_dials_no_lane_address_a_client_names(target):
+    """A client names an address of its choosing as the next node's lane (a request-forgery attempt: the node would
+    connect there and write a hello with the session id). The node dials only the lane its next peer announces for
+    itself; this next peer (the honest client) announces none, so nothing reaches the named address."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    try:
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        next_peer = target.honest_client.swarm.peer_id
+        messages = [opening(next=next_peer, lane={"out": lane.new_key().hex(), "next": address}), step(0)]
+        received = converse(target, messages, answers=2, timeout=30)
+        assert received[0]["kind"] == "opened", received
+        assert is_error(received[1]) and received[1]["code"] == "peer_unavailable", received  # no way to push
+        readable, _, _ = select.select([listener], [], [], 1.0)
+        assert readable == [], "the node connected to the address the client named"
+    finally:
+        listener.close()
 
 
 def test_d_lane_connections_without_the_key_touch_no_session(target):
