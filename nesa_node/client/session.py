@@ -219,7 +219,7 @@ class InferenceSession:
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break
             received += answer.ByteSize()
-            hidden = self.links.read_hidden(answered, answer, message.codec, hidden.numel())
+            hidden = self.links.read_hidden(answered, answer, message.codec, hidden.numel(), tuple(hidden.shape))
             compute_s += message.compute_s
         return hidden, compute_s, sent, received, inputs
 

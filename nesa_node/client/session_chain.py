@@ -214,16 +214,31 @@ class SessionChain:
             except RequestError as exc:
                 raise LinkFailed(f"node {link.peer_id} sent a malformed answer: {exc.message}", link) from None
 
-    def read_hidden(self, link: ChainLink, answer: Frame, codec: WireCodec, max_elements: int) -> torch.Tensor:
-        """The hidden states of a node's answer; LinkFailed when they are not one well-formed tensor."""
+    def read_hidden(
+        self,
+        link: ChainLink,
+        answer: Frame,
+        codec: WireCodec,
+        max_elements: int,
+        shape: tuple[int, ...] | None = None,
+    ) -> torch.Tensor:
+        """The hidden states of a node's answer; LinkFailed (the node is failed: banned, its span re-routed) when they
+        are not one well-formed tensor of exactly `shape` (when given) with every value finite."""
         if len(answer.tensors) != 1:
             raise LinkFailed(f"node {link.peer_id} sent a malformed answer", link)
         try:
-            return tensor_from_proto(
+            hidden = tensor_from_proto(
                 answer.tensors[0], allowed_dtypes=ANSWER_DTYPES, max_elements=max_elements, rank=3, codec=codec
             )
         except RequestError as exc:
             raise LinkFailed(f"node {link.peer_id} sent malformed hidden states: {exc.message}", link) from None
+        if shape is not None and tuple(hidden.shape) != tuple(shape):
+            raise LinkFailed(
+                f"node {link.peer_id} sent hidden states of shape {tuple(hidden.shape)}, expected {tuple(shape)}", link
+            )
+        if not bool(torch.isfinite(hidden).all()):
+            raise LinkFailed(f"node {link.peer_id} sent hidden states with NaN or infinite values", link)
+        return hidden
 
     # ---- control -----------------------------------------------------------------------------------------------------
 
@@ -271,7 +286,7 @@ class SessionChain:
                         raise message.error()
                     if answered is link and isinstance(message, StepResult) and message.step_id == step_id:
                         break
-                outputs.append(self.read_hidden(link, answer, message.codec, chunk.numel()))
+                outputs.append(self.read_hidden(link, answer, message.codec, chunk.numel(), tuple(chunk.shape)))
             history = torch.cat(outputs, dim=1)
         return inputs
 

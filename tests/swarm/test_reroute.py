@@ -98,3 +98,44 @@ def group_peer_id(group: ProcessGroup, process) -> str:
         if line.startswith("peer id "):
             return line.split()[-1]
     raise AssertionError(f"node {process.pid} printed no peer id")
+
+
+@pytest.mark.parametrize("fault", ["nan", "shape"])
+def test_a_node_sending_bad_hidden_states_is_banned_and_its_span_rerouted(local_swarm, tiny_llama, fault):
+    """The last node of the chain answers NaN, or a token short: the client checks every answer's shape and values,
+    treats the node as failed (banned, its span re-routed to a spare, whose cache is rebuilt), and the tokens equal
+    single-process generation."""
+    prefix = f"bad-output-{fault}"
+    local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    liar = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_run = liar.compute.run
+
+    async def lying_run(hidden, cache, position, blocks):
+        output, seconds = await honest_run(hidden, cache, position, blocks)
+        if position >= PROMPT.shape[1] + 2:  # after a few honest steps, so the client has history to replay
+            output = torch.full_like(output, float("nan")) if fault == "nan" else output[:, :0]
+        return output, seconds
+
+    liar.compute.run = lying_run
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
+    ) as model:
+
+        def two_hops() -> bool:
+            try:
+                return len(model.choose_chain(max_length=32).hops) == 2
+            except NoRouteError:  # the records are not out yet
+                return False
+
+        wait_until(two_hops, timeout_s=30)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.hops[1].peer_id == liar.peer_id  # the only server of 2:4 when the session opened
+            spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+            output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
+        assert liar.peer_id in session.failovers[0]["banned"]
+        assert session.chain.hops[1].peer_id == spare.peer_id
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(output, reference)
