@@ -13,7 +13,7 @@ import sys
 
 from nesa_node import event_loop
 from nesa_node.cli.failures import ArgumentParser, Terminated, raise_terminated, report
-from nesa_node.cli.options import add_config_options, config_from_args, parse_port
+from nesa_node.cli.options import PARSERS, add_config_options, config_from_args, parse_port
 from nesa_node.compression.names import CODECS, DEFAULT_CODEC
 from nesa_node.server.config import ComputeConfig, LimitsConfig, NetworkConfig, NodeConfig, RebalanceConfig
 
@@ -36,14 +36,7 @@ INITIAL_PEERS_HELP = (
 )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_positive_int = PARSERS["positive_int"]
 
 
 def _add_peer_args(parser: argparse.ArgumentParser) -> None:
@@ -152,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("rebalancing", RebalanceConfig),
     ):
         add_config_options(run.add_argument_group(title), section)
-    from nesa_node.graph.cli import add_arguments as add_graph_arguments
+    from nesa_node.cli.graph import add_arguments as add_graph_arguments
 
     add_graph_arguments(run)
 
@@ -214,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_parser(commands)
 
-    from nesa_node.graph.cli import add_graph_commands
+    from nesa_node.cli.graph import add_graph_commands
 
     add_graph_commands(commands)
 
@@ -383,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "run":
-        from nesa_node.graph.cli import check_arguments
+        from nesa_node.cli.graph import check_arguments
 
         check_arguments(parser, args)
     _configure_logging(args.verbose)
@@ -415,7 +408,7 @@ def _dispatch(args) -> int:
         print(f"wrote {init_tiny_model(args.path, spec)}")
         return 0
     if args.command == "run" and (args.graph_model or args.graph_plan):
-        from nesa_node.graph.cli import run_graph_stage
+        from nesa_node.cli.graph import run_graph_stage
 
         return run_graph_stage(args)
     if args.command == "run":
@@ -433,7 +426,7 @@ def _dispatch(args) -> int:
     if args.command == "status":
         return _status(args)
     if args.command == "graph":
-        from nesa_node.graph.cli import run_graph_command
+        from nesa_node.cli.graph import run_graph_command
 
         return run_graph_command(args)
     if args.command == "tune":

@@ -257,7 +257,7 @@ def _mistakes(model: str) -> list[tuple[tuple[str, ...], str, str]]:
         (("generate", "--model", model, "--prompt", "x", "--initial-peers", silent), "initial_peers", "any running"),
         (("status", "--model", model, "--initial-peers", silent), "initial_peers", "any running"),
         (("generate", "--model", model, "--prompt", "x", "--initial-peers", silent, "--max-new-tokens", "0"),
-         "usage", "at least 1"),
+         "usage", "above 0"),
         (("run", "--model", model, "--blocks", "0:9", "--new-swarm"), "model_load", "outside"),
         (("run", "--model", model, "--blocks", "0:2"), "bad_value", "--new-swarm"),
         (("run", "--model", model, "--blocks", "5:2"), "usage", "START < END"),

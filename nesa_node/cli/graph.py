@@ -23,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+from nesa_node.cli.options import PARSERS
 from nesa_node.errors import ModelLoadError, NoRouteError, PeerUnavailableError
 from nesa_node.graph.plan import MAX_STAGES, GraphPlan
 
@@ -172,34 +173,9 @@ def run_graph_stage(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
+_positive_int = PARSERS["positive_int"]
+_non_negative_int = PARSERS["non_negative_int"]
+_positive_float = PARSERS["positive"]
 
 
 def _stage_count(text: str) -> int:
