@@ -267,8 +267,17 @@ def _resolve_params(name: str, spec: _Codec, given: Any) -> dict[str, int]:
     return resolved
 
 
+MAX_RANK = 8  # dimensions a tensor from a peer may have (hidden states have 3); bounds the work spent on its shape
+
+
 def _element_count(shape: Any, rank: int | None, max_elements: int) -> tuple[tuple[int, ...], int]:
+    """The checked shape and element count of a tensor a peer declared.
+
+    Every dimension counts against `max_elements` as if none were 0: a tensor of no elements can still declare
+    dimensions whose strides overflow torch (shape (0, 2**40, 2**40) made `torch.empty` raise RuntimeError)."""
     try:
+        if len(shape) > MAX_RANK:
+            raise CodecError(f"a tensor has at most {MAX_RANK} dimensions, got {len(shape)}")
         dims = tuple(operator.index(dim) for dim in shape)
     except TypeError:
         raise CodecError(f"shape must be a sequence of integers, got {shape!r}") from None
@@ -276,12 +285,12 @@ def _element_count(shape: Any, rank: int | None, max_elements: int) -> tuple[tup
         raise CodecError(f"expected a tensor of rank {rank}, got shape {list(dims)}")
     if any(dim < 0 for dim in dims):
         raise CodecError(f"negative dimension in shape {list(dims)}")
-    elements = 1
+    extent = 1  # the product of the dimensions, zeros counted as 1
     for dim in dims:
-        elements *= dim
-        if elements > max_elements:
+        extent *= max(dim, 1)
+        if extent > max_elements:
             raise CodecError(f"tensor of shape {list(dims)} exceeds the limit of {max_elements} elements")
-    return dims, elements
+    return dims, math.prod(dims)
 
 
 def encode(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedTensor:
@@ -315,7 +324,8 @@ def decode(
     """Validate and decode a tensor that may come from a peer; the result is on `device` (default CPU).
 
     Checks, before allocating anything the size of the tensor: known codec, known parameters within range, dtype in
-    `allowed_dtypes`, rank (when given), no negative dimension, at most `max_elements` elements, payload length
+    `allowed_dtypes`, rank (when given, and at most MAX_RANK), no negative dimension, at most `max_elements` elements
+    (zero dimensions counted as 1, so an empty tensor cannot declare dimensions torch cannot lay out), payload length
     exactly what shape and parameters require; then for block codecs that every scale is finite, within the dtype's
     range (and >= 0 for blockwise8), and that no int8 code is -128. Raises CodecError with a message naming the
     problem. Decoded values may still be nan or inf with codecs "none", "fp16" and "bf16": check with `all_finite`.
@@ -376,6 +386,7 @@ def all_finite(tensor: torch.Tensor) -> bool:
 __all__ = [
     "CODECS",
     "DEFAULT_CODEC",
+    "MAX_RANK",
     "WIRE_DTYPES",
     "CodecError",
     "EncodedTensor",

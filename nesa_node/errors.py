@@ -89,6 +89,12 @@ class PeerUnavailableError(NesaError):
     code = "peer_unavailable"
 
 
+class SessionPreemptedError(PeerUnavailableError):
+    """A node ended an idle session to admit a new one (it was full): the owner fails over like for a lost node."""
+
+    code = "preempted"
+
+
 class NoRouteError(NesaError):
     code = "no_route"
 
@@ -125,6 +131,7 @@ _BY_CODE = {
         TooManySessionsError,
         QuotaExceededError,
         PeerUnavailableError,
+        SessionPreemptedError,
         NoRouteError,
         SessionStateError,
         PortInUseError,

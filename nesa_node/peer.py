@@ -19,11 +19,12 @@ from pathlib import Path
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID, p2p_daemon
+from hivemind.p2p.p2p_daemon_bindings import control as p2pd_control
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from nesa_node.errors import InitialPeersError, PortInUseError
-from nesa_node.protocol import msgpack_guard
+from nesa_node.protocol import dht_storage, msgpack_guard
 from nesa_node.protocol.dht import install_subkey_filter, make_validator
 from nesa_node.protocol.identity import ensure_identity, load_private_key
 
@@ -249,12 +250,32 @@ class _Asyncio:
         return getattr(asyncio, name)
 
 
+STREAM_BACKLOG = 4096  # streams p2pd may hand this process at once (asyncio's default of 100 drops a burst)
+
+
+class _ControlAsyncio:
+    """asyncio as hivemind's p2pd bindings see it: p2pd connects to this process's unix socket once per incoming
+    stream, and a listen backlog of 100 made a burst of a few hundred opens (one peer or many) lose streams
+    silently, their openers waiting forever; the kernel caps the backlog at net.core.somaxconn."""
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio, name)
+
+    @staticmethod
+    async def start_unix_server(*args, **kwargs):
+        kwargs.setdefault("backlog", STREAM_BACKLOG)
+        return await asyncio.start_unix_server(*args, **kwargs)
+
+
 # P2P.create has no hook for how p2pd is spawned; its module alone gets this view of asyncio
 p2p_daemon.asyncio = _Asyncio()
+p2pd_control.asyncio = _ControlAsyncio()
 # every peer of this process decodes DHT traffic with bounded nesting (a deep payload would crash it)
 msgpack_guard.install()
 # and keeps the valid records of a DHT dictionary that also holds forged ones
 install_subkey_filter()
+# and bounds what other peers can make it store, per sender and in total
+dht_storage.install()
 
 
 async def _create_p2p(options: dict, attempts: int = 20) -> P2P:

@@ -5,8 +5,9 @@ attention and the element size, so this module uses the corrected form
 
     bytes_per_token = 2 * head_dim * n_kv_heads * n_layers * bytes_per_element
 
-and accounts every session in bytes: a session of `batch` rows and `max_length` tokens reserves
-batch * max_length * bytes_per_token bytes for its whole life, or is refused at open.
+and accounts every session in bytes: a session of `batch` rows reserves batch * tokens * bytes_per_token bytes for
+the tokens it may hold, growing in chunks as it uses them (server/sessions.py) up to its `max_length`, so an idle
+session holds little; a reservation that does not fit is refused.
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ class ChainLink:
         self.outputs: Channel | None = None
         self.readers: list[asyncio.Task] = []
         self.closed = False  # closed by the client (failover or close): its last words no longer matter
+        # answers of this node read from its channels and not yet taken by the session (SessionChain bounds them)
+        self.queued_answers = 0
+        self.queued_bytes = 0
         # keys of the data lanes into and out of this node (protocol/lane.py), drawn by the client at open
         self.key_in = lane.new_key()
         self.key_out = lane.new_key()

@@ -25,7 +25,13 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
 from nesa_node.client.session_chain import SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import PeerUnavailableError, SessionStateError
+from nesa_node.errors import (
+    CacheBudgetError,
+    PeerUnavailableError,
+    QuotaExceededError,
+    SessionPreemptedError,
+    SessionStateError,
+)
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import ErrorReply, Step, StepResult
 from nesa_node.protocol.tensors import tensor_to_proto
@@ -225,10 +231,13 @@ class InferenceSession:
 
     def _raise_step_error(self, answered, message) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
-        peer_unavailable: that next node failed."""
+        peer_unavailable: that next node failed. A node that ended the session (preempted it while idle) or cannot
+        grow its cache for it failed itself: it is replaced like a lost node."""
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
+        if isinstance(error, SessionPreemptedError | CacheBudgetError | QuotaExceededError):
+            raise LinkFailed(error.message, answered)  # this node dropped the session, or has no cache left for it
         if not isinstance(error, PeerUnavailableError):
             raise error
         links = self.links.links

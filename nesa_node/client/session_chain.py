@@ -2,6 +2,10 @@
 acknowledged), the client's own data lanes, one queue of every node's answers, control messages and their answers,
 replaying a history into replacement nodes, closing. The session (client/session.py) and its failover
 (client/failover.py) both work through this object and nothing else of each other.
+
+What a node sends is bounded before it is read: a frame no longer than the session's largest honest answer
+(`answer_frame_bytes`), and at most MAX_QUEUED_ANSWERS answers (2 frames' worth of bytes) waiting per node. A node past
+either is failed like a dead one: banned, its span re-routed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
 from nesa_node.protocol.messages import (
     FROM_SESSION,
+    MAX_METADATA_BYTES,
     ErrorReply,
     History,
     HistoryRequest,
@@ -40,6 +45,16 @@ logger = logging.getLogger(__name__)
 
 REPLAY_CHUNK_TOKENS = 1024  # history replayed per message: well under a node's max_tokens_per_step
 MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
+ANSWER_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # the message and protobuf framing around an answer's tensor
+# steps go one at a time, so an honest node has a few answers outstanding (a result, an error report); a node past
+# this sends what nobody asked for
+MAX_QUEUED_ANSWERS = 64
+
+
+def answer_frame_bytes(batch: int, max_length: int, hidden_size: int) -> int:
+    """The longest frame an honest node sends in a session, bytes: hidden states of the session's whole length in
+    float32 (a prompt step, or a history for replay; every codec is at most 4 bytes an element), and its message."""
+    return min(CLIENT_MAX_FRAME_BYTES, batch * max_length * hidden_size * 4 + ANSWER_HEADROOM_BYTES)
 
 
 def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) -> WireCodec:
@@ -65,6 +80,10 @@ class SessionChain:
         self.lanes = config.lanes and self.direct
         self.links: list[ChainLink] = []
         self.answers: asyncio.Queue = asyncio.Queue()  # (link, frame or exception), from every channel
+        # the model's hidden size is learnt from the first answer checked against a shape the client sent; until then
+        # frames are bounded for the widest hidden state accepted
+        self.hidden_size: int | None = None
+        self.max_answer_bytes = answer_frame_bytes(batch, max_length, MAX_HIDDEN)
 
     @property
     def hops(self) -> tuple[Hop, ...]:
@@ -122,7 +141,7 @@ class SessionChain:
             try:
                 async with asyncio.timeout(timeout_s):
                     link.control = await open_stream(
-                        self.swarm.p2p, link.peer_id, rpc.INFERENCE, max_frame_bytes=CLIENT_MAX_FRAME_BYTES
+                        self.swarm.p2p, link.peer_id, rpc.INFERENCE, max_frame_bytes=self.max_answer_bytes
                     )
             except Exception as exc:
                 self.close_links(links)
@@ -175,7 +194,7 @@ class SessionChain:
             return None
         try:
             async with asyncio.timeout(self.swarm.request_timeout_s):
-                stream = await lane.connect(address, role, self.session_id, key)
+                stream = await lane.connect(address, role, self.session_id, key, max_frame_bytes=self.max_answer_bytes)
         except (lane.LaneClosedError, TimeoutError) as exc:
             logger.info("no data lane to %s (%s); its steps go over libp2p", link.peer_id, exc)
             return None
@@ -186,12 +205,36 @@ class SessionChain:
     async def _read(self, link: ChainLink, channel: Channel, what: str) -> None:
         try:
             while (received := await channel.receive()) is not None:
-                self.answers.put_nowait((link, received))
+                self._queue_answer(link, received, channel)
         except Exception as exc:  # a channel that fails is a node that fails, whatever the reason
             message = exc.message if isinstance(exc, NesaError) else repr(exc)
             self.answers.put_nowait((link, PeerUnavailableError(f"{what} of {link.peer_id} failed: {message}")))
             return
         self.answers.put_nowait((link, PeerUnavailableError(f"node {link.peer_id} closed {what}")))
+
+    def _queue_answer(self, link: ChainLink, received: Frame, channel: Channel) -> None:
+        """Queue a node's answer for `next_answer`; PeerUnavailableError (the channel closed) when the node already
+        has MAX_QUEUED_ANSWERS, or two frames' worth of bytes, waiting: it floods the client."""
+        size = received.ByteSize()
+        if link.queued_answers >= MAX_QUEUED_ANSWERS or link.queued_bytes + size > 2 * self.max_answer_bytes:
+            channel.close()
+            raise PeerUnavailableError(
+                f"{link.queued_answers} answers ({link.queued_bytes + size} bytes) unread: it sent what nobody asked for"
+            )
+        link.queued_answers += 1
+        link.queued_bytes += size
+        self.answers.put_nowait((link, received))
+
+    def _learn_hidden_size(self, hidden_size: int) -> None:
+        """Bound every later frame by the model's own hidden size, on the channels open and those opened later."""
+        if self.hidden_size is not None:
+            return
+        self.hidden_size = hidden_size
+        self.max_answer_bytes = min(self.max_answer_bytes, answer_frame_bytes(self.batch, self.max_length, hidden_size))
+        for link in self.links:
+            for channel in (link.control, link.steps, link.outputs):
+                if channel is not None:
+                    channel.max_frame_bytes = self.max_answer_bytes
 
     # ---- answers -----------------------------------------------------------------------------------------------------
 
@@ -204,6 +247,9 @@ class SessionChain:
                     link, item = await self.answers.get()
             except TimeoutError:
                 raise LinkFailed(f"no answer from the chain within {timeout_s} s", None) from None
+            if not isinstance(item, BaseException):
+                link.queued_answers -= 1
+                link.queued_bytes -= item.ByteSize()
             if link.closed:
                 continue  # a link closed by failover: its last words no longer matter
             if isinstance(item, BaseException):
@@ -238,6 +284,8 @@ class SessionChain:
             )
         if not bool(torch.isfinite(hidden).all()):
             raise LinkFailed(f"node {link.peer_id} sent hidden states with NaN or infinite values", link)
+        if shape is not None:
+            self._learn_hidden_size(shape[-1])
         return hidden
 
     # ---- control -----------------------------------------------------------------------------------------------------
@@ -309,4 +357,12 @@ class SessionChain:
         self.close_links(self.links)
 
 
-__all__ = ["MAX_HIDDEN", "REPLAY_CHUNK_TOKENS", "SessionChain", "codec_for"]
+__all__ = [
+    "ANSWER_HEADROOM_BYTES",
+    "MAX_HIDDEN",
+    "MAX_QUEUED_ANSWERS",
+    "REPLAY_CHUNK_TOKENS",
+    "SessionChain",
+    "answer_frame_bytes",
+    "codec_for",
+]

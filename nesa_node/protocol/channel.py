@@ -76,6 +76,15 @@ class LaneChannel:
     def closed(self) -> bool:
         return self.stream.closed
 
+    @property
+    def max_frame_bytes(self) -> int:
+        """Longest frame accepted from the peer; a longer one is refused before it is read (it may be lowered)."""
+        return self.stream.max_frame_bytes
+
+    @max_frame_bytes.setter
+    def max_frame_bytes(self, value: int) -> None:
+        self.stream.max_frame_bytes = value
+
     def send(self, frame: Frame) -> None:
         try:
             self.stream.send(frame.SerializeToString())

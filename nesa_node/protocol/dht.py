@@ -4,10 +4,16 @@ Layout: one DHT dictionary per model, key `"{dht_prefix}.nodes"`; each node writ
 `"{peer_id}" + "[owner:<its RSA public key>]"`. hivemind's RSASignatureValidator makes the subkey writable only
 by the holder of that key; `NodeInfoValidator` then checks the value against the NodeInfo schema and that the
 record's peer_id is the peer id of the signing key, so no peer can write another node's record.
+
+DHT keys travel hashed, so a peer that is not told a model's prefix (a bootstrap peer) cannot tell a model key from
+any other. Every peer therefore also checks, under any key, each record a reader could take for a NodeInfo: its
+value parses as one, or is a JSON object naming one of NodeInfo's required fields. Such a record must be a valid
+NodeInfo signed by the key of its own peer_id; an honest record (written by `store_node_info`) always is.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 from dataclasses import dataclass
@@ -21,7 +27,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPublicKey
 
 from nesa_node.protocol.identity import peer_id_of_public_key
-from nesa_node.protocol.records import NodeInfo
+from nesa_node.protocol.records import MAX_RECORD_BYTES, NodeInfo
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +47,8 @@ def model_key(dht_prefix: str) -> str:
 
 
 class NodeInfoValidator(RecordValidatorBase):
-    """Schema and identity check of NodeInfo records under the given model keys.
+    """Schema and identity check of NodeInfo records: strict under the given model keys (every subkey must hold a
+    valid record of its signer), and under any other key for each record that claims to be a NodeInfo.
 
     Runs after the signature validator (lower priority), so it sees the value with the signature stripped.
     """
@@ -53,24 +60,9 @@ class NodeInfoValidator(RecordValidatorBase):
         self._key_ids.add(DHTID.generate(source=model_key(dht_prefix)).to_bytes())
 
     def validate(self, record: DHTRecord) -> bool:
-        if record.key not in self._key_ids:
-            return True
-        if not (math.isfinite(record.expiration_time) and record.expiration_time <= get_dht_time() + MAX_RECORD_TTL_S):
-            logger.debug("rejected NodeInfo record with expiration %r", record.expiration_time)
-            return False
-        if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
-            return False  # the model key holds only per-node subkeys
-        try:
-            subkey = DHTProtocol.serializer.loads(record.subkey)
-            info = NodeInfo.from_wire(DHTProtocol.serializer.loads(record.value))
-            owner = owner_peer_id(subkey)
-        except Exception as exc:  # any malformed record is simply invalid
-            logger.debug("rejected NodeInfo record: %r", exc)
-            return False
-        if owner is None or owner != info.peer_id or not subkey.startswith(info.peer_id.encode()):
-            logger.debug("rejected NodeInfo record of %s signed by %s", info.peer_id, owner)
-            return False
-        return True
+        if record.key in self._key_ids:
+            return _valid_model_record(record)
+        return _valid_if_node_info(record)
 
     @property
     def priority(self) -> int:
@@ -81,6 +73,83 @@ class NodeInfoValidator(RecordValidatorBase):
             self._key_ids |= other._key_ids
             return True
         return False
+
+
+def _valid_model_record(record: DHTRecord) -> bool:
+    """A record under a known model key: a NodeInfo of the peer whose key signed its subkey, nothing else."""
+    if not (math.isfinite(record.expiration_time) and record.expiration_time <= get_dht_time() + MAX_RECORD_TTL_S):
+        logger.debug("rejected NodeInfo record with expiration %r", record.expiration_time)
+        return False
+    if record.subkey in DHTProtocol.RESERVED_SUBKEYS:
+        return False  # the model key holds only per-node subkeys
+    try:
+        info = NodeInfo.from_wire(DHTProtocol.serializer.loads(record.value))
+    except Exception as exc:  # any malformed record is simply invalid
+        logger.debug("rejected NodeInfo record: %r", exc)
+        return False
+    return _signed_by_its_peer(record.subkey, info)
+
+
+def _valid_if_node_info(record: DHTRecord) -> bool:
+    """A record under a key this peer does not know: refused only if it claims to be a NodeInfo and is not a
+    valid one of its signer. Anything a reader would parse as a NodeInfo is checked, so a forger can only store
+    records no reader takes for one (which the storage bound then limits)."""
+    text = _decoded_text(record.value)
+    if text is None:
+        return True
+    try:
+        info = NodeInfo.from_wire(text)
+    except Exception:
+        if _names_node_info_fields(text):
+            logger.debug("rejected a malformed NodeInfo record")
+            return False
+        return True
+    return _signed_by_its_peer(record.subkey, info)
+
+
+NODE_INFO_REQUIRED = frozenset(name for name, field in NodeInfo.model_fields.items() if field.is_required())
+
+
+MSGPACK_TEXT_HEADS = frozenset([*range(0xA0, 0xC0), 0xC4, 0xC5, 0xC6, 0xD9, 0xDA, 0xDB])  # str and bin types
+
+
+def _decoded_text(value_bytes: bytes) -> str | bytes | None:
+    """The DHT value as NodeInfo.from_wire reads it (text), or None for a value that is no text at all. Only a
+    value that starts as msgpack text is decoded: a store of junk does not reach hivemind's extension decoder,
+    which logs a warning for each unknown extension type."""
+    if not value_bytes or value_bytes[0] not in MSGPACK_TEXT_HEADS:
+        return None
+    try:
+        value = DHTProtocol.serializer.loads(value_bytes)
+    except Exception:
+        return None
+    return value if isinstance(value, str | bytes) else None
+
+
+def _names_node_info_fields(text: str | bytes) -> bool:
+    """Whether `text` is a JSON object with one of NodeInfo's required fields: a NodeInfo with bad fields. Text
+    longer than any record NodeInfo.from_wire accepts is never read as one, so it is not parsed."""
+    if len(text) > MAX_RECORD_BYTES:
+        return False
+    try:
+        parsed = json.loads(text)
+    except Exception:  # not JSON, or nested too deep to parse: no reader takes it for a NodeInfo
+        return False
+    return isinstance(parsed, dict) and not NODE_INFO_REQUIRED.isdisjoint(parsed)
+
+
+def _signed_by_its_peer(subkey_bytes: bytes, info: NodeInfo) -> bool:
+    """Whether the subkey is `{peer_id}[owner:<key>]` for the record's own peer_id and that peer's key."""
+    try:
+        subkey = DHTProtocol.serializer.loads(subkey_bytes)
+        owner = owner_peer_id(subkey)
+    except Exception as exc:
+        logger.debug("rejected NodeInfo record with a malformed subkey: %r", exc)
+        return False
+    if owner is None or owner != info.peer_id or not subkey.startswith(info.peer_id.encode()):
+        logger.debug("rejected NodeInfo record of %s signed by %s", info.peer_id, owner)
+        return False
+    return True
 
 
 def owner_peer_id(subkey: object) -> str | None:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
-from nesa_node.compression.codec import CODECS, CodecError, EncodedTensor, decode, encode, wire_bytes
+from nesa_node.compression.codec import CODECS, MAX_RANK, CodecError, EncodedTensor, decode, encode, wire_bytes
 from nesa_node.errors import BadRequestError
 
 MAX_CODEC_PARAMS = 4
@@ -81,9 +81,12 @@ def tensor_from_proto(
     rank: int | None = None,
     codec: WireCodec = NO_CODEC,
 ) -> torch.Tensor:
-    """Decode a tensor from a peer; raises BadRequestError (never casts, never trusts the declared shape)."""
+    """Decode a tensor from a peer; raises BadRequestError (never casts, never trusts the declared shape: every
+    dimension, zeros included, is checked against `max_elements` before torch sees it)."""
     if proto.compression != runtime_pb2.CompressionType.NONE:
         raise BadRequestError(f"unsupported hivemind tensor compression {proto.compression}; name a codec instead")
+    if len(proto.size) > MAX_RANK:  # before copying a shape of any length out of the protobuf
+        raise BadRequestError(f"a tensor has at most {MAX_RANK} dimensions, got {len(proto.size)}")
     try:
         return decode(
             EncodedTensor(

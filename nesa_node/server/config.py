@@ -45,6 +45,28 @@ class NetworkConfig:
         parse="positive",
     )
     peer_timeout_s: float = option(30.0, "seconds any call to another peer may take", parse="positive")
+    # Data lane connections before their hello is authenticated cost an attacker one TCP connect each; these caps
+    # keep the node's file descriptors for its own work (server/lane_gate.py). A client holds 2 lanes per session
+    # and a few forward lanes; a hello takes one round trip (a WAN's 5 s is a dead peer).
+    lane_hello_timeout_s: float = option(
+        5.0, "seconds a data lane connection may take to complete its authenticated hello", parse="positive"
+    )
+    max_pending_lanes: int = option(
+        256,
+        "data lane connections whose hello is not done yet, from all addresses; past it the oldest is closed",
+        parse="positive_int",
+    )
+    max_pending_lanes_per_host: int = option(
+        32,
+        "data lane connections whose hello is not done yet, from one IP address (an IPv6 /64); past it new ones are "
+        "closed unread",
+        parse="positive_int",
+    )
+    max_lanes: int = option(
+        1024,
+        "data lane connections open at once after their hello (2 per session, plus forward lanes)",
+        parse="positive_int",
+    )
     address_file: str | None = option(None, "write the listening multiaddrs here once ready")
     # the kernel here has no netem to delay packets, so a node on one machine looks far away only this way
     inject_delay_ms: float = option(
@@ -80,6 +102,17 @@ class LimitsConfig:
     )
     session_timeout_s: float = option(
         300.0, "close an inference session after this many seconds without a step", parse="positive"
+    )
+    # opening costs a peer nothing but a fresh identity: a session that never steps must not hold a place for long
+    first_step_timeout_s: float = option(
+        30.0, "close an inference session that takes no step within this many seconds of opening", parse="positive"
+    )
+    # an honest session steps every few ms to seconds while it generates (guess: 5 s covers a slow prefill upstream)
+    preempt_idle_s: float = option(
+        5.0,
+        "when the node is full, end sessions without a step for this many seconds (their owners fail over) to admit "
+        "a new one",
+        parse="positive",
     )
     step_timeout_s: float = option(
         30.0,

@@ -9,8 +9,9 @@ A session (one client stream, `serve_session`):
   3. each step's output goes to the next node (server/push.py), or back to the client (on its output lane when it
      has one, else on this stream) when there is no next node; a replayed step's output always goes to the client;
   4. the session ends, and its cache is freed, when the stream ends, on `max_step_errors` refused steps in a row,
-     after `session_timeout_s` without a step, or when a step is not computed and handed on within
-     `step_timeout_s` (a stuck next node, or this node stalled).
+     when no step comes within `first_step_timeout_s` of opening or `session_timeout_s` of the last one, when a
+     step is not computed and handed on within `step_timeout_s` (a stuck next node, or this node stalled), or when
+     the node preempts it, idle, to admit another (server/sessions.py).
 A step whose step_id equals the previous one is a duplicate: its recorded output is the answer, not recomputed.
 HistoryRequest and Retarget are the client's failover controls, answered in order with the steps.
 """
@@ -21,6 +22,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import time
 
 import torch
 from hivemind.p2p import P2PContext
@@ -112,24 +114,24 @@ class InferenceService:
         if first is None:
             return
         try:
-            session = self._open(first, channel, context.remote_id.to_base58())
+            session = await self._open(first, channel, context.remote_id.to_base58())
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
             return
         reader = asyncio.create_task(self._read_stream(channel, session))
         try:
-            channel.send(frame(Opened(cache_tokens_left=self.sessions.budget.tokens_left)))
+            channel.send(frame(Opened(cache_tokens_left=self.sessions.tokens_available())))
             await self._run(session)
         finally:
             reader.cancel()
             self.sessions.close(session)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
 
-    def _open(self, request: Frame, channel: Channel, client_peer: str) -> ServerSession:
+    async def _open(self, request: Frame, channel: Channel, client_peer: str) -> ServerSession:
         message = expect(read(request, TO_SESSION), OpenSession)
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
-        return self.sessions.open(
+        return await self.sessions.open_when_room(
             message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
         )
 
@@ -152,20 +154,23 @@ class InferenceService:
     async def _run(self, session: ServerSession) -> None:
         """Take the session's queue in order until it ends."""
         while True:
+            # counted from the open or the last step done: refused steps do not keep a session alive
+            limit_s = self.limits.session_timeout_s if session.last_step_id else self.limits.first_step_timeout_s
             try:
                 if session.inbox.empty():  # asyncio.timeout: no task per step, unlike wait_for
-                    async with asyncio.timeout(self.limits.session_timeout_s):
+                    async with asyncio.timeout_at(asyncio.get_running_loop().time() + self._left_s(session, limit_s)):
                         item = await session.inbox.get()
                 else:
                     item = session.inbox.get_nowait()
             except TimeoutError:
-                logger.info("session %s idle for %.0f s, closing", session.session_id, self.limits.session_timeout_s)
+                logger.info("session %s: no step done for %.0f s, closing", session.session_id, limit_s)
                 return
             if item is END_OF_SESSION:
                 return
             if item.from_peer:
                 session.room.release()
             step_id = item.message.step_id if isinstance(item.message, Step) else None
+            session.busy = True
             try:
                 if item.error is not None:
                     raise item.error
@@ -175,6 +180,7 @@ class InferenceService:
                 if not await self._step(session, item.frame, expect(item.message, Step)):
                     return  # a step not done within the step timeout: the session is closed
                 session.refused_in_a_row = 0
+                session.last_active = time.monotonic()
             except ChannelClosedError:  # the client's stream is gone, or it stopped reading: so is the session
                 return
             except NesaError as exc:
@@ -190,6 +196,12 @@ class InferenceService:
                     return
                 if len(replies) > 1:
                     return
+            finally:
+                session.busy = False
+
+    @staticmethod
+    def _left_s(session: ServerSession, limit_s: float) -> float:
+        return max(0.0, session.last_active + limit_s - time.monotonic())
 
     async def _answer(self, channel: Channel, answer: Frame) -> None:
         """Send `answer` and wait until it has left: a client that stops reading cannot make the node buffer its
@@ -266,6 +278,7 @@ class InferenceService:
                 f"step would reach {step.position + hidden.shape[1]} tokens, over the session's max_length "
                 f"{session.max_length}"
             )
+        self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
         output, seconds = await self.compute.run(hidden, session.cache, step.position, session.blocks)
         session.last_position = step.position
         session.position += hidden.shape[1]

@@ -5,7 +5,8 @@
   RECEIVE   the client takes a session's outputs (this node is the last)
   FORWARD   a client's cacheless forward calls, opened with a one-time ticket issued over libp2p (`issue_ticket`)
   PING      answered at once, for round-trip times
-Anything malformed or unauthenticated closes the connection and touches no session.
+Anything malformed or unauthenticated closes the connection and touches no session. How many connections are taken at
+all, and how long a hello may take, is server/lane_gate.py's business.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from nesa_node.protocol import lane
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.messages import PUSHED, ErrorReply, LaneTicket, Step
 from nesa_node.server.config import NetworkConfig
+from nesa_node.server.lane_gate import LaneAdmission, LaneGate
 from nesa_node.server.sessions import Inbound, ServerSession, SessionTable
 
 logger = logging.getLogger(__name__)
@@ -61,6 +63,7 @@ class LaneServer:
         self.address: str | None = None  # "ip:port" once listening; announced in the node's record
         self.tickets: dict[str, tuple[bytes, str, float]] = {}  # FORWARD lane tickets: id -> (key, peer, issued)
         self.forward_lanes: dict[str, int] = {}  # open FORWARD lanes per peer
+        self.gate = LaneGate(network)
         self._server: asyncio.Server | None = None
 
     async def start(self, visible_host: Callable[[], Awaitable[str]]) -> str:
@@ -116,11 +119,23 @@ class LaneServer:
     # ---- connections --------------------------------------------------------------------------------------------
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """One lane connection, from its hello to its end."""
+        """One lane connection, from its hello to its end; one the gate refuses is closed at once, unread."""
+        admission = self.gate.admit(writer.get_extra_info("peername"), writer.transport)
+        if admission is None:
+            writer.transport.abort()  # no FIN handshake to wait for: the descriptor is free now
+            return
+        try:
+            await self._serve_admitted(reader, writer, admission)
+        finally:
+            admission.release()
+
+    async def _serve_admitted(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, admission: LaneAdmission
+    ) -> None:
         channel: LaneChannel | None = None
         session: ServerSession | None = None
         try:
-            async with asyncio.timeout(self.network.peer_timeout_s):
+            async with asyncio.timeout(self.network.lane_hello_timeout_s):
                 role, session_id, salt = await lane.read_hello(reader)
                 if role == lane.ROLE_PING:
                     await self.injected_delay()
@@ -137,6 +152,7 @@ class LaneServer:
                         raise SessionNotFoundError(f"no session {session_id[:32]!r} with a lane of that role here")
                 stream = await lane.accept(reader, writer, role, salt, key, self.max_frame_bytes)
                 channel = LaneChannel(stream, "frame on a data lane")
+            admission.authenticated()
             if role == lane.ROLE_FORWARD:
                 await self._serve_forwards(channel, owner)
             elif self.sessions.get(session_id) is session:

@@ -214,7 +214,7 @@ class Node:
             ),
             forward_tps=float(self.throughput["forward_tps"]),
             inference_tps=float(self.throughput["inference_tps"]),
-            cache_tokens_left=self.budget.tokens_left,
+            cache_tokens_left=self.sessions.tokens_available(),
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,
             max_length=self.config.limits.max_length,

@@ -1,6 +1,12 @@
 """The node's open inference sessions: the session table (open with quotas and the cache budget, close, drain), and
 step ingress, the one place where a step from any channel (the client's stream, a push stream, a unary push, a data
 lane) enters a session's queue.
+
+Admission, where identities cost nothing (RELIABILITY.md G3): a session reserves cache as it uses it (a chunk at open,
+doubling as its steps need more, never past its max_length), takes no step within `first_step_timeout_s` and it is
+closed, and when the node is full (sessions or cache) sessions idle for `preempt_idle_s` are ended to admit the new
+one (their owners get a typed `preempted` error and fail over), those of the peer holding the most sessions first.
+An active session is never preempted; a refusal is always a typed error at once.
 """
 
 from __future__ import annotations
@@ -8,13 +14,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 
-from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError, TooManySessionsError
-from nesa_node.protocol.channel import Channel, Frame
-from nesa_node.protocol.messages import MAX_ID_LENGTH, LaneSettings, Message, OpenSession, Step
+from nesa_node.errors import (
+    BadRequestError,
+    CacheBudgetError,
+    QuotaExceededError,
+    SessionNotFoundError,
+    SessionPreemptedError,
+    TooManySessionsError,
+)
+from nesa_node.protocol.channel import Channel, Frame, frame
+from nesa_node.protocol.messages import MAX_ID_LENGTH, ErrorReply, LaneSettings, Message, OpenSession, Step
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
 from nesa_node.server.config import LimitsConfig
 from nesa_node.sharding.kv_cache import CacheBudget
@@ -22,6 +37,8 @@ from nesa_node.sharding.kv_cache import CacheBudget
 logger = logging.getLogger(__name__)
 
 END_OF_SESSION = object()  # put in a session's inbox when its stream ends or the node ends it
+MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
+RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
 
 
 @dataclass
@@ -39,8 +56,8 @@ class Inbound:
 class ServerSession:
     session_id: str
     batch: int  # rows, fixed for the session
-    max_length: int  # tokens, reserved in the cache budget
-    reserved_bytes: int
+    max_length: int  # tokens the session may reach
+    reserved_bytes: int  # cache reserved in the budget: batch x reserved_tokens x bytes per token
     cache: object  # transformers DynamicCache for this span
     blocks: tuple[int, int]  # (first, end): the part of the span this session runs
     client_peer: str  # base58 peer id that opened the session
@@ -70,6 +87,15 @@ class ServerSession:
     downstream: Channel | None = None  # to the next node (a push stream or lane), opened at the first push
     downstream_reader: asyncio.Task | None = None
     inbound: set = field(default_factory=set)  # data lanes carrying steps into the session
+    reserved_tokens: int = 0  # tokens per row the reservation covers
+    last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
+    busy: bool = False  # a step is being computed or handed on
+
+    def idle_s(self, now: float) -> float:
+        """Seconds since the session last did anything; 0 while it has work queued or under way."""
+        if self.busy or not self.inbox.empty():
+            return 0.0
+        return now - self.last_active
 
     def apply_lane_settings(self, settings: LaneSettings | None) -> None:
         """Take the lane settings a client gave (at open or retarget): each named one replaces the current one; a new
@@ -131,6 +157,19 @@ class SessionTable:
     def __len__(self) -> int:
         return len(self.sessions)
 
+    def tokens_available(self) -> int:
+        """Cache tokens (batch 1) a new session can have: the free ones, plus those of sessions idle now, which an
+        open waits for and preempts (when preemption comes within MAX_ADMISSION_WAIT_S). Announced for routing."""
+        budget = self.budget
+        reclaimable = 0
+        if self.limits.preempt_idle_s <= MAX_ADMISSION_WAIT_S:
+            reclaimable = sum(
+                session.reserved_bytes
+                for session in self.sessions.values()
+                if not session.busy and session.inbox.empty()
+            )
+        return (budget.free_bytes + reclaimable) // budget.bytes_per_token
+
     def get(self, session_id: str) -> ServerSession | None:
         return self.sessions.get(session_id)
 
@@ -140,41 +179,44 @@ class SessionTable:
     def open(
         self, request: OpenSession, *, client_peer: str, blocks: tuple[int, int], cache, reply: Channel
     ) -> ServerSession:
-        """Reserve the session's cache and register it. Raises TooManySessionsError (draining, node limit),
-        BadRequestError (duplicate id, batch or length out of range), QuotaExceededError (the peer's share),
-        CacheBudgetError (the node's budget)."""
+        """Reserve the session's first chunk of cache and register it, preempting idle sessions when the node is
+        full. Raises TooManySessionsError (draining, node limit), BadRequestError (duplicate id, batch or length out
+        of range), QuotaExceededError (the peer's share), CacheBudgetError (the node's budget)."""
         limits = self.limits
         if self.draining:
             raise TooManySessionsError("node is draining and accepts no new sessions")
         if request.session_id in self.sessions:
             raise BadRequestError(f"session {request.session_id!r} is already open on this node")
-        if len(self.sessions) >= limits.max_sessions:
-            raise TooManySessionsError(f"node has {len(self.sessions)} open sessions, its limit")
         if request.batch > limits.max_batch:
             raise BadRequestError(f"batch must be in 1..{limits.max_batch}, got {request.batch}")
         if request.max_length > limits.max_length:
             raise BadRequestError(f"max_length must be in 1..{limits.max_length}, got {request.max_length}")
-        peer_sessions = [session for session in self.sessions.values() if session.client_peer == client_peer]
+        budget = self.budget
+        if budget.session_bytes(request.batch, request.max_length) > budget.capacity_bytes:
+            raise CacheBudgetError(
+                f"a cache of batch {request.batch} x {request.max_length} tokens is larger than this node's whole "
+                f"budget ({budget.capacity_bytes // budget.bytes_per_token} tokens of batch 1); use a shorter "
+                "max_length or another node"
+            )
+        peer_sessions = self._of_peer(client_peer)
         if len(peer_sessions) >= limits.max_sessions_per_peer:
             raise QuotaExceededError(
                 f"peer already has {len(peer_sessions)} open sessions here, the per-peer limit "
                 "(node setting max_sessions_per_peer)"
             )
-        budget = self.budget
-        peer_bytes = sum(session.reserved_bytes for session in peer_sessions)
-        need = budget.session_bytes(request.batch, request.max_length)
-        if need <= budget.free_bytes and peer_bytes + need > self.peer_cache_bytes:  # else: CacheBudgetError
-            raise QuotaExceededError(
-                f"a cache of batch {request.batch} x {request.max_length} tokens would take this peer past its share "
-                f"of the node's cache ({self.peer_cache_bytes // budget.bytes_per_token} tokens of batch 1, of which "
-                f"{peer_bytes // budget.bytes_per_token} are reserved); use a shorter max_length"
-            )
-        reserved = budget.reserve(request.batch, request.max_length)  # raises CacheBudgetError
+        if len(self.sessions) >= limits.max_sessions:
+            self._preempt_idle(slots=1)
+            if len(self.sessions) >= limits.max_sessions:
+                raise TooManySessionsError(f"node has {len(self.sessions)} active sessions, its limit")
+        tokens = min(request.max_length, RESERVE_CHUNK_TOKENS)
+        reserved = self._reserve(request.batch, tokens)  # raises CacheBudgetError
+        self._check_peer_share(client_peer, reserved, request.batch, tokens)
         session = ServerSession(
             session_id=request.session_id,
             batch=request.batch,
             max_length=request.max_length,
             reserved_bytes=reserved,
+            reserved_tokens=tokens,
             cache=cache,
             blocks=blocks,
             client_peer=client_peer,
@@ -191,6 +233,96 @@ class SessionTable:
             "opened session %s (batch %d, max_length %d)", session.session_id, session.batch, session.max_length
         )
         return session
+
+    async def open_when_room(self, request: OpenSession, **kwargs) -> ServerSession:
+        """`open`, but when the node is full of sessions that are about to count as idle, wait (at most
+        `preempt_idle_s`) for the first to become preemptible and try again: an honest client is admitted rather
+        than refused while throwaway sessions hold the node. The same errors as `open`."""
+        deadline = time.monotonic() + min(self.limits.preempt_idle_s, MAX_ADMISSION_WAIT_S)
+        while True:
+            try:
+                return self.open(request, **kwargs)
+            except (TooManySessionsError, CacheBudgetError):
+                wait_s = self._next_preemptible_s()
+                never = self.budget.session_bytes(request.batch, request.max_length) > self.budget.capacity_bytes
+                if never or self.draining or wait_s is None or time.monotonic() + wait_s > deadline:
+                    raise
+            await asyncio.sleep(wait_s + 0.01)
+
+    def _next_preemptible_s(self) -> float | None:
+        """Seconds until the first session not working now has been idle `preempt_idle_s`; None if none."""
+        now = time.monotonic()
+        waiting = [
+            session.last_active + self.limits.preempt_idle_s - now
+            for session in self.sessions.values()
+            if not session.busy and session.inbox.empty()
+        ]
+        return max(0.0, min(waiting)) if waiting else None
+
+    def grow(self, session: ServerSession, tokens: int) -> None:
+        """Make the session's reservation cover `tokens` per row (doubling, up to its max_length), preempting idle
+        sessions when the node's cache is full. Raises QuotaExceededError (the peer's share) or CacheBudgetError."""
+        if tokens <= session.reserved_tokens:
+            return
+        target = min(session.max_length, max(tokens, 2 * session.reserved_tokens))
+        extra = self._reserve(session.batch, target - session.reserved_tokens, keep=session)
+        self._check_peer_share(session.client_peer, extra, session.batch, target)
+        session.reserved_bytes += extra
+        session.reserved_tokens = target
+
+    def _of_peer(self, peer: str) -> list[ServerSession]:
+        return [session for session in self.sessions.values() if session.client_peer == peer]
+
+    def _check_peer_share(self, peer: str, extra_bytes: int, batch: int, tokens: int) -> None:
+        """After `extra_bytes` were reserved for `peer`: QuotaExceededError, the reservation returned, when they
+        take it past its share of the node's cache."""
+        held = sum(session.reserved_bytes for session in self._of_peer(peer))
+        if held + extra_bytes > self.peer_cache_bytes:
+            self.budget.release(extra_bytes)
+            per_token = self.budget.bytes_per_token
+            raise QuotaExceededError(
+                f"a cache of batch {batch} x {tokens} tokens would take this peer past its share of the node's cache "
+                f"({self.peer_cache_bytes // per_token} tokens of batch 1, of which {held // per_token} are held)"
+            )
+
+    def _reserve(self, batch: int, tokens: int, keep: ServerSession | None = None) -> int:
+        """Reserve `batch` x `tokens`, ending idle sessions (never `keep`) when they are what stands in the way."""
+        need = self.budget.session_bytes(batch, tokens)
+        if need > self.budget.free_bytes:
+            self._preempt_idle(nbytes=need - self.budget.free_bytes, keep=keep)
+        return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
+
+    def _preempt_idle(self, *, slots: int = 0, nbytes: int = 0, keep: ServerSession | None = None) -> None:
+        """End idle sessions until `slots` sessions and `nbytes` of cache are freed, or none idle is left: the
+        sessions of the peer holding the most go first, then the longest idle. Frees nothing unless it frees
+        enough (ending sessions that cannot make room would only hurt their owners)."""
+        now = time.monotonic()
+        holding = Counter(session.client_peer for session in self.sessions.values())
+        idle = [
+            session
+            for session in self.sessions.values()
+            if session is not keep and session.idle_s(now) >= self.limits.preempt_idle_s
+        ]
+        idle.sort(key=lambda session: (-holding[session.client_peer], session.last_active))
+        chosen, freed = [], 0
+        for session in idle:
+            if len(chosen) >= slots and freed >= nbytes:
+                break
+            chosen.append(session)
+            freed += session.reserved_bytes
+        if len(chosen) < slots or freed < nbytes:
+            return
+        for session in chosen:
+            self.preempt(session, now - session.last_active)
+
+    def preempt(self, session: ServerSession, idle_s: float) -> None:
+        """End an idle session at once to make room: its owner is told (typed), its cache freed."""
+        error = SessionPreemptedError(f"session idle for {idle_s:.0f} s was ended to admit another: the node is full")
+        logger.info("session %s of %s idle for %.0f s: preempted", session.session_id, session.client_peer, idle_s)
+        with contextlib.suppress(Exception):  # the owner may be gone already
+            session.reply.send(frame(ErrorReply.of(error)))
+        session.inbox.put_nowait(END_OF_SESSION)
+        self.close(session)
 
     def close(self, session: ServerSession) -> None:
         """Free the session's cache and channels (the client's stream is its handler's to close)."""

@@ -335,6 +335,15 @@ def test_d_element_count_over_the_limit(target):
     assert f"exceeds the limit of {64 * HIDDEN} elements" in error["message"]
 
 
+@pytest.mark.parametrize("shape", [[0, 1 << 31, 1 << 31], [0, (1 << 32) - 1, (1 << 32) - 1], [0, 1, 1 << 20]])
+def test_g1_an_empty_tensor_with_huge_dimensions_is_a_bad_request(target, shape):
+    """No elements, so no payload, but dimensions whose strides overflow torch (it raised RuntimeError): refused by
+    their size like any tensor over the limit, and the node goes on serving (the autouse check after each test)."""
+    error = refusal(target, [opening(), raw_tensor(shape, b"")], answers=2)
+    assert error["code"] == "bad_request"
+    assert f"exceeds the limit of {64 * HIDDEN} elements" in error["message"]
+
+
 @pytest.mark.parametrize("shape", [[HIDDEN], [1, HIDDEN], [1, 1, 1, HIDDEN]])
 def test_d_wrong_rank(target, shape):
     error = refusal(target, [opening(), raw_tensor(shape, bytes(4 * HIDDEN))], answers=2)
@@ -659,10 +668,7 @@ def test_d_more_cache_than_the_per_peer_quota(target):
     answers = hold_sessions(target, [opening(batch=3, max_length=64) for _ in range(3)])
     assert answers[0]["kind"] == answers[1]["kind"] == "opened"
     assert answers[-1]["code"] == "quota"
-    assert (
-        "past its share of the node's cache (512 tokens of batch 1, of which 384 are reserved)"
-        in answers[-1]["message"]
-    )
+    assert "past its share of the node's cache (512 tokens of batch 1, of which 384 are held)" in answers[-1]["message"]
     assert target.node.budget.tokens_left >= 3 * 64  # the node itself had room: the quota refused it
 
 

@@ -20,8 +20,9 @@ from tests.support.swarm import wait_for_chain, wait_until
 
 def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swarm, tiny_llama):
     # one client takes most of the cache here: the per-peer share is lifted to test the node's own budget
+    # and idle sessions are not preempted within the test, so a full cache refuses
     node = local_swarm.start_node(
-        tiny_llama, 0, 4, max_cache_tokens=64, max_cache_share_per_peer=1.0, dht_prefix="budget"
+        tiny_llama, 0, 4, max_cache_tokens=64, max_cache_share_per_peer=1.0, preempt_idle_s=600.0, dht_prefix="budget"
     )
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="budget"

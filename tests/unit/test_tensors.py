@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hivemind.proto import runtime_pb2
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nesa_node.client.session_chain import codec_for
+from nesa_node.compression.codec import MAX_RANK, CodecError, EncodedTensor
+from nesa_node.compression.codec import decode as decode_tensor
 from nesa_node.errors import BadRequestError
 from nesa_node.protocol.messages import TO_SESSION, Step, decode, encode
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto
@@ -83,3 +89,50 @@ def test_each_hop_gets_the_preferred_codec_only_when_both_ends_accept_it():
     assert codec_for(everything, plain, preferred) == NO_CODEC  # the receiver cannot decode it
     assert codec_for(plain, everything, preferred) == NO_CODEC  # the sender will not produce it
     assert codec_for(None, plain, NO_CODEC) == NO_CODEC
+
+
+# a dimension as a tensor protobuf holds it (uint32): small, zero, or a power of two less one up to 2**32 - 1
+DIMENSIONS = st.one_of(st.integers(0, 8), st.integers(0, 32).map(lambda bits: (1 << bits) - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(shape=st.lists(DIMENSIONS, max_size=12), max_elements=st.sampled_from([1, 64, 4096]))
+def test_any_declared_shape_decodes_or_is_a_bad_request(shape, max_elements):
+    """A shape a peer declares is decoded exactly or refused with BadRequestError; never torch's RuntimeError (a
+    zero-element shape like (0, 2**32 - 1, 2**32 - 1) overflowed torch's stride computation)."""
+    extent = math.prod(max(dim, 1) for dim in shape)
+    valid = len(shape) <= MAX_RANK and extent <= max_elements
+    elements = math.prod(shape) if valid else 0
+    proto = runtime_pb2.Tensor(buffer=bytes(4 * elements), size=shape, dtype="float32")
+    try:
+        decoded = tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=max_elements)
+    except BadRequestError:
+        assert not valid
+    else:
+        assert valid and list(decoded.shape) == shape
+
+
+@pytest.mark.parametrize(
+    "shape, message",
+    [
+        ([0, (1 << 32) - 1, (1 << 32) - 1], "exceeds the limit of 4096 elements"),
+        ([(1 << 32) - 1, 0], "exceeds the limit of 4096 elements"),
+        ([0, 1 << 31, 1 << 31, 1 << 31], "exceeds the limit of 4096 elements"),
+        ([0] * (MAX_RANK + 1), f"at most {MAX_RANK} dimensions"),
+    ],
+)
+def test_empty_tensors_with_impossible_dimensions_are_bad_requests(shape, message):
+    proto = runtime_pb2.Tensor(buffer=b"", size=shape, dtype="float32")
+    with pytest.raises(BadRequestError, match=message):
+        tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=4096)
+
+
+@given(shape=st.lists(st.integers(-(1 << 63), (1 << 63) - 1), max_size=10))
+def test_codec_shapes_beyond_the_wire_types_are_refused_too(shape):
+    """The codec itself (which other callers feed shapes that never were protobuf) refuses negative and huge
+    dimensions with CodecError before torch sees them."""
+    try:
+        decoded = decode_tensor(EncodedTensor("none", "float32", tuple(shape), b""), max_elements=4096)
+    except CodecError:
+        return
+    assert decoded.numel() == 0 and list(decoded.shape) == shape

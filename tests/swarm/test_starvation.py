@@ -1,0 +1,176 @@
+"""Throwaway identities cannot starve a node (RELIABILITY.md G3). Attackers are real libp2p peers, each with its own
+identity, that open sessions on a real node and never step; an honest client at the same time must open within 10 s
+and generate the reference tokens, and every refusal anyone gets is typed and prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import runtime_pb2
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.protocol import rpc
+from tests.support.swarm import wait_for_chain, wait_until
+
+PREFIX = "starve"
+LIMITS = {
+    "max_sessions": 16,
+    "max_sessions_per_peer": 4,
+    "max_cache_tokens": 512,
+    "max_cache_share_per_peer": 0.5,  # 256 tokens of batch 1 per peer
+    "max_length": 256,
+}
+PROMPT = torch.tensor([[3, 14, 15, 92]])
+NEW_TOKENS = 8
+
+
+class Attackers:
+    """`identities` peers, each holding the sessions it opened on `node` idle until `release`."""
+
+    def __init__(self, identities: list[P2P], node: PeerID):
+        self.identities = identities
+        self.node = node
+        self.answers: list[list[dict]] = []  # per session: every message the node sent on it
+        self._streams: list = []
+        self._readers: list[asyncio.Task] = []
+        self._release = asyncio.Event()
+
+    @classmethod
+    async def create(cls, count: int, initial_peers: list[str], node: PeerID) -> Attackers:
+        identities = await asyncio.gather(*(P2P.create(initial_peers=initial_peers) for _ in range(count)))
+        return cls(list(identities), node)
+
+    async def open(self, per_identity: int, max_length: int) -> list[dict]:
+        """Open `per_identity` sessions from every identity at once; each one's first answer (opened, or a typed
+        refusal), once every one has answered."""
+        firsts = [asyncio.get_running_loop().create_future() for _ in range(per_identity * len(self.identities))]
+        openers = [
+            self._hold(p2p, max_length, firsts[index * per_identity + slot])
+            for index, p2p in enumerate(self.identities)
+            for slot in range(per_identity)
+        ]
+        self._readers += [asyncio.create_task(opener) for opener in openers]
+        return list(await asyncio.gather(*firsts))
+
+    async def _hold(self, p2p: P2P, max_length: int, first: asyncio.Future) -> None:
+        answers: list[dict] = []
+        self.answers.append(answers)
+        opening = {"kind": "open", "session_id": uuid.uuid4().hex, "start_block": 0, "end_block": 4, "batch": 1}
+        opening["max_length"] = max_length
+
+        async def requests():
+            yield runtime_pb2.ExpertRequest(metadata=msgpack.packb(opening))
+            await self._release.wait()  # idle: never a step
+
+        try:
+            stream = await p2p.iterate_protobuf_handler(
+                self.node, rpc.INFERENCE, requests(), runtime_pb2.ExpertResponse
+            )
+            self._streams.append(stream)
+            async for response in stream:
+                answers.append(msgpack.unpackb(response.metadata))
+                if not first.done():
+                    first.set_result(answers[0])
+        except Exception as exc:  # the node ended the stream
+            if not first.done():
+                first.set_result({"kind": "stream_failed", "error": repr(exc)})
+        if not first.done():
+            first.set_result({"kind": "no_answer"})
+
+    def codes(self) -> list[str]:
+        """The error code of every error any attacker session received."""
+        return [answer["code"] for answers in self.answers for answer in answers if answer.get("kind") == "error"]
+
+    async def close(self) -> None:
+        self._release.set()
+        for reader in self._readers:
+            reader.cancel()
+        await asyncio.gather(*self._readers, return_exceptions=True)
+        for stream in self._streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()
+        await asyncio.gather(*(p2p.shutdown() for p2p in self.identities), return_exceptions=True)
+
+
+@pytest.fixture(scope="module")
+def starved(module_swarm, tiny_llama):
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, **LIMITS)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        tokens = reference.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX, compression="none"
+    ) as honest:
+        wait_for_chain(honest)
+        yield module_swarm, node, honest, tokens
+
+
+def attack(starved, identities: int, per_identity: int, max_length: int):
+    swarm, node, honest, reference = starved
+    attackers = swarm.run(Attackers.create(identities, swarm.initial_peers, PeerID.from_base58(node.peer_id)))
+    try:
+        firsts = swarm.run(attackers.open(per_identity, max_length), timeout=60)
+        kinds = {answer["kind"] for answer in firsts}
+        assert kinds <= {"opened", "error"}, firsts  # every open answered, typed
+        assert all(answer["code"] in {"too_many_sessions", "cache_budget"} for answer in firsts if "code" in answer)
+        started = time.monotonic()
+        output = honest.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        took_s = time.monotonic() - started
+        assert torch.equal(output, reference)
+        assert took_s < 10.0, f"the honest client needed {took_s:.1f} s"
+        print(f"honest generation among {identities} attacker identities: {took_s:.1f} s")
+        assert "preempted" in attackers.codes()  # room was made by ending idle sessions, and their owners were told
+        return firsts, took_s
+    finally:
+        swarm.run(attackers.close(), timeout=60)
+        wait_until(lambda: not node.sessions.sessions, timeout_s=20)
+        assert node.budget.used_bytes == 0
+
+
+def test_g3_two_identities_holding_the_cache_do_not_lock_out_an_honest_client(starved):
+    # two peers, two sessions each of 128 tokens reserved: the whole cache, each peer at its share
+    firsts, _ = attack(starved, identities=2, per_identity=2, max_length=256)
+    assert [answer["kind"] for answer in firsts] == ["opened"] * 4
+    node = starved[1]
+    assert node.budget.free_bytes >= 0
+
+
+def test_g3_nine_identities_holding_every_session_slot_do_not_lock_out_an_honest_client(starved):
+    # nine peers, four sessions each: 36 opens for 16 places
+    firsts, _ = attack(starved, identities=9, per_identity=4, max_length=8)
+    assert sum(answer["kind"] == "opened" for answer in firsts) >= LIMITS["max_sessions"]
+
+
+def test_g3_five_hundred_concurrent_opens_are_all_answered_promptly(starved):
+    swarm, node, honest, reference = starved
+    attackers = swarm.run(Attackers.create(5, swarm.initial_peers, PeerID.from_base58(node.peer_id)))
+    try:
+        started = time.monotonic()
+        firsts = swarm.run(attackers.open(100, 8), timeout=120)
+        took_s = time.monotonic() - started
+        assert len(firsts) == 500
+        unanswered = [answer for answer in firsts if answer["kind"] not in ("opened", "error")]
+        assert not unanswered, f"{len(unanswered)} opens got no typed answer, e.g. {unanswered[:3]}"
+        # each identity got its quota at most (some were preempted since by the others' waiting opens)
+        assert sum(answer["kind"] == "opened" for answer in firsts) <= 5 * LIMITS["max_sessions_per_peer"]
+        assert len(node.sessions) <= LIMITS["max_sessions"]
+        assert {answer["code"] for answer in firsts if answer["kind"] == "error"} <= {
+            "quota",
+            "too_many_sessions",
+            "cache_budget",
+        }
+        assert took_s < 30.0, f"500 opens took {took_s:.1f} s to be answered"
+        output = honest.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert torch.equal(output, reference)
+    finally:
+        swarm.run(attackers.close(), timeout=60)
+        wait_until(lambda: not node.sessions.sessions, timeout_s=20)

@@ -1,0 +1,99 @@
+"""What a client accepts from a node (client/session_chain.py): frames bounded by the session's own answers, and a
+bounded number of unread answers per node."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from nesa_node.client.chain_links import ChainLink, LinkFailed
+from nesa_node.client.config import ClientConfig
+from nesa_node.client.session_chain import (
+    ANSWER_HEADROOM_BYTES,
+    MAX_HIDDEN,
+    MAX_QUEUED_ANSWERS,
+    SessionChain,
+    answer_frame_bytes,
+)
+from nesa_node.errors import PeerUnavailableError
+from nesa_node.protocol.channel import frame
+from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
+from nesa_node.protocol.messages import StepResult
+from nesa_node.protocol.tensors import NO_CODEC, tensor_to_proto
+from nesa_node.routing.chain import Hop
+
+
+class Channel:
+    """A channel whose limit and closing the chain sets; nothing to read."""
+
+    def __init__(self) -> None:
+        self.max_frame_bytes = CLIENT_MAX_FRAME_BYTES
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def chain_with_link() -> tuple[SessionChain, ChainLink]:
+    chain = SessionChain(None, ClientConfig(), session_id="s", batch=2, max_length=32)
+    link = ChainLink(Hop("peer", 0, 4))
+    link.control, link.outputs = Channel(), Channel()
+    chain.links = [link]
+    return chain, link
+
+
+def answer(hidden: torch.Tensor):
+    return frame(StepResult(step_id="s:0", position=0), [tensor_to_proto(hidden)])
+
+
+def test_frames_are_bounded_by_the_session_and_then_by_the_models_hidden_size():
+    chain, link = chain_with_link()
+    assert chain.max_answer_bytes == 2 * 32 * MAX_HIDDEN * 4 + ANSWER_HEADROOM_BYTES
+    assert answer_frame_bytes(64, 1 << 20, 1 << 16) == CLIENT_MAX_FRAME_BYTES  # never above the transport's own cap
+    hidden = torch.randn(2, 5, 64)
+    chain.read_hidden(link, answer(hidden), NO_CODEC, hidden.numel(), tuple(hidden.shape))
+    assert chain.max_answer_bytes == 2 * 32 * 64 * 4 + ANSWER_HEADROOM_BYTES
+    assert link.control.max_frame_bytes == link.outputs.max_frame_bytes == chain.max_answer_bytes
+    # the largest honest answer (the whole session's hidden states) fits the bound
+    assert answer(torch.randn(2, 32, 64)).ByteSize() <= chain.max_answer_bytes
+
+
+def test_a_node_flooding_answers_is_failed_once_its_unread_answers_reach_the_bound():
+    chain, link = chain_with_link()
+    small = answer(torch.randn(2, 1, 64))
+    for _ in range(MAX_QUEUED_ANSWERS):
+        chain._queue_answer(link, small, link.outputs)
+    with pytest.raises(PeerUnavailableError, match="unread: it sent what nobody asked for"):
+        chain._queue_answer(link, small, link.outputs)
+    assert link.outputs.closed
+
+    async def take_one():
+        return await chain.next_answer(1.0)
+
+    assert asyncio.run(take_one())[0] is link  # taking an answer makes room again
+    assert link.queued_answers == MAX_QUEUED_ANSWERS - 1
+    chain._queue_answer(link, small, link.outputs)
+
+
+def test_unread_bytes_are_bounded_too():
+    chain, link = chain_with_link()
+    chain._learn_hidden_size(64)
+    big = answer(torch.randn(1, 1, (chain.max_answer_bytes - 1024) // 4))  # nearly a frame's limit: two fit
+    chain._queue_answer(link, big, link.outputs)
+    chain._queue_answer(link, big, link.outputs)
+    with pytest.raises(PeerUnavailableError):
+        chain._queue_answer(link, big, link.outputs)
+
+
+def test_a_failed_read_names_the_node():
+    chain, link = chain_with_link()
+    chain.answers.put_nowait((link, PeerUnavailableError("the data lane of peer failed: lane frame of 9 bytes")))
+
+    async def take_one():
+        return await chain.next_answer(1.0)
+
+    with pytest.raises(LinkFailed) as failed:
+        asyncio.run(take_one())
+    assert failed.value.link is link and "lane frame of" in failed.value.message
