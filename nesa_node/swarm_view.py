@@ -3,7 +3,12 @@
 - load C_A: the record's queue of waiting steps N read as an M/M/1 queue's mean occupancy, rho = N / (N + 1); a node
   that reports GPU utilisation counts the larger of the two.
 - reliability R_A: reputation (0..1, announced) times the share of a warm-up the node has stayed up,
-  uptime / (uptime + UPTIME_SCALE_S): a node that just (re)started has not yet shown it stays.
+  uptime / (uptime + UPTIME_SCALE_S): a node that just (re)started has not yet shown it stays; times the factor a
+  node measured far slower than it claims is given (routing/claims.py).
+- speed: the claimed throughput, bounded by the other nodes' claims and replaced by the client's own measurement
+  once it has one (routing/claims.py); uptime and bandwidth claims are bounded the same way.
+- the client's own open sessions on a node count as load on it (each an M/M/1 customer, like a queued step), so a
+  client's concurrent sessions spread over nodes of equal cost instead of piling onto the first.
 - access_ms: last-mile latencies fitted (routing/coordinates.py) from the round trips the client measured to nodes
   and those the nodes publish as links; the client is one more endpoint of the fit.
 - bandwidth_mbps: the largest bandwidth measured on any link of the node (a path's bandwidth is bounded by each
@@ -17,6 +22,7 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.routing.claims import Measured, SpeedClaim, capped_bandwidths, capped_uptimes, trusted_speeds
 from nesa_node.routing.coordinates import fit_access_ms
 from nesa_node.routing.snapshot import NodeView, SwarmSnapshot
 
@@ -33,9 +39,11 @@ def load_share(load: LoadInfo) -> float:
     return max(queue / (queue + 1.0), load.gpu_percent / 100.0)
 
 
-def reliability(info: NodeInfo) -> float:
-    """R_A in [0, 1] (eq. 18's reliability, sign fixed): rises with uptime and reputation."""
-    return info.reputation * info.uptime_s / (info.uptime_s + UPTIME_SCALE_S)
+def reliability(info: NodeInfo, uptime_s: float | None = None) -> float:
+    """R_A in [0, 1] (eq. 18's reliability, sign fixed): rises with uptime (the record's, or as bounded by
+    `uptime_s`) and reputation."""
+    uptime = info.uptime_s if uptime_s is None else uptime_s
+    return info.reputation * uptime / (uptime + UPTIME_SCALE_S)
 
 
 def link_measurements(infos: Iterable[NodeInfo], client_rtt_ms: Mapping[str, float]) -> list[tuple[str, str, float]]:
@@ -51,13 +59,19 @@ def build_snapshot(
     *,
     client_rtt_ms: Mapping[str, float] | None = None,
     hidden_size: int = 0,
+    measured: Mapping[str, Measured] | None = None,
+    seen_s: Mapping[str, float] | None = None,
+    own_sessions: Mapping[str, int] | None = None,
 ) -> SwarmSnapshot:
     """The routing snapshot of `infos` (one record per node) for a model of `num_blocks` blocks.
 
     `client_rtt_ms`: the client's own measured round trips by peer id. `hidden_size` sets D of eq. 18's transfer
-    term (0: latency only). Element bytes follow the nodes' announced dtype (the most common one).
+    term (0: latency only). Element bytes follow the nodes' announced dtype (the most common one). `measured`: the
+    client's own measurements of nodes' speed; `seen_s`: how long the client has seen each node; `own_sessions`:
+    the client's open sessions per node (the module docstring says how each is used).
     """
     client_rtt_ms = dict(client_rtt_ms or {})
+    own_sessions = own_sessions or {}
     infos = [info for info in infos if _fits(info, num_blocks)]
     access = fit_access_ms(link_measurements(infos, client_rtt_ms))
     bandwidth: dict[str, float] = {}
@@ -66,6 +80,14 @@ def build_snapshot(
             if link.bandwidth_mbps:
                 for peer_id in (info.peer_id, link.peer_id):
                     bandwidth[peer_id] = max(bandwidth.get(peer_id, 0.0), link.bandwidth_mbps)
+    bandwidth = capped_bandwidths(bandwidth)
+    speeds = trusted_speeds(
+        [SpeedClaim(info.peer_id, info.start_block, info.end_block, info.inference_tps) for info in infos],
+        measured or {},
+    )
+    uptimes = {info.peer_id: info.uptime_s for info in infos}
+    if seen_s is not None:  # a client's view: uptime claims are bounded by what it has seen
+        uptimes = capped_uptimes(uptimes, seen_s)
     nodes = [
         NodeView(
             peer_id=info.peer_id,
@@ -73,15 +95,15 @@ def build_snapshot(
             end_block=info.end_block,
             online=info.state == NodeState.online,
             draining=info.state == NodeState.draining,
-            inference_tps=info.inference_tps,
+            inference_tps=_tps(speeds[info.peer_id].block_ms, info.end_block - info.start_block),
             cache_tokens_left=info.cache_tokens_left,
             max_length=info.max_length,
             rtt_ms=client_rtt_ms.get(info.peer_id),
             codecs=info.codecs,
             access_ms=access.get(info.peer_id),
             bandwidth_mbps=bandwidth.get(info.peer_id),
-            load=load_share(info.load),
-            reliability=reliability(info),
+            load=max(load_share(info.load), _share(own_sessions.get(info.peer_id, 0))),
+            reliability=reliability(info, uptimes[info.peer_id]) * speeds[info.peer_id].reliability_factor,
         )
         for info in infos
     ]
@@ -93,6 +115,16 @@ def build_snapshot(
         hidden_size=hidden_size,
         element_bytes=ELEMENT_BYTES.get(dtype, 2.0),
     )
+
+
+def _tps(block_ms: float | None, blocks: int) -> float:
+    """Tokens/s through `blocks` blocks at `block_ms` per block (0: unknown)."""
+    return 1000.0 / (block_ms * blocks) if block_ms and blocks > 0 else 0.0
+
+
+def _share(customers: int) -> float:
+    """Busy share of a node with `customers` in its queue (M/M/1 mean occupancy, as load_share)."""
+    return customers / (customers + 1.0)
 
 
 def _fits(info: NodeInfo, num_blocks: int) -> bool:

@@ -26,6 +26,7 @@ from nesa_node.client.failover import Failover, Rerouter
 from nesa_node.client.session_chain import SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
+    BadRequestError,
     CacheBudgetError,
     PeerUnavailableError,
     QuotaExceededError,
@@ -119,12 +120,14 @@ class InferenceSession:
             await self.close()
             raise
         self._opened = True
+        self.swarm.open_sessions.add(self)
         return self
 
     async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
+        self.swarm.open_sessions.discard(self)
         await self.links.close()
 
     async def __aenter__(self) -> InferenceSession:
@@ -169,9 +172,12 @@ class InferenceSession:
                     raise PeerUnavailableError(f"{failed.message} (no failover left)") from None
                 failovers += 1
                 failure = failed
+        wall_s = time.perf_counter() - started
+        if failovers == 0 and hidden.shape[1] == 1:  # a decode step through an unchanged chain
+            self._measure_nodes(wall_s)
         self.timings.append(
             StepTiming(
-                wall_s=time.perf_counter() - started,
+                wall_s=wall_s,
                 compute_s=compute_s,
                 bytes_sent=sent,
                 bytes_received=received,
@@ -185,6 +191,16 @@ class InferenceSession:
                 kept.append(sent_input.detach().clone())
         self.position += hidden.shape[1]
         return output
+
+    def _measure_nodes(self, wall_s: float) -> None:
+        """Give the swarm's per-node timings this step: its wall time less the client's round trips to the chain's
+        ends (client/timings.py splits the rest among the nodes)."""
+        hops = [(link.peer_id, link.hop.end_block - link.hop.start_block) for link in self.links.links]
+        if not hops:
+            return
+        rtt_ms = self.swarm.rtt_ms
+        legs_ms = (rtt_ms.get(hops[0][0], 0.0) + rtt_ms.get(hops[-1][0], 0.0)) / 2
+        self.swarm.timings.observe(hops, wall_s * 1000.0 - legs_ms, 1, self.swarm.believed_block_ms)
 
     def deadline(self, tokens: int) -> float:
         """Seconds a step may take before the chain is presumed broken (a node killed mid-step may leave its
@@ -232,16 +248,21 @@ class InferenceSession:
     def _raise_step_error(self, answered, message) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
         peer_unavailable: that next node failed. A node that ended the session (preempted it while idle) or cannot
-        grow its cache for it failed itself: it is replaced like a lost node."""
+        grow its cache for it failed itself: it is replaced like a lost node. A node of a direct chain that refuses
+        a pushed step blames the node that pushed it."""
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
         if isinstance(error, SessionPreemptedError | CacheBudgetError | QuotaExceededError):
             raise LinkFailed(error.message, answered)  # this node dropped the session, or has no cache left for it
-        if not isinstance(error, PeerUnavailableError):
-            raise error
         links = self.links.links
         index = links.index(answered) if answered in links else -1
+        if isinstance(error, BadRequestError) and self.links.direct and index > 0:
+            # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
+            # (NaN, a wrong shape) is that node's fault
+            raise LinkFailed(f"{links[index].peer_id} refused its input: {error.message}", links[index - 1])
+        if not isinstance(error, PeerUnavailableError):
+            raise error
         if self.links.direct and 0 <= index < len(links) - 1:
             raise LinkFailed(error.message, links[index + 1])
         raise LinkFailed(error.message, answered)

@@ -16,6 +16,7 @@ import torch
 from hivemind.p2p import PeerID
 from hivemind.utils import get_dht_time
 
+from nesa_node.client.timings import NodeTimings
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.peer import Peer, start_peer
 from nesa_node.protocol import lane, rpc
@@ -74,6 +75,11 @@ class Swarm:
         # a FORWARD data lane per node, kept open between forward calls (protocol/lane.py), one call at a time
         self._forward_lanes: dict[str, LaneChannel] = {}
         self._forward_locks: dict[str, asyncio.Lock] = {}
+        # what routing trusts over the nodes' claims (routing/claims.py): the client's own measurements
+        self.timings = NodeTimings()  # each node's compute time, from the steps of this client's sessions
+        self.believed_block_ms: dict[str, float] = {}  # per node, what the last snapshot costed (ms/block/token)
+        self._first_seen: dict[str, float] = {}  # peer id -> monotonic s its first record reached this client
+        self.open_sessions: set = set()  # this client's open inference sessions (their nodes count as loaded)
 
     @classmethod
     async def create(
@@ -168,7 +174,9 @@ class Swarm:
     def hold(self, records: list[NodeRecord]) -> None:
         """Merge `records` into the records at hand: per node, the one that expires last."""
         held = dict(self._records)
+        now = time.monotonic()
         for record in records:
+            self._first_seen.setdefault(record.info.peer_id, now)
             known = held.get(record.info.peer_id)
             if known is None or record.expiration_time >= known.expiration_time:
                 held[record.info.peer_id] = record
@@ -226,7 +234,29 @@ class Swarm:
         """Freeze the current records, with the client's measured rtts, for routing (swarm_view.py); `fresh`: see
         node_records."""
         infos = [record.info for record in await self.node_records(fresh)]
-        return build_snapshot(infos, num_blocks, client_rtt_ms=dict(self.rtt_ms), hidden_size=hidden_size)
+        now = time.monotonic()
+        snapshot = build_snapshot(
+            infos,
+            num_blocks,
+            client_rtt_ms=dict(self.rtt_ms),
+            hidden_size=hidden_size,
+            measured=self.timings.measured(),
+            seen_s={peer: now - seen for peer, seen in self._first_seen.items()},
+            own_sessions=self.sessions_per_node(),
+        )
+        for node in snapshot.nodes:
+            blocks = node.end_block - node.start_block
+            if node.inference_tps > 0 and blocks > 0:
+                self.believed_block_ms[node.peer_id] = 1000.0 / (node.inference_tps * blocks)
+        return snapshot
+
+    def sessions_per_node(self) -> dict[str, int]:
+        """How many of this client's open sessions use each node."""
+        counts: dict[str, int] = {}
+        for session in self.open_sessions:
+            for peer_id in session.chain.peer_ids:
+                counts[peer_id] = counts.get(peer_id, 0) + 1
+        return counts
 
     # ---- round trips -------------------------------------------------------------------------------------------------
 

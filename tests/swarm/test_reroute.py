@@ -139,3 +139,43 @@ def test_a_node_sending_bad_hidden_states_is_banned_and_its_span_rerouted(local_
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
     )
     assert torch.equal(output, reference)
+
+
+@pytest.mark.parametrize("fault", ["nan", "shape"])
+def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, tiny_llama, fault):
+    """In a direct chain the first node pushes NaN (or a token short) to the next: the next node refuses the step,
+    the client blames the node that pushed it (not the one that refused), re-routes its span to a spare, and the
+    tokens equal single-process generation."""
+    prefix = f"bad-push-{fault}"
+    liar = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    honest = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_run = liar.compute.run
+
+    async def lying_run(hidden, cache, position, blocks):
+        output, seconds = await honest_run(hidden, cache, position, blocks)
+        if position >= PROMPT.shape[1] + 2:
+            output = torch.full_like(output, float("nan")) if fault == "nan" else output[:, :0]
+        return output, seconds
+
+    liar.compute.run = lying_run
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
+    ) as model:
+        wait_until(lambda: _hops(model) == 2, timeout_s=30)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids == (liar.peer_id, honest.peer_id)
+            spare = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+            output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
+        assert session.chain.peer_ids == (spare.peer_id, honest.peer_id)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(output, reference)
+
+
+def _hops(model) -> int:
+    try:
+        return len(model.choose_chain(max_length=32).hops)
+    except NoRouteError:  # the records are not out yet
+        return 0

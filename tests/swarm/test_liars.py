@@ -1,0 +1,122 @@
+"""Nodes that lie in their records (RELIABILITY.md G4): three real nodes of equal real speed each serve the whole tiny
+Llama; one lies. Once the client has measured it, the liar gets no more than its fair share of 20 concurrent
+sessions, and an honest generation meanwhile equals the single-process reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.protocol.records import LinkInfo
+from nesa_node.routing.chain import Chain, Hop
+from nesa_node.routing.claims import MIN_SAMPLES
+from tests.support.swarm import wait_for_chain, wait_until
+
+PROMPT = torch.tensor([[7, 1, 8, 2]])
+NEW_TOKENS = 8
+HIDDEN = 64  # the tiny Llama's hidden size
+SESSIONS = 20
+FAIR = SESSIONS / 3
+NOISE = 2  # sessions over the fair share still counted as fair (ties broken by round-trip noise)
+
+
+def lying(node, **fields) -> None:
+    """Make `node` announce `fields` over its true record from now on."""
+    honest = node.current_info
+    node.current_info = lambda: honest().model_copy(update=fields)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def start_nodes(swarm, path: str, prefix: str, count: int = 3) -> list:
+    """`count` nodes of the whole model, each announcing the throughput it measured at start (the same blocks on
+    the same machine: equal real speed)."""
+    return [swarm.start_node(path, 0, 4, dht_prefix=prefix, measure_throughput=True) for _ in range(count)]
+
+
+def claimed_tps(node) -> float:
+    return node.throughput["inference_tps"]
+
+
+def share_of_sessions(model, liar_id: str) -> int:
+    """Open SESSIONS sessions, all held at once, and count those whose chain starts at the liar."""
+    sessions = []
+    try:
+        for _ in range(SESSIONS):
+            sessions.append(model.open_session(max_length=16))
+        return sum(session.chain.peer_ids[0] == liar_id for session in sessions)
+    finally:
+        for session in sessions:
+            session.close()
+
+
+def measure(model, nodes, steps: int = 8) -> None:
+    """A session on each node in turn, `steps` decode steps each: the client's own measurement of every node
+    (a client meets the nodes this way over its first sessions; here it is made sure of)."""
+    for node in nodes:
+        with model.session_on(Chain(hops=(Hop(node.peer_id, 0, 4),)), max_length=steps, failover=False) as session:
+            for _ in range(steps):
+                session.step(torch.randn(1, 1, HIDDEN))
+    measured = model.swarm.timings.measured()
+    assert all(measured[node.peer_id].samples >= MIN_SAMPLES for node in nodes)
+
+
+def connect(swarm, path: str, prefix: str) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=prefix, compression="none"
+    )
+
+
+def records_show(model, peer_id: str, predicate) -> None:
+    def seen() -> bool:
+        return any(
+            record.info.peer_id == peer_id and predicate(record.info)
+            for record in model.call(model.swarm.node_records(fresh=True))
+        )
+
+    wait_until(seen, timeout_s=30)
+
+
+def test_g4_a_node_claiming_100x_throughput_gets_no_more_than_its_share_once_measured(
+    module_swarm, tiny_llama, reference
+):
+    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-speed")
+    liar.throughput = {name: 100 * value for name, value in liar.throughput.items()}
+    with connect(module_swarm, tiny_llama, "liar-speed") as model:
+        wait_for_chain(model)
+        records_show(model, liar.peer_id, lambda info: info.inference_tps == claimed_tps(liar))
+        for node in honest:
+            records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
+        measure(model, [*honest, liar])
+        taken = share_of_sessions(model, liar.peer_id)
+        print(f"the 100x liar got {taken} of {SESSIONS} sessions")
+        assert taken <= FAIR + NOISE
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
+    for node in [*honest, liar]:
+        module_swarm.stop_node(node)
+
+
+def test_g4_a_node_lying_about_its_links_and_uptime_gets_no_more_than_its_share(module_swarm, tiny_llama, reference):
+    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-links")
+    fake_links = tuple(LinkInfo(peer_id=node.peer_id, rtt_ms=0.001, bandwidth_mbps=1e6) for node in honest)
+    lying(liar, uptime_s=1e9, links=fake_links)
+    with connect(module_swarm, tiny_llama, "liar-links") as model:
+        wait_for_chain(model)
+        records_show(model, liar.peer_id, lambda info: info.uptime_s == 1e9)
+        for node in honest:
+            records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
+        measure(model, [*honest, liar])
+        taken = share_of_sessions(model, liar.peer_id)
+        print(f"the links and uptime liar got {taken} of {SESSIONS} sessions")
+        assert taken <= FAIR + NOISE
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
+    for node in [*honest, liar]:
+        module_swarm.stop_node(node)
