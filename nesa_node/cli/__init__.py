@@ -177,6 +177,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the known peers are kept across restarts (default: the --identity file with suffix .peers; "
         "none without --identity)",
     )
+    dht.add_argument(
+        "--dht-storage-mb",
+        type=PARSERS["positive"],
+        default=None,
+        metavar="MB",
+        help="most memory other peers together may fill in this peer's DHT storage, MiB, each sender 1/16 of it; "
+        "the oldest records of the heaviest sender go first (default 64)",
+    )
 
     generate = commands.add_parser("generate", help="generate text through the swarm")
     _add_peer_args(generate)
@@ -281,7 +289,10 @@ async def _run_node(args) -> None:
 
 async def _run_dht(args) -> None:
     from nesa_node.bootstrap import BootstrapPeer
+    from nesa_node.protocol.dht_storage import limits_of_mib, set_storage_limits
 
+    if args.dht_storage_mb is not None:
+        set_storage_limits(limits_of_mib(args.dht_storage_mb))
     peer = await BootstrapPeer.create(
         host=args.host,
         port=args.port,

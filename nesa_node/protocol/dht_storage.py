@@ -333,6 +333,18 @@ def _compact_heap(storage: TimedStorage) -> None:
 _limits = StorageLimits()
 
 
+RECORD_BYTES_FLOOR = 256  # a record costs at least this much (Python objects around its bytes), for the count
+
+
+def limits_of_mib(mib: float) -> StorageLimits:
+    """Limits for a total of `mib` MiB (what `--dht-storage-mb` sets): records at most one per RECORD_BYTES_FLOOR
+    bytes and never more than the default count, each sender SENDER_SHARE of both."""
+    total_bytes = max(1, int(mib * 2**20))
+    return StorageLimits.from_totals(
+        total_bytes, max(16, min(DEFAULT_TOTAL_RECORDS, total_bytes // RECORD_BYTES_FLOOR))
+    )
+
+
 def set_storage_limits(limits: StorageLimits) -> StorageLimits:
     """Limits for the DHT peers this process starts from now on (running ones keep theirs); returns the previous."""
     global _limits

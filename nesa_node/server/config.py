@@ -45,6 +45,13 @@ class NetworkConfig:
         parse="positive",
     )
     peer_timeout_s: float = option(30.0, "seconds any call to another peer may take", parse="positive")
+    dht_storage_mb: float | None = option(
+        None,
+        "most memory other peers together may fill in this peer's DHT storage, MiB, each sender 1/16 of it; the "
+        "oldest records of the heaviest sender go first (default 64)",
+        parse="positive",
+        metavar="MB",
+    )
     # Data lane connections before their hello is authenticated cost an attacker one TCP connect each; these caps
     # keep the node's file descriptors for its own work (server/lane_gate.py). A client holds 2 lanes per session
     # and a few forward lanes; a hello takes one round trip (a WAN's 5 s is a dead peer).

@@ -37,6 +37,7 @@ from nesa_node.peer import (
     write_address_file,
 )
 from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_node_info
+from nesa_node.protocol.dht_storage import limits_of_mib, set_storage_limits
 from nesa_node.protocol.messages import MAX_METADATA_BYTES
 from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
 from nesa_node.server.compute import BlockCompute
@@ -125,6 +126,8 @@ class Node:
         else:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
         budget = cache_budget(config, model_config, config.end_block - config.start_block)
+        if network.dht_storage_mb is not None:  # the process's peers from now on: a daemon runs one
+            set_storage_limits(limits_of_mib(network.dht_storage_mb))
         peer = await start_peer(
             initial_peers=network.initial_peers,
             host=network.host,

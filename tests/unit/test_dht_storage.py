@@ -234,3 +234,12 @@ def test_stale_heap_entries_of_repeated_stores_are_dropped():
             store.store(key("d"), b"v", now + 10 + step * 0.01, subkey=b"s")
     assert len(store.expiration_heap) < 2000
     assert len(store.get(key("d")).value.expiration_heap) < 2000
+
+
+def test_limits_of_a_size_in_mib_bound_bytes_records_and_each_sender():
+    from nesa_node.protocol.dht_storage import DEFAULT_TOTAL_RECORDS, SENDER_SHARE, limits_of_mib
+
+    small = limits_of_mib(1.0)
+    assert small.total_bytes == 2**20 and small.total_records == 2**20 // 256
+    assert small.sender_bytes == int(2**20 * SENDER_SHARE)
+    assert limits_of_mib(1024.0).total_records == DEFAULT_TOTAL_RECORDS
