@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import msgpack
 import pytest
 import torch
 from hivemind.utils import get_dht_time
@@ -179,3 +180,44 @@ def _hops(model) -> int:
         return len(model.choose_chain(max_length=32).hops)
     except NoRouteError:  # the records are not out yet
         return 0
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        {"kind": "step_result", "step_id": ["not", "text"], "position": "0", "compute_s": {}},  # wrong types
+        {"kind": "step_result", "step_id": "x", "position": 0, "compute_s": 0.0, "codec": "none", "extra": 1},
+        "a bare string",
+    ],
+    ids=["wrong-types", "unknown-field", "not-a-map"],
+)
+def test_a_node_answering_hostile_metadata_is_banned_and_its_span_rerouted(local_swarm, tiny_llama, metadata):
+    """The last node answers a step with metadata of the wrong types, an unknown field, or no map at all: the
+    client fails it like a node sending NaN (banned, span re-routed to a spare) and the tokens are unchanged."""
+    prefix = "bad-metadata"
+    local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    liar = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_send = liar.inference._send_output
+    answered = []
+
+    async def lying_send(session, output):
+        answered.append(output)
+        if len(answered) > 3:  # after a few honest answers, so the client has history to replay
+            output.metadata = msgpack.packb(metadata)
+        await honest_send(session, output)
+
+    liar.inference._send_output = lying_send
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
+    ) as model:
+        wait_until(lambda: _hops(model) == 2, timeout_s=30)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.hops[1].peer_id == liar.peer_id
+            spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+            output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
+        assert session.chain.hops[1].peer_id == spare.peer_id
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(output, reference)
