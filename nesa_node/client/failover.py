@@ -2,6 +2,10 @@
 its span, rebuild the replacement's KV cache by replaying the span's input history, point the neighbours at it, and
 let the session retry the step under the same step id (README, "Client SDK"; RELIABILITY.md A).
 
+A replacement that fails or refuses its open or replay, for whatever reason (dead, full, moved, or an id someone
+else holds there), is banned and the next candidate tried: a refusal is a typed answer, but for this span it ends
+that node's chance just as silence does (RELIABILITY.md G5).
+
 `Failover` works on the session's links only through SessionChain (client/session_chain.py); it gets the rest of the
 session's state (position, the inputs the client kept) as arguments.
 """
@@ -19,7 +23,7 @@ import torch
 from nesa_node.client.chain_links import ChainLink, LinkFailed
 from nesa_node.client.session_chain import SessionChain
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import PeerUnavailableError
+from nesa_node.errors import PeerUnavailableError, RequestError
 from nesa_node.protocol.messages import LaneSettings, Retarget
 from nesa_node.routing.chain import ChainRequest, Hop
 
@@ -146,10 +150,11 @@ class Failover:
                 new_links = await chain.open_segment(hops, upstream, following)
             with self._timed("replay"):
                 replayed_inputs = await chain.replay(new_links, history) if history is not None else None
-        except LinkFailed as failure:
-            # a replacement that cannot open or replay is banned; the lost span is still the one to replace
+        except (LinkFailed, RequestError) as failure:
+            # a replacement that cannot open or replay, or refuses to, is banned; the lost span is still the one to
+            # replace
             chain.close_links(new_links)
-            failed = failure.link.peer_id if failure.link is not None else None
+            failed = _failed_peer(failure)
             if failed not in {hop.peer_id for hop in hops}:
                 raise
             self.swarm.ban(failed)
@@ -179,6 +184,13 @@ class Failover:
         chain.links[index : index + 1] = new_links
         with self._timed("lanes"):
             await chain.connect_client_lanes()  # a new first or last node: the client's lanes to it
+
+
+def _failed_peer(failure: LinkFailed | RequestError) -> str | None:
+    """The node a failure of opening or replaying names: the link that failed, or the node that refused."""
+    if isinstance(failure, LinkFailed):
+        return failure.link.peer_id if failure.link is not None else None
+    return getattr(failure, "peer_id", None)
 
 
 __all__ = ["Failover", "Rerouter"]

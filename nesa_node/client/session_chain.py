@@ -312,7 +312,8 @@ class SessionChain:
 
     async def replay(self, links: list[ChainLink], history: torch.Tensor) -> list[list[torch.Tensor]]:
         """Rebuild the caches of replacement nodes: the history (batch, position, hidden) goes through them one by
-        one, via the client. Returns each link's input history (one tensor per link)."""
+        one, via the client. Returns each link's input history (one tensor per link). Raises LinkFailed naming a node
+        that failed, or the RequestError a node refused with (its `peer_id` set)."""
         inputs = []
         for link in links:
             inputs.append([history])
@@ -331,7 +332,9 @@ class SessionChain:
                     if isinstance(message, ErrorReply):
                         if message.code == PeerUnavailableError.code:  # the replayed node gave up (timeout)
                             raise LinkFailed(message.message, link)
-                        raise message.error()
+                        refusal = message.error()
+                        refusal.peer_id = answered.peer_id  # who refused: failover bans it and tries another
+                        raise refusal
                     if answered is link and isinstance(message, StepResult) and message.step_id == step_id:
                         break
                 outputs.append(self.read_hidden(link, answer, message.codec, chunk.numel(), tuple(chunk.shape)))

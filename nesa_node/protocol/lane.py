@@ -36,6 +36,7 @@ import contextlib
 import ipaddress
 import os
 import time
+from collections.abc import Sequence
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -134,6 +135,17 @@ class SealedStream:
         self.writer.write(len(sealed).to_bytes(LENGTH_BYTES, "big") + sealed)
 
     async def receive(self) -> bytes | None:
+        sealed = await self.read_sealed()
+        if sealed is None:
+            return None
+        payload = self.unseal(sealed)
+        if payload is None:
+            self.close()
+            raise BadRequestError("lane frame failed authentication (altered, replayed or wrong key)")
+        return payload
+
+    async def read_sealed(self) -> bytes | None:
+        """The next frame as sent, still sealed (None when the peer closed between frames)."""
         try:
             header = await self.reader.readexactly(LENGTH_BYTES)
         except asyncio.IncompleteReadError as exc:
@@ -152,15 +164,17 @@ class SealedStream:
                 f"lane frame of {length} bytes outside {TAG_BYTES}..{self.max_frame_bytes + TAG_BYTES}"
             )
         try:
-            sealed = await self.reader.readexactly(length)
+            return await self.reader.readexactly(length)
         except (asyncio.IncompleteReadError, ConnectionError, OSError):
             self.close()
             raise LaneClosedError("data lane closed mid-frame") from None
+
+    def unseal(self, sealed: bytes) -> bytes | None:
+        """The payload of the next frame received; None when it fails authentication under this stream's key."""
         try:
             payload = self._receive_cipher.decrypt(self._received.to_bytes(12, "big"), sealed, None)
         except InvalidTag:
-            self.close()
-            raise BadRequestError("lane frame failed authentication (altered, replayed or wrong key)") from None
+            return None
         self._received += 1
         return payload
 
@@ -259,14 +273,35 @@ async def accept(
 ) -> SealedStream:
     """The accepting side of the handshake, after `read_hello` and the key lookup: send our salt, check the
     proof. The caller registers the stream, then calls `confirm`. BadRequestError when the proof fails."""
+    stream, _ = await accept_any(reader, writer, role, salt_c, [link_key], max_frame_bytes)
+    return stream
+
+
+async def accept_any(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    role: int,
+    salt_c: bytes,
+    link_keys: Sequence[bytes],
+    max_frame_bytes: int,
+) -> tuple[SealedStream, int]:
+    """`accept` when several keys may be the one the hello means (sessions of one id opened by different peers):
+    the proof frame is checked under each, and the stream takes the key it opens under. Returns the stream and that
+    key's index in `link_keys`. BadRequestError when it opens under none."""
+    if not link_keys:
+        raise ValueError("accept_any needs at least one key")
     salt_a = os.urandom(SALT_BYTES)
     writer.write(salt_a)
-    from_peer, to_peer = _ciphers(link_key, salt_c, salt_a)
-    stream = SealedStream(reader, writer, to_peer, from_peer, max_frame_bytes)
-    if await stream.receive() != b"":
-        stream.close()
-        raise BadRequestError("lane handshake proof missing")
-    return stream
+    streams = []
+    for link_key in link_keys:
+        from_peer, to_peer = _ciphers(link_key, salt_c, salt_a)
+        streams.append(SealedStream(reader, writer, to_peer, from_peer, max_frame_bytes))
+    sealed = await streams[0].read_sealed()
+    for index, stream in enumerate(streams):
+        if sealed is not None and stream.unseal(sealed) == b"":
+            return stream, index
+    streams[0].close()
+    raise BadRequestError("lane handshake proof missing, or under no key of that session here")
 
 
 def confirm(stream: SealedStream) -> None:
@@ -283,6 +318,7 @@ __all__ = [
     "LaneClosedError",
     "SealedStream",
     "accept",
+    "accept_any",
     "confirm",
     "connect",
     "format_address",

@@ -167,7 +167,8 @@ class Step(Message):
     """Hidden states (batch, seq, hidden) of new tokens starting at `position`, in one tensor. `step_id` is the
     same on a retry, so a duplicate is answered from record; `compute_s` is what the nodes before spent on it;
     `replay` (from the client only) rebuilds a replacement's cache and answers to the client; `session_id` names the
-    session on a libp2p push stream, where nothing else does."""
+    session on a libp2p push stream, where nothing else does, with `owner`, the peer that opened it: sessions are
+    scoped to their opener, so peers other than the client may hold sessions of the same id on the next node."""
 
     kind: Literal["step"] = "step"
     step_id: StepIdText
@@ -176,6 +177,7 @@ class Step(Message):
     compute_s: Seconds = 0.0
     replay: bool = False
     session_id: Id | None = None
+    owner: Id | None = None  # a base58 peer id; only looked up, so a malformed one just matches no session
 
 
 class HistoryRequest(Message):

@@ -234,6 +234,7 @@ class InferenceService:
                         codec=result.codec,
                         compute_s=result.compute_s,
                         session_id=session.session_id,
+                        owner=session.client_peer,
                     ), tensors)  # fmt: skip
         except TimeoutError:
             logger.info("session %s: step over %.1f s, closing", session.session_id, self.limits.step_timeout_s)

@@ -7,6 +7,10 @@
   PING      answered at once, for round-trip times
 Anything malformed or unauthenticated closes the connection and touches no session. How many connections are taken at
 all, and how long a hello may take, is server/lane_gate.py's business.
+
+A hello names a session id, which several peers may have open here (sessions are scoped to their opener): the
+connection belongs to the session whose lane key its handshake proves, so a session of the same id opened by anyone
+else (who lacks the owner's fresh random key) never takes the owner's lane or steps.
 """
 
 from __future__ import annotations
@@ -145,17 +149,14 @@ class LaneServer:
                 owner = None
                 if role == lane.ROLE_FORWARD:
                     key, owner = self._take_ticket(session_id)
+                    stream = await lane.accept(reader, writer, role, salt, key, self.max_frame_bytes)
                 else:
-                    session = self.sessions.get(session_id)
-                    key = _session_key(session, role)
-                    if key is None:
-                        raise SessionNotFoundError(f"no session {session_id[:32]!r} with a lane of that role here")
-                stream = await lane.accept(reader, writer, role, salt, key, self.max_frame_bytes)
+                    stream, session = await self._accept_session(reader, writer, role, session_id, salt)
                 channel = LaneChannel(stream, "frame on a data lane")
             admission.authenticated()
             if role == lane.ROLE_FORWARD:
                 await self._serve_forwards(channel, owner)
-            elif self.sessions.get(session_id) is session:
+            elif self.sessions.holds(session):
                 if role == lane.ROLE_RECEIVE:
                     await self._serve_output(channel, session)
                 else:
@@ -171,6 +172,19 @@ class LaneServer:
                 channel.close()
             else:
                 writer.close()
+
+    async def _accept_session(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, role: int, session_id: str, salt: bytes
+    ) -> tuple[lane.SealedStream, ServerSession]:
+        """The handshake of a SEND or RECEIVE lane: the session of id `session_id` whose key of that role the
+        connecting side proves it holds. SessionNotFoundError when no such session has a lane of that role,
+        BadRequestError when the proof opens under none of their keys."""
+        candidates = [session for session in self.sessions.named(session_id) if _session_key(session, role)]
+        if not candidates:
+            raise SessionNotFoundError(f"no session {session_id[:32]!r} with a lane of that role here")
+        keys = [_session_key(session, role) for session in candidates]
+        stream, index = await lane.accept_any(reader, writer, role, salt, keys, self.max_frame_bytes)
+        return stream, candidates[index]
 
     async def _serve_forwards(self, channel: LaneChannel, owner: str) -> None:
         """Forward calls answered in order on the lane, until the client closes it or leaves it idle for the session
@@ -222,8 +236,11 @@ async def serve_steps(channel: Channel, session_of, sessions: SessionTable, *, s
                 return
             message = read(request, PUSHED)
             step_id = message.step_id if isinstance(message, Step) else None
-            session = session_of if session_of is not None else sessions.find(message.session_id)
-            if sessions.get(session.session_id) is not session or channel.closed:
+            if session_of is not None:
+                session = session_of
+            else:
+                session = sessions.find(message.session_id, message.owner, sender=sender)
+            if not sessions.holds(session) or channel.closed:
                 return
             await sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
         except RequestError as exc:

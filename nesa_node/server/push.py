@@ -46,7 +46,7 @@ class PushSender:
         """Hand a step's output to the session's next node. PeerUnavailableError when it cannot be reached."""
         if session.downstream is None:
             channel = await self._open(session)
-            if self.sessions.get(session.session_id) is not session:  # closed while the channel opened (a move)
+            if not self.sessions.holds(session):  # closed while the channel opened (a move)
                 channel.close()
                 raise PeerUnavailableError(f"session {session.session_id} closed; its output is not pushed")
             session.downstream = channel
@@ -120,7 +120,7 @@ class PushSender:
             ending = f"failed: {exc!r}"
         logger.debug("push channel of session %s %s", session.session_id, ending)
         channel.close()
-        if session.downstream is channel and self.sessions.get(session.session_id) is session:
+        if session.downstream is channel and self.sessions.holds(session):
             session.downstream = session.downstream_reader = None  # a later push opens a new channel
             session.report(PeerUnavailableError(f"next node {session.next_peer}: push channel {ending}"))
 

@@ -74,10 +74,9 @@ class NodeRpc:
         """A step pushed by the upstream node of a direct chain, queued into its session."""
         try:
             message = read(request, PUSHED)
-            session = self.sessions.find(message.session_id)
-            await self.sessions.admit(
-                session, Inbound(request, message), sender=context.remote_id.to_base58(), wait=False
-            )
+            sender = context.remote_id.to_base58()
+            session = self.sessions.find(message.session_id, message.owner, sender=sender)
+            await self.sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
             return Frame()
         except RequestError as exc:
             return frame(ErrorReply.of(exc))

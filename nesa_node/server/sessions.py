@@ -7,6 +7,12 @@ doubling as its steps need more, never past its max_length), takes no step withi
 closed, and when the node is full (sessions or cache) sessions idle for `preempt_idle_s` are ended to admit the new
 one (their owners get a typed `preempted` error and fail over), those of the peer holding the most sessions first.
 An active session is never preempted; a refusal is always a typed error at once.
+
+Scope (RELIABILITY.md G5): a session belongs to the peer that opened it, and the table keys it by (that peer, session
+id). Any chain member learns a session's id from the steps it sees, and could open that id first on the nodes that
+might replace a failing one; scoped, its sessions sit beside the owner's and take none of its steps. Every way into a
+session names it unambiguously: the owner's own stream is bound to it at open, a push names the owner and must come
+from the session's upstream (`find`), and a data lane is matched by the key its handshake proves (server/lanes.py).
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ logger = logging.getLogger(__name__)
 END_OF_SESSION = object()  # put in a session's inbox when its stream ends or the node ends it
 MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
 RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
+
+SessionKey = tuple[str, str]  # (base58 id of the peer that opened the session, session id)
 
 
 @dataclass
@@ -91,6 +99,10 @@ class ServerSession:
     last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
     busy: bool = False  # a step is being computed or handed on
 
+    @property
+    def key(self) -> SessionKey:
+        return (self.client_peer, self.session_id)
+
     def idle_s(self, now: float) -> float:
         """Seconds since the session last did anything; 0 while it has work queued or under way."""
         if self.busy or not self.inbox.empty():
@@ -139,11 +151,11 @@ class ServerSession:
 
 
 class SessionTable:
-    """Sessions by id, with the node's limits, the per-peer quotas and the KV cache budget."""
+    """Sessions by (opening peer, id), with the node's limits, the per-peer quotas and the KV cache budget."""
 
     def __init__(self, limits: LimitsConfig, budget: CacheBudget):
         self.limits = limits
-        self.sessions: dict[str, ServerSession] = {}
+        self.sessions: dict[SessionKey, ServerSession] = {}
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
@@ -170,8 +182,17 @@ class SessionTable:
             )
         return (budget.free_bytes + reclaimable) // budget.bytes_per_token
 
-    def get(self, session_id: str) -> ServerSession | None:
-        return self.sessions.get(session_id)
+    def get(self, client_peer: str, session_id: str) -> ServerSession | None:
+        """The session `client_peer` opened as `session_id`, if it is open."""
+        return self.sessions.get((client_peer, session_id))
+
+    def named(self, session_id: str) -> list[ServerSession]:
+        """Every open session of id `session_id`, whoever opened it (several peers may use one id), oldest first."""
+        return [session for session in self.sessions.values() if session.session_id == session_id]
+
+    def holds(self, session: ServerSession) -> bool:
+        """Whether `session` is still open (not closed, and not replaced by a later open of the same key)."""
+        return self.sessions.get(session.key) is session
 
     def queued_steps(self) -> int:
         return sum(session.inbox.qsize() for session in self.sessions.values())
@@ -180,12 +201,13 @@ class SessionTable:
         self, request: OpenSession, *, client_peer: str, blocks: tuple[int, int], cache, reply: Channel
     ) -> ServerSession:
         """Reserve the session's first chunk of cache and register it, preempting idle sessions when the node is
-        full. Raises TooManySessionsError (draining, node limit), BadRequestError (duplicate id, batch or length out
-        of range), QuotaExceededError (the peer's share), CacheBudgetError (the node's budget)."""
+        full. Raises TooManySessionsError (draining, node limit), BadRequestError (an id this peer already has open
+        here, batch or length out of range), QuotaExceededError (the peer's share), CacheBudgetError (the node's
+        budget)."""
         limits = self.limits
         if self.draining:
             raise TooManySessionsError("node is draining and accepts no new sessions")
-        if request.session_id in self.sessions:
+        if (client_peer, request.session_id) in self.sessions:
             raise BadRequestError(f"session {request.session_id!r} is already open on this node")
         if request.batch > limits.max_batch:
             raise BadRequestError(f"batch must be in 1..{limits.max_batch}, got {request.batch}")
@@ -227,7 +249,7 @@ class SessionTable:
             room=asyncio.Semaphore(limits.max_queued_steps),
         )
         session.apply_lane_settings(request.lane)
-        self.sessions[session.session_id] = session
+        self.sessions[session.key] = session
         self.idle.clear()
         logger.debug(
             "opened session %s (batch %d, max_length %d)", session.session_id, session.batch, session.max_length
@@ -326,9 +348,9 @@ class SessionTable:
 
     def close(self, session: ServerSession) -> None:
         """Free the session's cache and channels (the client's stream is its handler's to close)."""
-        if self.sessions.get(session.session_id) is not session:
+        if not self.holds(session):
             return
-        del self.sessions[session.session_id]
+        del self.sessions[session.key]
         self.budget.release(session.reserved_bytes)
         session.cache = None
         session.close_channels()
@@ -357,13 +379,26 @@ class SessionTable:
 
     # ---- step ingress ------------------------------------------------------------------------------------------
 
-    def find(self, session_id: str | None) -> ServerSession:
-        """The open session `session_id` names; SessionNotFoundError otherwise."""
-        session = self.sessions.get(session_id) if session_id is not None else None
-        if session is None:
-            name = session_id[:MAX_ID_LENGTH] if session_id else None
+    def find(self, session_id: str | None, owner: str | None, *, sender: str) -> ServerSession:
+        """The session a push from `sender` names: `owner`'s session `session_id` (a pushing node names the peer that
+        opened the session). A push without an owner takes the one session of that id whose upstream is `sender`.
+        SessionNotFoundError when none is open; BadRequestError when `sender` is not the upstream of any, or of
+        several (it must name the owner)."""
+        name = session_id[:MAX_ID_LENGTH] if session_id else None
+        if owner is not None:
+            session = self.get(owner, session_id) if session_id is not None else None
+            if session is None:
+                raise SessionNotFoundError(f"no open session {name!r} of {owner[:MAX_ID_LENGTH]!r} on this node")
+            return session
+        named = self.named(session_id) if session_id is not None else []
+        if not named:
             raise SessionNotFoundError(f"no open session {name!r} on this node")
-        return session
+        upstream_of = [session for session in named if session.upstream_peer == sender]
+        if not upstream_of:
+            raise BadRequestError("push from a peer that is not this session's upstream")
+        if len(upstream_of) > 1:
+            raise BadRequestError(f"several sessions {name!r} take pushes from this peer: name the session's owner")
+        return upstream_of[0]
 
     async def admit(self, session: ServerSession, item: Inbound, *, sender: str | None, wait: bool) -> None:
         """Queue a step for `session`. From a pusher (`sender`: the peer on a libp2p push; None on a data lane, whose
@@ -385,4 +420,4 @@ class SessionTable:
         session.inbox.put_nowait(item)
 
 
-__all__ = ["END_OF_SESSION", "Inbound", "ServerSession", "SessionTable"]
+__all__ = ["END_OF_SESSION", "Inbound", "ServerSession", "SessionKey", "SessionTable"]

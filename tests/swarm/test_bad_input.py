@@ -96,8 +96,9 @@ def others_undisturbed(target):
     hidden = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(target.honest.position))
     expected = target.reference(hidden, target.reference_cache, target.honest.position)
     assert torch.allclose(target.honest.step(hidden), expected, atol=1e-5)
-    wait_until(lambda: set(target.node.sessions.sessions) == {target.honest.session_id})
-    honest_bytes = target.node.sessions.get(target.honest.session_id).reserved_bytes
+    honest_key = (target.honest_client.swarm.peer_id, target.honest.session_id)
+    wait_until(lambda: set(target.node.sessions.sessions) == {honest_key})
+    honest_bytes = target.node.sessions.sessions[honest_key].reserved_bytes
     assert target.node.budget.used_bytes == honest_bytes
 
 

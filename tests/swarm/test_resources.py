@@ -173,7 +173,7 @@ def test_g_a_client_that_stops_reading_loses_its_session(local_swarm, tiny_llama
                     sent += 1
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(writer.drain(), 0.05)
-                    if sent > 10 and node.sessions.get("slow") is None:
+                    if sent > 10 and node.sessions.get(client.swarm.peer_id, "slow") is None:
                         return sent, True
                 return sent, False
             finally:

@@ -112,7 +112,7 @@ def send_in_plaintext(data: bytes) -> None:
 
 async def pushed_on_lanes(node, session_id: str) -> bool:
     """Whether `node` pushes the session's outputs to its next node over a data lane (not libp2p)."""
-    session = node.sessions.get(session_id)
+    session = next(iter(node.sessions.named(session_id)), None)
     return session is not None and isinstance(session.downstream, LaneChannel)
 
 

@@ -14,10 +14,13 @@ from nesa_node.protocol import lane
 
 
 class Acceptor:
-    """A lane acceptor that knows one session's key and records what arrives (frames, or the error that ended)."""
+    """A lane acceptor that knows one session's key (or the keys of several sessions of one id, `keys`) and records
+    what arrives (frames, or the error that ended), and which key each connection proved."""
 
     def __init__(self, session_id: str, key: bytes, max_frame_bytes: int = 1 << 20):
         self.session_id, self.key, self.max_frame_bytes = session_id, key, max_frame_bytes
+        self.keys = [key]
+        self.chosen: list[int] = []  # per connection, the index in `keys` of the key it proved
         self.frames: list[bytes] = []
         self.errors: list[Exception] = []
         self.streams: list[lane.SealedStream] = []
@@ -32,7 +35,8 @@ class Acceptor:
                 return
             if session_id != self.session_id:
                 raise BadRequestError("unknown session")
-            stream = await lane.accept(reader, writer, role, salt, self.key, self.max_frame_bytes)
+            stream, chosen = await lane.accept_any(reader, writer, role, salt, self.keys, self.max_frame_bytes)
+            self.chosen.append(chosen)
             self.streams.append(stream)
             lane.confirm(stream)
             while (payload := await stream.receive()) is not None:
@@ -85,6 +89,31 @@ def test_a_wrong_key_is_refused_at_the_handshake():
                 await lane.connect(address, lane.ROLE_SEND, "s1", lane.new_key())
             await acceptor.done.wait()
         assert acceptor.frames == []
+        assert isinstance(acceptor.errors[0], BadRequestError)
+
+    run(main())
+
+
+def test_the_key_a_connection_proves_picks_among_sessions_of_one_id():
+    """Several peers may hold sessions of one id on a node: the connection is the one whose key it holds, and a key of
+    none of them is refused."""
+
+    async def main():
+        keys = [lane.new_key() for _ in range(3)]
+        acceptor = Acceptor("s1", keys[0])
+        acceptor.keys = keys
+        async with serving(acceptor) as address:
+            stream = await lane.connect(address, lane.ROLE_SEND, "s1", keys[1])
+            stream.send(b"step")
+            assert await stream.receive() == b"echo:step"
+            stream.close()
+            await acceptor.done.wait()
+            acceptor.done.clear()
+            with pytest.raises(lane.LaneClosedError):
+                await lane.connect(address, lane.ROLE_SEND, "s1", lane.new_key())
+            await acceptor.done.wait()
+        assert acceptor.chosen == [1]
+        assert acceptor.frames == [b"step"]
         assert isinstance(acceptor.errors[0], BadRequestError)
 
     run(main())

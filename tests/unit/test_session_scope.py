@@ -1,0 +1,92 @@
+"""Sessions are scoped to the peer that opened them (nesa_node.server.sessions, RELIABILITY.md G5): one id may be open
+by several peers at once, and every lookup names one session unambiguously."""
+
+from __future__ import annotations
+
+import hashlib
+
+import multihash
+import pytest
+from hivemind.p2p import PeerID
+
+from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError
+from nesa_node.protocol.messages import OpenSession
+from nesa_node.server.config import LimitsConfig
+from nesa_node.server.sessions import SessionTable
+from nesa_node.sharding.kv_cache import CacheBudget
+
+
+def peer(seed: int) -> str:
+    """A valid base58 libp2p peer id (a sha2-256 multihash)."""
+    return PeerID(multihash.encode(hashlib.sha256(bytes([seed])).digest(), "sha2-256")).to_base58()
+
+
+OWNER, SQUATTER, PREVIOUS, OTHER = (peer(seed) for seed in range(4))
+
+
+def table(**limits) -> SessionTable:
+    return SessionTable(LimitsConfig(**limits), CacheBudget.for_tokens(4096, bytes_per_token=64))
+
+
+def open_session(sessions: SessionTable, by: str, session_id: str = "s1", upstream: str | None = PREVIOUS):
+    request = OpenSession(session_id=session_id, start_block=0, end_block=1, batch=1, max_length=64, upstream=upstream)
+    return sessions.open(request, client_peer=by, blocks=(0, 1), cache=None, reply=None)
+
+
+def test_one_id_opened_by_two_peers_gives_two_sessions():
+    sessions = table()
+    owner = open_session(sessions, OWNER)
+    squatter = open_session(sessions, SQUATTER)
+    assert owner is not squatter and len(sessions) == 2
+    assert sessions.get(OWNER, "s1") is owner and sessions.get(SQUATTER, "s1") is squatter
+    assert sessions.named("s1") == [owner, squatter]
+
+
+def test_the_same_peer_cannot_open_an_id_twice():
+    sessions = table()
+    open_session(sessions, OWNER)
+    with pytest.raises(BadRequestError, match="already open"):
+        open_session(sessions, OWNER)
+
+
+def test_a_push_naming_the_owner_finds_its_session_whatever_else_shares_the_id():
+    sessions = table()
+    squatter = open_session(sessions, SQUATTER)  # first, claiming the owner's upstream too
+    owner = open_session(sessions, OWNER)
+    assert sessions.find("s1", OWNER, sender=PREVIOUS) is owner
+    assert sessions.find("s1", SQUATTER, sender=PREVIOUS) is squatter
+    with pytest.raises(SessionNotFoundError):
+        sessions.find("s1", OTHER, sender=PREVIOUS)
+
+
+def test_a_push_without_an_owner_needs_exactly_one_session_of_its_sender():
+    sessions = table()
+    owner = open_session(sessions, OWNER)
+    open_session(sessions, SQUATTER, upstream=OTHER)
+    assert sessions.find("s1", None, sender=PREVIOUS) is owner
+    with pytest.raises(BadRequestError, match="not this session's upstream"):
+        sessions.find("s1", None, sender=peer(9))
+    with pytest.raises(SessionNotFoundError):
+        sessions.find("s2", None, sender=PREVIOUS)
+    open_session(sessions, peer(10))  # a third peer claims the same upstream: which one is meant is unknown
+    with pytest.raises(BadRequestError, match="name the session's owner"):
+        sessions.find("s1", None, sender=PREVIOUS)
+
+
+def test_closing_one_peer_s_session_leaves_the_other_and_frees_its_cache():
+    sessions = table()
+    owner = open_session(sessions, OWNER)
+    squatter = open_session(sessions, SQUATTER)
+    sessions.close(squatter)
+    assert not sessions.holds(squatter) and sessions.holds(owner)
+    assert sessions.budget.used_bytes == owner.reserved_bytes
+    sessions.close(squatter)  # twice: nothing more happens
+    assert list(sessions.sessions) == [(OWNER, "s1")]
+
+
+def test_quotas_stay_per_peer():
+    sessions = table(max_sessions_per_peer=1)
+    open_session(sessions, SQUATTER)
+    open_session(sessions, OWNER)  # the squatter's session counts against the squatter only
+    with pytest.raises(QuotaExceededError):
+        open_session(sessions, SQUATTER, session_id="s2")
