@@ -316,8 +316,14 @@ class ClientEdges(nn.Module):
         self.lm_head = lm_head
 
 
-def load_client_edges(model_path: str | Path, *, dtype: str = "float32", config=None) -> ClientEdges:
-    """Read only the embeddings, final norm and LM head (tied to the embeddings when the model ties them)."""
+def load_client_edges(
+    model_path: str | Path, *, dtype: str = "float32", device: str = "cpu", config=None
+) -> ClientEdges:
+    """Read only the embeddings, final norm and LM head (tied to the embeddings when the model ties them), in
+    `dtype` on `device` (DeviceUnavailableError when this machine has no such device)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"client dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_device(device)
     config = config if config is not None else load_config(model_path)
     index = SafetensorsIndex(model_path)
     tied = getattr(config, "tie_word_embeddings", False) or HEAD_WEIGHT not in index.weight_map
@@ -329,4 +335,4 @@ def load_client_edges(model_path: str | Path, *, dtype: str = "float32", config=
     norm.weight = nn.Parameter(tensors[NORM_WEIGHT].to(torch_dtype), requires_grad=False)
     lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device="meta")
     lm_head.weight = embed.weight if tied else nn.Parameter(tensors[HEAD_WEIGHT].to(torch_dtype), requires_grad=False)
-    return ClientEdges(embed, norm, lm_head).eval()
+    return ClientEdges(embed, norm, lm_head).to(device).eval()

@@ -205,6 +205,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"hidden-state codec on every hop that accepts it (default {DEFAULT_CODEC})",
     )
     generate.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="dtype of the client's embeddings, final norm and LM head (default: the one the nodes announce)",
+    )
+    generate.add_argument(
+        "--device", default="cpu", help="where the client's layers run: cpu, cuda, cuda:1 ... (default cpu)"
+    )
+    generate.add_argument(
         "--routing-params",
         default=None,
         metavar="FILE",
@@ -330,6 +339,8 @@ def _generate(args) -> int:
         mode=args.mode,
         compression=args.compression,
         routing_params=args.routing_params,
+        dtype=args.dtype,
+        device=args.device,
     ) as model:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}

@@ -40,7 +40,7 @@ from nesa_node.errors import (
 from nesa_node.protocol.dht import default_dht_prefix
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
-from nesa_node.sharding.blocks import ClientEdges, load_client_edges, load_config
+from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +83,21 @@ def default_new_tokens(generation_config, prompt_tokens: int) -> int:
     return DEFAULT_NEW_TOKENS
 
 
+async def swarm_dtype(swarm: Swarm, *, timeout_s: float = 10.0) -> str:
+    """The dtype most of the swarm's nodes announce for this model (float32 when none is seen within `timeout_s`,
+    or none announces a dtype the client can run)."""
+    try:
+        records = await asyncio.wait_for(swarm.node_records(), timeout=timeout_s)
+    except Exception as exc:  # an empty or slow DHT: the client still starts
+        logger.info("no node records to take the dtype from (%r); the client runs in float32", exc)
+        return "float32"
+    dtypes = [record.info.dtype for record in records if record.info.dtype in DTYPES]
+    if not dtypes:
+        logger.info("no node of this model seen yet; the client runs in float32")
+        return "float32"
+    return max(sorted(set(dtypes)), key=dtypes.count)
+
+
 class AsyncDistributedModel:
     """A causal LM over a swarm (see the module docstring). Build it with `from_pretrained`; close it when done."""
 
@@ -116,31 +131,44 @@ class AsyncDistributedModel:
         *,
         initial_peers: list[str] | tuple[str, ...],
         dht_prefix: str | None = None,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        device: str = "cpu",
         config: ClientConfig | None = None,
         **settings,
     ) -> AsyncDistributedModel:
         """Load the client-side weights of `model_path` and join the swarm through `initial_peers`.
 
-        `settings` are ClientConfig fields (mode, compression, lanes, request_timeout_s, routing_params, ...); an
-        unknown one raises TypeError. Raises ModelLoadError for a bad model folder, ValueError for bad settings,
-        PeerUnavailableError when the swarm cannot be joined."""
+        The client's layers (embeddings, final norm, LM head) run in `dtype` on `device`; by default in the dtype
+        the swarm's nodes announce, so a lossless swarm gives the tokens of one process in that dtype (float32 when
+        no node is seen yet). `settings` are ClientConfig fields (mode, compression, lanes, request_timeout_s,
+        routing_params, ...); an unknown one raises TypeError. Raises ModelLoadError for a bad model folder (its
+        DeviceUnavailableError for a device this machine lacks), ValueError for bad settings, PeerUnavailableError
+        when the swarm cannot be joined."""
         config = client_config(config, **settings)
         model_path = str(model_path)
         model_config = load_config(model_path)
-        edges = await asyncio.to_thread(load_client_edges, model_path, dtype=dtype, config=model_config)
         generation_config = None
         with contextlib.suppress(OSError):
             from transformers import GenerationConfig
 
             generation_config = GenerationConfig.from_pretrained(model_path)
+        check_device(device)  # before joining: a mistake shows at once
         swarm = await Swarm.create(
             list(initial_peers),
             dht_prefix=dht_prefix or default_dht_prefix(model_path),
             request_timeout_s=config.request_timeout_s,
             records_wait_s=config.records_wait_s,
         )
-        swarm.use_lanes = config.lanes
+        try:
+            swarm.use_lanes = config.lanes
+            if dtype is None:
+                dtype = await swarm_dtype(swarm)
+            edges = await asyncio.to_thread(
+                load_client_edges, model_path, dtype=dtype, device=device, config=model_config
+            )
+        except BaseException:
+            await swarm.close()
+            raise
         return cls(model_config, edges, swarm, config, generation_config=generation_config)
 
     async def close(self) -> None:
@@ -215,16 +243,27 @@ class AsyncDistributedModel:
 
     # ---- the client's own layers -------------------------------------------------------------------------------------
 
+    @property
+    def device(self) -> torch.device:
+        return self.edges.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.edges.embed_tokens.weight.dtype
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states (batch, seq, hidden) of `input_ids`, in the client's dtype, on the CPU for the wire."""
         with torch.inference_mode():
-            return self.edges.embed_tokens(input_ids)  # (batch, seq, hidden)
+            return self.edges.embed_tokens(input_ids.to(self.device)).cpu()
 
     def logits(self, hidden: torch.Tensor, keep: int = 0) -> torch.Tensor:
-        """Logits of the last `keep` positions (all with 0): the final norm and LM head over (batch, seq, hidden)."""
+        """Logits of the last `keep` positions (all with 0): the final norm and LM head over (batch, seq, hidden),
+        on the client's device and in its dtype; returned on the CPU."""
         with torch.inference_mode():
             if keep > 0:
                 hidden = hidden[:, -keep:]  # (batch, keep, hidden)
-            return self.edges.lm_head(self.edges.norm(hidden))  # (batch, kept, vocab)
+            hidden = hidden.to(self.device, self.dtype)
+            return self.edges.lm_head(self.edges.norm(hidden)).cpu()  # (batch, kept, vocab)
 
     async def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of a whole sequence, through a chain without caches (client-relayed)."""

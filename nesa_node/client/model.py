@@ -116,7 +116,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         dht_prefix: str | None = None,
         mode: str = "direct",
         compression: str | WireCodec = DEFAULT_CODEC,
-        dtype: str = "float32",
+        dtype: str | None = None,
+        device: str = "cpu",
         request_timeout_s: float = 30.0,
         routing_params: RoutingParams | str | Path | None = None,
         lanes: bool = True,
@@ -124,6 +125,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
 
+        `dtype` and `device`: where the client's layers (embeddings, final norm, LM head) run; the dtype defaults
+        to the one the swarm's nodes announce, so a lossless swarm gives one process's tokens in that dtype.
         `compression` names the codec for hidden states on every hop that accepts it ("none" elsewhere);
         see `nesa_node.compression.codec.CODECS`. Raises CodecError for an unknown codec.
         `routing_params`: eq. 18's exponents, as RoutingParams or the path of a JSON file `nesa-node tune` wrote
@@ -145,7 +148,12 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         try:
             client = runner.call(
                 AsyncDistributedModel.from_pretrained(
-                    model_path, initial_peers=initial_peers, dht_prefix=dht_prefix, dtype=dtype, config=settings
+                    model_path,
+                    initial_peers=initial_peers,
+                    dht_prefix=dht_prefix,
+                    dtype=dtype,
+                    device=device,
+                    config=settings,
                 ),
                 timeout=120,
             )
