@@ -63,6 +63,7 @@ class NodeInfo(BaseModel):
     ram_free_mb: float = Field(0.0, ge=0, allow_inf_nan=False)
     forward_tps: float = Field(0.0, ge=0, allow_inf_nan=False)  # tokens/s, batch forward
     inference_tps: float = Field(0.0, ge=0, allow_inf_nan=False)  # tokens/s, one token at a time
+    block_ms: float = Field(0.0, ge=0, allow_inf_nan=False)  # ms per block of a one-token step, per-call part apart
     cache_tokens_left: int = Field(0, ge=0)
     uptime_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     reputation: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)

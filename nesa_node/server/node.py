@@ -217,6 +217,7 @@ class Node:
             ),
             forward_tps=float(self.throughput["forward_tps"]),
             inference_tps=float(self.throughput["inference_tps"]),
+            block_ms=float(self.throughput.get("block_ms", 0.0)),
             cache_tokens_left=self.sessions.tokens_available(),
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import statistics
 import time
 from pathlib import Path
 
@@ -12,34 +13,68 @@ import torch
 logger = logging.getLogger(__name__)
 
 FORWARD_SHAPE = (1, 128)  # (batch, tokens) of the forward measurement
-INFERENCE_STEPS = 16  # one-token steps timed for the inference measurement
+WARM_STEPS = 4  # one-token steps run before any timing: the first calls of each shape are slow (allocation, kernels)
+ROUNDS = 5  # timed rounds; the median is announced, so one stall (GC, another process) does not set the figure
+INFERENCE_STEPS = 8  # one-token steps per timed round
+MEASUREMENT_VERSION = 2  # part of the cache key: figures taken by an older method are measured again
 
 
-def default_cache_path() -> Path:
-    return Path.home() / ".cache" / "nesa-node" / "throughput.json"
+def _synchronize(span) -> None:
+    """Wait for the device's queued work, so a timing covers the computation and not only its launch."""
+    if str(span.spec.device).startswith("cuda"):
+        torch.cuda.synchronize(span.spec.device)
+
+
+def _timed(span, run) -> float:
+    _synchronize(span)
+    started = time.perf_counter()
+    run()
+    _synchronize(span)
+    return time.perf_counter() - started
 
 
 @torch.inference_mode()
 def measure(span) -> dict[str, float]:
-    """Tokens/s of the span: forward (a 128-token chunk) and inference (one token at a time, with cache)."""
+    """Tokens/s of the span, warm and synchronized: forward (a 128-token chunk) and inference (one token at a
+    time, with cache), each the median of ROUNDS rounds after warm-up; and `block_ms`, the inference step's time
+    per block without the per-call part (rotary embedding, mask, hand-offs: the same for any span), which makes
+    spans of different lengths comparable (a one-block span cannot tell the two apart: its whole step)."""
     hidden = torch.randn(*FORWARD_SHAPE, span.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(span.spec.device)
     span(hidden)  # warm-up
-    started = time.perf_counter()
-    span(hidden)
-    forward_tps = FORWARD_SHAPE[0] * FORWARD_SHAPE[1] / (time.perf_counter() - started)
-    cache = span.new_cache()
-    span(hidden[:, :1], cache, 0)
-    started = time.perf_counter()
-    for position in range(1, INFERENCE_STEPS + 1):
-        span(hidden[:, :1], cache, position)
-    inference_tps = INFERENCE_STEPS / (time.perf_counter() - started)
-    return {"forward_tps": forward_tps, "inference_tps": inference_tps}
+    forward_s = statistics.median(_timed(span, lambda: span(hidden)) for _ in range(ROUNDS))
+    token = hidden[:, :1]
+    blocks = span.end - span.start
+    step_s = _step_s(span, token, span.new_cache(), (span.start, span.end))
+    block_s = step_s
+    if blocks > 1:  # the difference to a one-block step is what the other blocks cost, without the per-call part
+        one_s = _step_s(span, token, span.new_cache(), (span.start, span.start + 1))
+        block_s = max(step_s - one_s, step_s / 10) / (blocks - 1)
+    return {
+        "forward_tps": FORWARD_SHAPE[0] * FORWARD_SHAPE[1] / forward_s,
+        "inference_tps": 1.0 / step_s,
+        "block_ms": block_s * 1000.0,
+    }
+
+
+def _step_s(span, token: torch.Tensor, cache, blocks: tuple[int, int]) -> float:
+    """Seconds of one one-token step through `blocks` with `cache`: the median of ROUNDS rounds after warm-up."""
+    position = 0
+
+    def steps(count: int) -> None:
+        nonlocal position
+        for _ in range(count):
+            span(token, cache, position, blocks)
+            position += 1
+
+    steps(WARM_STEPS)
+    return statistics.median(_timed(span, lambda: steps(INFERENCE_STEPS)) for _ in range(ROUNDS)) / INFERENCE_STEPS
 
 
 def cached_measure(span, cache_path: Path | None = None) -> dict[str, float]:
     """Measure once per (weights, span, device, dtype); later starts read the cached figures."""
     path = cache_path or default_cache_path()
-    key = f"{span.weights_hash}:{span.start}:{span.end}:{span.spec.device}:{span.spec.dtype}"
+    key = f"v{MEASUREMENT_VERSION}:{span.weights_hash}:{span.start}:{span.end}:{span.spec.device}:{span.spec.dtype}"
     try:
         table = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):
