@@ -4,11 +4,18 @@ Prints one JSON line. Speeds are also given as ratios to the single-process base
 since absolute timings on a shared machine are noisy.
 
     python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
+                              [--clients 8] [--nodes 1 2 3]
+
+`--clients N` adds the many-clients figure: aggregate decode tokens/s of N concurrent sessions (one client process,
+one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
+through nodes started with --no-batch-decode.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -65,6 +72,45 @@ def timed_forward(model, input_ids, repeats: int) -> float:
     return input_ids.numel() / statistics.median(seconds)
 
 
+async def aggregate_decode(
+    path: str, peers: list[str], prefix: str, hops: int, clients: int, input_ids, new_tokens: int
+) -> dict:
+    """Decode tokens/s of one session, then the aggregate of `clients` concurrent ones (prompts of the same length,
+    each its own tokens), with one async client; whether every session's tokens match its own run alone."""
+    from nesa_node.client.async_model import AsyncDistributedModel
+
+    model = await AsyncDistributedModel.from_pretrained(
+        path, initial_peers=peers, dht_prefix=prefix, compression="none"
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            with contextlib.suppress(NoRouteError):
+                if len((await model.choose_chain(max_length=128)).hops) == hops:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"swarm {prefix} did not come up")
+            await asyncio.sleep(0.5)
+        prompts = [(input_ids + index) % 1000 + 3 for index in range(clients)]
+        await model.generate(prompts[0], max_new_tokens=8)  # warm-up
+        started = time.perf_counter()
+        alone = [await model.generate(prompt, max_new_tokens=new_tokens) for prompt in prompts[:2]]
+        one_tps = 2 * new_tokens / (time.perf_counter() - started)
+        started = time.perf_counter()
+        together = await asyncio.gather(*(model.generate(prompt, max_new_tokens=new_tokens) for prompt in prompts))
+        aggregate_tps = clients * new_tokens / (time.perf_counter() - started)
+    finally:
+        await model.close()
+    return {
+        "nodes": hops,
+        "clients": clients,
+        "one_session_tps": round(one_tps, 2),
+        "aggregate_tps": round(aggregate_tps, 2),
+        "aggregate_vs_one": round(aggregate_tps / one_tps, 3),
+        "tokens_match": all(torch.equal(first, second) for first, second in zip(alone, together[:2], strict=True)),
+    }
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
@@ -85,6 +131,7 @@ def main() -> None:
     # 0: torch's default (all cores) per node; nodes sleep their idle OpenMP threads (OMP_WAIT_POLICY=PASSIVE, set
     # by `nesa-node run`), so nodes sharing this machine do not spin against the one computing
     parser.add_argument("--node-threads", type=int, default=0, help="torch threads per node process (0: default)")
+    parser.add_argument("--clients", type=int, default=0, help="concurrent sessions for the aggregate figure (0: none)")
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -116,20 +163,24 @@ def main() -> None:
         bootstrap, address_file = group.start("dht", ["dht"])
         peers = group.wait_address(bootstrap, address_file)
         launched = []
-        for count in args.nodes:
+        swarms = [(count, f"bench-{count}", []) for count in args.nodes]
+        if args.clients:
+            swarms += [(count, f"bench-{count}-nobatch", ["--no-batch-decode"]) for count in args.nodes]
+        for count, prefix, extra in swarms:
             for index, (start, end) in enumerate(split_blocks(args.layers, count)):
                 node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
                 node_args += [
                     "--dht-prefix",
-                    f"bench-{count}",
+                    prefix,
                     "--announce-period",
                     "5",
                     "--no-measure",
                     "--rebalance",
                     "off",
+                    *extra,
                 ]
                 node_args += ["--torch-threads", str(args.node_threads)] if args.node_threads else []
-                launched.append(group.start(f"n{count}-{index}", node_args))
+                launched.append(group.start(f"{prefix}-{index}", node_args))
         for process, node_address in launched:
             group.wait_address(process, node_address, timeout_s=300)
 
@@ -183,6 +234,13 @@ def main() -> None:
                         "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
                         "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
                     }
+        clients_results = {}
+        if args.clients:
+            for count, prefix, extra in swarms:
+                figures = asyncio.run(
+                    aggregate_decode(path, peers, prefix, count, args.clients, input_ids, args.new_tokens)
+                )
+                clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = figures
     result = {
         "bench": "inference",
         "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
@@ -192,6 +250,7 @@ def main() -> None:
         "node_threads": args.node_threads,
         "baseline": {key: round(value, 2) for key, value in baseline.items()},
         "swarm": swarm_results,
+        "clients": clients_results,
     }
     print(json.dumps(result))
 

@@ -172,6 +172,43 @@ class BlockSpan(nn.Module):
 
         return DynamicCache(config=self.sub_config)
 
+    @property
+    def batches_decode(self) -> bool:
+        """Whether `decode_batch` can run this span: every layer attends over its whole cache (sliding-window layers
+        would need a window mask per row, so such spans step one session at a time)."""
+        return all(kind == "full_attention" for kind in self.types)
+
+    def decode_batch(self, steps: list[tuple[torch.Tensor, object, int]], blocks: tuple[int, int]) -> list:
+        """One-token steps of several sessions through `blocks` in one pass: each (hidden (rows, 1, hidden), its
+        cache, its position); returns each step's output, as its own `forward` would (same blocks, same cache
+        update). Every projection and MLP runs once over all rows; attention reads each session's own cache."""
+        first, end = blocks[0] - self.start, blocks[1] - self.start
+        if not 0 <= first < end <= len(self.layers):
+            raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
+        rows = [hidden.shape[0] for hidden, _, _ in steps]
+        hidden = torch.cat([step.to(self.spec.device, self.dtype_) for step, _, _ in steps])  # (all rows, 1, hidden)
+        position_ids = torch.tensor(
+            [position for (step, _, position) in steps for _ in range(step.shape[0])], device=hidden.device
+        ).unsqueeze(1)  # (all rows, 1)
+        position_embeddings = self.rotary(hidden, position_ids=position_ids)
+        # each row sees its own cache (position + 1 keys once this step is in); the rest of the padding is masked
+        lengths = position_ids[:, 0] + 1
+        keys = torch.arange(int(lengths.max()), device=hidden.device)
+        allowed = keys[None, :] < lengths[:, None]  # (all rows, longest)
+        mask = torch.zeros(allowed.shape, dtype=self.dtype_, device=hidden.device)
+        mask = mask.masked_fill(~allowed, torch.finfo(self.dtype_).min)[:, None, None, :]  # (rows, 1, 1, longest)
+        cache = _RowsCache([step_cache for _, step_cache, _ in steps], rows)
+        for layer in self.layers[first:end]:
+            hidden = layer(
+                hidden,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=True,
+                position_embeddings=position_embeddings,
+            )
+        return list(hidden.split(rows))
+
     def forward(
         self, hidden: torch.Tensor, cache=None, position: int = 0, blocks: tuple[int, int] | None = None
     ) -> torch.Tensor:
@@ -212,6 +249,26 @@ class BlockSpan(nn.Module):
                 position_embeddings=position_embeddings,
             )
         return hidden
+
+
+class _RowsCache:
+    """The cache a batched decode step hands the layers: each row range's keys and values go to that session's own
+    cache, and the attention reads them padded (after their end) to the longest, the padding masked out."""
+
+    def __init__(self, caches: list, rows: list[int]):
+        self.caches = caches
+        self.bounds = [sum(rows[:index]) for index in range(len(rows) + 1)]
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """keys, values (rows, kv_heads, 1, head_dim) -> every session's, padded: (rows, kv_heads, longest, head_dim)."""
+        held = [
+            cache.update(keys[start:end], values[start:end], layer_idx)
+            for cache, start, end in zip(self.caches, self.bounds, self.bounds[1:], strict=False)
+        ]
+        longest = max(key.shape[-2] for key, _ in held)
+        padded_keys = [nn.functional.pad(key, (0, 0, 0, longest - key.shape[-2])) for key, _ in held]
+        padded_values = [nn.functional.pad(value, (0, 0, 0, longest - value.shape[-2])) for _, value in held]
+        return torch.cat(padded_keys), torch.cat(padded_values)
 
 
 def check_device(device: str) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +22,15 @@ from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
+
+
+@dataclass
+class _DecodeStep:
+    hidden: torch.Tensor  # (rows, 1, hidden)
+    cache: object
+    position: int
+    blocks: tuple[int, int]
+    future: asyncio.Future
 
 
 class BlockCompute:
@@ -35,6 +45,10 @@ class BlockCompute:
         self.compute_seconds = 0.0  # total time spent in the blocks
         self.steps_served = 0
         self._small_step_s: float | None = None  # moving average compute time of small steps, seconds
+        # one-token steps waiting to run together (decode batching): each (hidden, cache, position, blocks, future)
+        self._decode_queue: list[_DecodeStep] = []
+        self._decoding = False  # a task is taking the queue
+        self.batches_run = 0  # batched passes of more than one step (for stats and tests)
 
     def use_span(self, span) -> None:
         """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
@@ -121,6 +135,83 @@ class BlockCompute:
         self.compute_seconds += seconds
         self.steps_served += 1
         return output, seconds
+
+    async def run_decode(
+        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int]
+    ) -> tuple[torch.Tensor, float]:
+        """A one-token step, run together with the other sessions' one-token steps on the same blocks that are
+        waiting at the same time (each with its own cache and position): one pass instead of one per session. A
+        step alone runs at once, as `run` would; steps that arrive while a pass runs form the next one, so batching
+        adds no wait. (output, seconds of the pass it was in)."""
+        span = self.span
+        if not self.config.batch_decode or span is None or not span.batches_decode or hidden.shape[1] != 1:
+            return await self.run(hidden, cache, position, blocks)
+        future = asyncio.get_running_loop().create_future()
+        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future))
+        if not self._decoding:
+            self._decoding = True
+            asyncio.create_task(self._take_decode_queue())
+        return await future
+
+    async def _take_decode_queue(self) -> None:
+        try:
+            await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
+            while self._decode_queue:
+                batch = self._next_decode_batch()
+                await self._settle(batch, self._run_alone(batch[0]) if len(batch) == 1 else self._run_batch(batch))
+        finally:
+            self._decoding = False
+
+    def _next_decode_batch(self) -> list[_DecodeStep]:
+        """The waiting steps on the first waiting step's blocks, within the step limit (rows); the rest wait."""
+        first = self._decode_queue[0]
+        batch, rest, rows = [], [], 0
+        for step in self._decode_queue:
+            fits = step.blocks == first.blocks and rows + step.hidden.shape[0] <= self.limits.max_tokens_per_step
+            if fits and not step.future.done():
+                batch.append(step)
+                rows += step.hidden.shape[0]
+            elif not step.future.done():
+                rest.append(step)
+        self._decode_queue = rest
+        return batch
+
+    async def _run_alone(self, step: _DecodeStep) -> tuple[list[torch.Tensor], float]:
+        output, seconds = await self.run(step.hidden, step.cache, step.position, step.blocks)
+        return [output], seconds
+
+    async def _run_batch(self, batch: list[_DecodeStep]) -> tuple[list[torch.Tensor], float]:
+        span = self.span
+        if span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
+
+        def run() -> tuple[list[torch.Tensor], float]:
+            started = time.perf_counter()
+            with torch.inference_mode():
+                outputs = span.decode_batch(
+                    [(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks
+                )
+            return outputs, time.perf_counter() - started
+
+        outputs, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        self.compute_seconds += seconds
+        self.steps_served += len(batch)
+        self.batches_run += 1
+        return outputs, seconds
+
+    @staticmethod
+    async def _settle(batch: list[_DecodeStep], work) -> None:
+        """Give each step of `batch` its output (or the error of the pass)."""
+        try:
+            outputs, seconds = await work
+        except Exception as exc:
+            for step in batch:
+                if not step.future.done():
+                    step.future.set_exception(exc)
+            return
+        for step, output in zip(batch, outputs, strict=True):
+            if not step.future.done():
+                step.future.set_result((output, seconds))
 
     def close(self) -> None:
         """Stop the compute thread; steps still waiting for it are cancelled."""

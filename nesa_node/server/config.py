@@ -156,6 +156,15 @@ class ComputeConfig:
         "(0: always use the compute thread)",
         parse="non_negative",
     )
+    batch_decode: bool = option(
+        True,
+        "run concurrent sessions' one-token steps on the same blocks together",
+        none_flag=(
+            "--no-batch-decode",
+            "run every session's step on its own (by default one-token steps of concurrent sessions on the same "
+            "blocks that are waiting together run as one batch)",
+        ),
+    )
     measure_throughput: bool = option(
         True, "measure the span's throughput at start", none_flag=("--no-measure", "skip the throughput measurement")
     )

@@ -280,7 +280,7 @@ class InferenceService:
                 f"{session.max_length}"
             )
         self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
-        output, seconds = await self.compute.run(hidden, session.cache, step.position, session.blocks)
+        output, seconds = await self.compute.run_decode(hidden, session.cache, step.position, session.blocks)
         session.last_position = step.position
         session.position += hidden.shape[1]
         if session.next_peer is not None:  # kept for a replacement of the next node (see _control, history)

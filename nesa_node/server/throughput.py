@@ -19,6 +19,10 @@ INFERENCE_STEPS = 8  # one-token steps per timed round
 MEASUREMENT_VERSION = 2  # part of the cache key: figures taken by an older method are measured again
 
 
+def default_cache_path() -> Path:
+    return Path.home() / ".cache" / "nesa-node" / "throughput.json"
+
+
 def _synchronize(span) -> None:
     """Wait for the device's queued work, so a timing covers the computation and not only its launch."""
     if str(span.spec.device).startswith("cuda"):

@@ -1,0 +1,102 @@
+"""Decode batching across sessions: a node runs the one-token steps of concurrent sessions on the same blocks in one
+pass, each with its own KV cache and position. Every session's tokens equal its own single-process run
+(compression "none", float32, CPU), and the node did batch."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
+from tests.support.swarm import wait_for_chain
+
+PROMPTS = [[5, 6, 7], [100, 3, 44, 9, 12], [8], [301, 302], [17, 18, 19, 20, 21, 22], [999, 1]]
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def references(tiny_llama):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        return [
+            model.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False) for prompt in PROMPTS
+        ]
+
+
+def generate_concurrently(model) -> list[torch.Tensor]:
+    async def all_at_once():
+        return await asyncio.gather(
+            *(
+                model.client.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
+                for prompt in PROMPTS
+            )
+        )
+
+    return model.call(all_at_once(), timeout=120)
+
+
+@pytest.mark.parametrize("spans", [((0, 4),), ((0, 2), (2, 4))], ids=["one-node", "two-nodes"])
+def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny_llama, references, spans):
+    prefix = f"batch-{len(spans)}"
+    nodes = [module_swarm.start_node(tiny_llama, start, end, dht_prefix=prefix) for start, end in spans]
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, compression="none"
+        ) as model:
+            wait_for_chain(model)
+            outputs = generate_concurrently(model)
+        for output, reference in zip(outputs, references, strict=True):
+            assert torch.equal(output, reference)
+        assert all(node.compute.batches_run > 0 for node in nodes), [node.compute.batches_run for node in nodes]
+    finally:
+        for node in nodes:
+            module_swarm.stop_node(node)
+
+
+def test_a_node_told_not_to_batch_runs_each_step_alone(module_swarm, tiny_llama, references):
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="no-batch", batch_decode=False)
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="no-batch", compression="none"
+        ) as model:
+            wait_for_chain(model)
+            outputs = generate_concurrently(model)
+        assert all(torch.equal(output, reference) for output, reference in zip(outputs, references, strict=True))
+        assert node.compute.batches_run == 0
+    finally:
+        module_swarm.stop_node(node)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_batched_pass_equals_each_sessions_own_steps(tiny_models, arch):
+    """Sessions of different lengths and rows, stepped together and alone, for several steps."""
+    span = load_block_span(tiny_models[arch], SpanSpec(0, 4))
+    assert span.batches_decode
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(1, 3), (2, 7), (1, 1), (3, 5)]  # (rows, prompt tokens)
+    alone, together = [span.new_cache() for _ in shapes], [span.new_cache() for _ in shapes]
+    positions = [tokens for _, tokens in shapes]
+    with torch.inference_mode():
+        for (rows, tokens), first, second in zip(shapes, alone, together, strict=True):
+            prompt = torch.randn(rows, tokens, span.hidden_size, generator=generator)
+            span(prompt, first, 0)
+            span(prompt, second, 0)
+        for _ in range(5):
+            steps = [torch.randn(rows, 1, span.hidden_size, generator=generator) for rows, _ in shapes]
+            expected = [
+                span(step, cache, position) for step, cache, position in zip(steps, alone, positions, strict=True)
+            ]
+            outputs = span.decode_batch(list(zip(steps, together, positions, strict=True)), (0, 4))
+            for output, reference in zip(outputs, expected, strict=True):
+                torch.testing.assert_close(output, reference, atol=1e-5, rtol=0)
+            positions = [position + 1 for position in positions]
+    assert [cache.get_seq_length() for cache in together] == [cache.get_seq_length() for cache in alone]
+
+
+def test_spans_with_sliding_window_layers_do_not_batch(tiny_models):
+    span = load_block_span(tiny_models["mistral"], SpanSpec(0, 4))
+    assert not span.batches_decode
