@@ -14,7 +14,7 @@ import sys
 from nesa_node import event_loop
 from nesa_node.cli.failures import ArgumentParser, Terminated, raise_terminated, report
 from nesa_node.cli.options import PARSERS, add_config_options, config_from_args, parse_port
-from nesa_node.compression.names import CODECS, DEFAULT_CODEC
+from nesa_node.compression.names import CLIENT_CODECS, CODECS, DEFAULT_CODEC
 from nesa_node.server.config import ComputeConfig, LimitsConfig, NetworkConfig, NodeConfig, RebalanceConfig
 
 logger = logging.getLogger("nesa_node.cli")
@@ -200,9 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--mode", choices=["direct", "relay"], default="direct", help="chain routing mode")
     generate.add_argument(
         "--compression",
-        choices=CODECS,
+        choices=CLIENT_CODECS,
         default=DEFAULT_CODEC,
-        help=f"hidden-state codec on every hop that accepts it (default {DEFAULT_CODEC})",
+        help=f"hidden-state codec on every hop that accepts it; auto: per hop and message, lossless unless the 8-bit "
+        f"codec saves time on that link (default {DEFAULT_CODEC})",
     )
     generate.add_argument(
         "--dtype",

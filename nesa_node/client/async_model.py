@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from nesa_node.client.chain_links import LinkFailed
-from nesa_node.client.config import ClientConfig
+from nesa_node.client.config import ClientConfig, client_codec
 from nesa_node.client.routing import ChainSelector, Router
 from nesa_node.client.session import InferenceSession
 from nesa_node.client.session_chain import codec_for
@@ -38,7 +38,6 @@ from nesa_node.errors import (
     WrongBlocksError,
 )
 from nesa_node.protocol.dht import default_dht_prefix
-from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
 
@@ -57,7 +56,7 @@ def client_config(config: ClientConfig | None = None, **settings) -> ClientConfi
     if unknown:
         raise TypeError(f"unknown client settings {unknown}; known: {', '.join(sorted(CONFIG_FIELDS))}")
     if isinstance(settings.get("compression"), str):
-        settings["compression"] = WireCodec.of(settings["compression"])
+        settings["compression"] = client_codec(settings["compression"])
     params = settings.get("routing_params")
     if params is not None and not isinstance(params, RoutingParams):
         from nesa_node.routing.ga import load_params
@@ -274,7 +273,13 @@ class AsyncDistributedModel:
         chain = await self.choose_chain(batch=hidden.shape[0])
         preferred = self.config.compression
         for hop in chain.hops:
-            codec, output_codec = codec_for(None, hop, preferred), codec_for(hop, None, preferred)
+            elements = hidden.numel()
+            codec = codec_for(
+                None, hop, preferred, elements=elements, bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, None)
+            )
+            output_codec = codec_for(
+                hop, None, preferred, elements=elements, bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, None)
+            )
             hidden, _ = await self.swarm.forward(hop, hidden, codec, output_codec)
         return hidden
 

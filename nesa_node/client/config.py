@@ -5,19 +5,26 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from nesa_node.compression.names import DEFAULT_CODEC
+from nesa_node.compression.names import AUTO, DEFAULT_CODEC
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.cost import RoutingParams
 
 MODES = ("direct", "relay")
 
 
+def client_codec(name: str) -> WireCodec:
+    """The codec a client names: "auto" (resolved per hop and message, never sent as such) or a wire codec
+    (CodecError for an unknown one)."""
+    return WireCodec(AUTO) if name == AUTO else WireCodec.of(name)
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     # direct: each node pushes to the next (fig. 2 of the Nesa paper); relay: the client forwards between nodes
     mode: str = "direct"
-    # hidden-state codec asked of every hop that accepts it (others get "none"); see compression/codec.py CODECS
-    compression: WireCodec = field(default_factory=lambda: WireCodec.of(DEFAULT_CODEC))
+    # hidden-state codec asked of every hop that accepts it (others get "none"); see compression/codec.py CODECS.
+    # "auto" (default): per hop and message, lossless unless the 8-bit codec saves time there (compression/auto.py)
+    compression: WireCodec = field(default_factory=lambda: client_codec(DEFAULT_CODEC))
     # direct mode: hidden states over the nodes' data lanes (encrypted TCP, protocol/lane.py) where offered; False
     # keeps every message, forwards included, on libp2p
     lanes: bool = True
@@ -43,7 +50,7 @@ class ClientConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.compression, WireCodec):
-            object.__setattr__(self, "compression", WireCodec.of(str(self.compression)))
+            object.__setattr__(self, "compression", client_codec(str(self.compression)))
         for name in ("request_timeout_s", "probe_timeout_s", "records_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0")
@@ -54,4 +61,4 @@ class ClientConfig:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["MODES", "ClientConfig"]
+__all__ = ["MODES", "ClientConfig", "client_codec"]

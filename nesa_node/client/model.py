@@ -128,7 +128,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         `dtype` and `device`: where the client's layers (embeddings, final norm, LM head) run; the dtype defaults
         to the one the swarm's nodes announce, so a lossless swarm gives one process's tokens in that dtype.
         `compression` names the codec for hidden states on every hop that accepts it ("none" elsewhere);
-        see `nesa_node.compression.codec.CODECS`. Raises CodecError for an unknown codec.
+        see `nesa_node.compression.codec.CODECS`. "auto" (default) chooses per hop and message: lossless unless
+        the 8-bit codec saves time on that link for that message (`compression/auto.py`), so on a LAN or loopback
+        the tokens are exactly one process's. Raises CodecError for an unknown codec.
         `routing_params`: eq. 18's exponents, as RoutingParams or the path of a JSON file `nesa-node tune` wrote
         (default: untuned, all exponents 1). Raises ValueError for a malformed file.
         `lanes`: in direct mode, send hidden states over the nodes' data lanes (direct TCP, AES-GCM with keys

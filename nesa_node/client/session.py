@@ -25,6 +25,7 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
 from nesa_node.client.session_chain import SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
+from nesa_node.compression.names import AUTO
 from nesa_node.errors import (
     BadRequestError,
     CacheBudgetError,
@@ -50,6 +51,7 @@ class StepTiming:
     bytes_sent: int = 0  # serialized request bytes the client sent for this step
     bytes_received: int = 0  # serialized response bytes the client received for this step
     failovers: int = 0  # nodes replaced during this step (wall_s then spans failed step to next good step)
+    codec: str = "none"  # the codec the client sent this step's hidden states with (its choice under "auto")
 
 
 class InferenceSession:
@@ -89,6 +91,7 @@ class InferenceSession:
         self._inputs: list[list[torch.Tensor]] = []  # [link][step] (batch, seq, hidden)
         self._opened = self._closed = False
         self._stepping = False  # a step is under way: the answers of the chain belong to it
+        self._sent_codec = "none"
 
     @property
     def chain(self) -> Chain:
@@ -98,6 +101,11 @@ class InferenceSession:
     def failovers(self) -> list[dict]:
         """One entry per recovery: failed peer, replacements, blocks, position, seconds, bans, phases."""
         return self.failover.recoveries
+
+    @property
+    def output_codecs(self) -> dict[str, str]:
+        """Per node of the chain, the codec it sends its outputs with (chosen at open; "auto" resolved per hop)."""
+        return dict(self.links.output_codecs)
 
     @property
     def mode(self) -> str:
@@ -121,6 +129,8 @@ class InferenceSession:
             raise
         self._opened = True
         self.swarm.open_sessions.add(self)
+        if self.config.compression.name == AUTO:  # "auto" needs the bandwidth of the client's own links
+            self.swarm.measure_bandwidths_soon([self.links.links[0].peer_id, self.links.links[-1].peer_id])
         return self
 
     async def close(self) -> None:
@@ -182,6 +192,7 @@ class InferenceSession:
                 bytes_sent=sent,
                 bytes_received=received,
                 failovers=failovers,
+                codec=self._sent_codec,
             )
         )
         if self.reroute is not None:  # replayed into a replacement of a span that fails
@@ -225,7 +236,14 @@ class InferenceSession:
         compute_s, sent, received, inputs = 0.0, 0, 0, []
         for link in fed:
             inputs.append(hidden)
-            codec = codec_for(None, link.hop, self.config.compression)
+            codec = codec_for(
+                None,
+                link.hop,
+                self.config.compression,
+                elements=hidden.numel(),
+                bandwidth_mbps=self.swarm.bandwidth_mbps(link.peer_id, None),
+            )
+            self._sent_codec = codec.name
             request = frame(
                 Step(step_id=step_id, position=self.position, codec=codec), [tensor_to_proto(hidden, codec)]
             )

@@ -18,6 +18,8 @@ import torch
 from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import ANSWER_DTYPES, Swarm
+from nesa_node.compression.auto import compression_pays
+from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import NesaError, PeerUnavailableError, RequestError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
@@ -45,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 REPLAY_CHUNK_TOKENS = 1024  # history replayed per message: well under a node's max_tokens_per_step
 MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
+AUTO_ELEMENTS = 4096  # hidden size "auto" assumes before the model's is known (a 7B model's)
 ANSWER_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # the message and protobuf framing around an answer's tensor
 # steps go one at a time, so an honest node has a few answers outstanding (a result, an error report); a node past
 # this sends what nobody asked for
@@ -57,9 +60,21 @@ def answer_frame_bytes(batch: int, max_length: int, hidden_size: int) -> int:
     return min(CLIENT_MAX_FRAME_BYTES, batch * max_length * hidden_size * 4 + ANSWER_HEADROOM_BYTES)
 
 
-def codec_for(sender: Hop | None, receiver: Hop | None, preferred: WireCodec) -> WireCodec:
+def codec_for(
+    sender: Hop | None,
+    receiver: Hop | None,
+    preferred: WireCodec,
+    *,
+    elements: int = AUTO_ELEMENTS,
+    bandwidth_mbps: float | None = None,
+) -> WireCodec:
     """The codec for hidden states going from `sender` to `receiver`: `preferred` when both ends accept it, else
-    "none". None stands for the client, which accepts every codec."""
+    "none". None stands for the client, which accepts every codec. With "auto" preferred: AUTO_CODEC where it pays
+    for a message of `elements` over a link of `bandwidth_mbps` (compression/auto.py), else "none"."""
+    if preferred.name == AUTO:
+        if not compression_pays(elements, bandwidth_mbps):
+            return NO_CODEC
+        preferred = WireCodec.of(AUTO_CODEC)
     for hop in (sender, receiver):
         if hop is not None and preferred.name not in hop.codecs:
             return NO_CODEC
@@ -83,6 +98,7 @@ class SessionChain:
         # the model's hidden size is learnt from the first answer checked against a shape the client sent; until then
         # frames are bounded for the widest hidden state accepted
         self.hidden_size: int | None = None
+        self.output_codecs: dict[str, str] = {}  # peer id -> the codec its outputs are sent with
         self.max_answer_bytes = answer_frame_bytes(batch, max_length, MAX_HIDDEN)
 
     @property
@@ -102,6 +118,14 @@ class SessionChain:
         # who decodes this node's output: the next node in a direct chain, else the client
         receiver = (hops[index + 1] if index + 1 < len(hops) else downstream) if self.direct else None
         hop = hops[index]
+        output_codec = codec_for(  # chosen for a one-token step, the message a session sends most
+            hop,
+            receiver,
+            self.config.compression,
+            elements=self.batch * (self.hidden_size or AUTO_ELEMENTS),
+            bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, receiver.peer_id if receiver else None),
+        )
+        self.output_codecs[hop.peer_id] = output_codec.name
         return OpenSession(
             session_id=self.session_id,
             start_block=hop.start_block,
@@ -110,7 +134,7 @@ class SessionChain:
             max_length=self.max_length,
             upstream=(hops[index - 1].peer_id if index > 0 else upstream) if self.direct else self.swarm.peer_id,
             next=receiver.peer_id if receiver is not None else None,
-            output_codec=codec_for(hop, receiver, self.config.compression),
+            output_codec=output_codec,
             lane=lane_settings,
         )
 

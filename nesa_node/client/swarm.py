@@ -14,6 +14,7 @@ import time
 
 import torch
 from hivemind.p2p import PeerID
+from hivemind.proto.runtime_pb2 import Tensor
 from hivemind.utils import get_dht_time
 
 from nesa_node.client.timings import NodeTimings
@@ -48,6 +49,8 @@ PROBED_RECORD_TTL_S = 15.0
 # a few announcement lifetimes; a node gone longer is unlikely to be back under the same id).
 RECENT_RECORD_S = 120.0
 ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # hidden states a client accepts from a node
+BANDWIDTH_PAYLOAD_BYTES = 256 * 1024  # as the nodes' link probe: dominates a LAN round trip, short on a slow uplink
+BANDWIDTH_MAX_AGE_S = 600.0  # a link's bandwidth is measured again after this long (guess)
 
 
 def check_answer(message, model):
@@ -80,6 +83,9 @@ class Swarm:
         self.believed_block_ms: dict[str, float] = {}  # per node, what the last snapshot costed (ms/block/token)
         self._first_seen: dict[str, float] = {}  # peer id -> monotonic s its first record reached this client
         self.open_sessions: set = set()  # this client's open inference sessions (their nodes count as loaded)
+        self._bandwidth: dict[str, float] = {}  # peer id -> Mbit/s from this client ("auto" codec choice)
+        self._bandwidth_measured: dict[str, float] = {}  # peer id -> monotonic s of the last measurement started
+        self._background: set[asyncio.Task] = set()
 
     @classmethod
     async def create(
@@ -114,6 +120,8 @@ class Swarm:
         self._forward_lanes.clear()
         if self._refresh is not None:
             self._refresh.cancel()
+        for task in list(self._background):
+            task.cancel()
         await self.peer.shutdown(10.0)
 
     async def __aenter__(self) -> Swarm:
@@ -298,6 +306,50 @@ class Swarm:
 
         answered = await asyncio.gather(*(answers(peer_id) for peer_id in peer_ids))
         return [peer_id for peer_id, ok in zip(peer_ids, answered, strict=True) if not ok]
+
+    # ---- bandwidth ---------------------------------------------------------------------------------------------------
+
+    def bandwidth_mbps(self, sender: str, receiver: str | None) -> float | None:
+        """The bandwidth known between node `sender` and `receiver` (None: this client), Mbit/s, or None: the
+        client's own measurement for its links; for two nodes, the smaller of the figures their records publish."""
+        if receiver is None:
+            return self._bandwidth.get(sender)
+        figures = [
+            link.bandwidth_mbps
+            for node, other in ((sender, receiver), (receiver, sender))
+            if (record := self._records.get(node)) is not None
+            for link in record.info.links
+            if link.peer_id == other and link.bandwidth_mbps
+        ]
+        return min(figures) if figures else None
+
+    def measure_bandwidths_soon(self, peer_ids: list[str]) -> None:
+        """Measure the client's bandwidth to each of `peer_ids` not measured in the last BANDWIDTH_MAX_AGE_S, in
+        the background (a ping carrying BANDWIDTH_PAYLOAD_BYTES; the first session on a link goes lossless)."""
+        now = time.monotonic()
+        for peer_id in dict.fromkeys(peer_ids):
+            if now - self._bandwidth_measured.get(peer_id, -math.inf) < BANDWIDTH_MAX_AGE_S:
+                continue
+            self._bandwidth_measured[peer_id] = now
+            task = asyncio.ensure_future(self._measure_bandwidth(peer_id))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _measure_bandwidth(self, peer_id: str) -> None:
+        payload = Frame(tensors=[Tensor(buffer=bytes(BANDWIDTH_PAYLOAD_BYTES))])
+        try:
+            rtt_s = min([await self._timed_unary(peer_id, Frame()) for _ in range(2)])
+            loaded_s = await self._timed_unary(peer_id, payload)
+        except Exception as exc:  # gone or slow: the link stays unknown (lossless)
+            logger.debug("no bandwidth to %s: %r", peer_id, exc)
+            return
+        transfer_s = loaded_s - rtt_s if loaded_s - rtt_s >= 0.1 * loaded_s else loaded_s  # see server/link_probe.py
+        self._bandwidth[peer_id] = BANDWIDTH_PAYLOAD_BYTES * 8 / transfer_s / 1e6
+
+    async def _timed_unary(self, peer_id: str, request: Frame) -> float:
+        started = time.perf_counter()
+        await self.unary(peer_id, rpc.PING, request, 5.0)
+        return time.perf_counter() - started
 
     async def _ping(self, peer_id: str, timeout_s: float) -> float:
         """Round trip in ms: over the node's data lane when it has one (a TCP socket the client closes at once,

@@ -16,6 +16,7 @@ from nesa_node.compression.codec import (
     encode,
     wire_bytes,
 )
+from nesa_node.compression.names import AUTO_CODEC
 from nesa_node.compression.quantize import (
     DYNAMIC_MAX_ERROR,
     LINEAR_MAX_ERROR,
@@ -368,7 +369,7 @@ def test_block_codecs_shrink_a_hidden_state():
     sizes = {codec: len(encode(_randn(shape, 0), codec).payload) for codec in CODECS}
     assert sizes == {"none": 16384, "fp16": 8192, "bf16": 8192, "blockwise8": 4352, "dynamic8": 4352}
     assert sizes["none"] / sizes["blockwise8"] > 3.7 and sizes["fp16"] / sizes["blockwise8"] > 1.85
-    assert DEFAULT_CODEC in CODECS
+    assert DEFAULT_CODEC == "auto" and AUTO_CODEC in CODECS
 
 
 def test_dynamic_map_golden_values():

@@ -1,0 +1,48 @@
+"""The default codec, "auto", on a live swarm: on loopback every hop stays lossless and the tokens equal one
+process's; when the client's link to the first node is slow, a long prompt goes compressed and the one-token steps
+after it do not (the choice is per message, and visible in the session's step timings)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.compression.names import AUTO_CODEC
+from tests.support.swarm import wait_for_chain, wait_until
+
+PREFIX = "auto-codec"
+PROMPT = torch.tensor([list(range(5, 69))])  # 64 tokens: 4096 elements of the tiny Llama's width
+NEW_TOKENS = 6
+
+
+def test_auto_is_lossless_on_loopback_and_compresses_only_what_pays_on_a_slow_link(module_swarm, tiny_llama):
+    for start, end in ((0, 2), (2, 4)):
+        module_swarm.start_node(tiny_llama, start, end, dht_prefix=PREFIX)
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX
+    ) as model:
+        assert model.client.config.compression.name == "auto"
+        wait_for_chain(model)
+        with model.inference_session(max_length=80) as session:
+            output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        assert torch.equal(output, reference)
+        assert {timing.codec for timing in session.timings} == {"none"}
+        assert set(session.output_codecs.values()) == {"none"}
+        first = session.chain.peer_ids[0]
+        swarm = model.swarm
+        wait_until(lambda: swarm.bandwidth_mbps(first, None) is not None)  # measured in the background at open
+        assert swarm.bandwidth_mbps(first, None) > 300.0  # loopback
+
+        swarm._bandwidth[first] = 20.0  # as measured on a slow uplink
+        swarm._bandwidth_measured[first] = time.monotonic()
+        with model.inference_session(max_length=80) as session:
+            output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+        codecs = [timing.codec for timing in session.timings]
+        assert codecs[0] == AUTO_CODEC and set(codecs[1:]) == {"none"}  # the prompt compressed, 64-wide steps not
+        assert output.shape == reference.shape
