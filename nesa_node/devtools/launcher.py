@@ -40,12 +40,15 @@ class ProcessGroup:
     def log_path(self, process: subprocess.Popen) -> Path:
         return self.workdir / f"{self.names[process.pid]}.log"
 
-    def start(self, name: str, args: list[str]) -> tuple[subprocess.Popen, Path]:
-        """Run `nesa-node ARGS --address-file FILE`; returns the process and the address file to wait for."""
+    def start(
+        self, name: str, args: list[str], *, wrapper: list[str] | tuple[str, ...] = ()
+    ) -> tuple[subprocess.Popen, Path]:
+        """Run `nesa-node ARGS --address-file FILE` (after `wrapper`, a command that execs it, such as
+        `ip netns exec NAME`); returns the process and the address file to wait for."""
         address_file = self.workdir / f"{name}.addr"
         address_file.unlink(missing_ok=True)
         log = open(self.workdir / f"{name}.log", "wb") if self.log_to_files else subprocess.DEVNULL  # noqa: SIM115
-        command = [sys.executable, "-m", "nesa_node.cli", *args, "--address-file", str(address_file)]
+        command = [*wrapper, sys.executable, "-m", "nesa_node.cli", *args, "--address-file", str(address_file)]
         process = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
         )
