@@ -8,6 +8,7 @@ timeout. Many sessions may use one Swarm at once.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import math
 import time
@@ -311,9 +312,15 @@ class Swarm:
 
     def bandwidth_mbps(self, sender: str, receiver: str | None) -> float | None:
         """The bandwidth known between node `sender` and `receiver` (None: this client), Mbit/s, or None: the
-        client's own measurement for its links; for two nodes, the smaller of the figures their records publish."""
+        client's own measurement for its links; for two nodes, the smaller of the figures their records publish.
+        A node on this machine (its lane on a loopback address) is reached without a network link at all: inf
+        (a measurement there times the two processes' CPU, which a busy host makes look like a slow link)."""
         if receiver is None:
+            if self._on_this_host(sender):
+                return math.inf
             return self._bandwidth.get(sender)
+        if self._on_this_host(sender) and self._on_this_host(receiver):
+            return math.inf
         figures = [
             link.bandwidth_mbps
             for node, other in ((sender, receiver), (receiver, sender))
@@ -322,6 +329,15 @@ class Swarm:
             if link.peer_id == other and link.bandwidth_mbps
         ]
         return min(figures) if figures else None
+
+    def _on_this_host(self, peer_id: str) -> bool:
+        address = self.lane_address(peer_id)
+        if address is None:
+            return False
+        try:
+            return ipaddress.ip_address(lane.parse_address(address)[0]).is_loopback
+        except (BadRequestError, ValueError):
+            return False
 
     def measure_bandwidths_soon(self, peer_ids: list[str]) -> None:
         """Measure the client's bandwidth to each of `peer_ids` not measured in the last BANDWIDTH_MAX_AGE_S, in
@@ -344,7 +360,9 @@ class Swarm:
             logger.debug("no bandwidth to %s: %r", peer_id, exc)
             return
         transfer_s = loaded_s - rtt_s if loaded_s - rtt_s >= 0.1 * loaded_s else loaded_s  # see server/link_probe.py
-        self._bandwidth[peer_id] = BANDWIDTH_PAYLOAD_BYTES * 8 / transfer_s / 1e6
+        # each figure is a lower bound (a busy moment only makes a link look slower): keep the best seen
+        measured = BANDWIDTH_PAYLOAD_BYTES * 8 / transfer_s / 1e6
+        self._bandwidth[peer_id] = max(measured, self._bandwidth.get(peer_id, 0.0))
 
     async def _timed_unary(self, peer_id: str, request: Frame) -> float:
         started = time.perf_counter()
