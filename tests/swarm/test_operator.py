@@ -6,11 +6,14 @@ signal goes to the whole group, as a terminal's Ctrl-C, `timeout` and systemd's 
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import signal
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import psutil
 import pytest
@@ -284,3 +287,22 @@ def test_verbose_shows_the_traceback(operator):
     assert result.returncode == 2
     assert "Traceback" in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("error: [model_load] ")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_gateway_serves_then_stops_on_signal(operator, tiny_llama, sig):
+    """`nesa-node gateway` as an operator runs it: it answers the OpenAI API over a real swarm, and a signal stops
+    it within the bound with no traceback and no p2pd left behind."""
+    _, address = start_bootstrap(operator)
+    start_node(operator, tiny_llama, "0:4", address, "node")
+    gateway = operator.start(
+        "gateway", "--model", tiny_llama, "--initial-peers", address, "--port", "0", "--address-file", "gw.addr",
+        name="gateway",
+    )  # fmt: skip
+    url = operator.wait_file("gw.addr", gateway).strip()
+    connection = http.client.HTTPConnection(url.removeprefix("http://"), timeout=60)
+    body = {"model": Path(tiny_llama).name, "prompt": "import os", "max_tokens": 4, "temperature": 0}
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    answer = json.loads(connection.getresponse().read())
+    assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 4, answer
+    assert assert_stopped_cleanly(operator, gateway, sig) < STOP_S

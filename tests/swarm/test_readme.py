@@ -4,6 +4,7 @@ and the graph-model pipeline. Every process the blocks start is stopped at the e
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -107,6 +108,12 @@ def test_readme_swarm_sdk_and_routing_blocks_run_as_written(shell):
     assert shell.python(sync_example).startswith("Beautiful is")
     decoded = shell.python(async_example).strip().splitlines()[-1]
     assert "Beautiful is" in decoded and "Flat is better" in decoded
+
+    (gateway,) = readme_blocks("OpenAI-compatible gateway", "sh")
+    answer = json.loads(shell.run(gateway).strip().splitlines()[-1])
+    assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 12, answer
+    (openai_example,) = readme_blocks("OpenAI-compatible gateway", "python")
+    assert shell.python(openai_example).strip() == answer["choices"][0]["text"].strip()
 
     (routing,) = readme_blocks("Routing", "sh")
     output = shell.run(". .venv/bin/activate\n" + routing)  # the by-hand block's shell, activated

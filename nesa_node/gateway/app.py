@@ -1,0 +1,351 @@
+"""The gateway's HTTP API: OpenAI's `/v1/completions`, `/v1/chat/completions` and `/v1/models`, and `/health`, over
+one AsyncDistributedModel (one P2P host; each request one swarm session, at most `max_concurrency` at once).
+
+Requests and answers follow OpenAI's shapes: errors as {"error": {"message", "type", "param", "code"}} (404 for an
+unknown model, 400 for a bad request, never a 500 for the caller's mistake); streams as server-sent events, one
+`data: {json}` per chunk and `data: [DONE]` at the end; `stream_options.include_usage` adds one last chunk with
+empty choices and the usage. `finish_reason` is "stop" (end of sequence or a stop string) or "length" (max_tokens),
+the same streamed or not; stop strings never reach the client, also when they cross tokens (gateway/text.py). A
+client that goes away mid-stream closes the request's session, so the nodes free its cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from nesa_node.client.async_model import AsyncDistributedModel
+from nesa_node.errors import NesaError, NoRouteError, PeerUnavailableError
+from nesa_node.gateway.text import TextStream
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = None
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this gateway does not use (user, ...)
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+@dataclass
+class Generation:
+    """One request's generation: its text so far, tokens and why it ended."""
+
+    prompt_tokens: int
+    text: TextStream
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    pieces: list[str] = field(default_factory=list)
+
+
+class Gateway:
+    """Turns OpenAI requests into swarm generations (see the module docstring)."""
+
+    def __init__(
+        self,
+        model: AsyncDistributedModel,
+        tokenizer,
+        *,
+        model_name: str,
+        chat_template: str | None = None,
+        max_concurrency: int = 64,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.chat_template = chat_template
+        self.created = int(time.time())
+        self.slots = asyncio.Semaphore(max_concurrency)
+        self.eos_token_id = tokenizer.eos_token_id
+        self.max_length = int(getattr(model.model_config, "max_position_embeddings", 2048))
+
+    # ---- requests ----------------------------------------------------------------------------------------------------
+
+    def check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise ApiError(
+                404,
+                f"The model `{name}` does not exist; this gateway serves `{self.model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+    def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
+        if isinstance(request, ChatRequest):
+            return self._chat_ids(request)
+        prompt = request.prompt
+        if isinstance(prompt, list):
+            if len(prompt) != 1:
+                raise ApiError(400, "this gateway takes one prompt per request", param="prompt")
+            prompt = prompt[0]
+        ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
+        if not ids:
+            raise ApiError(400, "the prompt is empty", param="prompt")
+        return list(ids)
+
+    def _chat_ids(self, request: ChatRequest) -> list[int]:
+        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        if not template:
+            raise ApiError(
+                400,
+                "this model has no chat template: start the gateway with --chat-template FILE (a Jinja template), "
+                "or use /v1/completions",
+                param="messages",
+                code="no_chat_template",
+            )
+        messages = [{"role": message.role, "content": _content_text(message.content)} for message in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, chat_template=template, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # a template that fails on these messages is the request's problem
+            raise ApiError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def budget(self, request: CompletionRequest | ChatRequest, prompt_tokens: int) -> int:
+        asked = request.max_completion_tokens or request.max_tokens
+        room = self.max_length - prompt_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt has {prompt_tokens} tokens, the model's limit is {self.max_length}")
+        if asked is None:
+            return min(room, DEFAULT_MAX_TOKENS if isinstance(request, CompletionRequest) else room)
+        return min(asked, room)
+
+    # ---- generation --------------------------------------------------------------------------------------------------
+
+    async def generate(self, request: CompletionRequest | ChatRequest) -> AsyncIterator[tuple[Generation, str]]:
+        """Run the request through the swarm; yields (generation, new text) as text becomes final, the last time
+        with finish_reason set."""
+        ids = self.prompt_ids(request)
+        stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+        if len(stops) > MAX_STOPS:
+            raise ApiError(400, f"at most {MAX_STOPS} stop strings", param="stop")
+        max_new = self.budget(request, len(ids))
+        generation = Generation(prompt_tokens=len(ids), text=TextStream(self._decode, stops))
+        sampling: dict[str, Any] = {"do_sample": False}
+        if request.temperature > 0:
+            generator = torch.Generator()
+            generator.manual_seed(request.seed if request.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6]))
+            sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+            sampling["generator"] = generator
+        async with self.slots:
+            stream = self.model.stream(
+                torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=self.eos_token_id, **sampling
+            )
+            async with contextlib.aclosing(stream):  # closing it ends the swarm session at once
+                async for column in stream:
+                    token = int(column[0])
+                    generation.completion_tokens += 1
+                    if token == self.eos_token_id:
+                        generation.finish_reason = "stop"
+                        break
+                    piece = generation.text.push(token)
+                    if generation.text.stopped:
+                        generation.finish_reason = "stop"
+                        yield generation, piece
+                        break
+                    if piece:
+                        yield generation, piece
+        if generation.finish_reason is None:
+            generation.finish_reason = "length"
+        yield generation, generation.text.finish()
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    # ---- answers -----------------------------------------------------------------------------------------------------
+
+    async def complete(self, request: CompletionRequest | ChatRequest) -> dict:
+        generation = None
+        async for update in self.generate(request):
+            generation = update[0]
+        text = generation.text.text
+        chat = isinstance(request, ChatRequest)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": generation.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {
+            "id": _id(chat),
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": _usage(generation),
+        }
+
+    async def events(self, request: CompletionRequest | ChatRequest) -> AsyncIterator[bytes]:
+        """The server-sent events of a streamed answer."""
+        chat = isinstance(request, ChatRequest)
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        base = {
+            "id": _id(chat),
+            "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model_name,
+        }
+
+        def chunk(piece: str | None, finish_reason: str | None, *, role: bool = False) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+                if piece:
+                    delta["content"] = piece
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            else:
+                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
+            body = {**base, "choices": [choice]}
+            if include_usage:
+                body["usage"] = None
+            return _event(body)
+
+        generation = None
+        try:
+            if chat:
+                yield chunk(None, None, role=True)
+            async for update in self.generate(request):
+                generation, piece = update
+                if piece:
+                    yield chunk(piece, None)
+            yield chunk(None, generation.finish_reason)
+            if include_usage:
+                yield _event({**base, "choices": [], "usage": _usage(generation)})
+        except ApiError as exc:  # found after the stream began: the error as an event, as OpenAI's API does
+            yield _event({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
+        except NesaError as exc:
+            yield _event({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+        yield b"data: [DONE]\n\n"
+
+
+def _content_text(content) -> str:
+    """A message's text: a string, or the text parts of a list of parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+
+
+def _id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def _usage(generation: Generation) -> dict:
+    return {
+        "prompt_tokens": generation.prompt_tokens,
+        "completion_tokens": generation.completion_tokens,
+        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+    }
+
+
+def _event(body: dict) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    """The FastAPI app of `gateway`."""
+    app = FastAPI(title="nesa-node gateway", docs_url=None, redoc_url=None)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param).response()
+
+    @app.exception_handler(NoRouteError)
+    async def no_route(request: Request, exc: NoRouteError) -> JSONResponse:
+        return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
+
+    @app.exception_handler(PeerUnavailableError)
+    async def unavailable(request: Request, exc: PeerUnavailableError) -> JSONResponse:
+        return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
+
+    @app.get("/health")
+    async def health() -> dict:
+        return {"status": "ok", "model": gateway.model_name}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        entry = {"id": gateway.model_name, "object": "model", "created": gateway.created, "owned_by": "nesa-node"}
+        return {"object": "list", "data": [entry]}
+
+    async def answer(request: CompletionRequest | ChatRequest):
+        gateway.check_model(request.model)
+        if request.stream:
+            gateway.prompt_ids(request)  # a request error is a 400 before the stream starts
+            return StreamingResponse(
+                gateway.events(request),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await gateway.complete(request)
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest):
+        return await answer(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest):
+        return await answer(request)
+
+    return app
+
+
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "Gateway", "create_app"]

@@ -1,0 +1,203 @@
+"""The OpenAI-compatible gateway against a real local swarm: the official `openai` client, streamed and not, chat and
+completions; a raw reading of the server-sent events; stop strings across tokens; unknown models and models without
+a chat template; and a client that goes away mid-stream, whose session the nodes free at once."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client as httplib
+import json
+import time
+
+import openai
+import pytest
+import torch
+import uvicorn
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nesa_node.client.async_model import AsyncDistributedModel
+from nesa_node.gateway.app import Gateway, create_app
+from tests.support.swarm import wait_until
+
+PREFIX = "gateway"
+NAME = "tiny-llama"
+PROMPT = "import os and sys"
+TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+
+
+class Served:
+    """A gateway app served by uvicorn on the swarm's event loop, on a free port of 127.0.0.1."""
+
+    def __init__(self, swarm, gateway: Gateway):
+        self.swarm = swarm
+        self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
+        self.server.capture_signals = lambda: _nothing()
+        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), swarm.loop)
+        wait_until(lambda: self.server.started, timeout_s=30)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.task.result(timeout=30)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+@pytest.fixture(scope="module")
+def served(module_swarm, tiny_llama):
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    model = module_swarm.run(
+        AsyncDistributedModel.from_pretrained(tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    with_template = Served(module_swarm, Gateway(model, tokenizer, model_name=NAME, chat_template=TEMPLATE))
+    without_template = Served(module_swarm, Gateway(model, tokenizer, model_name=NAME))
+    try:
+        wait_until(lambda: module_swarm.run(model.choose_chain(max_length=8)) is not None, timeout_s=30)
+        yield with_template, without_template, node, tokenizer
+    finally:
+        with_template.close()
+        without_template.close()
+        module_swarm.run(model.close())
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    """Greedy text of one process for PROMPT, 12 new tokens (the gateway decodes without special tokens)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        output = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    new = output[0, ids.shape[1] :].tolist()
+    return tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False), new
+
+
+def raw_request(served: Served, method: str, path: str, body: dict | None = None) -> httplib.HTTPResponse:
+    """A raw HTTP request (the bytes as they come, no client library between)."""
+    connection = httplib.HTTPConnection(served.url.removeprefix("http://"), timeout=60)
+    payload = json.dumps(body).encode() if body is not None else None
+    connection.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+    return connection.getresponse()
+
+
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_completions_at_temperature_0_give_the_single_process_text(served, reference):
+    text, tokens = reference
+    answer = client(served[0]).completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert answer.choices[0].text == text
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.completion_tokens == 12 and answer.usage.prompt_tokens > 0
+    streamed = client(served[0]).completions.create(
+        model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, stream=True
+    )
+    chunks = list(streamed)
+    assert "".join(chunk.choices[0].text for chunk in chunks if chunk.choices) == text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("include_usage", [None, False, True])
+def test_the_event_stream_framing_byte_for_byte(served, include_usage):
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}
+    if include_usage is not None:
+        body["stream_options"] = {"include_usage": include_usage}
+    response = raw_request(served[0], "POST", "/v1/completions", body)
+    assert response.status == 200
+    assert response.getheader("content-type").startswith("text/event-stream")
+    raw = response.read()
+    events = raw.split(b"\n\n")
+    assert events[-1] == b"" and events[-2] == b"data: [DONE]"
+    chunks = [json.loads(event.removeprefix(b"data: ")) for event in events[:-2]]
+    assert all(event.startswith(b"data: {") for event in events[:-2])
+    if include_usage:
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5
+        assert all(chunk["usage"] is None for chunk in chunks[:-1])
+        chunks = chunks[:-1]
+    else:
+        assert all("usage" not in chunk for chunk in chunks)
+    assert [chunk["choices"][0]["finish_reason"] for chunk in chunks] == [None] * (len(chunks) - 1) + ["length"]
+    assert len({chunk["id"] for chunk in chunks}) == 1
+
+
+@pytest.mark.parametrize("kind", ["string", "list"])
+def test_a_stop_string_across_tokens_never_leaks(served, reference, kind):
+    text, _ = reference
+    stop = text[3:7]  # inside the text, not on a token boundary in general
+    assert stop and stop in text
+    asked = stop if kind == "string" else ["never-there", stop]
+    answer = client(served[0]).completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=asked)
+    assert answer.choices[0].text == text[: text.find(stop)]
+    assert answer.choices[0].finish_reason == "stop"
+    chunks = list(
+        client(served[0]).completions.create(
+            model=NAME, prompt=PROMPT, max_tokens=12, temperature=0, stop=asked, stream=True
+        )
+    )
+    assert "".join(chunk.choices[0].text for chunk in chunks) == answer.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_chat_completions_streamed_and_not(served):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]
+    answer = client(served[0]).chat.completions.create(model=NAME, messages=messages, max_tokens=6, temperature=0)
+    assert answer.choices[0].message.role == "assistant"
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    chunks = list(
+        client(served[0]).chat.completions.create(
+            model=NAME,
+            messages=messages,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == answer.choices[0].message.content
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == answer.usage.total_tokens
+    assert [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices][-1] == answer.choices[0].finish_reason
+
+
+def test_sampling_with_a_seed_repeats(served):
+    asked = {"model": NAME, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.2, "top_p": 0.9, "seed": 7}
+    first = client(served[0]).completions.create(**asked).choices[0].text
+    assert client(served[0]).completions.create(**asked).choices[0].text == first
+
+
+def test_errors_in_openai_shape(served):
+    with pytest.raises(openai.NotFoundError) as unknown:
+        client(served[0]).completions.create(model="gpt-9", prompt=PROMPT, max_tokens=2)
+    assert unknown.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as no_template:
+        client(served[1]).chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}])
+    assert "--chat-template" in no_template.value.body["message"]
+    response = raw_request(served[0], "POST", "/v1/completions", {"model": NAME, "prompt": PROMPT, "n": 2})
+    assert response.status == 400 and json.loads(response.read())["error"]["param"] == "n"
+    assert json.loads(raw_request(served[0], "GET", "/health").read())["status"] == "ok"
+    assert json.loads(raw_request(served[0], "GET", "/v1/models").read())["data"][0]["id"] == NAME
+
+
+def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
+    gateway, _, node, _ = served
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}
+    response = raw_request(gateway, "POST", "/v1/completions", body)
+    while response.fp.readline():
+        if node.sessions.sessions:
+            break
+    assert node.sessions.sessions  # generating
+    response.close()  # the client goes away mid-stream
+    closed = time.monotonic()
+    wait_until(lambda: not node.sessions.sessions, timeout_s=5)
+    print(f"session freed {time.monotonic() - closed:.2f} s after the client went away")
+    assert node.budget.used_bytes == 0

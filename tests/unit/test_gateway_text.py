@@ -1,0 +1,67 @@
+"""Stop strings and incremental detokenization for the gateway's streams (nesa_node/gateway/text.py)."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from nesa_node.gateway.text import TextStream
+
+PIECES = ["a", "b", "ab", "c", " ", "ba", "cab", "é", "\n", "xyz"]  # what each token decodes to
+
+
+def decoder(tokens: list[int]) -> str:
+    return "".join(PIECES[token] for token in tokens)
+
+
+def run(tokens: list[int], stops: list[str]) -> tuple[str, str, bool]:
+    """(streamed text, the text decoded whole and cut at the first stop, whether a stop was found)."""
+    stream = TextStream(decoder, stops)
+    streamed = ""
+    for token in tokens:
+        streamed += stream.push(token)
+        if stream.stopped:
+            break
+    streamed += stream.finish()
+    whole = decoder(tokens)
+    found = [whole.find(stop) for stop in stops if stop and stop in whole]
+    return streamed, whole[: min(found)] if found else whole, bool(found)
+
+
+@given(
+    st.lists(st.integers(0, len(PIECES) - 1), max_size=40),
+    st.lists(st.text(alphabet="abc xé\n", min_size=1, max_size=4), max_size=4),
+)
+def test_streamed_text_equals_the_whole_text_cut_at_the_first_stop(tokens, stops):
+    streamed, expected, found = run(tokens, stops)
+    assert streamed == expected
+    assert not any(stop in streamed for stop in stops)  # a stop string never leaks, whole or split
+
+
+@given(st.lists(st.integers(0, len(PIECES) - 1), min_size=1, max_size=40), st.data())
+def test_a_stop_string_crossing_token_boundaries_ends_the_stream(tokens, data):
+    whole = decoder(tokens)
+    start = data.draw(st.integers(0, len(whole) - 1))
+    stop = whole[start : start + data.draw(st.integers(1, 4))]
+    streamed, expected, found = run(tokens, [stop])
+    assert found and streamed == expected == whole[: whole.find(stop)]
+
+
+def test_a_character_split_across_tokens_waits_for_its_end():
+    pieces = {0: b"h", 1: b"\xc3", 2: b"\xa9", 3: b"!"}
+
+    def decode(tokens):
+        return b"".join(pieces[token] for token in tokens).decode("utf-8", errors="replace")
+
+    stream = TextStream(decode)
+    assert [stream.push(token) for token in (0, 1, 2, 3)] == ["h", "", "é", "!"]
+    assert stream.finish() == "" and stream.text == "hé!"
+
+
+def test_text_held_back_for_a_stop_that_never_completes_comes_at_the_end():
+    stream = TextStream(decoder, ["abz"])
+    assert stream.push(0) == ""  # "a" may begin "abz"
+    assert stream.push(1) == ""  # "ab" too
+    assert stream.push(3) == "abc"  # "abc" cannot
+    assert stream.push(0) == ""
+    assert stream.finish() == "a"
