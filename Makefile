@@ -18,12 +18,18 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 install: $(STAMP)
 
-# tcpdump for the loopback-capture test (RELIABILITY.md C); installed where apt-get and root are available
+# tcpdump for the loopback-capture test (RELIABILITY.md C) and promtool (Debian's prometheus) for the metrics
+# naming check; installed where apt-get and root are available
 sysdeps:
 	@command -v tcpdump >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq tcpdump >/dev/null; \
 		else echo "tcpdump is missing and cannot be installed here: the capture test will fail"; fi; }
+	@command -v promtool >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			prometheus >/dev/null; \
+		else echo "promtool is missing and cannot be installed here: the metrics naming check is skipped"; fi; }
 
 demo: $(STAMP)
 	$(VENV)/bin/nesa-node demo --nodes 3

@@ -23,12 +23,13 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from nesa_node.client.async_model import AsyncDistributedModel
 from nesa_node.errors import NesaError, NoRouteError, PeerUnavailableError
 from nesa_node.gateway.text import TextStream
+from nesa_node.metrics import GatewayMetrics, exposition
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -111,6 +112,7 @@ class Gateway:
         self.slots = asyncio.Semaphore(max_concurrency)
         self.eos_token_id = tokenizer.eos_token_id
         self.max_length = int(getattr(model.model_config, "max_position_embeddings", 2048))
+        self.metrics = GatewayMetrics()
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 
@@ -181,12 +183,28 @@ class Gateway:
             generator.manual_seed(request.seed if request.seed is not None else int.from_bytes(uuid.uuid4().bytes[:6]))
             sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
             sampling["generator"] = generator
-        async with self.slots:
+        metrics = self.metrics
+        arrived = last = time.perf_counter()
+        metrics.requests_waiting.inc()
+        try:
+            await self.slots.acquire()
+        finally:
+            metrics.requests_waiting.dec()
+        metrics.requests_running.inc()
+        metrics.prompt_tokens_total.inc(len(ids))
+        try:
             stream = self.model.stream(
                 torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=self.eos_token_id, **sampling
             )
             async with contextlib.aclosing(stream):  # closing it ends the swarm session at once
                 async for column in stream:
+                    now = time.perf_counter()
+                    if generation.completion_tokens == 0:
+                        metrics.time_to_first_token_seconds.observe(now - arrived)
+                    else:
+                        metrics.inter_token_latency_seconds.observe(now - last)
+                    last = now
+                    metrics.generation_tokens_total.inc()
                     token = int(column[0])
                     generation.completion_tokens += 1
                     if token == self.eos_token_id:
@@ -199,6 +217,10 @@ class Gateway:
                         break
                     if piece:
                         yield generation, piece
+        finally:
+            self.slots.release()
+            metrics.requests_running.dec()
+            metrics.request_duration_seconds.observe(time.perf_counter() - arrived)
         if generation.finish_reason is None:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
@@ -316,6 +338,17 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(PeerUnavailableError)
     async def unavailable(request: Request, exc: PeerUnavailableError) -> JSONResponse:
         return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        gateway.metrics.requests_total.labels(request.url.path, str(response.status_code)).inc()
+        return response
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = exposition(gateway.metrics.registry)
+        return Response(body, media_type=content_type)
 
     @app.get("/health")
     async def health() -> dict:

@@ -50,6 +50,14 @@ def frame(message: Message, tensors: Sequence[runtime_pb2.Tensor] = ()) -> Frame
     return Frame(metadata=encode(message), tensors=list(tensors))
 
 
+_ERROR_HEAD = b"\xa4kind\xa5error"  # `encode` writes the kind first: after the map's one-byte header, "kind": "error"
+
+
+def is_error_reply(frame: Frame) -> bool:
+    """Whether a frame this process encoded (`frame`) carries an ErrorReply (read without decoding it)."""
+    return frame.metadata[1 : 1 + len(_ERROR_HEAD)] == _ERROR_HEAD
+
+
 def read(frame: Frame, kinds: TypeAdapter, *, max_bytes: int = MAX_METADATA_BYTES) -> Message:
     """The typed message of a frame from a peer (protocol/messages.py decode); BadRequestError if malformed."""
     return decode(frame.metadata, kinds, max_bytes=max_bytes)

@@ -75,6 +75,12 @@ class NetworkConfig:
         parse="positive_int",
     )
     address_file: str | None = option(None, "write the listening multiaddrs here once ready")
+    metrics_port: int | None = option(
+        None,
+        "serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: not served; needs the "
+        "gateway extra: prometheus-client)",
+        parse="port",
+    )
     # the kernel here has no netem to delay packets, so a node on one machine looks far away only this way
     inject_delay_ms: float = option(
         0.0,

@@ -75,7 +75,10 @@ class InferenceService:
         push: PushSender,
         limits: LimitsConfig,
         network: NetworkConfig,
+        *,
+        metrics=None,
     ):
+        self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.sessions = sessions
         self.compute = compute
         self.push = push
@@ -227,7 +230,10 @@ class InferenceService:
                     replayed=step.replay,
                 )
                 tensors = [tensor_to_proto(output, session.output_codec)]
+                if self.metrics is not None:
+                    self._count_step(session, request, step, tensors, seconds, output.shape[1])
                 if not step.replay and session.next_peer is not None:
+                    pushed = time.perf_counter()
                     await self.push.push(session, Step(
                         step_id=result.step_id,
                         position=result.position,
@@ -236,6 +242,8 @@ class InferenceService:
                         session_id=session.session_id,
                         owner=session.client_peer,
                     ), tensors)  # fmt: skip
+                    if self.metrics is not None:
+                        self.metrics.push_duration_seconds.observe(time.perf_counter() - pushed)
         except TimeoutError:
             logger.info("session %s: step over %.1f s, closing", session.session_id, self.limits.step_timeout_s)
             error = PeerUnavailableError(
@@ -249,6 +257,19 @@ class InferenceService:
         elif session.next_peer is None:
             await self._send_output(session, frame(result, tensors))
         return True
+
+    def _count_step(
+        self, session: ServerSession, request: Frame, step: Step, outputs: list, seconds: float, tokens: int
+    ) -> None:
+        metrics = self.metrics
+        if step.replay:
+            metrics.replayed_steps_total.inc()
+        elif seconds > 0:  # a duplicate is answered from its record, not computed
+            metrics.step_duration_seconds.labels("prefill" if tokens > 1 else "decode").observe(seconds)
+        received = sum(len(tensor.buffer) for tensor in request.tensors)
+        metrics.wire_bytes_total.labels("in", step.codec.name).inc(received)
+        sent = sum(len(tensor.buffer) for tensor in outputs)
+        metrics.wire_bytes_total.labels("out", session.output_codec.name).inc(sent)
 
     async def _send_output(self, session: ServerSession, output: Frame) -> None:
         """A last node's output: on the client's output lane when it has one, else on the session's stream."""

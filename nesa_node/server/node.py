@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psutil
 
+from nesa_node.metrics import NodeMetrics, serve_registry
 from nesa_node.peer import (
     SHUTDOWN_STEP_S,
     Peer,
@@ -60,6 +61,17 @@ events = logging.getLogger("nesa_node.events")  # what an operator sees at the d
 END_SESSIONS_S = 5.0  # for sessions to close once ended: their queued steps (guess: a few decode steps)
 
 
+def node_metrics(required: bool) -> NodeMetrics | None:
+    """The node's metrics when prometheus-client is installed (None otherwise); ValueError naming the extra when
+    metrics were asked for (--metrics-port) and it is not."""
+    try:
+        return NodeMetrics()
+    except ImportError:
+        if required:
+            raise ValueError("--metrics-port needs prometheus-client: pip install 'nesa-node[gateway]'") from None
+        return None
+
+
 def cache_budget(config: NodeConfig, model_config, blocks: int) -> CacheBudget:
     """The KV cache budget of a span of `blocks` blocks (eq. 4 bytes per token depend on the span's length)."""
     element_bytes = DTYPES[config.compute.dtype].itemsize
@@ -90,6 +102,9 @@ class Node:
         self.prober = LinkProber(peer.p2p)
         self.moves: list[dict] = []  # what this node did: {from, to, reason, drained_s, ended_sessions, seconds}
         self.rebalancer: Rebalancer | None = None
+        self.metrics: NodeMetrics | None = None
+        self.metrics_url: str | None = None  # where the node serves its metrics, once it does (--metrics-port)
+        self._metrics_server = None
         self._process = psutil.Process()
         self._stopped = asyncio.Event()
         self._moving = asyncio.Lock()  # one move at a time (the rebalancer's, or one an operator asked for)
@@ -138,10 +153,13 @@ class Node:
         )
         node = cls(config, model_config, peer, throughput)
         frame_bytes = max_frame_bytes(config, model_config.hidden_size)
-        node.sessions = SessionTable(config.limits, budget)
+        node.metrics = node_metrics(network.metrics_port is not None)
+        node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
         node.compute = BlockCompute(span, compute, config.limits)
         push = PushSender(peer.p2p, node.sessions, peer_timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes)
-        node.inference = InferenceService(node.sessions, node.compute, push, config.limits, network)
+        node.inference = InferenceService(
+            node.sessions, node.compute, push, config.limits, network, metrics=node.metrics
+        )
         node.lanes = LaneServer(
             node.sessions,
             node.inference.forward,
@@ -150,7 +168,14 @@ class Node:
             max_frame_bytes=frame_bytes,
             injected_delay=node.inference.injected_delay,
         )
-        node.rpc = NodeRpc(node.inference, node.sessions, node.lanes, node.current_info, max_frame_bytes=frame_bytes)
+        node.rpc = NodeRpc(
+            node.inference,
+            node.sessions,
+            node.lanes,
+            node.current_info,
+            max_frame_bytes=frame_bytes,
+            metrics=node.metrics,
+        )
         try:
             await node.rpc.register(peer.p2p)
             if network.lane_port is not None:
@@ -284,8 +309,25 @@ class Node:
         self.state = NodeState.online
         await self.announce()
         self._tasks = asyncio.create_task(self._run_tasks(), name=f"node-{self.peer_id[-6:]}")
+        if self.metrics is not None and self.config.network.metrics_port is not None:
+            self._metrics_server = self._serve_metrics()
         if self.config.network.address_file:
             await asyncio.to_thread(write_address_file, self.config.network.address_file, await self.visible_maddrs())
+
+    def _serve_metrics(self):
+        """Serve the node's metrics over HTTP (a thread of prometheus-client's); their gauges read this node."""
+        self.metrics.bind(
+            sessions=lambda: len(self.sessions),
+            cache_used=lambda: self.budget.used_bytes,
+            cache_free=lambda: self.budget.free_bytes,
+            queued=self.sessions.queued_steps,
+            dht_peers=lambda: len(self.dht.protocol.routing_table.uid_to_peer_id),
+        )
+        network = self.config.network
+        server, _, port = serve_registry(self.metrics.registry, network.host, network.metrics_port)
+        self.metrics_url = f"http://{network.host}:{port}/metrics"
+        logger.info("metrics on %s", self.metrics_url)
+        return server
 
     async def _run_tasks(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -385,6 +427,9 @@ class Node:
         await self.drain(finish_s=0.0, end_s=drain_s)
         self.compute.close()
         self.lanes.close()
+        if self._metrics_server is not None:
+            await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server = None
         self.state = NodeState.offline
         await self.announce_now(SHUTDOWN_STEP_S)
         await self.peer.shutdown(SHUTDOWN_STEP_S)

@@ -16,7 +16,7 @@ from hivemind.p2p import P2P, P2PContext
 
 from nesa_node.errors import MessageTooLargeError, RequestError
 from nesa_node.protocol import rpc
-from nesa_node.protocol.channel import Frame, frame, read
+from nesa_node.protocol.channel import Frame, frame, is_error_reply, read
 from nesa_node.protocol.framing import StreamChannel, serve_stream
 from nesa_node.protocol.messages import PUSHED, ErrorReply, InfoReply
 from nesa_node.protocol.records import NodeInfo
@@ -36,7 +36,9 @@ class NodeRpc:
         info: Callable[[], NodeInfo],
         *,
         max_frame_bytes: int,
+        metrics=None,
     ):
+        self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.inference = inference
         self.sessions = sessions
         self.lanes = lanes
@@ -51,9 +53,33 @@ class NodeRpc:
             (rpc.PUSH, self.rpc_push),
             (rpc.LANE_TICKET, self.rpc_lane_ticket),
         ):
-            await p2p.add_protobuf_handler(name, handler, Frame)
+            await p2p.add_protobuf_handler(name, self._counted(name, handler), Frame)
         for name, handler in ((rpc.INFERENCE, self.inference.serve_session), (rpc.PUSH_STREAM, self.rpc_push_stream)):
-            await serve_stream(p2p, name, handler, max_frame_bytes=self.max_frame_bytes)
+            await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)
+
+    def _counted(self, name: str, handler):
+        """`handler`, counting its answers by status (an ErrorReply is "error") when the node has metrics."""
+        if self.metrics is None:
+            return handler
+        counter = self.metrics.rpcs_total
+
+        async def counted(request: Frame, context: P2PContext) -> Frame:
+            answer = await handler(request, context)
+            counter.labels(name, "error" if is_error_reply(answer) else "ok").inc()
+            return answer
+
+        return counted
+
+    def _counted_stream(self, name: str, handler):
+        if self.metrics is None:
+            return handler
+        counter = self.metrics.rpcs_total
+
+        async def counted(channel, context: P2PContext) -> None:
+            counter.labels(name, "ok").inc()  # a stream: its messages' errors are answered on it
+            await handler(channel, context)
+
+        return counted
 
     async def rpc_info(self, request: Frame, context: P2PContext) -> Frame:
         await self.inference.injected_delay()

@@ -153,8 +153,9 @@ class ServerSession:
 class SessionTable:
     """Sessions by (opening peer, id), with the node's limits, the per-peer quotas and the KV cache budget."""
 
-    def __init__(self, limits: LimitsConfig, budget: CacheBudget):
+    def __init__(self, limits: LimitsConfig, budget: CacheBudget, *, metrics=None):
         self.limits = limits
+        self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.sessions: dict[SessionKey, ServerSession] = {}
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self.idle = asyncio.Event()  # set while no session is open
@@ -345,6 +346,8 @@ class SessionTable:
             session.reply.send(frame(ErrorReply.of(error)))
         session.inbox.put_nowait(END_OF_SESSION)
         self.close(session)
+        if self.metrics is not None:
+            self.metrics.preempted_sessions_total.inc()
 
     def close(self, session: ServerSession) -> None:
         """Free the session's cache and channels (the client's stream is its handler's to close)."""

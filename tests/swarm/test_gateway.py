@@ -7,12 +7,17 @@ from __future__ import annotations
 import asyncio
 import http.client as httplib
 import json
+import shutil
+import subprocess
+import threading
 import time
+import urllib.request
 
 import openai
 import pytest
 import torch
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nesa_node.client.async_model import AsyncDistributedModel
@@ -52,7 +57,7 @@ class _nothing:
 
 @pytest.fixture(scope="module")
 def served(module_swarm, tiny_llama):
-    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, metrics_port=0)
     model = module_swarm.run(
         AsyncDistributedModel.from_pretrained(tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX)
     )
@@ -198,6 +203,87 @@ def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
     assert node.sessions.sessions  # generating
     response.close()  # the client goes away mid-stream
     closed = time.monotonic()
-    wait_until(lambda: not node.sessions.sessions, timeout_s=5)
+    wait_until(lambda: scrape(node.metrics_url)["nesa_node_sessions"] == 0, timeout_s=1)  # as an operator sees it
     print(f"session freed {time.monotonic() - closed:.2f} s after the client went away")
     assert node.budget.used_bytes == 0
+    assert scrape(node.metrics_url)['nesa_node_kv_cache_bytes{state="used"}'] == 0
+
+
+def scrape_text(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of a /metrics page: name{labels} -> value."""
+    samples = {}
+    for family in text_string_to_metric_families(scrape_text(url)):
+        for sample in family.samples:
+            labels = ",".join(f'{key}="{value}"' for key, value in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+NODE_MOVING = [
+    'nesa_node_step_duration_seconds_count{phase="prefill"}',
+    'nesa_node_step_duration_seconds_count{phase="decode"}',
+    'nesa_node_wire_bytes_total{codec="none",direction="in"}',
+    'nesa_node_wire_bytes_total{codec="none",direction="out"}',
+    'nesa_node_rpcs_total{rpc="nesa.inference",status="ok"}',
+]
+GATEWAY_MOVING = [
+    "nesa_gateway_time_to_first_token_seconds_count",
+    "nesa_gateway_inter_token_latency_seconds_count",
+    "nesa_gateway_request_duration_seconds_count",
+    "nesa_gateway_prompt_tokens_total",
+    "nesa_gateway_generation_tokens_total",
+    'nesa_gateway_requests_total{endpoint="/v1/completions",status="200"}',
+]
+
+
+def test_metrics_exist_and_move_during_a_generation(served):
+    gateway, _, node, _ = served
+    node_before, gateway_before = scrape(node.metrics_url), scrape(gateway.url + "/metrics")
+    for name in ("nesa_node_sessions", "nesa_node_queued_steps", "nesa_node_kv_cache_usage_ratio", "nesa_node_dht_peers",
+                 'nesa_node_kv_cache_bytes{state="free"}', "nesa_node_push_duration_seconds_count",
+                 "nesa_node_replayed_steps_total", "nesa_node_preempted_sessions_total"):  # fmt: skip
+        assert name in node_before, name
+    for name in ("nesa_gateway_requests_running", "nesa_gateway_requests_waiting"):
+        assert name in gateway_before, name
+    assert node_before["nesa_node_dht_peers"] >= 1
+    during: list[dict] = []
+
+    def generate() -> None:
+        client(gateway).completions.create(model=NAME, prompt=PROMPT, max_tokens=40, temperature=0)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    wait_until(lambda: during.append(scrape(node.metrics_url)) or during[-1]["nesa_node_sessions"] == 1, timeout_s=10)
+    assert during[-1]['nesa_node_kv_cache_bytes{state="used"}'] > 0
+    assert during[-1]["nesa_node_kv_cache_usage_ratio"] > 0
+    worker.join(timeout=60)
+    node_after, gateway_after = scrape(node.metrics_url), scrape(gateway.url + "/metrics")
+    for name in NODE_MOVING:
+        assert node_after.get(name, 0) > node_before.get(name, 0), name
+    for name in GATEWAY_MOVING:
+        assert gateway_after.get(name, 0) > gateway_before.get(name, 0), name
+    assert (
+        gateway_after["nesa_gateway_generation_tokens_total"]
+        - gateway_before.get("nesa_gateway_generation_tokens_total", 0)
+        == 40
+    )
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian's prometheus package)")
+def test_promtool_finds_no_naming_problem(served):
+    gateway, _, node, _ = served
+    client(gateway).completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
+    for url in (node.metrics_url, gateway.url + "/metrics"):
+        checked = subprocess.run(
+            ["promtool", "check", "metrics"], input=scrape_text(url), capture_output=True, text=True, timeout=30
+        )
+        assert checked.returncode == 0 and not checked.stdout.strip() and not checked.stderr.strip(), (
+            url,
+            checked.stdout,
+            checked.stderr,
+        )

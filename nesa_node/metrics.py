@@ -1,0 +1,155 @@
+"""Every Prometheus metric nesa-node exports, named in one place (prometheus-client, imported only when a process
+serves /metrics: the `gateway` extra).
+
+Names: `nesa_node_` for a node, `nesa_gateway_` for the gateway, snake_case with the unit last (`_seconds`,
+`_bytes`, `_ratio`, `_total` for counters), no colons. Histograms use fixed buckets, documented here:
+- STEP_BUCKETS (seconds): one step of a span, 0.5 ms (a decode step of a few blocks on a GPU) to 10 s (a long
+  prefill on a CPU);
+- LATENCY_BUCKETS (seconds): what a user waits for, 5 ms to 60 s.
+Each node, gateway or client gets a registry of its own (several live in one process in tests), served by
+`serve_registry` or the gateway's `/metrics` route.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class NodeMetrics:
+    """A node's metrics. The gauges read the node's state when scraped (`bind`); the rest is counted as it happens."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.sessions = Gauge("nesa_node_sessions", "Inference sessions open on this node", registry=registry)
+        self.kv_cache_bytes = Gauge(
+            "nesa_node_kv_cache_bytes", "KV cache bytes of the node's budget, by state", ["state"], registry=registry
+        )
+        self.kv_cache_usage_ratio = Gauge(
+            "nesa_node_kv_cache_usage_ratio", "Share of the KV cache budget reserved by sessions", registry=registry
+        )
+        self.queued_steps = Gauge("nesa_node_queued_steps", "Steps waiting for compute", registry=registry)
+        self.dht_peers = Gauge("nesa_node_dht_peers", "Peers in this node's DHT routing table", registry=registry)
+        self.step_duration_seconds = Histogram(
+            "nesa_node_step_duration_seconds",
+            "Compute time of one step of a session in this node's blocks, by phase (prefill: more than one token)",
+            ["phase"],
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.push_duration_seconds = Histogram(
+            "nesa_node_push_duration_seconds",
+            "Time to hand a step's output to the next node",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.wire_bytes_total = Counter(
+            "nesa_node_wire_bytes_total",
+            "Hidden-state bytes of steps, by direction (in: received, out: sent on) and codec",
+            ["direction", "codec"],
+            registry=registry,
+        )
+        self.rpcs_total = Counter(
+            "nesa_node_rpcs_total", "RPCs answered, by kind and status", ["rpc", "status"], registry=registry
+        )
+        self.replayed_steps_total = Counter(
+            "nesa_node_replayed_steps_total",
+            "Steps replayed into this node to rebuild a session's cache after a failover",
+            registry=registry,
+        )
+        self.preempted_sessions_total = Counter(
+            "nesa_node_preempted_sessions_total", "Idle sessions ended to admit new ones", registry=registry
+        )
+        for state in ("used", "free"):  # present from the start, zero until bound
+            self.kv_cache_bytes.labels(state)
+        for phase in ("prefill", "decode"):
+            self.step_duration_seconds.labels(phase)
+
+    def bind(
+        self,
+        *,
+        sessions: Callable[[], int],
+        cache_used: Callable[[], int],
+        cache_free: Callable[[], int],
+        queued: Callable[[], int],
+        dht_peers: Callable[[], int],
+    ) -> None:
+        """Make the gauges read the node's state when scraped."""
+        self.sessions.set_function(sessions)
+        self.kv_cache_bytes.labels("used").set_function(cache_used)
+        self.kv_cache_bytes.labels("free").set_function(cache_free)
+
+        def usage() -> float:
+            total = cache_used() + cache_free()
+            return cache_used() / total if total else 0.0
+
+        self.kv_cache_usage_ratio.set_function(usage)
+        self.queued_steps.set_function(queued)
+        self.dht_peers.set_function(dht_peers)
+
+
+class GatewayMetrics:
+    """The gateway's metrics: requests as a user sees them."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = registry = CollectorRegistry(auto_describe=True)
+        self.requests_total = Counter(
+            "nesa_gateway_requests_total",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "status"],
+            registry=registry,
+        )
+        self.requests_running = Gauge(
+            "nesa_gateway_requests_running", "Requests generating in the swarm now", registry=registry
+        )
+        self.requests_waiting = Gauge(
+            "nesa_gateway_requests_waiting", "Requests waiting for a free generation slot", registry=registry
+        )
+        self.time_to_first_token_seconds = Histogram(
+            "nesa_gateway_time_to_first_token_seconds",
+            "From a request's arrival to its first generated token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency_seconds = Histogram(
+            "nesa_gateway_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request",
+            buckets=STEP_BUCKETS,
+            registry=registry,
+        )
+        self.request_duration_seconds = Histogram(
+            "nesa_gateway_request_duration_seconds",
+            "From a request's arrival to its last token (end-to-end latency)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.prompt_tokens_total = Counter(
+            "nesa_gateway_prompt_tokens_total", "Prompt tokens of the requests served", registry=registry
+        )
+        self.generation_tokens_total = Counter(
+            "nesa_gateway_generation_tokens_total", "Tokens generated for the requests served", registry=registry
+        )
+
+
+def exposition(registry) -> tuple[bytes, str]:
+    """The registry in Prometheus's text format, and its content type."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+def serve_registry(registry, host: str, port: int):
+    """Serve `registry` at http://host:port/metrics on a thread of its own; returns (server, thread, port)."""
+    from prometheus_client import start_http_server
+
+    server, thread = start_http_server(port, addr=host, registry=registry)
+    return server, thread, server.server_port
+
+
+__all__ = ["GatewayMetrics", "LATENCY_BUCKETS", "NodeMetrics", "STEP_BUCKETS", "exposition", "serve_registry"]
