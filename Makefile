@@ -18,8 +18,8 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 
 install: $(STAMP)
 
-# tcpdump for the loopback-capture test (RELIABILITY.md C) and promtool (Debian's prometheus) for the metrics
-# naming check; installed where apt-get and root are available
+# tcpdump for the loopback-capture test (RELIABILITY.md C), promtool (Debian's prometheus) for the metrics naming
+# check, headless chromium and its driver for the dashboard test; installed where apt-get and root are available
 sysdeps:
 	@command -v tcpdump >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -30,6 +30,11 @@ sysdeps:
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			prometheus >/dev/null; \
 		else echo "promtool is missing and cannot be installed here: the metrics naming check is skipped"; fi; }
+	@command -v chromedriver >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			chromium chromium-driver >/dev/null; \
+		else echo "chromium is missing and cannot be installed here: the dashboard test is skipped"; fi; }
 
 demo: $(STAMP)
 	$(VENV)/bin/nesa-node demo --nodes 3

@@ -23,11 +23,13 @@ from typing import Any, Literal
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from nesa_node.client.async_model import AsyncDistributedModel
 from nesa_node.errors import NesaError, NoRouteError, PeerUnavailableError
+from nesa_node.gateway.dashboard import DashboardState
+from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
 
@@ -349,6 +351,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def metrics() -> Response:
         body, content_type = exposition(gateway.metrics.registry)
         return Response(body, media_type=content_type)
+
+    dashboard = DashboardState(gateway.model, model_name=gateway.model_name)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def page() -> str:
+        return PAGE
+
+    @app.get("/api/swarm")
+    async def swarm() -> dict:
+        return await dashboard.document()
 
     @app.get("/health")
     async def health() -> dict:

@@ -4,7 +4,6 @@ a chat template; and a client that goes away mid-stream, whose session the nodes
 
 from __future__ import annotations
 
-import asyncio
 import http.client as httplib
 import json
 import shutil
@@ -16,43 +15,18 @@ import urllib.request
 import openai
 import pytest
 import torch
-import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nesa_node.client.async_model import AsyncDistributedModel
-from nesa_node.gateway.app import Gateway, create_app
+from nesa_node.gateway.app import Gateway
+from tests.support.gateway import Served
 from tests.support.swarm import wait_until
 
 PREFIX = "gateway"
 NAME = "tiny-llama"
 PROMPT = "import os and sys"
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-
-
-class Served:
-    """A gateway app served by uvicorn on the swarm's event loop, on a free port of 127.0.0.1."""
-
-    def __init__(self, swarm, gateway: Gateway):
-        self.swarm = swarm
-        self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
-        self.server.capture_signals = lambda: _nothing()
-        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), swarm.loop)
-        wait_until(lambda: self.server.started, timeout_s=30)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.task.result(timeout=30)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        return False
 
 
 @pytest.fixture(scope="module")

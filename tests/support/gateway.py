@@ -1,0 +1,35 @@
+"""A gateway app served by uvicorn inside a test's local swarm (on the swarm's event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import uvicorn
+
+from nesa_node.gateway.app import Gateway, create_app
+from tests.support.swarm import wait_until
+
+
+class Served:
+    """A gateway app served by uvicorn on the swarm's event loop, on a free port of 127.0.0.1."""
+
+    def __init__(self, swarm, gateway: Gateway):
+        self.swarm = swarm
+        self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
+        self.server.capture_signals = lambda: _nothing()
+        self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), swarm.loop)
+        wait_until(lambda: self.server.started, timeout_s=30)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.task.result(timeout=30)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
