@@ -243,6 +243,10 @@ class Swarm:
         """Freeze the current records, with the client's measured rtts, for routing (swarm_view.py); `fresh`: see
         node_records."""
         infos = [record.info for record in await self.node_records(fresh)]
+        return self.snapshot_of(infos, num_blocks, hidden_size=hidden_size)
+
+    def snapshot_of(self, infos: list[NodeInfo], num_blocks: int, *, hidden_size: int = 0) -> SwarmSnapshot:
+        """The routing snapshot of records already read, with what this client measured itself."""
         now = time.monotonic()
         snapshot = build_snapshot(
             infos,

@@ -83,6 +83,15 @@ class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A request checked and tokenized once."""
+
+    ids: list[int]
+    stops: list[str]
+    max_new: int
+
+
 @dataclass
 class Generation:
     """One request's generation: its text so far, tokens and why it ended."""
@@ -170,14 +179,21 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------------------------------
 
-    async def generate(self, request: CompletionRequest | ChatRequest) -> AsyncIterator[tuple[Generation, str]]:
-        """Run the request through the swarm; yields (generation, new text) as text becomes final, the last time
-        with finish_reason set."""
+    def prepare(self, request: CompletionRequest | ChatRequest) -> Prepared:
+        """The prompt's tokens, the stop strings and the token budget; ApiError (a 400) for anything wrong, so a
+        streamed request is refused before its stream starts."""
         ids = self.prompt_ids(request)
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stops) > MAX_STOPS:
             raise ApiError(400, f"at most {MAX_STOPS} stop strings", param="stop")
-        max_new = self.budget(request, len(ids))
+        return Prepared(ids, stops, self.budget(request, len(ids)))
+
+    async def generate(
+        self, request: CompletionRequest | ChatRequest, prepared: Prepared
+    ) -> AsyncIterator[tuple[Generation, str]]:
+        """Run the request through the swarm; yields (generation, new text) as text becomes final, the last time
+        with finish_reason set."""
+        ids, stops, max_new = prepared.ids, prepared.stops, prepared.max_new
         generation = Generation(prompt_tokens=len(ids), text=TextStream(self._decode, stops))
         sampling: dict[str, Any] = {"do_sample": False}
         if request.temperature > 0:
@@ -232,9 +248,9 @@ class Gateway:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
 
-    async def complete(self, request: CompletionRequest | ChatRequest) -> dict:
+    async def complete(self, request: CompletionRequest | ChatRequest, prepared: Prepared) -> dict:
         generation = None
-        async for update in self.generate(request):
+        async for update in self.generate(request, prepared):
             generation = update[0]
         text = generation.text.text
         chat = isinstance(request, ChatRequest)
@@ -252,7 +268,7 @@ class Gateway:
             "usage": _usage(generation),
         }
 
-    async def events(self, request: CompletionRequest | ChatRequest) -> AsyncIterator[bytes]:
+    async def events(self, request: CompletionRequest | ChatRequest, prepared: Prepared) -> AsyncIterator[bytes]:
         """The server-sent events of a streamed answer."""
         chat = isinstance(request, ChatRequest)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
@@ -280,15 +296,13 @@ class Gateway:
         try:
             if chat:
                 yield chunk(None, None, role=True)
-            async for update in self.generate(request):
+            async for update in self.generate(request, prepared):
                 generation, piece = update
                 if piece:
                     yield chunk(piece, None)
             yield chunk(None, generation.finish_reason)
             if include_usage:
                 yield _event({**base, "choices": [], "usage": _usage(generation)})
-        except ApiError as exc:  # found after the stream began: the error as an event, as OpenAI's API does
-            yield _event({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
         except NesaError as exc:
             yield _event({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
         yield b"data: [DONE]\n\n"
@@ -373,14 +387,14 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     async def answer(request: CompletionRequest | ChatRequest):
         gateway.check_model(request.model)
+        prepared = gateway.prepare(request)
         if request.stream:
-            gateway.prompt_ids(request)  # a request error is a 400 before the stream starts
             return StreamingResponse(
-                gateway.events(request),
+                gateway.events(request, prepared),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await gateway.complete(request)
+        return await gateway.complete(request, prepared)
 
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest):

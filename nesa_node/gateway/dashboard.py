@@ -43,7 +43,7 @@ class DashboardState:
         infos = sorted((record.info for record in records), key=lambda info: (info.start_block, info.peer_id))
         infos = [info for info in infos if info.end_block <= num_blocks]
         self._note_changes(infos)
-        snapshot = await self.model.router.snapshot()
+        snapshot = swarm.snapshot_of(infos, num_blocks, hidden_size=self.model.model_config.hidden_size)
         measured = swarm.timings.measured()
         views = {node.peer_id: node for node in snapshot.nodes}
         nodes = []

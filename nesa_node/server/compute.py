@@ -47,7 +47,7 @@ class BlockCompute:
         self._small_step_s: float | None = None  # moving average compute time of small steps, seconds
         # one-token steps waiting to run together (decode batching): each (hidden, cache, position, blocks, future)
         self._decode_queue: list[_DecodeStep] = []
-        self._decoding = False  # a task is taking the queue
+        self._decoder: asyncio.Task | None = None  # the task taking the queue (held: the loop keeps only weak refs)
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
 
     def use_span(self, span) -> None:
@@ -148,19 +148,16 @@ class BlockCompute:
             return await self.run(hidden, cache, position, blocks)
         future = asyncio.get_running_loop().create_future()
         self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future))
-        if not self._decoding:
-            self._decoding = True
-            asyncio.create_task(self._take_decode_queue())
+        if self._decoder is None or self._decoder.done():
+            self._decoder = asyncio.create_task(self._take_decode_queue())
         return await future
 
     async def _take_decode_queue(self) -> None:
-        try:
-            await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
-            while self._decode_queue:
-                batch = self._next_decode_batch()
+        await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
+        while self._decode_queue:
+            batch = self._next_decode_batch()
+            if batch:  # empty when every waiting step was given up (its session timed out)
                 await self._settle(batch, self._run_alone(batch[0]) if len(batch) == 1 else self._run_batch(batch))
-        finally:
-            self._decoding = False
 
     def _next_decode_batch(self) -> list[_DecodeStep]:
         """The waiting steps on the first waiting step's blocks, within the step limit (rows); the rest wait."""

@@ -92,6 +92,12 @@ def records_show(model, peer_id: str, predicate) -> None:
     wait_until(seen, timeout_s=30)
 
 
+def honest_records_show(model, honest) -> None:
+    """Wait until the honest nodes' records carry the throughput they measured (their first announcement has 0)."""
+    for node in honest:
+        records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
+
+
 def test_g4_a_node_claiming_100x_throughput_gets_no_more_than_its_share_once_measured(
     module_swarm, tiny_llama, reference
 ):
@@ -100,8 +106,7 @@ def test_g4_a_node_claiming_100x_throughput_gets_no_more_than_its_share_once_mea
     with connect(module_swarm, tiny_llama, "liar-speed") as model:
         wait_for_chain(model)
         records_show(model, liar.peer_id, lambda info: info.inference_tps == claimed_tps(liar))
-        for node in honest:
-            records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
+        honest_records_show(model, honest)
         measure(model, [*honest, liar])
         taken = share_of_sessions(model, liar.peer_id)
         print(f"the 100x liar got {taken} of {SESSIONS} sessions")
@@ -118,8 +123,7 @@ def test_g4_a_node_lying_about_its_links_and_uptime_gets_no_more_than_its_share(
     with connect(module_swarm, tiny_llama, "liar-links") as model:
         wait_for_chain(model)
         records_show(model, liar.peer_id, lambda info: info.uptime_s == 1e9)
-        for node in honest:
-            records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
+        honest_records_show(model, honest)
         measure(model, [*honest, liar])
         taken = share_of_sessions(model, liar.peer_id)
         print(f"the links and uptime liar got {taken} of {SESSIONS} sessions")
