@@ -160,8 +160,7 @@ def test_g3_five_hundred_concurrent_opens_are_all_answered_promptly(starved):
         assert len(firsts) == 500
         unanswered = [answer for answer in firsts if answer["kind"] not in ("opened", "error")]
         assert not unanswered, f"{len(unanswered)} opens got no typed answer, e.g. {unanswered[:3]}"
-        # each identity got its quota at most (some were preempted since by the others' waiting opens)
-        assert sum(answer["kind"] == "opened" for answer in firsts) <= 5 * LIMITS["max_sessions_per_peer"]
+        # opens that waited may preempt earlier ones (which frees their owner's quota): the node stays within limits
         assert len(node.sessions) <= LIMITS["max_sessions"]
         assert {answer["code"] for answer in firsts if answer["kind"] == "error"} <= {
             "quota",
