@@ -10,7 +10,8 @@ the same framing but:
   - `refuse(error)` answers such a frame with an RPCError frame "[code] message" and stops reading (the stream's
     owner then closes it);
   - when it ends a stream the peer is still writing to, first drops the peer's bytes for up to `linger_s`
-    (closing with unread bytes would reset the connection and could lose the answers already sent).
+    (closing with unread bytes would reset the connection, and a reset loses the answers already sent that the
+    peer has not read yet: a busy client reads late).
 
 `serve_stream` registers a handler (channel, context) for a stream RPC; `open_stream` opens one to a peer. Unary RPCs
 go through p2pd's persistent connection, which bounds their size itself (4 MiB by default).
@@ -169,7 +170,7 @@ class StreamChannel:
 
 
 async def serve_stream(
-    p2p: P2P, name: str, handler: StreamHandler, *, max_frame_bytes: int, linger_s: float = 1.0
+    p2p: P2P, name: str, handler: StreamHandler, *, max_frame_bytes: int, linger_s: float = 5.0
 ) -> None:
     """Register `handler(channel, context)` as stream RPC `name` on `p2p`. The stream is closed when the handler
     returns; a handler that raises (a defect) has its stream answered with an error frame."""

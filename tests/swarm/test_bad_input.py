@@ -142,9 +142,12 @@ async def drain(queue: asyncio.Queue, end: object):
         yield item
 
 
-def converse(target: Target, messages, *, answers: int | None = None, until=None, timeout: float = 20.0) -> list[dict]:
+def converse(
+    target: Target, messages, *, answers: int | None = None, until=None, timeout: float = 20.0, read_after_s: float = 0
+) -> list[dict]:
     """Send `messages` (a list, or an async iterator) on one inference stream; the metadata of the node's answers,
-    `answers` of them or all until the node ends the stream."""
+    `answers` of them or all until the node ends the stream; the first answer is read `read_after_s` after the
+    stream opened (a busy client)."""
 
     async def run() -> list[dict]:
         if isinstance(messages, list):
@@ -158,6 +161,7 @@ def converse(target: Target, messages, *, answers: int | None = None, until=None
             target.peer, rpc.INFERENCE, requests, runtime_pb2.ExpertResponse
         )
         received = []
+        await asyncio.sleep(read_after_s)
         try:
             async with asyncio.timeout(timeout):
                 async for response in stream:
@@ -241,9 +245,12 @@ def test_d_unparseable_protobuf(target):
     assert message.startswith("[bad_request] unparseable ExpertRequest protobuf")
 
 
-def test_d_endless_stream_ends_with_a_typed_error(target):
+@pytest.mark.parametrize("read_after_s", [0, 2.5], ids=["reading", "reading-late"])
+def test_d_endless_stream_ends_with_a_typed_error(target, read_after_s):
     """A client that never stops sending steps: the node works through its session's max_length, refuses the
-    rest, and ends the session after `max_step_errors` refusals; the client's unread steps wait on TCP."""
+    rest, and ends the session after `max_step_errors` refusals; the client's unread steps wait on TCP. A client
+    that reads late, after the node ended the session, still gets every answer: the node drops what the client
+    keeps sending for a while instead of resetting the stream (a reset loses the answers not yet read)."""
 
     async def endless():
         yield opening(max_length=8)
@@ -252,8 +259,13 @@ def test_d_endless_stream_ends_with_a_typed_error(target):
             yield step(position)
             position += 1
 
-    received = converse(target, endless(), until=lambda answer: "session closed" in answer.get("message", ""))
-    assert received[0]["kind"] == "opened"
+    received = converse(
+        target,
+        endless(),
+        until=lambda answer: "session closed" in answer.get("message", ""),
+        read_after_s=read_after_s,
+    )
+    assert received and received[0]["kind"] == "opened", received
     served = [answer for answer in received[1:] if not is_error(answer)]
     refused = [answer for answer in received[1:] if is_error(answer)]
     assert len(served) == 8, received
