@@ -36,8 +36,9 @@ sysdeps:
 			chromium chromium-driver >/dev/null; \
 		else echo "chromium is missing and cannot be installed here: the dashboard test is skipped"; fi; }
 
+DEMO_PORT ?= 8000
 demo: $(STAMP)
-	$(VENV)/bin/nesa-node demo --nodes 3
+	$(VENV)/bin/nesa-node demo --nodes 3 --serve --gateway-port $(DEMO_PORT)
 
 # the import contracts of pyproject.toml, checked on a tree of links laid out as installed (nesa_node.routing is
 # routing/, ...): see tests/support/layout.py

@@ -12,7 +12,10 @@
     │   ├── CacheBudgetError        cache_budget     the session does not fit the node's KV cache budget
     │   ├── SessionNotFoundError    unknown_session
     │   ├── TooManySessionsError    too_many_sessions  the node's session limit, or it is draining
-    │   └── QuotaExceededError      quota            one peer's share of sessions, cache or queued steps used up
+    │   ├── QuotaExceededError      quota            one peer's share of sessions, cache or queued steps used up
+    │   └── AdapterError            adapter          a LoRA adapter that cannot be read or does not fit the model/span
+    │       ├── UnsupportedAdapterError  unsupported_adapter  a PEFT feature nesa-node does not serve (DoRA, bias, ...)
+    │       └── AdapterHashError    adapter_hash     slice bytes whose sha256 is not the one asked for (tampered)
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
     ├── NoRouteError                no_route         no chain of online nodes covers every block
     ├── SessionStateError           session_state    client-side misuse of an inference session
@@ -85,6 +88,22 @@ class QuotaExceededError(RequestError):
     code = "quota"
 
 
+class AdapterError(RequestError):
+    """A LoRA adapter (folder or slice) that cannot be read, or does not fit the model or the span it is used on.
+
+    A request error because a request or a peer names the adapter; an operator's --adapters folder raises it too."""
+
+    code = "adapter"
+
+
+class UnsupportedAdapterError(AdapterError):
+    code = "unsupported_adapter"
+
+
+class AdapterHashError(AdapterError):
+    code = "adapter_hash"
+
+
 class PeerUnavailableError(NesaError):
     code = "peer_unavailable"
 
@@ -130,6 +149,9 @@ _BY_CODE = {
         SessionNotFoundError,
         TooManySessionsError,
         QuotaExceededError,
+        AdapterError,
+        UnsupportedAdapterError,
+        AdapterHashError,
         PeerUnavailableError,
         SessionPreemptedError,
         NoRouteError,

@@ -135,6 +135,18 @@ class GatewayMetrics:
         self.generation_tokens_total = Counter(
             "nesa_gateway_generation_tokens_total", "Tokens generated for the requests served", registry=registry
         )
+        self.failovers_total = Counter(
+            "nesa_gateway_failovers_total",
+            "Nodes replaced in the middle of a request's session (the failed node banned, its blocks re-routed)",
+            registry=registry,
+        )
+        self.failover_recovery_seconds = Histogram(
+            "nesa_gateway_failover_recovery_seconds",
+            "From a node's failure to its replacement holding the session's cache again",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.dht_peers = Gauge("nesa_gateway_dht_peers", "Peers in the gateway's DHT routing table", registry=registry)
 
 
 def exposition(registry) -> tuple[bytes, str]:

@@ -219,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_CODEC,
         help=f"hidden-state codec on every hop that accepts it (default {DEFAULT_CODEC})",
     )
+    gateway.add_argument(
+        "--topology-period",
+        type=PARSERS["positive"],
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between the dashboard's topology snapshots (persistence diagrams and change detection; "
+        "default 5)",
+    )
     gateway.add_argument("--address-file", default=None, help="write the gateway's URL here once it serves")
 
     generate = commands.add_parser("generate", help="generate text through the swarm")
@@ -277,6 +285,18 @@ def build_parser() -> argparse.ArgumentParser:
         choices=CODECS,
         default="none",
         help="hidden-state codec between nodes (default none, so the tokens must equal one process's exactly)",
+    )
+    demo.add_argument(
+        "--serve",
+        action="store_true",
+        help="after the check, start the OpenAI-compatible gateway and its dashboard and keep the swarm up until "
+        "Ctrl-C",
+    )
+    demo.add_argument(
+        "--gateway-port",
+        type=parse_port,
+        default=8000,
+        help="the gateway's port on 127.0.0.1 with --serve (0: any free)",
     )
     return parser
 
@@ -348,7 +368,14 @@ async def _run_gateway(args, name: str, chat_template: str | None) -> None:
         args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, compression=args.compression
     )
     app = create_app(
-        Gateway(model, tokenizer, model_name=name, chat_template=chat_template, max_concurrency=args.max_concurrency)
+        Gateway(
+            model,
+            tokenizer,
+            model_name=name,
+            chat_template=chat_template,
+            max_concurrency=args.max_concurrency,
+            topology_period_s=args.topology_period,
+        )
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off"))
     server.capture_signals = contextlib.nullcontext  # this process's own handlers stop it (event_loop)
@@ -557,5 +584,7 @@ def _dispatch(args) -> int:
             prompt=args.prompt,
             max_new_tokens=args.max_new_tokens,
             compression=args.compression,
+            serve=args.serve,
+            gateway_port=args.gateway_port,
         )
     raise AssertionError(f"unhandled command {args.command!r}")  # argparse allows only the commands above

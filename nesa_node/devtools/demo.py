@@ -1,4 +1,5 @@
-"""`nesa-node demo`: a whole swarm on this machine, one generation, and a check against one process."""
+"""`nesa-node demo`: a whole swarm on this machine, one generation, and a check against one process; with `serve`, then
+the OpenAI-compatible gateway and its dashboard over the same swarm until Ctrl-C."""
 
 from __future__ import annotations
 
@@ -12,6 +13,27 @@ from nesa_node.devtools.launcher import ProcessGroup, split_blocks
 from nesa_node.errors import NoRouteError
 
 TIMEOUT_S = 180.0  # for the whole swarm to come up (model load and throughput measurement included)
+
+
+def _serve_gateway(group: ProcessGroup, model: str, peers: list[str], compression: str, port: int) -> None:
+    """Run a gateway over the demo's swarm until Ctrl-C (or until the gateway itself stops)."""
+    args = ["gateway", "--model", model, "--initial-peers", *peers, "--host", "127.0.0.1", "--port", str(port)]
+    gateway, address_file = group.start("gateway", [*args, "--compression", compression])
+    (url,) = group.wait_address(gateway, address_file, TIMEOUT_S)
+    name = Path(model).resolve().name
+    print(f"gateway {gateway.pid} at {url}", flush=True)
+    print(f"  dashboard:  {url}/", flush=True)
+    print(f"  OpenAI API: {url}/v1 (model {name!r}), for example:", flush=True)
+    print(f"  curl -s {url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{name}\", \"prompt\": \"import os\", \"max_tokens\": 16}}'", flush=True)  # fmt: skip
+    print("Ctrl-C stops the gateway and the swarm", flush=True)
+    try:
+        while gateway.poll() is None:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print("stopping", flush=True)
+        return
+    print(f"the gateway exited with status {gateway.returncode}; see {group.log_path(gateway)}", flush=True)
 
 
 class _TokenClock:
@@ -32,9 +54,18 @@ class _TokenClock:
 
 
 def run_demo(
-    *, nodes: int = 3, model: str | None = None, prompt: str, max_new_tokens: int = 32, compression: str = "none"
+    *,
+    nodes: int = 3,
+    model: str | None = None,
+    prompt: str,
+    max_new_tokens: int = 32,
+    compression: str = "none",
+    serve: bool = False,
+    gateway_port: int = 8000,
 ) -> int:
-    """Start a bootstrap peer and `nodes` node daemons, generate through them, compare with one process.
+    """Start a bootstrap peer and `nodes` node daemons, generate through them, compare with one process; with
+    `serve`, then start a gateway on 127.0.0.1:`gateway_port` (0: any free port), print its address and keep the
+    swarm up until Ctrl-C.
 
     Returns 0 when the swarm's tokens equal the single-process ones (with a lossy `compression` codec, when the
     generation completes: the agreement is printed, since quantized hidden states may change a later token).
@@ -104,5 +135,7 @@ def run_demo(
         print(f"tokens equal the single-process reference: {'yes' if matches else 'NO'}", flush=True)
         if compression != "none":
             print(f"hidden states sent with {compression}: {agree} of {new_tokens} new tokens agree", flush=True)
+        if serve:
+            _serve_gateway(group, model, peers, compression, gateway_port)
     print("stopped every process the demo started", flush=True)
     return 0 if matches or compression != "none" else 1

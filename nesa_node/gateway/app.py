@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from nesa_node.client.async_model import AsyncDistributedModel
 from nesa_node.errors import NesaError, NoRouteError, PeerUnavailableError
-from nesa_node.gateway.dashboard import DashboardState
+from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
@@ -114,8 +114,10 @@ class Gateway:
         model_name: str,
         chat_template: str | None = None,
         max_concurrency: int = 64,
+        topology_period_s: float = TOPOLOGY_PERIOD_S,
     ):
         self.model = model
+        self.topology_period_s = topology_period_s
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.chat_template = chat_template
@@ -124,6 +126,8 @@ class Gateway:
         self.eos_token_id = tokenizer.eos_token_id
         self.max_length = int(getattr(model.model_config, "max_position_embeddings", 2048))
         self.metrics = GatewayMetrics()
+        dht = model.swarm.dht
+        self.metrics.dht_peers.set_function(lambda: len(dht.protocol.routing_table.uid_to_peer_id))
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 
@@ -210,12 +214,15 @@ class Gateway:
             metrics.requests_waiting.dec()
         metrics.requests_running.inc()
         metrics.prompt_tokens_total.inc(len(ids))
+        session, failovers = None, 0
         try:
+            session = await self.model.open_session(max_length=len(ids) + max_new, prompt_tokens=len(ids))
             stream = self.model.stream(
-                torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=self.eos_token_id, **sampling
+                torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=self.eos_token_id, session=session, **sampling
             )
-            async with contextlib.aclosing(stream):  # closing it ends the swarm session at once
+            async with contextlib.aclosing(stream):
                 async for column in stream:
+                    failovers = self._count_failovers(session, failovers)
                     now = time.perf_counter()
                     if generation.completion_tokens == 0:
                         metrics.time_to_first_token_seconds.observe(now - arrived)
@@ -236,12 +243,24 @@ class Gateway:
                     if piece:
                         yield generation, piece
         finally:
+            if session is not None:
+                await asyncio.shield(session.close())  # the nodes free its cache now, also for a client gone away
+                self._count_failovers(session, failovers)
             self.slots.release()
             metrics.requests_running.dec()
             metrics.request_duration_seconds.observe(time.perf_counter() - arrived)
         if generation.finish_reason is None:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
+
+    def _count_failovers(self, session, counted: int) -> int:
+        """Count the session's node replacements after the first `counted`, with their recovery times; returns how
+        many are counted now."""
+        recoveries = session.failovers
+        for recovery in recoveries[counted:]:
+            self.metrics.failovers_total.inc()
+            self.metrics.failover_recovery_seconds.observe(recovery["seconds"])
+        return len(recoveries)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -333,6 +352,38 @@ def _event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
+ENDPOINTS = frozenset(
+    {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+)
+
+
+class _CountRequests:
+    """ASGI middleware counting answered requests by endpoint and status. Any other path counts as "other": the
+    label's values stay bounded whatever paths clients make up. (Starlette's BaseHTTPMiddleware would copy every
+    streamed chunk through a queue of its own.)"""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = "500"  # unless the app starts a response
+
+        async def counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests_total.labels(endpoint, status).inc()
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app of `gateway`."""
     app = FastAPI(title="nesa-node gateway", docs_url=None, redoc_url=None)
@@ -355,18 +406,16 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def unavailable(request: Request, exc: PeerUnavailableError) -> JSONResponse:
         return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        gateway.metrics.requests_total.labels(request.url.path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_CountRequests, metrics=gateway.metrics)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         body, content_type = exposition(gateway.metrics.registry)
         return Response(body, media_type=content_type)
 
-    dashboard = DashboardState(gateway.model, model_name=gateway.model_name)
+    dashboard = DashboardState(
+        gateway.model, model_name=gateway.model_name, topology_period_s=gateway.topology_period_s
+    )
 
     @app.get("/", response_class=HTMLResponse)
     async def page() -> str:

@@ -1,5 +1,6 @@
 """The dashboard page served at `/`: one HTML document with its script, no build step; it polls `/api/swarm` every
-second and draws the coverage, the nodes, the live chains, the swarm graph and its persistence diagrams in SVG."""
+second and draws the coverage, the nodes, the live chains, the swarm graph, its persistence diagrams and the
+topology change score over time in SVG."""
 
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>nesa-node swarm</title>
@@ -23,6 +24,8 @@ table { border-collapse: collapse; } td, th { border: 1px solid #ccc; padding: 3
 <div><h2>Swarm graph</h2><svg id="graph" width="360" height="300"></svg></div>
 <div><h2>Persistence diagram (H0 dots, H1 squares; ms)</h2><svg id="diagram" width="320" height="300"></svg></div>
 </div>
+<h2>Topology change score over time <span class="muted">(above 1: a change, as the nodes' homology trigger
+decides)</span></h2><div id="change-status" class="muted"></div><svg id="change" width="700" height="140"></svg>
 <h2>Events</h2><ul id="events" class="muted"></ul>
 <script>
 "use strict";
@@ -53,8 +56,8 @@ function coverage(doc) {
 function nodes(doc) {
   document.querySelector("#nodes tbody").innerHTML = doc.nodes.map(n =>
     `<tr class="node" data-peer="${n.peer_id}"><td title="${n.peer_id}">${short(n.peer_id)}</td><td>${n.state}</td>` +
-    `<td>${n.blocks[0]}:${n.blocks[1]}</td><td>${n.block_ms === null ? "unknown" : n.block_ms} ` +
-    `<span class="muted">(${n.speed_source})</span></td><td>${n.cache_tokens_left}</td><td>${n.queue}</td>` +
+    `<td>${n.blocks[0]}:${n.blocks[1]}</td><td>${n.block_ms === null ? "unknown" :
+    `${n.block_ms} <span class="muted">(${n.speed_source})</span>`}</td><td>${n.cache_tokens_left}</td><td>${n.queue}</td>` +
     `<td>${n.codecs.join(" ")}</td><td>${n.quantization}</td></tr>`).join("");
 }
 function graph(topo) {
@@ -66,12 +69,25 @@ function graph(topo) {
   const span = Math.max(1e-9, Math.max(...xs) - Math.min(...xs), Math.max(...ys) - Math.min(...ys));
   const at = p => [180 + 140 * (p[0] - (Math.max(...xs) + Math.min(...xs)) / 2) / span,
                    150 + 120 * (p[1] - (Math.max(...ys) + Math.min(...ys)) / 2) / span];
+  const placed = topo.positions.map(at), groups = [];
+  placed.forEach((p, i) => {  // nodes closer than their labels (one host, one region): a ring around the first
+    const near = groups.find(g => Math.hypot(placed[g[0]][0] - p[0], placed[g[0]][1] - p[1]) < 24);
+    if (near) near.push(i); else groups.push([i]);
+  });
+  for (const members of groups) {
+    if (members.length < 2) continue;
+    const [x, y] = placed[members[0]], radius = Math.min(100, 12 * members.length);
+    members.forEach((i, k) => {
+      const angle = 2 * Math.PI * k / members.length;
+      placed[i] = [x + radius * Math.cos(angle), y + radius * Math.sin(angle)];
+    });
+  }
   for (const [a, b] of topo.edges) {
-    const [x1, y1] = at(topo.positions[a]), [x2, y2] = at(topo.positions[b]);
+    const [x1, y1] = placed[a], [x2, y2] = placed[b];
     svg.append(el("line", {x1, y1, x2, y2, stroke: "#bbb"}));
   }
   topo.positions.forEach((p, i) => {
-    const [cx, cy] = at(p);
+    const [cx, cy] = placed[i];
     svg.append(el("circle", {cx, cy, r: 6, fill: "#1e88e5", class: "vertex"}));
     svg.append(el("text", {x: cx + 8, y: cy + 4, "font-size": 10}, short(topo.peer_ids[i])));
   });
@@ -90,17 +106,37 @@ function diagram(topo) {
   for (const [b, d] of topo.h0) svg.append(el("circle", {cx: X(b), cy: Y(d), r: 4, fill: "#e53935", class: "h0"}));
   for (const [b, d] of topo.h1) svg.append(el("rect", {x: X(b) - 4, y: Y(d) - 4, width: 8, height: 8, fill: "#8e24aa", class: "h1"}));
 }
+function change(doc) {
+  const svg = document.getElementById("change"); svg.replaceChildren();
+  const status = document.getElementById("change-status");
+  const c = doc.change;
+  if (!c || c.calibrating) {
+    status.textContent = c ? `calibrating: ${c.calibrating[0]} of ${c.calibrating[1]} snapshots` : "";
+    return;
+  }
+  status.textContent = `watching: ${c.scores.length} snapshots scored`;
+  status.dataset.watching = "yes";
+  const top = Math.max(2, ...c.scores.map(p => Math.min(p[1], 10)));
+  const t0 = c.scores.length ? c.scores[0][0] : 0, t1 = c.scores.length ? c.scores[c.scores.length - 1][0] : 1;
+  const X = t => 40 + 640 * (t - t0) / Math.max(1e-9, t1 - t0), Y = v => 120 - 100 * Math.min(v, 10) / top;
+  svg.append(el("line", {x1: 40, y1: Y(1), x2: 680, y2: Y(1), stroke: "#e53935", "stroke-dasharray": "4"}));
+  svg.append(el("text", {x: 4, y: Y(1) + 4, "font-size": 10}, "1"));
+  svg.append(el("line", {x1: 40, y1: 120, x2: 680, y2: 120, stroke: "#333"}));
+  for (const [t, v] of c.scores) {
+    svg.append(el("circle", {cx: X(t), cy: Y(v), r: 3, fill: v > 1 ? "#e53935" : "#1e88e5", class: "score"}));
+  }
+}
 async function refresh() {
   const status = document.getElementById("status");
   try {
     const response = await fetch("/api/swarm", {cache: "no-store"});
     const doc = await response.json();
     document.getElementById("model").textContent = doc.model;
-    coverage(doc); nodes(doc); graph(doc.topology); diagram(doc.topology);
+    coverage(doc); nodes(doc); graph(doc.topology); diagram(doc.topology); change(doc);
     document.getElementById("chains").innerHTML = doc.chains.length ?
       doc.chains.map(c => `<div class="chain">${c.map(short).join(" &rarr; ")}</div>`).join("") : "no open session";
     document.getElementById("events").innerHTML = doc.events.map(e =>
-      `<li>${new Date(e.time * 1000).toLocaleTimeString()} ${short(e.peer_id)} ${e.event}</li>`).join("");
+      `<li>${new Date(e.time * 1000).toLocaleTimeString()} ${e.peer_id ? short(e.peer_id) : "swarm"} ${e.event}</li>`).join("");
     status.textContent = `${doc.nodes.length} nodes, ${doc.num_blocks} blocks; updated ${new Date(doc.time * 1000).toLocaleTimeString()}`;
     status.className = "muted"; document.body.dataset.updated = String(doc.time);
   } catch (error) { status.textContent = `no answer from the gateway: ${error}`; status.className = "stale"; }

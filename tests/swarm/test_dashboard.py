@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.cli, pytest.mark.skipif(browser_missing() is not None,
 PREFIX = "dashboard"
 ANNOUNCE_S = 1.0
 TTL_S = 3 * ANNOUNCE_S + 10  # NodeConfig.record_ttl_s
+TOPOLOGY_PERIOD_S = 1.0  # the dashboard's snapshots: calibrated after 5 of them
 
 
 def rows(browser: Browser) -> list[str]:
@@ -45,8 +46,9 @@ def test_dashboard_shows_nodes_coverage_joins_departures_and_diagrams(module_swa
     model = module_swarm.run(
         AsyncDistributedModel.from_pretrained(tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX)
     )
-    served = Served(module_swarm, Gateway(model, AutoTokenizer.from_pretrained(tiny_llama), model_name="tiny"))
-    browser = Browser()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    served = Served(module_swarm, Gateway(model, tokenizer, model_name="tiny", topology_period_s=TOPOLOGY_PERIOD_S))
+    browser = Browser(height=1400)  # the whole page, events included, in the screenshots
     killed = None
     try:
         browser.get(served.url + "/")
@@ -55,6 +57,9 @@ def test_dashboard_shows_nodes_coverage_joins_departures_and_diagrams(module_swa
         servers = browser.run('return [...document.querySelectorAll(".cov tr:last-child td")].map(c => c.textContent);')
         assert servers == ["1", "1", "1", "1"], servers
         browser.screenshot(shots / "dashboard-two-nodes.png")
+        # change detection calibrates on the unchanged two-node swarm before the third node comes
+        wait_until(lambda: browser.run('return document.querySelector("#change-status").dataset.watching === "yes";'),
+                   timeout_s=30)  # fmt: skip
 
         # a node joins: a process of its own, so that it can be killed without a goodbye below
         command = [sys.executable, "-m", "nesa_node.cli", "run", "--model", tiny_llama, "--blocks", "0:4",
@@ -66,7 +71,25 @@ def test_dashboard_shows_nodes_coverage_joins_departures_and_diagrams(module_swa
         print(f"\na joining node shown after {joined_s:.2f} s")
         wait_until(lambda: browser.run('return document.querySelectorAll("#diagram .h0").length;') >= 1, timeout_s=10)
         assert browser.run('return document.querySelectorAll("#graph .vertex").length;') == 3
-        browser.screenshot(shots / "dashboard-three-nodes.png")
+        session = module_swarm.run(model.open_session(max_length=16))  # a live chain, drawn as its nodes' ids
+        try:
+            wait_until(lambda: browser.run('return document.querySelectorAll("#chains .chain").length;') == 1,
+                       timeout_s=5)  # fmt: skip
+            chain = browser.run('return document.querySelector("#chains .chain").textContent;')
+            assert all(peer[-8:] in chain for peer in session.chain.peer_ids), (chain, session.chain.peer_ids)
+            vertices = browser.run(
+                'return [...document.querySelectorAll("#graph .vertex")].map(v => v.getAttribute("cx") + "," + '
+                'v.getAttribute("cy"));'
+            )
+            assert len(set(vertices)) == 3, vertices  # nodes at one point are drawn apart
+            wait_until(lambda: "topology changed" in browser.run(
+                'return document.querySelector("#events").textContent;'), timeout_s=10)  # fmt: skip
+            assert browser.run('return document.querySelectorAll("#change .score").length;') >= 1
+            browser.screenshot(shots / "dashboard-three-nodes.png")
+        finally:
+            module_swarm.run(session.close())
+        wait_until(lambda: browser.run('return document.querySelectorAll("#chains .chain").length;') == 0,
+                   timeout_s=5)  # fmt: skip
 
         killed.send_signal(signal.SIGKILL)  # no goodbye: its record lives until it expires
         killed.wait(timeout=10)

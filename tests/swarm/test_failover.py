@@ -3,13 +3,17 @@ generates."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
+import urllib.request
+from pathlib import Path
 
+import openai
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.session_chain import SessionChain
@@ -23,7 +27,7 @@ from tests.support.swarm import wait_for_chain, wait_until
 
 SPANS = [(0, 1), (1, 3), (3, 4)]
 # nodes per span: enough for every test below to kill (or stop) one and still find a replacement
-COPIES = {(0, 1): 3, (1, 3): 6, (3, 4): 3}
+COPIES = {(0, 1): 3, (1, 3): 7, (3, 4): 3}
 PROMPT = torch.randint(3, 1000, (1, 16), generator=torch.Generator().manual_seed(5))
 NEW_TOKENS, KILL_AFTER = 128, 64
 RECOVERY_LIMIT_S = 2.0  # RELIABILITY.md A1: failed step to next good step
@@ -229,6 +233,49 @@ def test_a3_stopped_node_client_reroutes_and_the_stale_node_frees_its_cache(fail
         print(f"\nstale node freed the session's cache {freed_s:.2f} s after SIGCONT")
         recovery_s = max(timing.wall_s for timing in session.timings)
         print(f"recovery from a stopped node: {recovery_s:.3f} s, phases {session.failovers[0]['phases']}")
+
+
+def test_a1_gateway_stream_survives_a_killed_node_and_counts_the_failover(failover_swarm, tiny_llama):
+    """A request streamed through a `nesa-node gateway` process; the middle node of its chain (read from the
+    dashboard's live chains) is killed mid-stream: the streamed text equals one process's, and the gateway's
+    /metrics count one failover with its recovery time."""
+    group = failover_swarm.group
+    args = ["gateway", "--model", tiny_llama, "--initial-peers", *failover_swarm.initial_peers, "--port", "0"]
+    gateway, address_file = group.start("gateway", [*args, "--dht-prefix", "failover", "--compression", "none"])
+    (url,) = group.wait_address(gateway, address_file, timeout_s=120)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt, new_tokens = "import os and sys", 200
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        output = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+            ids, max_new_tokens=new_tokens, do_sample=False
+        )
+    expected = tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    wait_until(lambda: len(swarm_document(url)["coverage"]) == 4 and not swarm_document(url)["gaps"], timeout_s=60)
+    pieces, killed = [], []
+    stream = client.completions.create(
+        model=Path(tiny_llama).resolve().name, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True
+    )
+    for chunk in stream:
+        pieces.append(chunk.choices[0].text)
+        if not killed:
+            (chain,) = swarm_document(url)["chains"]
+            killed.append(chain[1])
+            failover_swarm.kill(chain[1])
+    assert "".join(pieces) == expected
+    assert len(pieces) > 20  # the kill came early in the stream
+    metrics = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    assert "nesa_gateway_failovers_total 1.0" in metrics, metrics
+    assert "nesa_gateway_failover_recovery_seconds_count 1.0" in metrics, metrics
+    (recovery_s,) = [float(line.split()[-1]) for line in metrics.splitlines()
+                     if line.startswith("nesa_gateway_failover_recovery_seconds_sum")]  # fmt: skip
+    print(f"\ngateway stream: failover recovered in {recovery_s:.3f} s")
+    assert 0 < recovery_s < 15
+
+
+def swarm_document(url: str) -> dict:
+    return json.loads(urllib.request.urlopen(url + "/api/swarm", timeout=10).read())
 
 
 def test_a4_no_replacement_names_the_missing_blocks(failover_swarm, tiny_llama):

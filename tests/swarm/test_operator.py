@@ -9,9 +9,12 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
+import subprocess
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from tests.support.cli import Operator, wait_gone
+from tests.support.swarm import wait_until
 
 pytestmark = pytest.mark.cli
 
@@ -162,6 +166,32 @@ def test_demo_stops_what_it_started_on_ctrl_c(operator):
     output = demo.output()
     assert "Traceback" not in output, output
     assert status in (0, 130), output  # 0: the demo was already done when the signal came
+    assert wait_gone(pids) == [], output
+
+
+def test_demo_serves_the_gateway_until_ctrl_c(operator):
+    """`make demo`: after its check the demo serves the gateway over its swarm, prints where, and Ctrl-C stops
+    everything it started, the gateway included."""
+    demo = operator.start("demo", "--nodes", "2", "--max-new-tokens", "8", "--serve", "--gateway-port", "0")
+    deadline = time.monotonic() + 180
+    while "Ctrl-C stops the gateway" not in demo.output():
+        assert demo.process.poll() is None and time.monotonic() < deadline, demo.output()
+        time.sleep(0.2)
+    output = demo.output()
+    assert "tokens equal the single-process reference: yes" in output, output
+    pids = [int(pid) for pid in output.split("started pids: ")[1].split("\n")[0].split()]
+    gateway_pid, url = re.search(r"gateway (\d+) at (http://\S+)", output).groups()
+    health = json.loads(urllib.request.urlopen(url + "/health", timeout=10).read())
+    assert health["status"] == "ok"
+    wait_until(lambda: len(json.loads(urllib.request.urlopen(url + "/api/swarm", timeout=10).read())["nodes"]) == 2)
+    curl = re.search(r"(curl -s .*)", output).group(1)  # the example the demo prints runs as printed
+    answer = json.loads(subprocess.run(curl, shell=True, capture_output=True, text=True, timeout=60).stdout)
+    assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] >= 1, answer
+    pids.append(int(gateway_pid))
+    status, _ = operator.signal(demo, signal.SIGINT, timeout_s=STOP_S + 15)  # + the children's own drain
+    output = demo.output()
+    assert "Traceback" not in output, output
+    assert status == 0 and "stopped every process the demo started" in output, output  # Ctrl-C ends serving
     assert wait_gone(pids) == [], output
 
 

@@ -9,7 +9,7 @@ from nesa_node.cli import build_parser
 
 def test_import_is_light():
     code = (
-        "import sys, nesa_node; heavy = [m for m in ('torch', 'hivemind', 'transformers', 'bitsandbytes', 'gudhi')"
+        "import sys, nesa_node; heavy = [m for m in ('torch', 'hivemind', 'transformers', 'bitsandbytes', 'gudhi', 'peft')"
         " if m in sys.modules]; print(heavy)"
     )
     assert (
