@@ -13,9 +13,11 @@
     │   ├── SessionNotFoundError    unknown_session
     │   ├── TooManySessionsError    too_many_sessions  the node's session limit, or it is draining
     │   ├── QuotaExceededError      quota            one peer's share of sessions, cache or queued steps used up
+    │   ├── AdapterBudgetError      adapter_budget   an adapter does not fit the node's adapter budget (pinned/preloaded)
     │   └── AdapterError            adapter          a LoRA adapter that cannot be read or does not fit the model/span
     │       ├── UnsupportedAdapterError  unsupported_adapter  a PEFT feature nesa-node does not serve (DoRA, bias, ...)
-    │       └── AdapterHashError    adapter_hash     slice bytes whose sha256 is not the one asked for (tampered)
+    │       ├── AdapterHashError    adapter_hash     slice or manifest bytes whose sha256 is not the expected (tampered)
+    │       └── AdapterMissingError  adapter_missing  no node (or not this node) holds the adapter a request names
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
     ├── NoRouteError                no_route         no chain of online nodes covers every block
     ├── SessionStateError           session_state    client-side misuse of an inference session
@@ -88,6 +90,13 @@ class QuotaExceededError(RequestError):
     code = "quota"
 
 
+class AdapterBudgetError(RequestError):
+    """A LoRA adapter does not fit the node's adapter budget, even with every adapter no open session uses and no
+    operator preloaded evicted (nesa_node/server/adapter_store.py)."""
+
+    code = "adapter_budget"
+
+
 class AdapterError(RequestError):
     """A LoRA adapter (folder or slice) that cannot be read, or does not fit the model or the span it is used on.
 
@@ -102,6 +111,13 @@ class UnsupportedAdapterError(AdapterError):
 
 class AdapterHashError(AdapterError):
     code = "adapter_hash"
+
+
+class AdapterMissingError(AdapterError):
+    """The adapter a session names is not held here (a node: route to one that announces it), or no node announces
+    an adapter of that name (a client)."""
+
+    code = "adapter_missing"
 
 
 class PeerUnavailableError(NesaError):
@@ -149,9 +165,11 @@ _BY_CODE = {
         SessionNotFoundError,
         TooManySessionsError,
         QuotaExceededError,
+        AdapterBudgetError,
         AdapterError,
         UnsupportedAdapterError,
         AdapterHashError,
+        AdapterMissingError,
         PeerUnavailableError,
         SessionPreemptedError,
         NoRouteError,

@@ -104,6 +104,7 @@ def build_snapshot(
             bandwidth_mbps=bandwidth.get(info.peer_id),
             load=max(load_share(info.load), _share(own_sessions.get(info.peer_id, 0))),
             reliability=reliability(info, uptimes[info.peer_id]) * speeds[info.peer_id].reliability_factor,
+            adapters=frozenset(adapter.adapter_id for adapter in info.adapters),
         )
         for info in infos
     ]

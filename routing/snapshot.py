@@ -44,6 +44,7 @@ class NodeView:
     reliability: float = 1.0  # R_A of eq. 18 (sign fixed): 0..1, rises with uptime and reputation
     lat: float | None = None  # announced location, degrees north; None: not announced (topology embeds by latency)
     lon: float | None = None  # announced location, degrees east
+    adapters: frozenset[str] = frozenset()  # ids of the LoRA adapters the node holds for its blocks
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,7 @@ class ChainRequest:
     client_access_ms: float = DEFAULT_ACCESS_MS  # the client's last mile, ms
     client_bandwidth_mbps: float | None = None  # None: the client's link is not counted
     alternatives: int = 0  # how many node-disjoint alternative chains to return as well (failover, redundancy)
+    adapter: str | None = None  # the LoRA adapter id every hop must hold; None: the base model
 
 
 @dataclass(frozen=True)

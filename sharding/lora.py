@@ -1,39 +1,29 @@
-"""LoRA adapters on a node's blocks: slices of a PEFT adapter, their identity, and several applied in one step.
+"""LoRA adapters on a node's blocks: slices of a PEFT adapter, read from a folder, and their canonical bytes.
 
 Nesa paper section 2.4, eq. 6 (W' = W + BA). A standard PEFT LoRA folder (`adapter_config.json` and
 `adapter_model.safetensors`, as `PeftModel.save_pretrained` writes it) is read with peft's own config class and its
 target, rank and alpha matching; a node keeps only the factors of its blocks [start, end): an `AdapterSlice`. Each
-targeted projection then computes what peft's `lora.Linear` computes (plain LoRA, no variant):
+targeted projection then gets scale * B A, with
 
-    y = base(x) + scale * B (A x)      A (r, in_features), B (out_features, r)
+    A (r, in_features), B (out_features, r)
     scale = lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora (rsLoRA), r and lora_alpha per module from
     rank_pattern / alpha_pattern
 
-The low-rank term runs in float32 and is added to the base output in float32, then cast back to the span's dtype, as
-peft does with its default `autocast_adapter_dtype=True`. The base projection is never touched, so a quantized one
-(bitsandbytes int8 or nf4, sharding/blocks.py `--quant`) keeps running its own kernel and the term is added to its
-output (QLoRA's arrangement).
+The adapter is split over three modules; this one re-exports the public names of the other two, so
+`from nesa_node.sharding.lora import ...` reaches all of them:
 
-API for the node, client and routing wiring:
-
-- `load_adapter_slice(folder, model_config, start, end)` -> AdapterSlice of blocks [start, end) (all blocks when
-  end is None). `read_adapter_config(folder)` checks a folder's config alone (no weights read).
-- `AdapterSlice`: start, end, rank (largest r; what a record announces), sha256 (hex, the slice's name),
-  nbytes (length of its canonical bytes: what a node's adapter budget counts), resident_bytes (plus the float32
-  device copies it made to run), factors ({(block, projection): LoraFactors}), to_bytes(),
-  `AdapterSlice.from_bytes(data, expected_sha256)` (what a node calls on bytes fetched from a peer or a client),
-  narrow(start, end). `merge_slices(slices)` joins adjacent slices.
-- `with adapters_for_rows(span, rows, blocks=(first, end)):` around `span(hidden, ...)` or
-  `span.decode_batch(...)`: `rows` holds one AdapterSlice or None per row of the hidden states the span runs, in
-  order (for decode_batch, the rows of its steps concatenated). Rows with an adapter get it; rows with None run the
-  base weights, bit for bit. Several adapters live at once (nothing global is switched); the rows of one adapter are
-  grouped, so each targeted projection adds one low-rank product per adapter present in the batch. The setting is a
-  contextvars.ContextVar: enter the `with` in the thread that runs the span (inside the function handed to the
-  compute executor, which does not copy the caller's context). When every row is None nothing is set and the span
-  runs as it does without LoRA.
-- `enable_lora(span)` installs one forward hook on each q/k/v/o/gate/up/down projection of the span (done on first
-  use by adapters_for_rows); with no adapter set a hook returns at once and leaves the output as it is.
-  `disable_lora(span)` removes them.
+- here: `load_adapter_slice(folder, model_config, start, end)` -> AdapterSlice of blocks [start, end) (all blocks
+  when end is None); `read_adapter_config(folder)` checks a folder's config alone (no weights read).
+  `AdapterSlice`: start, end, rank (largest r), sha256 (hex, the slice's name), nbytes (length of its canonical
+  bytes: what a node's adapter budget counts), resident_bytes (plus the float32 device copies it made to run),
+  factors ({(block, projection): LoraFactors}), to_bytes(), `AdapterSlice.from_bytes(data, expected_sha256)` (what
+  a node calls on bytes fetched from a peer or a client), narrow(start, end), block_hashes() (the sha256 of each
+  block's own slice). `merge_slices(slices)` joins adjacent slices.
+- sharding/lora_rows.py, applying slices per row of a step: `adapters_for_rows(span, rows, blocks=...)`,
+  `enable_lora(span)`, `disable_lora(span)`.
+- sharding/lora_identity.py, the same adapter named the same way on every node: `AdapterManifest` (one hash per
+  block of the whole model; its sha256 is the adapter id), `adapter_manifest`, `check_slice`, `slice_blobs` and
+  `slice_from_blocks` (per-block bytes fetched from a peer, each checked against the manifest).
 
 Refused with UnsupportedAdapterError (code "unsupported_adapter"): PEFT types other than LORA (AdaLoRA included),
 DoRA and every other LoRA variant peft marks as such (aLoRA, VeLoRA, BD-LoRA, Arrow, KaSA, MiCA, ...), initialisations
@@ -55,26 +45,28 @@ constraints.txt); `from_bytes` accepts only bytes in that exact form.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import dataclasses
-import functools
 import hashlib
 import json
 import math
 import re
 import struct
-import threading
-import weakref
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
-from torch import nn
 
 from nesa_node.errors import AdapterError, AdapterHashError, UnsupportedAdapterError
+from nesa_node.sharding.lora_identity import (
+    AdapterManifest,
+    adapter_manifest,
+    check_slice,
+    slice_blobs,
+    slice_from_blocks,
+)
+from nesa_node.sharding.lora_rows import adapters_for_rows, disable_lora, enable_lora
 
 # the projections of a Llama, Mistral or Qwen2 decoder layer peft can target, as named inside the layer
 PROJECTIONS = (
@@ -120,7 +112,7 @@ class AdapterSlice:
     compare `sha256` to ask whether two slices hold the same adapter.
     """
 
-    __slots__ = ("start", "end", "factors", "sha256", "nbytes", "_device_copies", "__weakref__")
+    __slots__ = ("start", "end", "factors", "sha256", "nbytes", "_block_hashes", "_device_copies", "__weakref__")
 
     def __init__(self, start: int, end: int, factors: Mapping[Target, LoraFactors]):
         if not 0 <= start < end:
@@ -132,6 +124,7 @@ class AdapterSlice:
         data = self.to_bytes()
         self.sha256 = hashlib.sha256(data).hexdigest()
         self.nbytes = len(data)
+        self._block_hashes: tuple[str, ...] | None = None
         self._device_copies: dict[str, dict[Target, tuple[torch.Tensor, torch.Tensor, float]]] = {}
 
     def __repr__(self) -> str:
@@ -188,13 +181,23 @@ class AdapterSlice:
         return result
 
     def narrow(self, start: int, end: int) -> AdapterSlice:
-        """The slice of blocks [start, end), a part of this one."""
+        """The slice of blocks [start, end), a part of this one (itself when the range is its own)."""
         if not self.start <= start < end <= self.end:
             raise AdapterError(f"blocks {start}:{end} are not a part of this slice's {self.start}:{self.end}")
+        if (start, end) == (self.start, self.end):
+            return self
         return AdapterSlice(start, end, {key: f for key, f in self.factors.items() if start <= key[0] < end})
 
-    def _on_device(self, device: torch.device) -> dict[Target, tuple[torch.Tensor, torch.Tensor, float]]:
-        """(A, B, scale) per target in float32 on `device`, made once per device (same tensors when already there)."""
+    def block_hashes(self) -> tuple[str, ...]:
+        """The sha256 (hex) of each block's own slice, `narrow(b, b + 1).to_bytes()` for b in [start, end): a block
+        the adapter does not target has the hash of its empty slice. What an AdapterManifest lists (lora_identity)."""
+        if self._block_hashes is None:  # computed once: the factors never change (class docstring)
+            self._block_hashes = tuple(self.narrow(block, block + 1).sha256 for block in range(self.start, self.end))
+        return self._block_hashes
+
+    def device_factors(self, device: torch.device) -> dict[Target, tuple[torch.Tensor, torch.Tensor, float]]:
+        """(A, B, scale) per target in float32 on `device`, made once per device (same tensors when already there):
+        what sharding/lora_rows.py runs. Counted in resident_bytes."""
         key = str(device)
         on_device = self._device_copies.get(key)
         if on_device is None:
@@ -483,148 +486,21 @@ def _parse_slice(data: bytes) -> tuple[int, int, dict[Target, LoraFactors]]:
     return start, end, factors
 
 
-# ---- applying per row ------------------------------------------------------------------------------------------
-
-
-class _SpanHooks:
-    """The hooks installed on one span's projections, and the slices already checked against its shapes."""
-
-    def __init__(self) -> None:
-        self.handles: list[torch.utils.hooks.RemovableHandle] = []
-        self.checked: weakref.WeakSet[AdapterSlice] = weakref.WeakSet()
-
-
-class _RowPlan:
-    """Which rows get which adapter in one `adapters_for_rows`: groups of (factors on the span's device, row index
-    (None: every row))."""
-
-    def __init__(self, rows: int, groups: list[tuple[dict, torch.Tensor | None]]):
-        self.rows = rows
-        self.groups = groups
-
-    def apply(self, target: Target, inputs: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
-        """output (rows, seq, out) of the base projection on inputs (rows, seq, in), plus each row's update."""
-        if inputs.shape[0] != self.rows:
-            raise ValueError(f"adapters_for_rows was given {self.rows} rows but the span runs {inputs.shape[0]}")
-        result = output
-        for factors, index in self.groups:
-            factor = factors.get(target)
-            if factor is None:
-                continue
-            lora_a, lora_b, scale = factor
-            rows = inputs if index is None else inputs.index_select(0, index)  # (group rows, seq, in)
-            # peft's order: lora_B(lora_A(x)) * scaling, then added to the base output, in float32
-            update = nn.functional.linear(nn.functional.linear(rows.to(lora_a.dtype), lora_a), lora_b) * scale
-            if index is None:
-                result = (result.to(update.dtype) + update).to(output.dtype)
-            else:
-                updated = (result.index_select(0, index).to(update.dtype) + update).to(output.dtype)
-                result = result.index_copy(0, index, updated)  # out of place: autograd and other rows untouched
-        return result
-
-
-_HOOKED: weakref.WeakKeyDictionary[nn.Module, _SpanHooks] = weakref.WeakKeyDictionary()
-_HOOKED_LOCK = threading.Lock()
-# {_SpanHooks: _RowPlan} of the adapters_for_rows blocks entered in this context (each thread has its own)
-_ACTIVE: contextvars.ContextVar[Mapping[_SpanHooks, _RowPlan]] = contextvars.ContextVar(
-    "nesa_lora_rows", default=MappingProxyType({})
-)
-
-
-def _add_lora(hooks: _SpanHooks, target: Target, module: nn.Module, args: tuple, output: torch.Tensor):
-    plan = _ACTIVE.get().get(hooks)
-    if plan is None:
-        return None  # no adapter on this span here: the base output as it is
-    return plan.apply(target, args[0], output)
-
-
-def enable_lora(span) -> None:
-    """Hook the q/k/v/o/gate/up/down projections of every block of `span` (a BlockSpan) once; idempotent."""
-    with _HOOKED_LOCK:
-        if span in _HOOKED:
-            return
-        hooks = _SpanHooks()
-        for local, layer in enumerate(span.layers):
-            for projection in PROJECTIONS:
-                module = layer.get_submodule(projection)
-                hook = functools.partial(_add_lora, hooks, (span.start + local, projection))
-                hooks.handles.append(module.register_forward_hook(hook))
-        _HOOKED[span] = hooks
-
-
-def disable_lora(span) -> None:
-    """Remove the hooks `enable_lora` installed on `span` (nothing when it has none)."""
-    with _HOOKED_LOCK:
-        hooks = _HOOKED.pop(span, None)
-    for handle in hooks.handles if hooks is not None else ():
-        handle.remove()
-
-
-@contextlib.contextmanager
-def adapters_for_rows(
-    span, rows: Sequence[AdapterSlice | None], *, blocks: tuple[int, int] | None = None
-) -> Iterator[None]:
-    """Within the block, row i of what `span` runs gets adapter rows[i] (None: the base weights), in this thread.
-
-    `blocks` (first, end) are the blocks the step runs (default the whole span); every adapter must cover them.
-    Raises AdapterError for a slice that does not cover them or does not fit the span's projections; the span
-    raises ValueError when it runs a number of rows other than len(rows)."""
-    if all(row is None for row in rows):
-        yield  # nothing to add: the base path, untouched
-        return
-    enable_lora(span)
-    hooks = _HOOKED[span]
-    first, end = blocks if blocks is not None else (span.start, span.end)
-    device = torch.device(span.spec.device)
-    by_slice: dict[AdapterSlice, list[int]] = {}
-    for index, row in enumerate(rows):
-        if row is not None:
-            by_slice.setdefault(row, []).append(index)
-    groups = []
-    for adapter, indices in by_slice.items():
-        _check_fits(adapter, span, hooks, first, end)
-        index = None if len(indices) == len(rows) else torch.tensor(indices, device=device)
-        groups.append((adapter._on_device(device), index))
-    active = dict(_ACTIVE.get())
-    active[hooks] = _RowPlan(len(rows), groups)
-    token = _ACTIVE.set(MappingProxyType(active))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def _check_fits(adapter: AdapterSlice, span, hooks: _SpanHooks, first: int, end: int) -> None:
-    if not adapter.start <= first < end <= adapter.end:
-        raise AdapterError(
-            f"adapter slice {adapter.sha256[:16]} holds blocks {adapter.start}:{adapter.end}, not the {first}:{end} "
-            "this step runs; load the slice of this node's span"
-        )
-    if adapter in hooks.checked:
-        return
-    for (block, projection), factor in adapter.factors.items():
-        if not span.start <= block < span.end:
-            continue
-        module = span.layers[block - span.start].get_submodule(projection)
-        if factor.lora_a.shape[1] != module.in_features or factor.lora_b.shape[0] != module.out_features:
-            raise AdapterError(
-                f"adapter slice {adapter.sha256[:16]} does not fit this model: block {block} {projection} is "
-                f"{module.in_features} -> {module.out_features} features, its factors are A {tuple(factor.lora_a.shape)}"
-                f" and B {tuple(factor.lora_b.shape)}"
-            )
-    hooks.checked.add(adapter)
-
-
 __all__ = [
     "PROJECTIONS",
     "SLICE_FORMAT",
+    "AdapterManifest",
     "AdapterSlice",
     "LoraFactors",
+    "adapter_manifest",
     "adapters_for_rows",
+    "check_slice",
     "disable_lora",
     "enable_lora",
     "load_adapter_slice",
     "merge_slices",
     "projection_shapes",
     "read_adapter_config",
+    "slice_blobs",
+    "slice_from_blocks",
 ]

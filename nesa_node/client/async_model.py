@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import fields
 from pathlib import Path
@@ -31,6 +32,7 @@ from nesa_node.client.session import InferenceSession
 from nesa_node.client.session_chain import codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
+    AdapterMissingError,
     CacheBudgetError,
     QuotaExceededError,
     SessionStateError,
@@ -40,12 +42,26 @@ from nesa_node.errors import (
 from nesa_node.protocol.dht import default_dht_prefix
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
+from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice
 
 logger = logging.getLogger(__name__)
 
 # refusals at open that say the node's record no longer holds, not that the request is wrong
-ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)
+# a node whose record no longer holds (it moved, filled up, began draining, or evicted an adapter): route around it
+ROUTABLE_REFUSALS = (
+    WrongBlocksError,
+    CacheBudgetError,
+    TooManySessionsError,
+    QuotaExceededError,
+    AdapterMissingError,
+)
 CONFIG_FIELDS = frozenset(item.name for item in fields(ClientConfig))
+
+
+def adapter_id_of_folder(folder: str, model_config) -> str:
+    """The id of the PEFT LoRA adapter in `folder` for this model (the sha256 of its manifest: sharding/lora.py)."""
+    whole = load_adapter_slice(folder, model_config, 0, None)
+    return adapter_manifest(whole, model_config.num_hidden_layers).adapter_id
 
 
 def client_config(config: ClientConfig | None = None, **settings) -> ClientConfig:
@@ -109,8 +125,10 @@ class AsyncDistributedModel:
         *,
         chain_selector: ChainSelector | None = None,
         generation_config=None,
+        adapter: str | None = None,
     ):
         self.model_config = model_config
+        self.adapter = adapter  # the LoRA adapter id sessions use unless a call names another (or None: base)
         self.edges = edges
         self.swarm = swarm
         self.config = config
@@ -132,6 +150,7 @@ class AsyncDistributedModel:
         dht_prefix: str | None = None,
         dtype: str | None = None,
         device: str = "cpu",
+        adapter: str | None = None,
         config: ClientConfig | None = None,
         **settings,
     ) -> AsyncDistributedModel:
@@ -140,7 +159,9 @@ class AsyncDistributedModel:
         The client's layers (embeddings, final norm, LM head) run in `dtype` on `device`; by default in the dtype
         the swarm's nodes announce, so a lossless swarm gives the tokens of one process in that dtype (float32 when
         no node is seen yet). `settings` are ClientConfig fields (mode, compression, lanes, request_timeout_s,
-        routing_params, ...); an unknown one raises TypeError. Raises ModelLoadError for a bad model folder (its
+        routing_params, ...); an unknown one raises TypeError. `adapter`: the LoRA adapter sessions use by
+        default (a name nodes announce, an adapter folder, or an adapter id; see `resolve_adapter`).
+        Raises ModelLoadError for a bad model folder (its
         DeviceUnavailableError for a device this machine lacks), ValueError for bad settings, PeerUnavailableError
         when the swarm cannot be joined."""
         config = client_config(config, **settings)
@@ -165,10 +186,12 @@ class AsyncDistributedModel:
             edges = await asyncio.to_thread(
                 load_client_edges, model_path, dtype=dtype, device=device, config=model_config
             )
+            model = cls(model_config, edges, swarm, config, generation_config=generation_config)
+            model.adapter = await model.resolve_adapter(adapter) if adapter is not None else None
         except BaseException:
             await swarm.close()
             raise
-        return cls(model_config, edges, swarm, config, generation_config=generation_config)
+        return model
 
     async def close(self) -> None:
         await self.swarm.close()
@@ -189,22 +212,57 @@ class AsyncDistributedModel:
         exclude: frozenset[str] = frozenset(),
         prompt_tokens: int = 0,
         new_tokens: int = 0,
+        adapter: str | None = None,
     ) -> Chain:
-        """The chain for a new session (or a cacheless forward); NoRouteError when the swarm has none."""
+        """The chain for a new session (or a cacheless forward), through nodes holding LoRA adapter id `adapter`
+        when given; NoRouteError when the swarm has none."""
         request = ChainRequest(
-            batch=batch, max_length=max_length, exclude=exclude, prompt_tokens=prompt_tokens, new_tokens=new_tokens
+            batch=batch,
+            max_length=max_length,
+            exclude=exclude,
+            prompt_tokens=prompt_tokens,
+            new_tokens=new_tokens,
+            adapter=adapter,
         )
         return await self.router.choose_chain(request)
 
-    async def open_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> InferenceSession:
+    async def resolve_adapter(self, adapter: str | Path) -> str:
+        """The id of the LoRA adapter `adapter` names: an id (64 hex characters) as it is; a folder holding a PEFT
+        adapter (its manifest, computed here: the id nodes announce for the same adapter); else a name nodes
+        announce (records.AdapterInfo). Raises AdapterError for a folder that is not an adapter of this model,
+        AdapterMissingError for a name no node announces or two adapters share."""
+        text = str(adapter)
+        if re.fullmatch(r"[0-9a-f]{64}", text):
+            return text
+        if await asyncio.to_thread(Path(text).is_dir):
+            return await asyncio.to_thread(adapter_id_of_folder, text, self.model_config)
+        ids = {info.adapter_id for record in await self.swarm.node_records() for info in record.info.adapters
+               if info.name == text}  # fmt: skip
+        if len(ids) != 1:
+            found = "no node announces it" if not ids else f"{len(ids)} different adapters have this name"
+            raise AdapterMissingError(
+                f"adapter {text!r}: {found}; name it by its folder or its id (nesa-node status lists adapters)"
+            )
+        return ids.pop()
+
+    async def open_session(
+        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | None = None
+    ) -> InferenceSession:
         """An open session on a chosen chain; a node that fails to open, or refuses because its record no longer
         holds, is banned and another chain chosen (up to max_open_attempts). `prompt_tokens`, when known, tells
-        routing how large the first pass is (eq. 18's transfer term). Close it when done."""
+        routing how large the first pass is (eq. 18's transfer term). `adapter`: the LoRA adapter every node runs
+        the session with (as `resolve_adapter` takes it; default the model's own, `from_pretrained(adapter=...)`).
+        Close it when done."""
         prompt_tokens = min(max(prompt_tokens, 0), max_length)
+        adapter_id = await self.resolve_adapter(adapter) if adapter is not None else self.adapter
         attempts = self.config.max_open_attempts
         for attempt in range(attempts):
             chain = await self.choose_chain(  # NoRouteError when nothing is left
-                batch=batch, max_length=max_length, prompt_tokens=prompt_tokens, new_tokens=max_length - prompt_tokens
+                batch=batch,
+                max_length=max_length,
+                prompt_tokens=prompt_tokens,
+                new_tokens=max_length - prompt_tokens,
+                adapter=adapter_id,
             )
             session = InferenceSession(
                 self.swarm,
@@ -213,6 +271,7 @@ class AsyncDistributedModel:
                 batch=batch,
                 max_length=max_length,
                 reroute=self.router.reachable_chain,
+                adapter=adapter_id,
             )
             try:
                 return await session.open()
@@ -232,9 +291,11 @@ class AsyncDistributedModel:
 
     @contextlib.asynccontextmanager
     async def inference_session(
-        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0
+        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | None = None
     ) -> AsyncIterator[InferenceSession]:
-        session = await self.open_session(max_length=max_length, batch=batch, prompt_tokens=prompt_tokens)
+        session = await self.open_session(
+            max_length=max_length, batch=batch, prompt_tokens=prompt_tokens, adapter=adapter
+        )
         try:
             yield session
         finally:
@@ -298,6 +359,7 @@ class AsyncDistributedModel:
         pad_token_id: int | None = None,
         generator: torch.Generator | None = None,
         session: InferenceSession | None = None,
+        adapter: str | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Generate up to `max_new_tokens` after `input_ids` (batch, seq); yields each new token column (batch,).
         Without `max_new_tokens`, the model folder's generation config decides, else DEFAULT_NEW_TOKENS, as in
@@ -307,7 +369,8 @@ class AsyncDistributedModel:
         samples with `temperature`, `top_k` and `top_p` from `generator`. Rows that produced `eos_token_id` continue
         with `pad_token_id` (default: the eos token) until every row has; then the generation ends. `session`: an open
         session whose caches hold exactly the tokens before input_ids' new ones (default: one opened for this call).
-        A consumer that stops early closes the stream (`contextlib.aclosing`), which closes a session it opened."""
+        A consumer that stops early closes the stream (`contextlib.aclosing`), which closes a session it opened.
+        `adapter`: the LoRA adapter of a session opened here (see open_session)."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise SessionStateError("input_ids must be (batch, tokens) with at least one token")
         if max_new_tokens is None:
@@ -317,7 +380,9 @@ class AsyncDistributedModel:
         batch, length = input_ids.shape
         owned = session is None
         if owned:
-            session = await self.open_session(max_length=length + max_new_tokens, batch=batch, prompt_tokens=length)
+            session = await self.open_session(
+                max_length=length + max_new_tokens, batch=batch, prompt_tokens=length, adapter=adapter
+            )
         try:
             pad = eos_token_id if pad_token_id is None else pad_token_id
             finished = torch.zeros(batch, dtype=torch.bool)

@@ -87,6 +87,7 @@ class Failover:
                 exclude=frozenset(link.peer_id for link in chain.links),  # reroute adds the banned peers
                 start_block=lost.start_block,
                 end_block=lost.end_block,
+                adapter=chain.adapter,
             )
             with self._timed("route"):
                 replacement = await self.reroute(request)  # raises NoRouteError naming the missing blocks

@@ -121,6 +121,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         request_timeout_s: float = 30.0,
         routing_params: RoutingParams | str | Path | None = None,
         lanes: bool = True,
+        adapter: str | Path | None = None,
         config: ClientConfig | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
@@ -135,6 +136,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         (default: untuned, all exponents 1). Raises ValueError for a malformed file.
         `lanes`: in direct mode, send hidden states over the nodes' data lanes (direct TCP, AES-GCM with keys
         handed out over libp2p) where nodes offer them; False keeps every message on libp2p.
+        `adapter`: the LoRA adapter every session runs with unless `generate(..., adapter=...)` names another: a
+        name the nodes announce, a PEFT adapter folder, or an adapter id (AsyncDistributedModel.resolve_adapter).
         `config`: a ClientConfig for the other settings (the keywords above override its fields).
         An unknown keyword raises TypeError.
         """
@@ -155,6 +158,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                     dht_prefix=dht_prefix,
                     dtype=dtype,
                     device=device,
+                    adapter=None if adapter is None else str(adapter),
                     config=settings,
                 ),
                 timeout=120,
@@ -208,9 +212,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """The routing snapshot of the swarm for this model (records, links and the client's round trips)."""
         return self.call(self.client.router.snapshot(fresh=fresh))
 
-    def open_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> SyncSession:
+    def open_session(
+        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | Path | None = None
+    ) -> SyncSession:
         """An open session on a chosen chain (close it when done); see AsyncDistributedModel.open_session."""
-        session = self.call(self.client.open_session(max_length=max_length, batch=batch, prompt_tokens=prompt_tokens))
+        session = self.call(
+            self.client.open_session(
+                max_length=max_length,
+                batch=batch,
+                prompt_tokens=prompt_tokens,
+                adapter=None if adapter is None else str(adapter),
+            )
+        )
         return SyncSession(session, self.runner)
 
     def session_on(self, chain: Chain, *, batch: int = 1, max_length: int, failover: bool = True) -> SyncSession:
@@ -222,11 +235,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         return SyncSession(self.call(session.open()), self.runner)
 
     @contextlib.contextmanager
-    def inference_session(self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0) -> Iterator[SyncSession]:
-        """Open one session along a chain; `generate` calls inside the block share it (and its caches)."""
+    def inference_session(
+        self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | Path | None = None
+    ) -> Iterator[SyncSession]:
+        """Open one session along a chain (with LoRA `adapter`, default the model's); `generate` calls inside the
+        block share it (and its caches)."""
         if self.active_session is not None:
             raise SessionStateError("an inference session is already active on this model")
-        session = self.open_session(batch=batch, max_length=max_length, prompt_tokens=prompt_tokens)
+        session = self.open_session(batch=batch, max_length=max_length, prompt_tokens=prompt_tokens, adapter=adapter)
         with session:
             self.active_session, self._history = session, None
             try:
@@ -238,12 +254,16 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
     def generate(self, inputs: torch.Tensor | None = None, *args, **kwargs):
         """transformers' generate, run through the swarm.
 
-        Outside `inference_session` a session sized for this call is opened and closed. Inside one, `inputs`
-        may repeat the session's tokens or hold only new ones: the session's tokens are then put in front.
+        Outside `inference_session` a session sized for this call is opened and closed, with LoRA `adapter=` when
+        given (default the model's); inside one, the session's adapter applies. `inputs` may repeat the session's
+        tokens or hold only new ones: the session's tokens are then put in front.
         """
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
+        adapter = kwargs.pop("adapter", None)
         kwargs["use_cache"] = False  # generation must not build a local cache; the nodes hold it
         if self.active_session is not None:
+            if adapter is not None:
+                raise SessionStateError("inside an inference session, its adapter applies: give adapter= to it")
             if input_ids is not None and self._history is not None and not self._extends_history(input_ids):
                 input_ids = torch.cat([self._history, input_ids.to(self._history.device)], dim=1)
                 kwargs.pop("attention_mask", None)
@@ -254,7 +274,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise SessionStateError("generate needs input_ids outside an inference session")
         max_length = self._session_length(input_ids.shape[1], kwargs)
-        with self.inference_session(max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1]):
+        with self.inference_session(
+            max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1], adapter=adapter
+        ):
             return super().generate(input_ids, *args, **kwargs)
 
     def _session_length(self, prompt: int, kwargs: dict) -> int:

@@ -35,6 +35,8 @@ def explain_missing(snapshot: SwarmSnapshot, request: ChainRequest, banned: froz
             reason = "already in the chain"
         elif not node.online:
             reason = "not online"
+        elif request.adapter is not None and request.adapter not in node.adapters:
+            reason = f"without adapter {request.adapter[:12]}"
         else:
             reason = f"{node.cache_tokens_left} cache tokens left"
         seen.append(f"{node.peer_id[-8:]} (blocks {node.start_block}:{node.end_block}, {reason})")

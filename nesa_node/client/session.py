@@ -69,6 +69,7 @@ class InferenceSession:
         max_length: int,
         reroute: Rerouter | None = None,
         session_id: str | None = None,
+        adapter: str | None = None,
     ):
         self.swarm = swarm
         self.config = config
@@ -76,7 +77,10 @@ class InferenceSession:
         self.max_length = max_length
         self.reroute = reroute
         self.session_id = session_id or uuid.uuid4().hex
-        self.links = SessionChain(swarm, config, session_id=self.session_id, batch=batch, max_length=max_length)
+        self.adapter = adapter  # LoRA adapter id (records.AdapterInfo) every node runs this session with; None: base
+        self.links = SessionChain(
+            swarm, config, session_id=self.session_id, batch=batch, max_length=max_length, adapter=adapter
+        )
         self.failover = Failover(
             self.links,
             swarm,

@@ -84,12 +84,22 @@ def codec_for(
 class SessionChain:
     """The links of session `session_id` and the queue of their answers."""
 
-    def __init__(self, swarm: Swarm, config: ClientConfig, *, session_id: str, batch: int, max_length: int):
+    def __init__(
+        self,
+        swarm: Swarm,
+        config: ClientConfig,
+        *,
+        session_id: str,
+        batch: int,
+        max_length: int,
+        adapter: str | None = None,
+    ):
         self.swarm = swarm
         self.config = config
         self.session_id = session_id
         self.batch = batch
         self.max_length = max_length
+        self.adapter = adapter  # the LoRA adapter id every node of the chain runs the session with
         self.direct = config.mode == "direct"
         # direct mode: hidden states go over data lanes where nodes offer them, else over libp2p
         self.lanes = config.lanes and self.direct
@@ -136,6 +146,7 @@ class SessionChain:
             next=receiver.peer_id if receiver is not None else None,
             output_codec=output_codec,
             lane=lane_settings,
+            adapter=self.adapter,
         )
 
     def _lane_settings(self, links: list[ChainLink], downstream: ChainLink | None) -> list[LaneSettings | None]:

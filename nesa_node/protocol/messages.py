@@ -105,6 +105,7 @@ Codec = Annotated[
     PlainSerializer(lambda codec: codec.to_metadata(), return_type=dict | None),
 ]
 HexKey = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-fA-F]+$")]
+AdapterId = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]+$")]  # sha256 hex, lowercase
 
 
 def _lane_address(value: object) -> object:
@@ -161,6 +162,7 @@ class OpenSession(BlockRange):
     next: PeerIdText | None = None  # where outputs are pushed; None: back to the client
     output_codec: Codec = NO_CODEC
     lane: LaneSettings | None = None
+    adapter: AdapterId | None = None  # the LoRA adapter every step of the session runs with (records.AdapterInfo)
 
 
 class Step(Message):

@@ -43,6 +43,21 @@ class LinkInfo(BaseModel):
     bandwidth_mbps: float | None = Field(None, ge=0, allow_inf_nan=False)
 
 
+SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+class AdapterInfo(BaseModel):
+    """A LoRA adapter a node holds for its blocks (sharding/lora.py): `adapter_id` names the whole adapter (the
+    sha256 of its manifest of per-block hashes, the same on every node), `slice_sha256` the bytes of this node's slice
+    of it; `name` is what people call it (a folder's name), for display and lookup only."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
+    adapter_id: str = Field(pattern=SHA256_HEX)
+    name: str = Field(min_length=1, max_length=64)
+    slice_sha256: str = Field(pattern=SHA256_HEX)
+    rank: int = Field(ge=1, le=1 << 16)
+
+
 class NodeInfo(BaseModel):
     """What a node announces about itself every announce period."""
 
@@ -67,7 +82,7 @@ class NodeInfo(BaseModel):
     cache_tokens_left: int = Field(0, ge=0)
     uptime_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     reputation: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
-    adapters: tuple[str, ...] = Field((), max_length=MAX_LIST_ITEMS)
+    adapters: tuple[AdapterInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)  # LoRA adapters resident on the node
     version: str = Field("", max_length=32)
     location: tuple[float, float] | None = None  # (lat, lon)
     links: tuple[LinkInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)

@@ -20,6 +20,7 @@ from nesa_node.errors import BadRequestError, TooManySessionsError, WrongBlocksE
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.server.config import ComputeConfig, LimitsConfig
+from nesa_node.sharding.lora import adapters_for_rows
 
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
 
@@ -31,6 +32,7 @@ class _DecodeStep:
     position: int
     blocks: tuple[int, int]
     future: asyncio.Future
+    adapter: object = None  # the session's AdapterSlice (LoRA), or None
 
 
 class BlockCompute:
@@ -109,17 +111,18 @@ class BlockCompute:
     # ---- running -----------------------------------------------------------------------------------------------
 
     async def run(
-        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int]
+        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int], adapter=None
     ) -> tuple[torch.Tensor, float]:
-        """Run `blocks` (first, end) on `hidden` with `cache` from `position`; (output, seconds in the blocks). Short
-        steps run on the loop itself, others on the compute thread (ComputeConfig.inline_compute_ms)."""
+        """Run `blocks` (first, end) on `hidden` with `cache` from `position`, with the LoRA `adapter` (an
+        AdapterSlice) on every row when given; (output, seconds in the blocks). Short steps run on the loop itself,
+        others on the compute thread (ComputeConfig.inline_compute_ms)."""
         span = self.span  # the span the blocks were checked against, even if the node moves meanwhile
         if span is None:
             raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
 
         def run() -> tuple[torch.Tensor, float]:
             started = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), adapters_for_rows(span, [adapter] * hidden.shape[0], blocks=blocks):
                 output = span(hidden, cache, position, blocks)
             return output, time.perf_counter() - started
 
@@ -137,17 +140,18 @@ class BlockCompute:
         return output, seconds
 
     async def run_decode(
-        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int]
+        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int], adapter=None
     ) -> tuple[torch.Tensor, float]:
         """A one-token step, run together with the other sessions' one-token steps on the same blocks that are
         waiting at the same time (each with its own cache and position): one pass instead of one per session. A
         step alone runs at once, as `run` would; steps that arrive while a pass runs form the next one, so batching
-        adds no wait. (output, seconds of the pass it was in)."""
+        adds no wait; sessions with different LoRA adapters (or none) share a pass, each row with its own. (output,
+        seconds of the pass it was in)."""
         span = self.span
         if not self.config.batch_decode or span is None or not span.batches_decode or hidden.shape[1] != 1:
-            return await self.run(hidden, cache, position, blocks)
+            return await self.run(hidden, cache, position, blocks, adapter)
         future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future))
+        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter))
         if self._decoder is None or self._decoder.done():
             self._decoder = asyncio.create_task(self._take_decode_queue())
         return await future
@@ -174,7 +178,7 @@ class BlockCompute:
         return batch
 
     async def _run_alone(self, step: _DecodeStep) -> tuple[list[torch.Tensor], float]:
-        output, seconds = await self.run(step.hidden, step.cache, step.position, step.blocks)
+        output, seconds = await self.run(step.hidden, step.cache, step.position, step.blocks, step.adapter)
         return [output], seconds
 
     async def _run_batch(self, batch: list[_DecodeStep]) -> tuple[list[torch.Tensor], float]:
@@ -182,9 +186,11 @@ class BlockCompute:
         if span is None:
             raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
 
+        rows = [step.adapter for step in batch for _ in range(step.hidden.shape[0])]
+
         def run() -> tuple[list[torch.Tensor], float]:
             started = time.perf_counter()
-            with torch.inference_mode():
+            with torch.inference_mode(), adapters_for_rows(span, rows, blocks=batch[0].blocks):
                 outputs = span.decode_batch(
                     [(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks
                 )

@@ -47,6 +47,7 @@ from nesa_node.protocol.messages import (
     expect,
 )
 from nesa_node.protocol.tensors import tensor_to_proto
+from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
 from nesa_node.server.push import PushSender
@@ -76,9 +77,11 @@ class InferenceService:
         limits: LimitsConfig,
         network: NetworkConfig,
         *,
+        adapters: NodeAdapters,
         metrics=None,
     ):
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
+        self.adapters = adapters
         self.sessions = sessions
         self.compute = compute
         self.push = push
@@ -134,9 +137,19 @@ class InferenceService:
         message = expect(read(request, TO_SESSION), OpenSession)
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
-        return await self.sessions.open_when_room(
-            message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
-        )
+        adapter, release = None, None
+        if message.adapter is not None:  # held (never evicted) until the session closes
+            adapter, release = self.adapters.hold(message.adapter, blocks)
+        try:
+            session = await self.sessions.open_when_room(
+                message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
+            )
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        session.adapter, session.release_adapter = adapter, release
+        return session
 
     async def _read_stream(self, channel: StreamChannel, session: ServerSession) -> None:
         """The client's frames into the session's queue, in order (a malformed one too: it is answered in order)."""
@@ -301,7 +314,9 @@ class InferenceService:
                 f"{session.max_length}"
             )
         self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
-        output, seconds = await self.compute.run_decode(hidden, session.cache, step.position, session.blocks)
+        output, seconds = await self.compute.run_decode(
+            hidden, session.cache, step.position, session.blocks, session.adapter
+        )
         session.last_position = step.position
         session.position += hidden.shape[1]
         if session.next_peer is not None:  # kept for a replacement of the next node (see _control, history)

@@ -41,6 +41,7 @@ from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_n
 from nesa_node.protocol.dht_storage import limits_of_mib, set_storage_limits
 from nesa_node.protocol.messages import MAX_METADATA_BYTES
 from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import NodeConfig
 from nesa_node.server.inference import InferenceService
@@ -112,6 +113,7 @@ class Node:
         # the components, wired by create()
         self.sessions: SessionTable
         self.compute: BlockCompute
+        self.adapters: NodeAdapters
         self.inference: InferenceService
         self.lanes: LaneServer
         self.rpc: NodeRpc
@@ -140,6 +142,8 @@ class Node:
             throughput = await asyncio.to_thread(cached_measure, span, cache_path)
         else:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
+        adapters = NodeAdapters(model_config, compute.adapters, budget_bytes=int(compute.adapter_budget_mb * 2**20))
+        await adapters.load_span(config.start_block, config.end_block)
         budget = cache_budget(config, model_config, config.end_block - config.start_block)
         if network.dht_storage_mb is not None:  # the process's peers from now on: a daemon runs one
             set_storage_limits(limits_of_mib(network.dht_storage_mb))
@@ -152,13 +156,14 @@ class Node:
             signs_records=True,
         )
         node = cls(config, model_config, peer, throughput)
+        node.adapters = adapters
         frame_bytes = max_frame_bytes(config, model_config.hidden_size)
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
         node.compute = BlockCompute(span, compute, config.limits)
         push = PushSender(peer.p2p, node.sessions, peer_timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes)
         node.inference = InferenceService(
-            node.sessions, node.compute, push, config.limits, network, metrics=node.metrics
+            node.sessions, node.compute, push, config.limits, network, adapters=adapters, metrics=node.metrics
         )
         node.lanes = LaneServer(
             node.sessions,
@@ -249,6 +254,7 @@ class Node:
             max_length=self.config.limits.max_length,
             links=tuple(self.prober.links.values()),
             lane=self.lanes.address,
+            adapters=self.adapters.announced(),
         )
 
     # ---- announcing ----------------------------------------------------------------------------------------------
@@ -408,6 +414,7 @@ class Node:
         compute = self.config.compute
         spec = SpanSpec(start, end, compute.dtype, compute.device, compute.quant)
         span = await asyncio.to_thread(load_block_span, self.config.model_path, spec, config=self.model_config)
+        await self.adapters.load_span(start, end)
         self.sessions.use_budget(cache_budget(self.config, self.model_config, end - start))
         self.compute.use_span(span)
 

@@ -22,6 +22,7 @@ import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,6 +99,8 @@ class ServerSession:
     reserved_tokens: int = 0  # tokens per row the reservation covers
     last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
     busy: bool = False  # a step is being computed or handed on
+    adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
+    release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
 
     @property
     def key(self) -> SessionKey:
@@ -355,6 +358,9 @@ class SessionTable:
             return
         del self.sessions[session.key]
         self.budget.release(session.reserved_bytes)
+        if session.release_adapter is not None:
+            session.release_adapter()
+            session.release_adapter = None
         session.cache = None
         session.close_channels()
         session.last_output = None

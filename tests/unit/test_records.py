@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from nesa_node.protocol.dht import make_validator, model_key
 from nesa_node.protocol.identity import peer_id_of_public_key
-from nesa_node.protocol.records import NodeInfo, NodeState
+from nesa_node.protocol.records import AdapterInfo, NodeInfo, NodeState
 
 
 def make_info(**overrides) -> NodeInfo:
@@ -26,6 +26,14 @@ def test_wire_roundtrip_and_unknown_fields_are_ignored():
     assert NodeInfo.from_wire(json.dumps(newer)) == info
 
 
+ADAPTER = {"adapter_id": "0" * 64, "name": "reviewer", "slice_sha256": "f" * 64, "rank": 16}
+
+
+def test_adapters_round_trip():
+    info = make_info(adapters=(AdapterInfo(**ADAPTER),))
+    assert NodeInfo.from_wire(info.to_wire()) == info
+
+
 @pytest.mark.parametrize(
     "change",
     [
@@ -35,7 +43,12 @@ def test_wire_roundtrip_and_unknown_fields_are_ignored():
         {"state": "sleeping"},
         {"cache_tokens_left": -5},
         {"forward_tps": "fast"},
-        {"adapters": ["a"] * 65},
+        {"adapters": ["a"]},
+        {"adapters": [ADAPTER] * 65},
+        {"adapters": [ADAPTER | {"adapter_id": "A" * 64}]},  # hex is lowercase
+        {"adapters": [ADAPTER | {"slice_sha256": "0" * 63}]},
+        {"adapters": [ADAPTER | {"rank": 0}]},
+        {"adapters": [ADAPTER | {"name": "x" * 65}]},
         {"reputation": 2.0},
     ],
 )

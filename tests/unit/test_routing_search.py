@@ -260,3 +260,29 @@ def test_the_region_bounds_rule_out_only_losers(snapshot, request, params):
             assert exhaustive(snapshot, request, params) == math.inf
             return
     assert chain.cost.total == pytest.approx(exhaustive(snapshot, request, params), rel=1e-9)
+
+
+@settings(max_examples=80, deadline=None)
+@given(swarms(), requests, params, st.data())
+def test_a_request_naming_an_adapter_routes_only_through_nodes_holding_it(snapshot, request, params, data):
+    """The chain for adapter "a" is the chain the same search finds on the swarm of the nodes holding "a" alone."""
+    holders = data.draw(st.sets(st.sampled_from([node.peer_id for node in snapshot.nodes])))
+    snapshot = replace(snapshot, nodes=tuple(
+        replace(node, adapters=frozenset({"a", "b"} if node.peer_id in holders else {"b"})) for node in snapshot.nodes
+    ))  # fmt: skip
+    only = replace(snapshot, nodes=tuple(node for node in snapshot.nodes if node.peer_id in holders))
+    request = replace(request, adapter="a")
+
+    def chain_or_none(swarm, wanted):
+        try:
+            return select_chain(swarm, wanted, params=params)
+        except NoRouteError:
+            return None
+
+    chain, expected = chain_or_none(snapshot, request), chain_or_none(only, replace(request, adapter=None))
+    assert (chain is None) == (expected is None)
+    if chain is not None:
+        assert set(chain.peer_ids) <= holders
+        check_chain(snapshot, request, chain)
+        if chain.cost is not None:
+            assert chain.cost.total == pytest.approx(expected.cost.total)

@@ -1,0 +1,129 @@
+"""LoRA adapters served by the swarm (Nesa sec. 2.4): three nodes on the trained tiny model preload three random
+adapters of different ranks and targets; greedy tokens through the swarm with an adapter equal one process's
+`PeftModel.from_pretrained(base, adapter)`, also for two clients with different adapters at once on the same nodes
+(their decode steps may share a node's pass), and a session without an adapter still gets the base model's."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.async_model import adapter_id_of_folder
+from nesa_node.errors import AdapterMissingError, NoRouteError
+from nesa_node.sharding.blocks import load_config
+from tests.support.adapters import peft_generate, save_random_adapter
+from tests.support.swarm import wait_for_chain, wait_until
+
+pytest.importorskip("peft")
+
+PREFIX = "lora"
+SPANS = [(0, 2), (2, 3), (3, 4)]
+ADAPTERS = {
+    "all-r16": dict(r=16, lora_alpha=32, target_modules="all-linear"),
+    "attention-r4": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True),
+    "mlp-r8-some": dict(r=8, lora_alpha=4, target_modules=["gate_proj", "down_proj"], layers_to_transform=[0, 3]),
+}
+PROMPTS = 10
+NEW_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def adapters(trained_model, tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("adapters")
+    return {
+        name: str(save_random_adapter(trained_model, root / name, seed, **lora))
+        for seed, (name, lora) in enumerate(ADAPTERS.items())
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_swarm(module_swarm, trained_model, adapters):
+    nodes = [
+        module_swarm.start_node(trained_model, start, end, dht_prefix=PREFIX, adapters=tuple(adapters.values()))
+        for start, end in SPANS
+    ]
+    yield module_swarm
+    for node in nodes:
+        module_swarm.stop_node(node)
+
+
+def connect(swarm, path: str, **settings) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none", **settings
+    )
+
+
+def prompts(count: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 500, (1, 4 + index % 5), generator=generator) for index in range(count)]
+
+
+def test_nodes_announce_their_slices_of_each_adapter(lora_swarm, trained_model, adapters):
+    config = load_config(trained_model)
+    ids = {name: adapter_id_of_folder(folder, config) for name, folder in adapters.items()}
+    for node in lora_swarm.nodes[-len(SPANS) :]:
+        announced = {info.name: info for info in node.current_info().adapters}
+        assert set(announced) == set(adapters)
+        for name, info in announced.items():
+            assert info.adapter_id == ids[name]
+            assert info.rank == ADAPTERS[name]["r"]
+    slices = {info.slice_sha256 for node in lora_swarm.nodes[-len(SPANS) :] for info in node.current_info().adapters}
+    assert len(slices) == len(SPANS) * len(ADAPTERS)  # each node's slice of each adapter is bytes of its own
+
+
+@pytest.mark.parametrize("name", sorted(ADAPTERS))
+def test_greedy_tokens_with_an_adapter_equal_peft_model(lora_swarm, trained_model, adapters, name):
+    with connect(lora_swarm, trained_model, adapter=name) as model:  # by the name the nodes announce
+        wait_for_chain(model, hops=len(SPANS), max_length=32)
+        for input_ids in prompts(PROMPTS):
+            output = model.generate(input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            reference = peft_generate(trained_model, adapters[name], input_ids, NEW_TOKENS)
+            assert torch.equal(output, reference), (name, input_ids)
+
+
+def test_two_clients_with_two_adapters_at_once_each_get_their_own(lora_swarm, trained_model, adapters):
+    names = ["all-r16", "attention-r4"]
+    inputs = prompts(4)
+    references = {name: [peft_generate(trained_model, adapters[name], ids, 24) for ids in inputs] for name in names}
+    base = [peft_generate(trained_model, None, ids, 24) for ids in inputs]
+    assert all(not torch.equal(a, b) for a, b in zip(references[names[0]], base, strict=True))  # adapters matter
+    outputs: dict[str, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(names))
+
+    def client(name: str) -> None:
+        try:
+            with connect(lora_swarm, trained_model, adapter=adapters[name]) as model:  # by folder this time
+                wait_for_chain(model, hops=len(SPANS), max_length=32)
+                barrier.wait(timeout=60)
+                outputs[name] = [
+                    model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False) for ids in inputs
+                ]
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(name,)) for name in names]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=300)
+    assert not errors, errors
+    for name in names:
+        for output, reference in zip(outputs[name], references[name], strict=True):
+            assert torch.equal(output, reference), name
+    with connect(lora_swarm, trained_model) as model:  # no adapter: the base model's tokens on the same nodes
+        for ids, reference in zip(inputs, base, strict=True):
+            assert torch.equal(model.generate(ids, max_new_tokens=24, min_new_tokens=24, do_sample=False), reference)
+
+
+def test_an_adapter_no_node_holds_is_refused_with_its_name(lora_swarm, trained_model, tmp_path):
+    with connect(lora_swarm, trained_model) as model:
+        wait_until(lambda: model.call(model.swarm.node_records()) != [], timeout_s=30)
+        with pytest.raises(AdapterMissingError, match="no node announces it"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, adapter="no-such-adapter")
+        other = save_random_adapter(trained_model, tmp_path / "other", 99, r=2, target_modules=["q_proj"])
+        with pytest.raises(NoRouteError, match="without adapter"):
+            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, adapter=str(other))
