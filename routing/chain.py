@@ -12,7 +12,8 @@
 
 By default a hop is a node's whole span inside the requested range; with `request.partial_spans` (what the live
 client asks for: nodes run any contiguous part of their span) a hop may be any contiguous part of a span. Nodes offline, draining, excluded, without
-cache room for batch * max_length tokens, or (for a request naming a LoRA adapter) without that adapter are skipped. `request.alternatives` asks for that many node-disjoint
+cache room for batch * max_length tokens, or (for a request naming a LoRA adapter the client cannot send) without that
+adapter are skipped. `request.alternatives` asks for that many node-disjoint
 alternative chains as well (found one after another, each excluding the nodes of the chains before it).
 """
 
@@ -58,7 +59,7 @@ __all__ = [
 def _usable(node: NodeView, request: ChainRequest) -> bool:
     if not node.online or node.draining or node.peer_id in request.exclude:
         return False
-    if request.adapter is not None and request.adapter not in node.adapters:
+    if request.adapter is not None and request.adapter_block_bytes <= 0 and request.adapter not in node.adapters:
         return False
     if request.max_length:
         if node.max_length and request.max_length > node.max_length:
@@ -79,7 +80,7 @@ def usable_nodes(snapshot: SwarmSnapshot, request: ChainRequest, moves: Moves | 
         index = arrays.peer_index.get(peer_id)
         if index is not None:
             mask[index] = False
-    if request.adapter is not None:
+    if request.adapter is not None and request.adapter_block_bytes <= 0:
         mask &= np.fromiter((request.adapter in node.adapters for node in snapshot.nodes), bool, len(snapshot.nodes))
     if request.max_length:
         mask &= (arrays.max_length == 0) | (request.max_length <= arrays.max_length)

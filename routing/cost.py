@@ -7,7 +7,7 @@ The paper, minimised over candidates A for position i of the chain:
 Implemented: node A serves blocks [s, e) after the chain A_0 (the client), A_1 .. A_{i-1}; all times in ms.
 
     transfer     sum over j = max(0, i-1-window) .. i-1 of (D / bw_j + D / bw_A + L_{j,A}) ** gamma
-    load         sum over the blocks b in [s, e) of (t_A / (1 - C_A)) ** beta
+    load         sum over the blocks b in [s, e) of (t_A / (1 - C_A) + f_A) ** beta
     reliability  (RELIABILITY_MS / (1 + R_A)) ** alpha
 
 and a chain adds once its exit leg, (D / bw_p + D / bw_client + L_{p,client}) ** gamma, to the transfer term.
@@ -24,6 +24,9 @@ and a chain adds once its exit leg, (D / bw_p + D / bw_client + L_{p,client}) **
   nodes. Here it is load over availability: t_A / (1 - C_A) is A's compute time per block for one token when a
   share C_A of it is busy (the M/M/1 sojourn time), t_A = 1000 / (inference_tps * span blocks). It is summed per
   block so that parts of spans compose, which the (node, block boundary) search needs.
+- f_A: sending the session's LoRA adapter to a node that lacks it (when the client holds the adapter), per block,
+  spread over the session's 1 + G passes; 0 for a node that announces it (eq. 18 has no such term: a node that
+  holds the adapter is preferred by exactly what fetching costs).
 - Reliability, fixed: with R_A = 1 - uptime the paper's term grows with uptime. Here R_A in [0, 1] is reliability
   (uptime share and reputation, raised for stable regions by sec. 3.1), so the term falls as it rises; the
   constant gives it time units, and it charges every hop (more hops, more to fail).
@@ -144,6 +147,22 @@ def client_latency_ms(arrays: SnapshotArrays, request: ChainRequest) -> np.ndarr
     return np.where(np.isnan(arrays.client_rtt_ms), estimate, arrays.client_rtt_ms / 2)
 
 
+def adapter_send_ms(snapshot: SwarmSnapshot, request: ChainRequest) -> np.ndarray:
+    """(n,) per block, ms: what sending the request's LoRA adapter to each node that lacks it adds, spread over the
+    session's passes like every other term (a one-time transfer of `adapter_block_bytes` per block over the client's
+    and the node's access links); 0 where the node holds it or no adapter is sent."""
+    arrays: SnapshotArrays = snapshot.arrays
+    if request.adapter is None or request.adapter_block_bytes <= 0:
+        return np.zeros(len(snapshot.nodes))
+    lacking = np.fromiter((request.adapter not in node.adapters for node in snapshot.nodes), bool, len(snapshot.nodes))
+    megabits = request.adapter_block_bytes * 8 / 1e6
+    seconds = megabits / arrays.bandwidth_mbps
+    if request.client_bandwidth_mbps:
+        seconds = seconds + megabits / request.client_bandwidth_mbps
+    passes = 1 + max(request.new_tokens, 0)
+    return np.where(lacking, seconds * 1000.0 / passes, 0.0)
+
+
 def request_base(
     snapshot: SwarmSnapshot, request: ChainRequest, *, reliability_ms: float = RELIABILITY_MS
 ) -> RequestBase:
@@ -159,7 +178,7 @@ def request_base(
     return RequestBase(
         side_ms=serial + arrays.access_ms,
         client_ms=client_serial + serial + client_latency_ms(arrays, request),
-        block_ms=arrays.block_ms / (1.0 - arrays.load),
+        block_ms=arrays.block_ms / (1.0 - arrays.load) + adapter_send_ms(snapshot, request),
         reliability_ms=reliability_ms / (1.0 + arrays.reliability),
         region=arrays.region,
         backbone=arrays.backbone,

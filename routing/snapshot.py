@@ -77,7 +77,10 @@ class ChainRequest:
     client_access_ms: float = DEFAULT_ACCESS_MS  # the client's last mile, ms
     client_bandwidth_mbps: float | None = None  # None: the client's link is not counted
     alternatives: int = 0  # how many node-disjoint alternative chains to return as well (failover, redundancy)
-    adapter: str | None = None  # the LoRA adapter id every hop must hold; None: the base model
+    adapter: str | None = None  # the LoRA adapter id the session runs with; None: the base model
+    # bytes per block of that adapter when the client can send it to a node lacking it (0: it cannot: every hop must
+    # hold the adapter); sending is costed once per session (routing/cost.py)
+    adapter_block_bytes: float = 0.0
 
 
 @dataclass(frozen=True)

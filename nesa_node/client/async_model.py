@@ -29,7 +29,7 @@ from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig, client_codec
 from nesa_node.client.routing import ChainSelector, Router
 from nesa_node.client.session import InferenceSession
-from nesa_node.client.session_chain import codec_for
+from nesa_node.client.session_chain import OwnAdapter, codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
     AdapterMissingError,
@@ -42,7 +42,7 @@ from nesa_node.errors import (
 from nesa_node.protocol.dht import default_dht_prefix
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
-from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice
+from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, slice_blobs
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +58,15 @@ ROUTABLE_REFUSALS = (
 CONFIG_FIELDS = frozenset(item.name for item in fields(ClientConfig))
 
 
-def adapter_id_of_folder(folder: str, model_config) -> str:
-    """The id of the PEFT LoRA adapter in `folder` for this model (the sha256 of its manifest: sharding/lora.py)."""
+def own_adapter_of_folder(folder: str, model_config) -> OwnAdapter:
+    """The PEFT LoRA adapter in `folder`, whole, as the client sends it to nodes (sharding/lora.py)."""
     whole = load_adapter_slice(folder, model_config, 0, None)
-    return adapter_manifest(whole, model_config.num_hidden_layers).adapter_id
+    return OwnAdapter(adapter_manifest(whole, model_config.num_hidden_layers), tuple(slice_blobs(whole)))
+
+
+def adapter_id_of_folder(folder: str, model_config) -> str:
+    """The id of the PEFT LoRA adapter in `folder` for this model (the sha256 of its manifest of block hashes)."""
+    return own_adapter_of_folder(folder, model_config).adapter_id
 
 
 def client_config(config: ClientConfig | None = None, **settings) -> ClientConfig:
@@ -129,6 +134,7 @@ class AsyncDistributedModel:
     ):
         self.model_config = model_config
         self.adapter = adapter  # the LoRA adapter id sessions use unless a call names another (or None: base)
+        self.own_adapters: dict[str, OwnAdapter] = {}  # adapters named by folder: sent to nodes that lack them
         self.edges = edges
         self.swarm = swarm
         self.config = config
@@ -214,8 +220,10 @@ class AsyncDistributedModel:
         new_tokens: int = 0,
         adapter: str | None = None,
     ) -> Chain:
-        """The chain for a new session (or a cacheless forward), through nodes holding LoRA adapter id `adapter`
-        when given; NoRouteError when the swarm has none."""
+        """The chain for a new session (or a cacheless forward), for LoRA adapter id `adapter` when given: through
+        nodes holding it, or, for an adapter this client holds (named by folder), through any node, costed with
+        sending its blocks to those that lack it; NoRouteError when the swarm has none."""
+        own = self.own_adapters.get(adapter) if adapter is not None else None
         request = ChainRequest(
             batch=batch,
             max_length=max_length,
@@ -223,19 +231,22 @@ class AsyncDistributedModel:
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
             adapter=adapter,
+            adapter_block_bytes=own.block_bytes if own is not None else 0.0,
         )
         return await self.router.choose_chain(request)
 
     async def resolve_adapter(self, adapter: str | Path) -> str:
         """The id of the LoRA adapter `adapter` names: an id (64 hex characters) as it is; a folder holding a PEFT
-        adapter (its manifest, computed here: the id nodes announce for the same adapter); else a name nodes
-        announce (records.AdapterInfo). Raises AdapterError for a folder that is not an adapter of this model,
+        adapter (its manifest, computed here: the id nodes announce for the same adapter; the client then sends its
+        blocks to the nodes of a chain that do not hold it); else a name nodes announce (records.AdapterInfo). Raises AdapterError for a folder that is not an adapter of this model,
         AdapterMissingError for a name no node announces or two adapters share."""
         text = str(adapter)
         if re.fullmatch(r"[0-9a-f]{64}", text):
             return text
         if await asyncio.to_thread(Path(text).is_dir):
-            return await asyncio.to_thread(adapter_id_of_folder, text, self.model_config)
+            own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config)
+            self.own_adapters[own.adapter_id] = own
+            return own.adapter_id
         ids = {info.adapter_id for record in await self.swarm.node_records() for info in record.info.adapters
                if info.name == text}  # fmt: skip
         if len(ids) != 1:
@@ -272,6 +283,7 @@ class AsyncDistributedModel:
                 max_length=max_length,
                 reroute=self.router.reachable_chain,
                 adapter=adapter_id,
+                own_adapter=self.own_adapters.get(adapter_id) if adapter_id is not None else None,
             )
             try:
                 return await session.open()

@@ -23,7 +23,7 @@ import torch
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
-from nesa_node.client.session_chain import SessionChain, codec_for
+from nesa_node.client.session_chain import OwnAdapter, SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.names import AUTO
 from nesa_node.errors import (
@@ -70,6 +70,7 @@ class InferenceSession:
         reroute: Rerouter | None = None,
         session_id: str | None = None,
         adapter: str | None = None,
+        own_adapter: OwnAdapter | None = None,
     ):
         self.swarm = swarm
         self.config = config
@@ -79,7 +80,13 @@ class InferenceSession:
         self.session_id = session_id or uuid.uuid4().hex
         self.adapter = adapter  # LoRA adapter id (records.AdapterInfo) every node runs this session with; None: base
         self.links = SessionChain(
-            swarm, config, session_id=self.session_id, batch=batch, max_length=max_length, adapter=adapter
+            swarm,
+            config,
+            session_id=self.session_id,
+            batch=batch,
+            max_length=max_length,
+            adapter=adapter,
+            own_adapter=own_adapter,
         )
         self.failover = Failover(
             self.links,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +29,7 @@ from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
 from nesa_node.protocol.messages import (
     FROM_SESSION,
     MAX_METADATA_BYTES,
+    AdapterBlocks,
     ErrorReply,
     History,
     HistoryRequest,
@@ -40,8 +42,9 @@ from nesa_node.protocol.messages import (
     Step,
     StepResult,
 )
-from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto, tensor_from_proto, tensor_to_proto
 from nesa_node.routing.chain import Hop
+from nesa_node.sharding.lora import AdapterManifest
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +84,28 @@ def codec_for(
     return preferred
 
 
+@dataclass(frozen=True)
+class OwnAdapter:
+    """A LoRA adapter the client holds whole (a folder it named): its manifest and every block's canonical bytes,
+    sent to a node that does not announce it, right before the session's open (messages.AdapterBlocks)."""
+
+    manifest: AdapterManifest
+    blobs: tuple[bytes, ...]  # one per block of the model
+
+    @property
+    def adapter_id(self) -> str:
+        return self.manifest.adapter_id
+
+    @property
+    def block_bytes(self) -> float:
+        """Mean bytes per block: what sending a span costs routing, per block."""
+        return sum(len(blob) for blob in self.blobs) / max(len(self.blobs), 1)
+
+    def blocks_frame(self, start: int, end: int) -> Frame:
+        tensors = [bytes_to_proto(self.manifest.to_bytes()), *(bytes_to_proto(blob) for blob in self.blobs[start:end])]
+        return frame(AdapterBlocks(adapter_id=self.adapter_id, start_block=start, end_block=end), tensors)
+
+
 class SessionChain:
     """The links of session `session_id` and the queue of their answers."""
 
@@ -93,6 +118,7 @@ class SessionChain:
         batch: int,
         max_length: int,
         adapter: str | None = None,
+        own_adapter: OwnAdapter | None = None,
     ):
         self.swarm = swarm
         self.config = config
@@ -100,6 +126,7 @@ class SessionChain:
         self.batch = batch
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter id every node of the chain runs the session with
+        self.own_adapter = own_adapter  # the adapter's blocks, when the client has them: sent to nodes lacking it
         self.direct = config.mode == "direct"
         # direct mode: hidden states go over data lanes where nodes offer them, else over libp2p
         self.lanes = config.lanes and self.direct
@@ -182,6 +209,8 @@ class SessionChain:
                 self.close_links(links)
                 raise LinkFailed(f"could not open a session on {link.peer_id}: {exc!r}", link) from None
             message = self._open_message(index, hops, upstream, downstream.hop if downstream else None, settings[index])
+            if self.own_adapter is not None and not self.swarm.holds_adapter(link.peer_id, self.own_adapter.adapter_id):
+                link.send(self.own_adapter.blocks_frame(link.hop.start_block, link.hop.end_block))
             link.send(frame(message))
             link.readers.append(asyncio.create_task(self._read(link, link.control, "the session")))
         # every node acknowledges the open (cache reserved) or refuses it with a typed error

@@ -226,6 +226,11 @@ class Swarm:
         self.hold(answers)
         return len(answers)
 
+    def holds_adapter(self, peer_id: str, adapter_id: str) -> bool:
+        """Whether the node's record at hand announces the LoRA adapter `adapter_id`."""
+        record = self._records.get(peer_id)
+        return record is not None and any(info.adapter_id == adapter_id for info in record.info.adapters)
+
     def lane_address(self, peer_id: str) -> str | None:
         """The data lane address a node's record announces (protocol/lane.py), if any and well formed."""
         record = self._records.get(peer_id)

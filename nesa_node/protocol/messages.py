@@ -165,6 +165,16 @@ class OpenSession(BlockRange):
     adapter: AdapterId | None = None  # the LoRA adapter every step of the session runs with (records.AdapterInfo)
 
 
+class AdapterBlocks(BlockRange):
+    """A client's own LoRA adapter for one session, sent on the session stream just before its OpenSession: the
+    frame's first tensor holds the adapter's manifest (per-block hashes, sharding/lora_identity.py), then one tensor
+    per block [start_block, end_block) its canonical slice bytes (protocol/tensors.py bytes_to_proto). The node checks
+    the manifest against `adapter_id` and every block against the manifest, and keeps them for that session only."""
+
+    kind: Literal["adapter_blocks"] = "adapter_blocks"
+    adapter_id: AdapterId
+
+
 class Step(Message):
     """Hidden states (batch, seq, hidden) of new tokens starting at `position`, in one tensor. `step_id` is the
     same on a retry, so a duplicate is answered from record; `compute_s` is what the nodes before spent on it;
@@ -282,7 +292,7 @@ def _union(*models: type[Message]) -> TypeAdapter:
 
 
 # what each receiver accepts, by direction
-TO_SESSION = _union(OpenSession, Step, HistoryRequest, Retarget)  # on a session stream, from its client
+TO_SESSION = _union(OpenSession, AdapterBlocks, Step, HistoryRequest, Retarget)  # from a session's client
 FROM_SESSION = _union(Opened, StepResult, History, Retargeted, ErrorReply)  # a node's answers on a session stream
 PUSHED = _union(Step)  # pushed node -> node, or sent on a data lane
 PUSH_ANSWERS = _union(ErrorReply)  # a next node answers a push stream only to refuse a step
@@ -366,6 +376,7 @@ def expect(message: Message, model: type[M]) -> M:
 
 
 __all__ = [
+    "AdapterBlocks",
     "FORWARD",
     "FORWARD_ANSWERS",
     "FROM_SESSION",

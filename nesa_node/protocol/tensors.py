@@ -100,4 +100,22 @@ def tensor_from_proto(
         raise BadRequestError(str(exc)) from None
 
 
-__all__ = ["NO_CODEC", "WireCodec", "tensor_from_proto", "tensor_to_proto"]
+def bytes_to_proto(data: bytes) -> runtime_pb2.Tensor:
+    """Opaque bytes (an adapter's slice or manifest) as a `Tensor` of uint8, for a frame's tensor list."""
+    return runtime_pb2.Tensor(
+        buffer=data, size=[len(data)], dtype="uint8", compression=runtime_pb2.CompressionType.NONE
+    )
+
+
+def bytes_from_proto(proto: runtime_pb2.Tensor, *, max_bytes: int) -> bytes:
+    """The bytes `bytes_to_proto` wrote; BadRequestError for any other tensor or more than `max_bytes`."""
+    if proto.compression != runtime_pb2.CompressionType.NONE or proto.dtype != "uint8" or len(proto.size) != 1:
+        raise BadRequestError("expected bytes: a one-dimensional uint8 tensor without hivemind compression")
+    if proto.size[0] != len(proto.buffer):
+        raise BadRequestError(f"a byte tensor declares {proto.size[0]} bytes but holds {len(proto.buffer)}")
+    if len(proto.buffer) > max_bytes:
+        raise BadRequestError(f"{len(proto.buffer)} bytes where at most {max_bytes} are accepted")
+    return bytes(proto.buffer)
+
+
+__all__ = ["NO_CODEC", "WireCodec", "bytes_from_proto", "bytes_to_proto", "tensor_from_proto", "tensor_to_proto"]

@@ -7,7 +7,11 @@ sessions that run with them.
   stay resident; a node that moves reloads them for its new span.
 - A session opened with an adapter holds it (never evicted) until it closes; a step runs its rows with it
   (server/compute.py), also inside a decode batch with other sessions' adapters.
-- An adapter the node does not hold is refused with AdapterMissingError: the client routes to nodes that hold it.
+- A client's own adapter comes on the session stream right before the session's open (AdapterBlocks): the
+  manifest is checked against the adapter id and every block against the manifest (a changed byte is refused), the
+  slice is held under the same budget for that session alone, not announced, and dropped when the session closes.
+- An adapter the node does not hold is refused with AdapterMissingError: the client routes to nodes that hold it,
+  or sends its own.
 """
 
 from __future__ import annotations
@@ -17,10 +21,20 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from nesa_node.errors import AdapterMissingError
+from nesa_node.errors import AdapterError, AdapterMissingError, BadRequestError
+from nesa_node.protocol.channel import Frame
+from nesa_node.protocol.messages import AdapterBlocks
 from nesa_node.protocol.records import AdapterInfo
+from nesa_node.protocol.tensors import bytes_from_proto
 from nesa_node.server.adapter_store import AdapterStore
-from nesa_node.sharding.lora import AdapterSlice, adapter_manifest, load_adapter_slice
+from nesa_node.sharding.lora import (
+    AdapterManifest,
+    AdapterSlice,
+    adapter_manifest,
+    load_adapter_slice,
+    slice_from_blocks,
+)
+from nesa_node.sharding.lora_identity import MAX_MANIFEST_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +50,7 @@ class NodeAdapters:
         self.folders = tuple(folders)
         self.budget_bytes = budget_bytes
         self.store = AdapterStore(budget_bytes)
+        self._private: set[str] = set()  # ids in the store a client sent for its sessions alone
 
     async def load_span(self, start: int, end: int) -> None:
         """Hold the preloaded adapters' slices of blocks [start, end) in a fresh store (no session may be open: a
@@ -47,7 +62,7 @@ class NodeAdapters:
             store.add(name, manifest, piece, preloaded=True)
             logger.info("adapter %s (%s, rank %d): %d bytes for blocks %d:%d", name, manifest.adapter_id[:12],
                         manifest.rank, piece.nbytes, start, end)  # fmt: skip
-        self.store = store
+        self.store, self._private = store, set()
 
     def _read(self, folder: str, start: int, end: int):
         whole = load_adapter_slice(folder, self.model_config, 0, None)
@@ -57,26 +72,64 @@ class NodeAdapters:
     def hold(self, adapter_id: str, blocks: tuple[int, int]) -> tuple[AdapterSlice, Callable[[], None]]:
         """The slice of adapter `adapter_id`, pinned for a session, and the call that releases it (once). Raises
         AdapterMissingError when this node does not hold it."""
-        store = self.store
-        if store.get(adapter_id) is None:
+        store, private = self.store, self._private
+        entry = store.get(adapter_id)
+        if entry is None:
             raise AdapterMissingError(
                 f"adapter {adapter_id} is not held by this node for blocks {blocks[0]}:{blocks[1]}; route to a node "
                 "that announces it"
             )
-        entry = store.pin(adapter_id)
+        if not entry.piece.start <= blocks[0] < blocks[1] <= entry.piece.end:
+            raise AdapterMissingError(
+                f"this node holds adapter {adapter_id} for blocks {entry.piece.start}:{entry.piece.end}, not "
+                f"{blocks[0]}:{blocks[1]}"
+            )
+        store.pin(adapter_id)
         released = False
 
         def release() -> None:
             nonlocal released
-            if not released:
-                released = True
-                store.unpin(adapter_id)
+            if released:
+                return
+            released = True
+            store.unpin(adapter_id)
+            if adapter_id in private and entry.pins == 0:  # a client's own adapter leaves with its last session
+                store.remove(adapter_id)
+                private.discard(adapter_id)
 
         return entry.piece, release
 
+    async def hold_uploaded(self, message: AdapterBlocks, upload: Frame) -> tuple[AdapterSlice, Callable[[], None]]:
+        """A client's own adapter (AdapterBlocks and its frame), checked by hash, held for one session as `hold`
+        holds a resident one. Raises AdapterHashError for bytes that do not match, AdapterError or BadRequestError
+        for a malformed upload, AdapterBudgetError when it does not fit beside what open sessions use."""
+        blocks = (message.start_block, message.end_block)
+        if message.adapter_id not in self.store:
+            manifest, piece = await asyncio.to_thread(self._check_upload, message, upload)
+            if manifest.adapter_id not in self.store:  # another session may have sent it meanwhile
+                self.store.add(f"private-{manifest.adapter_id[:8]}", manifest, piece)
+                self._private.add(manifest.adapter_id)
+        return self.hold(message.adapter_id, blocks)
+
+    def _check_upload(self, message: AdapterBlocks, upload: Frame):
+        count = message.end_block - message.start_block
+        if len(upload.tensors) != count + 1:
+            raise BadRequestError(f"adapter blocks: expected a manifest and {count} block(s), got "
+                                  f"{len(upload.tensors)} tensors")  # fmt: skip
+        manifest = AdapterManifest.from_bytes(
+            bytes_from_proto(upload.tensors[0], max_bytes=MAX_MANIFEST_BYTES), message.adapter_id
+        )
+        if manifest.num_blocks != self.model_config.num_hidden_layers:
+            raise AdapterError(
+                f"the adapter's manifest has {manifest.num_blocks} blocks, the model {self.model_config.num_hidden_layers}"
+            )
+        blobs = [bytes_from_proto(tensor, max_bytes=self.budget_bytes) for tensor in upload.tensors[1:]]
+        return manifest, slice_from_blocks(manifest, message.start_block, message.end_block, blobs)
+
     def announced(self) -> tuple[AdapterInfo, ...]:
-        """What the node's record says it holds."""
+        """What the node's record says it holds (clients' own adapters are theirs: not announced)."""
         return tuple(
             AdapterInfo(adapter_id=adapter_id, name=name, slice_sha256=slice_sha256, rank=rank)
             for adapter_id, name, slice_sha256, rank in self.store.announced()
+            if adapter_id not in self._private
         )

@@ -33,6 +33,7 @@ from nesa_node.protocol.framing import StreamChannel
 from nesa_node.protocol.messages import (
     FORWARD,
     TO_SESSION,
+    AdapterBlocks,
     ErrorReply,
     ForwardRequest,
     ForwardResult,
@@ -120,7 +121,12 @@ class InferenceService:
         if first is None:
             return
         try:
-            session = await self._open(first, channel, context.remote_id.to_base58())
+            upload = None
+            if isinstance(read(first, TO_SESSION), AdapterBlocks):  # the client's own adapter, then its open
+                upload, first = first, await self._next_frame(channel)
+                if first is None:
+                    return
+            session = await self._open(first, channel, context.remote_id.to_base58(), upload)
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
             return
@@ -133,12 +139,26 @@ class InferenceService:
             self.sessions.close(session)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
 
-    async def _open(self, request: Frame, channel: Channel, client_peer: str) -> ServerSession:
+    async def _next_frame(self, channel: StreamChannel) -> Frame | None:
+        try:
+            async with asyncio.timeout(self.network.peer_timeout_s):
+                return await channel.receive()
+        except TimeoutError:
+            return None
+
+    async def _open(
+        self, request: Frame, channel: Channel, client_peer: str, upload: Frame | None = None
+    ) -> ServerSession:
         message = expect(read(request, TO_SESSION), OpenSession)
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
         adapter, release = None, None
-        if message.adapter is not None:  # held (never evicted) until the session closes
+        if upload is not None:  # checked by hash, kept for this session only
+            sent = expect(read(upload, TO_SESSION), AdapterBlocks)
+            if message.adapter != sent.adapter_id or (sent.start_block, sent.end_block) != blocks:
+                raise BadRequestError("adapter blocks must be those of the session opened right after them")
+            adapter, release = await self.adapters.hold_uploaded(sent, upload)
+        elif message.adapter is not None:  # held (never evicted) until the session closes
             adapter, release = self.adapters.hold(message.adapter, blocks)
         try:
             session = await self.sessions.open_when_room(

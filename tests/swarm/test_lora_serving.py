@@ -12,7 +12,8 @@ import torch
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.async_model import adapter_id_of_folder
-from nesa_node.errors import AdapterMissingError, NoRouteError
+from nesa_node.client.session_chain import OwnAdapter
+from nesa_node.errors import AdapterHashError, AdapterMissingError, NoRouteError
 from nesa_node.sharding.blocks import load_config
 from tests.support.adapters import peft_generate, save_random_adapter
 from tests.support.swarm import wait_for_chain, wait_until
@@ -125,5 +126,47 @@ def test_an_adapter_no_node_holds_is_refused_with_its_name(lora_swarm, trained_m
         with pytest.raises(AdapterMissingError, match="no node announces it"):
             model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, adapter="no-such-adapter")
         other = save_random_adapter(trained_model, tmp_path / "other", 99, r=2, target_modules=["q_proj"])
-        with pytest.raises(NoRouteError, match="without adapter"):
-            model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, adapter=str(other))
+        with pytest.raises(NoRouteError, match="without adapter"):  # known by id only: the client cannot send it
+            model.generate(
+                torch.tensor([[5, 6, 7]]),
+                max_new_tokens=2,
+                adapter=adapter_id_of_folder(str(other), load_config(trained_model)),
+            )
+
+
+def resident(swarm, adapter_id: str) -> list[bool]:
+    return [adapter_id in node.adapters.store for node in swarm.nodes[-len(SPANS) :]]
+
+
+def test_an_adapter_no_node_holds_is_sent_by_the_client_and_gone_after(lora_swarm, trained_model, tmp_path):
+    """The client names a folder no node has: it sends each node of the chain its blocks before the open (in
+    parallel, one stream per node), the tokens equal PeftModel's, the nodes never announce it, and each drops it
+    when the session closes."""
+    folder = save_random_adapter(
+        trained_model, tmp_path / "private", 7, r=8, lora_alpha=16, target_modules="all-linear"
+    )
+    adapter_id = adapter_id_of_folder(str(folder), load_config(trained_model))
+    input_ids = prompts(1)[0]
+    reference = peft_generate(trained_model, folder, input_ids, NEW_TOKENS)
+    with connect(lora_swarm, trained_model, adapter=str(folder)) as model:
+        wait_for_chain(model, hops=len(SPANS), max_length=32)
+        with model.inference_session(max_length=32) as session:
+            assert resident(lora_swarm, adapter_id) == [True] * len(SPANS)
+            assert not any(adapter_id in {info.adapter_id for info in node.current_info().adapters}
+                           for node in lora_swarm.nodes)  # fmt: skip
+            output = model.generate(input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+            assert len(session.chain.hops) == len(SPANS)
+        assert torch.equal(output, reference)
+        wait_until(lambda: resident(lora_swarm, adapter_id) == [False] * len(SPANS), timeout_s=10)
+
+
+def test_a_changed_byte_in_the_clients_adapter_is_refused_by_hash(lora_swarm, trained_model, tmp_path):
+    folder = save_random_adapter(trained_model, tmp_path / "tampered", 8, r=4, target_modules=["q_proj", "o_proj"])
+    with connect(lora_swarm, trained_model, adapter=str(folder)) as model:
+        own = next(iter(model.client.own_adapters.values()))
+        blobs = list(own.blobs)
+        blobs[2] = blobs[2][:-9] + bytes([blobs[2][-9] ^ 1]) + blobs[2][-8:]  # one bit of block 2's bytes
+        model.client.own_adapters[own.adapter_id] = OwnAdapter(own.manifest, tuple(blobs))
+        with pytest.raises(AdapterHashError):
+            model.generate(prompts(1)[0], max_new_tokens=2)
+    assert resident(lora_swarm, own.adapter_id) == [False] * len(SPANS)

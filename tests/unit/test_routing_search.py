@@ -286,3 +286,28 @@ def test_a_request_naming_an_adapter_routes_only_through_nodes_holding_it(snapsh
         check_chain(snapshot, request, chain)
         if chain.cost is not None:
             assert chain.cost.total == pytest.approx(expected.cost.total)
+
+
+@settings(max_examples=60, deadline=None)
+@given(swarms(max_nodes=6, max_blocks=5), requests, params, st.data())
+def test_a_sendable_adapter_costs_its_transfer_and_holding_it_never_costs_more(snapshot, request, params, data):
+    """A client that holds the adapter may use any node, paying to send it where it is missing: the exact search
+    still equals the exhaustive one, and one more node holding the adapter never makes the best chain dearer."""
+    names = [node.peer_id for node in snapshot.nodes]
+    holders = data.draw(st.sets(st.sampled_from(names)))
+    extra = data.draw(st.sampled_from(names))
+    request = replace(request, adapter="a", adapter_block_bytes=data.draw(st.floats(1e3, 1e8)))
+
+    def holding(peers):
+        return replace(snapshot, nodes=tuple(
+            replace(node, adapters=frozenset({"a"}) if node.peer_id in peers else frozenset()) for node in snapshot.nodes
+        ))  # fmt: skip
+
+    fewer, more = holding(holders), holding(holders | {extra})
+    best = exhaustive(fewer, request, params)
+    assert usable_nodes(fewer, request).sum() == usable_nodes(fewer, replace(request, adapter=None)).sum()
+    if math.isinf(best):
+        return
+    chain = select_chain(fewer, request, params=params)
+    assert chain.cost.total == pytest.approx(best, rel=1e-9, abs=1e-9)
+    assert exhaustive(more, request, params) <= best * (1 + 1e-9) + 1e-9
