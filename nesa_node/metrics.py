@@ -64,6 +64,15 @@ class NodeMetrics:
         self.preempted_sessions_total = Counter(
             "nesa_node_preempted_sessions_total", "Idle sessions ended to admit new ones", registry=registry
         )
+        self.adapters = Gauge(
+            "nesa_node_adapters",
+            "LoRA adapters on this node, by state (resident: held; pinned: used by an open session)",
+            ["state"],
+            registry=registry,
+        )
+        self.adapter_bytes = Gauge(
+            "nesa_node_adapter_bytes", "Bytes of the LoRA adapter slices this node holds", registry=registry
+        )
         for state in ("used", "free"):  # present from the start, zero until bound
             self.kv_cache_bytes.labels(state)
         for phase in ("prefill", "decode"):
@@ -77,8 +86,13 @@ class NodeMetrics:
         cache_free: Callable[[], int],
         queued: Callable[[], int],
         dht_peers: Callable[[], int],
+        adapters=None,
     ) -> None:
-        """Make the gauges read the node's state when scraped."""
+        """Make the gauges read the node's state when scraped (`adapters`: the node's NodeAdapters)."""
+        if adapters is not None:
+            self.adapters.labels("resident").set_function(lambda: adapters.store.resident)
+            self.adapters.labels("pinned").set_function(lambda: adapters.store.pinned)
+            self.adapter_bytes.set_function(lambda: adapters.store.used_bytes)
         self.sessions.set_function(sessions)
         self.kv_cache_bytes.labels("used").set_function(cache_used)
         self.kv_cache_bytes.labels("free").set_function(cache_free)
@@ -147,6 +161,18 @@ class GatewayMetrics:
             registry=registry,
         )
         self.dht_peers = Gauge("nesa_gateway_dht_peers", "Peers in the gateway's DHT routing table", registry=registry)
+        self.adapter_requests = Gauge(
+            "nesa_gateway_adapter_requests",
+            'Requests running or waiting for a slot, by LoRA adapter (its id\'s first 12 hex digits; "base": none)',
+            ["adapter", "state"],
+            registry=registry,
+        )
+        self.adapters_loaded = Gauge(
+            "nesa_gateway_adapters_loaded", "LoRA adapters loaded into the gateway (POST /v1/adapters/load)",
+            registry=registry,
+        )  # fmt: skip
+        for state in ("running", "waiting"):
+            self.adapter_requests.labels("base", state)
 
 
 def exposition(registry) -> tuple[bytes, str]:

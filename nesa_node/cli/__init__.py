@@ -220,6 +220,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"hidden-state codec on every hop that accepts it (default {DEFAULT_CODEC})",
     )
     gateway.add_argument(
+        "--adapter-dir",
+        default=None,
+        metavar="DIR",
+        help="folder of PEFT LoRA adapter folders POST /v1/adapters/load may load (by path inside it); without it, "
+        "loading is refused and requests name the adapters the nodes announce",
+    )
+    gateway.add_argument(
         "--topology-period",
         type=PARSERS["positive"],
         default=5.0,
@@ -262,6 +269,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="eq. 18 exponents written by `nesa-node tune` (default: untuned, all 1)",
+    )
+    generate.add_argument(
+        "--adapter",
+        default=None,
+        metavar="NAME|DIR",
+        help="LoRA adapter to generate with: a name the nodes announce, or a PEFT adapter folder (sent to nodes "
+        "that lack it, for this generation only)",
     )
 
     from nesa_node.cli.tune import add_parser as add_tune_parser
@@ -375,6 +389,7 @@ async def _run_gateway(args, name: str, chat_template: str | None) -> None:
             chat_template=chat_template,
             max_concurrency=args.max_concurrency,
             topology_period_s=args.topology_period,
+            adapter_dir=args.adapter_dir,
         )
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off"))
@@ -450,6 +465,7 @@ def _generate(args) -> int:
         routing_params=args.routing_params,
         dtype=args.dtype,
         device=args.device,
+        adapter=args.adapter,
     ) as model:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
@@ -480,7 +496,7 @@ def _status(args) -> int:
 
     records, snapshot = event_loop.run(read_swarm())
     table = Table(title=f"{len(records)} nodes, {num_blocks} blocks")
-    for column in ("peer", "blocks", "state", "inference tok/s", "forward tok/s", "cache left", "load"):
+    for column in ("peer", "blocks", "state", "inference tok/s", "forward tok/s", "cache left", "load", "adapters"):
         table.add_column(column)
     for record in sorted(records, key=lambda record: (record.info.start_block, record.info.peer_id)):
         info = record.info
@@ -492,6 +508,7 @@ def _status(args) -> int:
             f"{info.forward_tps:.1f}",
             str(info.cache_tokens_left),
             f"cpu {info.load.cpu_percent:.0f}%, {info.load.sessions} sessions",
+            " ".join(f"{adapter.name} ({adapter.adapter_id[:8]}, r{adapter.rank})" for adapter in info.adapters),
         )
     console = Console() if sys.stdout.isatty() else Console(width=200)  # pipes get whole peer ids
     console.print(table)

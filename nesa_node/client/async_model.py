@@ -247,14 +247,26 @@ class AsyncDistributedModel:
             own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config)
             self.own_adapters[own.adapter_id] = own
             return own.adapter_id
-        ids = {info.adapter_id for record in await self.swarm.node_records() for info in record.info.adapters
-               if info.name == text}  # fmt: skip
+        return await self.adapter_by_name(text)
+
+    async def announced_adapters(self) -> dict[str, set[str]]:
+        """Adapter name -> the ids the swarm's nodes announce under it (records.AdapterInfo)."""
+        named: dict[str, set[str]] = {}
+        for record in await self.swarm.node_records():
+            for info in record.info.adapters:
+                named.setdefault(info.name, set()).add(info.adapter_id)
+        return named
+
+    async def adapter_by_name(self, name: str) -> str:
+        """The id of the adapter the swarm's nodes announce as `name`. Raises AdapterMissingError when none does or
+        two different adapters share the name."""
+        ids = (await self.announced_adapters()).get(name, set())
         if len(ids) != 1:
             found = "no node announces it" if not ids else f"{len(ids)} different adapters have this name"
             raise AdapterMissingError(
-                f"adapter {text!r}: {found}; name it by its folder or its id (nesa-node status lists adapters)"
+                f"adapter {name!r}: {found}; name it by its folder or its id (nesa-node status lists adapters)"
             )
-        return ids.pop()
+        return next(iter(ids))
 
     async def open_session(
         self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | None = None

@@ -27,7 +27,8 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field
 
 from nesa_node.client.async_model import AsyncDistributedModel
-from nesa_node.errors import NesaError, NoRouteError, PeerUnavailableError
+from nesa_node.errors import AdapterError, AdapterMissingError, NesaError, NoRouteError, PeerUnavailableError
+from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.text import TextStream
@@ -90,6 +91,7 @@ class Prepared:
     ids: list[int]
     stops: list[str]
     max_new: int
+    adapter: str | None = None  # the LoRA adapter id the request's model names; None: the base model
 
 
 @dataclass
@@ -115,8 +117,10 @@ class Gateway:
         chat_template: str | None = None,
         max_concurrency: int = 64,
         topology_period_s: float = TOPOLOGY_PERIOD_S,
+        adapter_dir: str | None = None,
     ):
         self.model = model
+        self.adapters = GatewayAdapters(model, base_name=model_name, adapter_dir=adapter_dir)
         self.topology_period_s = topology_period_s
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -128,17 +132,23 @@ class Gateway:
         self.metrics = GatewayMetrics()
         dht = model.swarm.dht
         self.metrics.dht_peers.set_function(lambda: len(dht.protocol.routing_table.uid_to_peer_id))
+        self.metrics.adapters_loaded.set_function(lambda: len(self.adapters.loaded))
 
     # ---- requests ----------------------------------------------------------------------------------------------------
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
+    async def resolve_model(self, name: str) -> str | None:
+        """The LoRA adapter id a request's `model` names (gateway/adapters.py); None for the base model. ApiError
+        404 for a name this gateway does not serve."""
+        try:
+            return await self.adapters.resolve(name)
+        except AdapterMissingError:
             raise ApiError(
                 404,
-                f"The model `{name}` does not exist; this gateway serves `{self.model_name}`",
+                f"The model `{name}` does not exist; this gateway serves `{self.model_name}` and its adapters "
+                "(GET /v1/models lists them)",
                 param="model",
                 code="model_not_found",
-            )
+            ) from None
 
     def prompt_ids(self, request: CompletionRequest | ChatRequest) -> list[int]:
         if isinstance(request, ChatRequest):
@@ -183,14 +193,14 @@ class Gateway:
 
     # ---- generation --------------------------------------------------------------------------------------------------
 
-    def prepare(self, request: CompletionRequest | ChatRequest) -> Prepared:
+    def prepare(self, request: CompletionRequest | ChatRequest, adapter: str | None = None) -> Prepared:
         """The prompt's tokens, the stop strings and the token budget; ApiError (a 400) for anything wrong, so a
         streamed request is refused before its stream starts."""
         ids = self.prompt_ids(request)
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stops) > MAX_STOPS:
             raise ApiError(400, f"at most {MAX_STOPS} stop strings", param="stop")
-        return Prepared(ids, stops, self.budget(request, len(ids)))
+        return Prepared(ids, stops, self.budget(request, len(ids)), adapter)
 
     async def generate(
         self, request: CompletionRequest | ChatRequest, prepared: Prepared
@@ -206,17 +216,23 @@ class Gateway:
             sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
             sampling["generator"] = generator
         metrics = self.metrics
+        label = prepared.adapter[:12] if prepared.adapter else "base"
         arrived = last = time.perf_counter()
         metrics.requests_waiting.inc()
+        metrics.adapter_requests.labels(label, "waiting").inc()
         try:
             await self.slots.acquire()
         finally:
             metrics.requests_waiting.dec()
+            metrics.adapter_requests.labels(label, "waiting").dec()
         metrics.requests_running.inc()
+        metrics.adapter_requests.labels(label, "running").inc()
         metrics.prompt_tokens_total.inc(len(ids))
         session, failovers = None, 0
         try:
-            session = await self.model.open_session(max_length=len(ids) + max_new, prompt_tokens=len(ids))
+            session = await self.model.open_session(
+                max_length=len(ids) + max_new, prompt_tokens=len(ids), adapter=prepared.adapter
+            )
             stream = self.model.stream(
                 torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=self.eos_token_id, session=session, **sampling
             )
@@ -248,6 +264,7 @@ class Gateway:
                 self._count_failovers(session, failovers)
             self.slots.release()
             metrics.requests_running.dec()
+            metrics.adapter_requests.labels(label, "running").dec()
             metrics.request_duration_seconds.observe(time.perf_counter() - arrived)
         if generation.finish_reason is None:
             generation.finish_reason = "length"
@@ -282,7 +299,7 @@ class Gateway:
             "id": _id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": request.model,
             "choices": [choice],
             "usage": _usage(generation),
         }
@@ -295,7 +312,7 @@ class Gateway:
             "id": _id(chat),
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.model_name,
+            "model": request.model,
         }
 
         def chunk(piece: str | None, finish_reason: str | None, *, role: bool = False) -> bytes:
@@ -354,6 +371,7 @@ def _event(body: dict) -> bytes:
 
 ENDPOINTS = frozenset(
     {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    | {"/v1/adapters/load", "/v1/adapters/unload"}
 )
 
 
@@ -431,12 +449,32 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        entry = {"id": gateway.model_name, "object": "model", "created": gateway.created, "owned_by": "nesa-node"}
-        return {"object": "list", "data": [entry]}
+        base = {"id": gateway.model_name, "object": "model", "created": gateway.created, "owned_by": "nesa-node"}
+        adapters = [
+            {**base, "id": f"{gateway.model_name}:{name}", "parent": gateway.model_name, "root": name, "source": source}
+            for name, source in await gateway.adapters.listed()
+        ]
+        return {"object": "list", "data": [base, *adapters]}
+
+    @app.post("/v1/adapters/load")
+    async def load_adapter(request: LoadAdapter) -> dict:
+        try:
+            return await gateway.adapters.load(request)
+        except PermissionError as exc:
+            raise ApiError(403, str(exc), kind="permission_error", param="path") from None
+        except AdapterError as exc:
+            raise ApiError(400, exc.message, param="path", code=exc.code) from None
+
+    @app.post("/v1/adapters/unload")
+    async def unload_adapter(request: UnloadAdapter) -> dict:
+        try:
+            return gateway.adapters.unload(request)
+        except AdapterMissingError as exc:
+            raise ApiError(404, exc.message, param="name", code=exc.code) from None
 
     async def answer(request: CompletionRequest | ChatRequest):
-        gateway.check_model(request.model)
-        prepared = gateway.prepare(request)
+        adapter = await gateway.resolve_model(request.model)
+        prepared = gateway.prepare(request, adapter)
         if request.stream:
             return StreamingResponse(
                 gateway.events(request, prepared),

@@ -328,6 +328,7 @@ class Node:
             cache_free=lambda: self.budget.free_bytes,
             queued=self.sessions.queued_steps,
             dht_peers=lambda: len(self.dht.protocol.routing_table.uid_to_peer_id),
+            adapters=self.adapters,
         )
         network = self.config.network
         server, _, port = serve_registry(self.metrics.registry, network.host, network.metrics_port)

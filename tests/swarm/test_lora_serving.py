@@ -5,17 +5,24 @@ adapters of different ranks and targets; greedy tokens through the swarm with an
 
 from __future__ import annotations
 
+import json
 import threading
+import urllib.error
+import urllib.request
 
+import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.async_model import adapter_id_of_folder
+from nesa_node.client.async_model import AsyncDistributedModel, adapter_id_of_folder
 from nesa_node.client.session_chain import OwnAdapter
 from nesa_node.errors import AdapterHashError, AdapterMissingError, NoRouteError
+from nesa_node.gateway.app import Gateway
 from nesa_node.sharding.blocks import load_config
 from tests.support.adapters import peft_generate, save_random_adapter
+from tests.support.gateway import Served
 from tests.support.swarm import wait_for_chain, wait_until
 
 pytest.importorskip("peft")
@@ -43,7 +50,9 @@ def adapters(trained_model, tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def lora_swarm(module_swarm, trained_model, adapters):
     nodes = [
-        module_swarm.start_node(trained_model, start, end, dht_prefix=PREFIX, adapters=tuple(adapters.values()))
+        module_swarm.start_node(
+            trained_model, start, end, dht_prefix=PREFIX, adapters=tuple(adapters.values()), metrics_port=0
+        )
         for start, end in SPANS
     ]
     yield module_swarm
@@ -170,3 +179,75 @@ def test_a_changed_byte_in_the_clients_adapter_is_refused_by_hash(lora_swarm, tr
         with pytest.raises(AdapterHashError):
             model.generate(prompts(1)[0], max_new_tokens=2)
     assert resident(lora_swarm, own.adapter_id) == [False] * len(SPANS)
+
+
+@pytest.fixture(scope="module")
+def lora_gateway(lora_swarm, trained_model, tmp_path_factory):
+    """A gateway over the LoRA swarm that may load adapters from its own adapter folder (`adapter_dir`)."""
+    adapter_dir = tmp_path_factory.mktemp("gateway-adapters")
+    model = lora_swarm.run(
+        AsyncDistributedModel.from_pretrained(
+            trained_model, initial_peers=lora_swarm.initial_peers, dht_prefix=PREFIX, compression="none"
+        )
+    )
+    tokenizer = AutoTokenizer.from_pretrained(trained_model)
+    served = Served(lora_swarm, Gateway(model, tokenizer, model_name="trained", adapter_dir=str(adapter_dir)))
+    try:
+        yield served, adapter_dir, tokenizer
+    finally:
+        served.close()
+        lora_swarm.run(model.close())
+
+
+def post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_the_gateway_serves_announced_and_loaded_adapters(lora_gateway, trained_model, adapters, lora_swarm):
+    served, adapter_dir, tokenizer = lora_gateway
+    client = openai.OpenAI(base_url=served.url + "/v1", api_key="unused", max_retries=0)
+    listed = {model.id: model for model in client.models.list().data}
+    assert set(listed) == {"trained", *(f"trained:{name}" for name in ADAPTERS)}
+    assert all(getattr(listed[f"trained:{name}"], "parent", None) == "trained" for name in ADAPTERS)
+    prompt = "import os and sys"
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+
+    def reference(folder) -> str:
+        output = peft_generate(trained_model, folder, ids, NEW_TOKENS)
+        return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def complete(model: str) -> str:
+        answer = client.completions.create(model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0)
+        assert answer.model == model
+        return answer.choices[0].text
+
+    for model in ("trained:all-r16", "mlp-r8-some"):  # base:adapter, or the adapter's name alone
+        assert complete(model) == reference(adapters[model.split(":")[-1]])
+    assert complete("trained") == reference(None)
+
+    save_random_adapter(
+        trained_model, adapter_dir / "mine", 21, r=4, lora_alpha=8, target_modules=["v_proj", "up_proj"]
+    )
+    status, loaded = post(served.url + "/v1/adapters/load", {"name": "mine", "path": "mine"})
+    assert status == 200 and loaded["parent"] == "trained", loaded
+    assert "trained:mine" in {model.id for model in client.models.list().data}
+    assert complete("trained:mine") == reference(adapter_dir / "mine")  # sent to the nodes, none holds it
+    metrics = urllib.request.urlopen(served.url + "/metrics", timeout=10).read().decode()
+    assert "nesa_gateway_adapters_loaded 1.0" in metrics
+    assert f'nesa_gateway_adapter_requests{{adapter="{loaded["id"][:12]}",state="running"}} 0.0' in metrics
+    node_metrics = urllib.request.urlopen(lora_swarm.nodes[-1].metrics_url, timeout=10).read().decode()
+    assert 'nesa_node_adapters{state="resident"} 3.0' in node_metrics  # the one sent is gone with its session
+
+    assert post(served.url + "/v1/adapters/unload", {"name": "mine"})[0] == 200
+    with pytest.raises(openai.NotFoundError):
+        complete("trained:mine")
+    assert post(served.url + "/v1/adapters/unload", {"name": "mine"})[0] == 404
+    status, refused = post(served.url + "/v1/adapters/load", {"name": "escape", "path": "../../etc"})
+    assert status == 403 and "outside" in refused["error"]["message"], refused
+    status, refused = post(served.url + "/v1/adapters/load", {"name": "bad:name", "path": "mine"})
+    assert status == 400, refused
