@@ -68,6 +68,8 @@ bench: $(STAMP)
 	$(PY) bench/routing.py
 	$(PY) bench/partition.py
 	$(PY) bench/topology.py
+	$(PY) bench/gateway.py
+	$(PY) bench/lora.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
