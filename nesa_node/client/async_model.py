@@ -219,11 +219,11 @@ class AsyncDistributedModel:
         prompt_tokens: int = 0,
         new_tokens: int = 0,
         adapter: str | None = None,
+        adapter_block_bytes: float | None = None,
     ) -> Chain:
         """The chain for a new session (or a cacheless forward), for LoRA adapter id `adapter` when given: through
-        nodes holding it, or, for an adapter this client holds (named by folder), through any node, costed with
-        sending its blocks to those that lack it; NoRouteError when the swarm has none."""
-        own = self.own_adapters.get(adapter) if adapter is not None else None
+        any node, a node lacking it costed with getting its blocks (sent by this client when it holds the adapter,
+        else fetched from the nodes announcing it); NoRouteError when the swarm has none."""
         request = ChainRequest(
             batch=batch,
             max_length=max_length,
@@ -231,7 +231,13 @@ class AsyncDistributedModel:
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
             adapter=adapter,
-            adapter_block_bytes=own.block_bytes if own is not None else 0.0,
+            adapter_block_bytes=(
+                adapter_block_bytes
+                if adapter_block_bytes is not None
+                else await self.adapter_block_bytes(adapter)
+                if adapter is not None
+                else 0.0
+            ),
         )
         return await self.router.choose_chain(request)
 
@@ -248,6 +254,21 @@ class AsyncDistributedModel:
             self.own_adapters[own.adapter_id] = own
             return own.adapter_id
         return await self.adapter_by_name(text)
+
+    async def adapter_block_bytes(self, adapter_id: str) -> float:
+        """Bytes per block of adapter `adapter_id` that a node lacking it has to get: the client's own copy (it
+        sends it), else what the nodes announcing it hold (a node fetches it from them); 0 when neither, and then
+        only nodes holding it can serve it."""
+        own = self.own_adapters.get(adapter_id)
+        if own is not None:
+            return own.block_bytes
+        sizes = [
+            info.slice_bytes / (record.info.end_block - record.info.start_block)
+            for record in await self.swarm.node_records()
+            for info in record.info.adapters
+            if info.adapter_id == adapter_id and info.slice_bytes > 0
+        ]
+        return max(sizes, default=0.0)
 
     async def announced_adapters(self) -> dict[str, set[str]]:
         """Adapter name -> the ids the swarm's nodes announce under it (records.AdapterInfo)."""
@@ -278,6 +299,7 @@ class AsyncDistributedModel:
         Close it when done."""
         prompt_tokens = min(max(prompt_tokens, 0), max_length)
         adapter_id = await self.resolve_adapter(adapter) if adapter is not None else self.adapter
+        block_bytes = await self.adapter_block_bytes(adapter_id) if adapter_id is not None else 0.0
         attempts = self.config.max_open_attempts
         for attempt in range(attempts):
             chain = await self.choose_chain(  # NoRouteError when nothing is left
@@ -286,6 +308,7 @@ class AsyncDistributedModel:
                 prompt_tokens=prompt_tokens,
                 new_tokens=max_length - prompt_tokens,
                 adapter=adapter_id,
+                adapter_block_bytes=block_bytes,
             )
             session = InferenceSession(
                 self.swarm,
@@ -296,6 +319,7 @@ class AsyncDistributedModel:
                 reroute=self.router.reachable_chain,
                 adapter=adapter_id,
                 own_adapter=self.own_adapters.get(adapter_id) if adapter_id is not None else None,
+                adapter_block_bytes=block_bytes,
             )
             try:
                 return await session.open()

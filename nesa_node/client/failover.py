@@ -88,7 +88,7 @@ class Failover:
                 start_block=lost.start_block,
                 end_block=lost.end_block,
                 adapter=chain.adapter,
-                adapter_block_bytes=chain.own_adapter.block_bytes if chain.own_adapter is not None else 0.0,
+                adapter_block_bytes=chain.adapter_block_bytes,
             )
             with self._timed("route"):
                 replacement = await self.reroute(request)  # raises NoRouteError naming the missing blocks

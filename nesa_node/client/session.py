@@ -71,6 +71,7 @@ class InferenceSession:
         session_id: str | None = None,
         adapter: str | None = None,
         own_adapter: OwnAdapter | None = None,
+        adapter_block_bytes: float = 0.0,
     ):
         self.swarm = swarm
         self.config = config
@@ -87,6 +88,7 @@ class InferenceSession:
             max_length=max_length,
             adapter=adapter,
             own_adapter=own_adapter,
+            adapter_block_bytes=adapter_block_bytes,
         )
         self.failover = Failover(
             self.links,

@@ -119,6 +119,7 @@ class SessionChain:
         max_length: int,
         adapter: str | None = None,
         own_adapter: OwnAdapter | None = None,
+        adapter_block_bytes: float = 0.0,
     ):
         self.swarm = swarm
         self.config = config
@@ -127,6 +128,7 @@ class SessionChain:
         self.max_length = max_length
         self.adapter = adapter  # the LoRA adapter id every node of the chain runs the session with
         self.own_adapter = own_adapter  # the adapter's blocks, when the client has them: sent to nodes lacking it
+        self.adapter_block_bytes = adapter_block_bytes  # what a node lacking it must get, per block (routing)
         self.direct = config.mode == "direct"
         # direct mode: hidden states go over data lanes where nodes offer them, else over libp2p
         self.lanes = config.lanes and self.direct

@@ -175,6 +175,14 @@ class AdapterBlocks(BlockRange):
     adapter_id: AdapterId
 
 
+class AdapterRequest(BlockRange):
+    """A node asks a peer that announces LoRA adapter `adapter_id` for its blocks [start_block, end_block): answered
+    with AdapterBlocks (the manifest, then the blocks) or an ErrorReply."""
+
+    kind: Literal["adapter_request"] = "adapter_request"
+    adapter_id: AdapterId
+
+
 class Step(Message):
     """Hidden states (batch, seq, hidden) of new tokens starting at `position`, in one tensor. `step_id` is the
     same on a retry, so a duplicate is answered from record; `compute_s` is what the nodes before spent on it;
@@ -292,6 +300,8 @@ def _union(*models: type[Message]) -> TypeAdapter:
 
 
 # what each receiver accepts, by direction
+ADAPTER_REQUESTS = _union(AdapterRequest)  # on an adapter stream, from the fetching node
+ADAPTER_ANSWERS = _union(AdapterBlocks, ErrorReply)
 TO_SESSION = _union(OpenSession, AdapterBlocks, Step, HistoryRequest, Retarget)  # from a session's client
 FROM_SESSION = _union(Opened, StepResult, History, Retargeted, ErrorReply)  # a node's answers on a session stream
 PUSHED = _union(Step)  # pushed node -> node, or sent on a data lane
@@ -376,7 +386,10 @@ def expect(message: Message, model: type[M]) -> M:
 
 
 __all__ = [
+    "ADAPTER_ANSWERS",
+    "ADAPTER_REQUESTS",
     "AdapterBlocks",
+    "AdapterRequest",
     "FORWARD",
     "FORWARD_ANSWERS",
     "FROM_SESSION",

@@ -10,8 +10,9 @@ sessions that run with them.
 - A client's own adapter comes on the session stream right before the session's open (AdapterBlocks): the
   manifest is checked against the adapter id and every block against the manifest (a changed byte is refused), the
   slice is held under the same budget for that session alone, not announced, and dropped when the session closes.
-- An adapter the node does not hold is refused with AdapterMissingError: the client routes to nodes that hold it,
-  or sends its own.
+- An adapter the node does not hold is fetched from the peers that announce it (server/adapter_fetch.py), then kept
+  and announced like a preloaded one but evicted least recently used first; one no peer can deliver is refused with
+  AdapterMissingError, and the client routes around the node (or sends its own).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.messages import AdapterBlocks
 from nesa_node.protocol.records import AdapterInfo
 from nesa_node.protocol.tensors import bytes_from_proto
+from nesa_node.server.adapter_fetch import AdapterFetcher
 from nesa_node.server.adapter_store import AdapterStore
 from nesa_node.sharding.lora import (
     AdapterManifest,
@@ -51,6 +53,9 @@ class NodeAdapters:
         self.budget_bytes = budget_bytes
         self.store = AdapterStore(budget_bytes)
         self._private: set[str] = set()  # ids in the store a client sent for its sessions alone
+        self.span: tuple[int, int] | None = None  # the blocks served, once loaded
+        self.fetcher: AdapterFetcher | None = None  # fetches from peers (server/adapter_fetch.py), once connected
+        self.request_timeout_s = 30.0  # what a peer asking for blocks may take to ask
 
     async def load_span(self, start: int, end: int) -> None:
         """Hold the preloaded adapters' slices of blocks [start, end) in a fresh store (no session may be open: a
@@ -62,7 +67,11 @@ class NodeAdapters:
             store.add(name, manifest, piece, preloaded=True)
             logger.info("adapter %s (%s, rank %d): %d bytes for blocks %d:%d", name, manifest.adapter_id[:12],
                         manifest.rank, piece.nbytes, start, end)  # fmt: skip
-        self.store, self._private = store, set()
+        self.store, self._private, self.span = store, set(), (start, end)
+
+    def connect(self, fetcher: AdapterFetcher, *, request_timeout_s: float) -> None:
+        """Fetch adapters this node lacks from its peers with `fetcher`."""
+        self.fetcher, self.request_timeout_s = fetcher, request_timeout_s
 
     def _read(self, folder: str, start: int, end: int):
         whole = load_adapter_slice(folder, self.model_config, 0, None)
@@ -99,6 +108,30 @@ class NodeAdapters:
 
         return entry.piece, release
 
+    async def hold_or_fetch(self, adapter_id: str, blocks: tuple[int, int]) -> tuple[AdapterSlice, Callable[[], None]]:
+        """`hold`, first fetching the adapter's slice of this node's span from the peers announcing it when the node
+        lacks it (kept and announced from then on, evicted least recently used first). Raises AdapterMissingError
+        when no peer delivers it, AdapterBudgetError when it does not fit beside what open sessions use."""
+        if adapter_id not in self.store and self.fetcher is not None and self.span is not None:
+            name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
+            if adapter_id not in self.store:  # another session's fetch may have added it meanwhile
+                self.store.add(name, manifest, piece)
+                logger.info("fetched adapter %s (%s) for blocks %d:%d from peers", name, adapter_id[:12], *self.span)
+        return self.hold(adapter_id, blocks)
+
+    def shared(self, adapter_id: str, start: int, end: int) -> tuple[AdapterManifest, AdapterSlice]:
+        """The manifest and the slice of blocks [start, end) of an adapter this node announces, for a peer that
+        fetches it (a client's own adapter is not shared). Raises AdapterMissingError otherwise."""
+        entry = self.store.get(adapter_id)
+        if entry is None or adapter_id in self._private:
+            raise AdapterMissingError(f"this node does not announce adapter {adapter_id}")
+        if not entry.piece.start <= start < end <= entry.piece.end:
+            raise AdapterMissingError(
+                f"this node holds adapter {adapter_id} for blocks {entry.piece.start}:{entry.piece.end}, not "
+                f"{start}:{end}"
+            )
+        return entry.manifest, entry.piece.narrow(start, end)
+
     async def hold_uploaded(self, message: AdapterBlocks, upload: Frame) -> tuple[AdapterSlice, Callable[[], None]]:
         """A client's own adapter (AdapterBlocks and its frame), checked by hash, held for one session as `hold`
         holds a resident one. Raises AdapterHashError for bytes that do not match, AdapterError or BadRequestError
@@ -128,8 +161,15 @@ class NodeAdapters:
 
     def announced(self) -> tuple[AdapterInfo, ...]:
         """What the node's record says it holds (clients' own adapters are theirs: not announced)."""
+        sizes = {entry.adapter_id: entry.piece.nbytes for entry in self.store.entries()}
         return tuple(
-            AdapterInfo(adapter_id=adapter_id, name=name, slice_sha256=slice_sha256, rank=rank)
+            AdapterInfo(
+                adapter_id=adapter_id,
+                name=name,
+                slice_sha256=slice_sha256,
+                rank=rank,
+                slice_bytes=sizes[adapter_id],
+            )
             for adapter_id, name, slice_sha256, rank in self.store.announced()
             if adapter_id not in self._private
         )

@@ -159,7 +159,7 @@ class InferenceService:
                 raise BadRequestError("adapter blocks must be those of the session opened right after them")
             adapter, release = await self.adapters.hold_uploaded(sent, upload)
         elif message.adapter is not None:  # held (never evicted) until the session closes
-            adapter, release = self.adapters.hold(message.adapter, blocks)
+            adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
         try:
             session = await self.sessions.open_when_room(
                 message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel

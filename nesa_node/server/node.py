@@ -41,6 +41,7 @@ from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_n
 from nesa_node.protocol.dht_storage import limits_of_mib, set_storage_limits
 from nesa_node.protocol.messages import MAX_METADATA_BYTES
 from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.server.adapter_fetch import AdapterFetcher
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import NodeConfig
@@ -157,7 +158,15 @@ class Node:
         )
         node = cls(config, model_config, peer, throughput)
         node.adapters = adapters
+
+        async def records() -> list:
+            return [record.info for record in await fetch_node_infos(peer.dht, node.dht_prefix)]
+
         frame_bytes = max_frame_bytes(config, model_config.hidden_size)
+        fetcher = AdapterFetcher(
+            peer.p2p, peer.peer_id, records, timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes
+        )
+        adapters.connect(fetcher, request_timeout_s=network.peer_timeout_s)
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
         node.compute = BlockCompute(span, compute, config.limits)

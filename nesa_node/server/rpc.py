@@ -4,7 +4,7 @@ the component that does the work.
   INFO         the node's live record                 PING          an empty answer (RTT, bandwidth probes)
   FORWARD      a cacheless forward (InferenceService)  INFERENCE     one session stream (InferenceService)
   PUSH         one step pushed by an upstream node    PUSH_STREAM   a session's pushes over one stream
-  LANE_TICKET  a FORWARD data lane ticket (LaneServer)
+  LANE_TICKET  a FORWARD data lane ticket (LaneServer)  ADAPTER       a LoRA adapter's blocks, for a peer (NodeAdapters)
 Unary calls are bounded by p2pd (4 MiB); streams by the node's frame limit (protocol/framing.py).
 """
 
@@ -20,6 +20,7 @@ from nesa_node.protocol.channel import Frame, frame, is_error_reply, read
 from nesa_node.protocol.framing import StreamChannel, serve_stream
 from nesa_node.protocol.messages import PUSHED, ErrorReply, InfoReply
 from nesa_node.protocol.records import NodeInfo
+from nesa_node.server.adapter_fetch import answer_adapter_request
 from nesa_node.server.inference import InferenceService
 from nesa_node.server.lanes import LaneServer, serve_steps
 from nesa_node.server.sessions import Inbound, SessionTable
@@ -54,8 +55,17 @@ class NodeRpc:
             (rpc.LANE_TICKET, self.rpc_lane_ticket),
         ):
             await p2p.add_protobuf_handler(name, self._counted(name, handler), Frame)
-        for name, handler in ((rpc.INFERENCE, self.inference.serve_session), (rpc.PUSH_STREAM, self.rpc_push_stream)):
+        streams = (
+            (rpc.INFERENCE, self.inference.serve_session),
+            (rpc.PUSH_STREAM, self.rpc_push_stream),
+            (rpc.ADAPTER, self.rpc_adapter),
+        )
+        for name, handler in streams:
             await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)
+
+    async def rpc_adapter(self, channel: StreamChannel, context: P2PContext) -> None:
+        """A peer fetching an adapter this node announces (server/adapter_fetch.py)."""
+        await answer_adapter_request(channel, self.inference.adapters)
 
     def _counted(self, name: str, handler):
         """`handler`, counting its answers by status (an ErrorReply is "error") when the node has metrics."""

@@ -251,3 +251,44 @@ def test_the_gateway_serves_announced_and_loaded_adapters(lora_gateway, trained_
     assert status == 403 and "outside" in refused["error"]["message"], refused
     status, refused = post(served.url + "/v1/adapters/load", {"name": "bad:name", "path": "mine"})
     assert status == 400, refused
+
+
+def test_a_node_lacking_an_announced_adapter_fetches_it_from_peers(lora_swarm, trained_model, adapters, monkeypatch):
+    """A fourth node on blocks 2:3 without adapters; the client names an adapter by name and cannot use the node
+    that preloaded it for 2:3 (banned here): the new node fetches its blocks from that peer, checked by hash, the
+    tokens equal PeftModel's, and it announces the adapter from then on. A peer that serves changed bytes is
+    refused: nothing is stored."""
+    holder = next(node for node in lora_swarm.nodes[-len(SPANS) :] if (node.start_block, node.end_block) == (2, 3))
+    fresh = lora_swarm.start_node(trained_model, 2, 3, dht_prefix=PREFIX)
+    try:
+        name = "attention-r4"
+        adapter_id = adapter_id_of_folder(adapters[name], load_config(trained_model))
+        input_ids = prompts(1)[0]
+        reference = peft_generate(trained_model, adapters[name], input_ids, NEW_TOKENS)
+        with connect(lora_swarm, trained_model, adapter=name) as model:
+            wait_for_chain(model, hops=len(SPANS), max_length=32)
+            model.swarm.ban(holder.peer_id)
+            with model.inference_session(max_length=32) as session:
+                assert fresh.peer_id in session.chain.peer_ids
+                output = model.generate(
+                    input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+                )
+        assert torch.equal(output, reference)
+        assert adapter_id in {info.adapter_id for info in fresh.current_info().adapters}
+
+        corrupt = lora_swarm.start_node(trained_model, 2, 3, dht_prefix=PREFIX)
+        try:
+            import nesa_node.server.adapter_fetch as adapter_fetch
+
+            serve = adapter_fetch.slice_blobs
+            monkeypatch.setattr(
+                adapter_fetch, "slice_blobs", lambda piece: [b[:-1] + bytes([b[-1] ^ 1]) for b in serve(piece)]
+            )
+            other = adapter_id_of_folder(adapters["all-r16"], load_config(trained_model))
+            with pytest.raises(AdapterMissingError, match="no peer delivered them"):
+                lora_swarm.run(corrupt.adapters.hold_or_fetch(other, (2, 3)))
+            assert other not in corrupt.adapters.store
+        finally:
+            lora_swarm.stop_node(corrupt)
+    finally:
+        lora_swarm.stop_node(fresh)
