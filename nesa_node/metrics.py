@@ -163,7 +163,8 @@ class GatewayMetrics:
         self.dht_peers = Gauge("nesa_gateway_dht_peers", "Peers in the gateway's DHT routing table", registry=registry)
         self.adapter_requests = Gauge(
             "nesa_gateway_adapter_requests",
-            'Requests running or waiting for a slot, by LoRA adapter (its id\'s first 12 hex digits; "base": none)',
+            'Requests running or waiting for a slot, by LoRA adapter: its name when loaded into the gateway, "swarm" for '
+            'one the nodes announce, "base" for none',
             ["adapter", "state"],
             registry=registry,
         )

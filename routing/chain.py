@@ -59,7 +59,7 @@ __all__ = [
 def _usable(node: NodeView, request: ChainRequest) -> bool:
     if not node.online or node.draining or node.peer_id in request.exclude:
         return False
-    if request.adapter is not None and request.adapter_block_bytes <= 0 and request.adapter not in node.adapters:
+    if request.adapter is not None and not _gets_adapter(node, request):
         return False
     if request.max_length:
         if node.max_length and request.max_length > node.max_length:
@@ -67,6 +67,15 @@ def _usable(node: NodeView, request: ChainRequest) -> bool:
         if node.cache_tokens_left < request.batch * request.max_length:
             return False
     return True
+
+
+def _gets_adapter(node: NodeView, request: ChainRequest) -> bool:
+    """Whether the node holds the request's adapter or can get it (sent by the client, or fetched from peers)."""
+    if request.adapter in node.adapters:
+        return True
+    if request.adapter_block_bytes <= 0:
+        return False
+    return request.adapter_reachable is None or node.peer_id in request.adapter_reachable
 
 
 def usable_nodes(snapshot: SwarmSnapshot, request: ChainRequest, moves: Moves | None = None) -> np.ndarray:
@@ -80,8 +89,8 @@ def usable_nodes(snapshot: SwarmSnapshot, request: ChainRequest, moves: Moves | 
         index = arrays.peer_index.get(peer_id)
         if index is not None:
             mask[index] = False
-    if request.adapter is not None and request.adapter_block_bytes <= 0:
-        mask &= np.fromiter((request.adapter in node.adapters for node in snapshot.nodes), bool, len(snapshot.nodes))
+    if request.adapter is not None:
+        mask &= np.fromiter((_gets_adapter(node, request) for node in snapshot.nodes), bool, len(snapshot.nodes))
     if request.max_length:
         mask &= (arrays.max_length == 0) | (request.max_length <= arrays.max_length)
         mask &= arrays.cache_tokens_left >= request.batch * request.max_length

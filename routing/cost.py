@@ -24,8 +24,8 @@ and a chain adds once its exit leg, (D / bw_p + D / bw_client + L_{p,client}) **
   nodes. Here it is load over availability: t_A / (1 - C_A) is A's compute time per block for one token when a
   share C_A of it is busy (the M/M/1 sojourn time), t_A = 1000 / (inference_tps * span blocks). It is summed per
   block so that parts of spans compose, which the (node, block boundary) search needs.
-- f_A: sending the session's LoRA adapter to a node that lacks it (when the client holds the adapter), per block,
-  spread over the session's 1 + G passes; 0 for a node that announces it (eq. 18 has no such term: a node that
+- f_A: getting the session's LoRA adapter to a node that lacks it (sent by the client, or fetched from the peers
+  announcing it), per block, spread over the session's 1 + G passes; 0 for a node that announces it (eq. 18 has no such term: a node that
   holds the adapter is preferred by exactly what fetching costs).
 - Reliability, fixed: with R_A = 1 - uptime the paper's term grows with uptime. Here R_A in [0, 1] is reliability
   (uptime share and reputation, raised for stable regions by sec. 3.1), so the term falls as it rises; the
@@ -148,16 +148,16 @@ def client_latency_ms(arrays: SnapshotArrays, request: ChainRequest) -> np.ndarr
 
 
 def adapter_send_ms(snapshot: SwarmSnapshot, request: ChainRequest) -> np.ndarray:
-    """(n,) per block, ms: what sending the request's LoRA adapter to each node that lacks it adds, spread over the
-    session's passes like every other term (a one-time transfer of `adapter_block_bytes` per block over the client's
-    and the node's access links); 0 where the node holds it or no adapter is sent."""
+    """(n,) per block, ms: what getting the request's LoRA adapter to each node that lacks it adds, spread over the
+    session's passes like every other term (a one-time transfer of `adapter_block_bytes` per block over the node's
+    access link, and the client's when the client sends it); 0 where the node holds it or no adapter is named."""
     arrays: SnapshotArrays = snapshot.arrays
     if request.adapter is None or request.adapter_block_bytes <= 0:
         return np.zeros(len(snapshot.nodes))
     lacking = np.fromiter((request.adapter not in node.adapters for node in snapshot.nodes), bool, len(snapshot.nodes))
     megabits = request.adapter_block_bytes * 8 / 1e6
     seconds = megabits / arrays.bandwidth_mbps
-    if request.client_bandwidth_mbps:
+    if request.client_bandwidth_mbps and request.adapter_reachable is None:  # the client sends it over its own link
         seconds = seconds + megabits / request.client_bandwidth_mbps
     passes = 1 + max(request.new_tokens, 0)
     return np.where(lacking, seconds * 1000.0 / passes, 0.0)

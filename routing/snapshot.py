@@ -81,6 +81,9 @@ class ChainRequest:
     # bytes per block of that adapter when the client can send it to a node lacking it (0: it cannot: every hop must
     # hold the adapter); sending is costed once per session (routing/cost.py)
     adapter_block_bytes: float = 0.0
+    # with adapter_block_bytes > 0: the peers that lack the adapter but can get it (the holders' spans cover theirs);
+    # None: every node (the client sends it)
+    adapter_reachable: frozenset[str] | None = None
 
 
 @dataclass(frozen=True)

@@ -339,6 +339,23 @@ def projection_shapes(model_config) -> dict[str, tuple[int, int]]:
     }
 
 
+def check_fits_model(piece: AdapterSlice, model_config) -> None:
+    """AdapterError unless every factor of `piece` fits its projection of this model (A (r, in), B (out, r)) and its
+    blocks lie inside the model: what a node checks on a slice it did not read from its own folder (sent by a
+    client, fetched from a peer) before any session runs it."""
+    shapes = projection_shapes(model_config)
+    if not 0 <= piece.start < piece.end <= model_config.num_hidden_layers:
+        raise AdapterError(f"slice of blocks {piece.start}:{piece.end}, the model has {model_config.num_hidden_layers}")
+    for (block, projection), factor in piece.factors.items():
+        in_features, out_features = shapes[projection]
+        if factor.lora_a.shape[1] != in_features or factor.lora_b.shape[0] != out_features:
+            raise AdapterError(
+                f"the adapter does not fit this model: block {block} {projection} is {in_features} -> "
+                f"{out_features} features, its factors are A {tuple(factor.lora_a.shape)} and B "
+                f"{tuple(factor.lora_b.shape)}"
+            )
+
+
 def _targets(config, model_config, start: int, end: int) -> dict[Target, tuple[int, int]]:
     """(rank, alpha) of each projection of blocks [start, end) the config targets, matched as peft matches them:
     the module's name in the causal LM ("model.layers.3.self_attn.q_proj") against target_modules, exclude_modules
@@ -481,7 +498,7 @@ def _parse_slice(data: bytes) -> tuple[int, int, dict[Target, LoraFactors]]:
         for (block, projection), pair in by_target.items():
             scale = scales[f"{block}.{projection}"]
             factors[(block, projection)] = LoraFactors(pair["A"], pair["B"], scale)
-    except (ValueError, KeyError, TypeError, struct.error) as exc:  # SafetensorError is a ValueError too
+    except (ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:  # SafetensorError: a ValueError
         raise AdapterError(f"bytes are not an adapter slice ({type(exc).__name__}: {exc})") from None
     return start, end, factors
 
@@ -494,6 +511,7 @@ __all__ = [
     "LoraFactors",
     "adapter_manifest",
     "adapters_for_rows",
+    "check_fits_model",
     "check_slice",
     "disable_lora",
     "enable_lora",

@@ -102,7 +102,7 @@ class AdapterManifest:
                 raise ValueError("not an object with exactly format, block_hashes and rank")
             if body["format"] != MANIFEST_FORMAT or not isinstance(body["block_hashes"], list):
                 raise ValueError(f"format {body['format']!r}")
-        except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError is a ValueError
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError; deep nesting
             raise AdapterError(f"bytes are not an adapter manifest ({type(exc).__name__}: {exc})") from None
         manifest = cls(tuple(body["block_hashes"]), body["rank"])
         if manifest.to_bytes() != data:

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import statistics
 from collections.abc import AsyncIterator
 from dataclasses import fields
 from pathlib import Path
@@ -32,6 +33,9 @@ from nesa_node.client.session import InferenceSession
 from nesa_node.client.session_chain import OwnAdapter, codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
+    AdapterBudgetError,
+    AdapterError,
+    AdapterHashError,
     AdapterMissingError,
     CacheBudgetError,
     QuotaExceededError,
@@ -47,14 +51,10 @@ from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, slice_
 logger = logging.getLogger(__name__)
 
 # refusals at open that say the node's record no longer holds, not that the request is wrong
-# a node whose record no longer holds (it moved, filled up, began draining, or evicted an adapter): route around it
-ROUTABLE_REFUSALS = (
-    WrongBlocksError,
-    CacheBudgetError,
-    TooManySessionsError,
-    QuotaExceededError,
-    AdapterMissingError,
-)
+# a node whose record no longer holds (it moved, filled up, began draining): route around it
+ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)
+# a node that cannot get or hold a session's adapter (evicted, no peer delivered it, budget full of adapters in use)
+ADAPTER_REFUSALS = (AdapterError, AdapterBudgetError)
 CONFIG_FIELDS = frozenset(item.name for item in fields(ClientConfig))
 
 
@@ -220,6 +220,7 @@ class AsyncDistributedModel:
         new_tokens: int = 0,
         adapter: str | None = None,
         adapter_block_bytes: float | None = None,
+        exclude_more: frozenset[str] = frozenset(),
     ) -> Chain:
         """The chain for a new session (or a cacheless forward), for LoRA adapter id `adapter` when given: through
         any node, a node lacking it costed with getting its blocks (sent by this client when it holds the adapter,
@@ -227,7 +228,7 @@ class AsyncDistributedModel:
         request = ChainRequest(
             batch=batch,
             max_length=max_length,
-            exclude=exclude,
+            exclude=exclude | exclude_more,
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,
             adapter=adapter,
@@ -238,6 +239,7 @@ class AsyncDistributedModel:
                 if adapter is not None
                 else 0.0
             ),
+            adapter_reachable=await self.adapter_reachable(adapter) if adapter is not None else None,
         )
         return await self.router.choose_chain(request)
 
@@ -255,6 +257,23 @@ class AsyncDistributedModel:
             return own.adapter_id
         return await self.adapter_by_name(text)
 
+    async def adapter_reachable(self, adapter_id: str) -> frozenset[str] | None:
+        """The nodes that lack adapter `adapter_id` but can fetch it: those whose blocks the other nodes announcing
+        it cover; None when this client sends it (any node)."""
+        if adapter_id in self.own_adapters:
+            return None
+        infos = [record.info for record in await self.swarm.node_records()]
+        holders = [info for info in infos if any(held.adapter_id == adapter_id for held in info.adapters)]
+        reachable = set()
+        for info in infos:
+            covered = set()
+            for holder in holders:
+                if holder.peer_id != info.peer_id:
+                    covered.update(range(holder.start_block, holder.end_block))
+            if covered.issuperset(range(info.start_block, info.end_block)):
+                reachable.add(info.peer_id)
+        return frozenset(reachable)
+
     async def adapter_block_bytes(self, adapter_id: str) -> float:
         """Bytes per block of adapter `adapter_id` that a node lacking it has to get: the client's own copy (it
         sends it), else what the nodes announcing it hold (a node fetches it from them); 0 when neither, and then
@@ -268,7 +287,7 @@ class AsyncDistributedModel:
             for info in record.info.adapters
             if info.adapter_id == adapter_id and info.slice_bytes > 0
         ]
-        return max(sizes, default=0.0)
+        return float(statistics.median(sizes)) if sizes else 0.0  # one peer's claim cannot set it alone
 
     async def announced_adapters(self) -> dict[str, set[str]]:
         """Adapter name -> the ids the swarm's nodes announce under it (records.AdapterInfo)."""
@@ -301,6 +320,7 @@ class AsyncDistributedModel:
         adapter_id = await self.resolve_adapter(adapter) if adapter is not None else self.adapter
         block_bytes = await self.adapter_block_bytes(adapter_id) if adapter_id is not None else 0.0
         attempts = self.config.max_open_attempts
+        passed_over: set[str] = set()  # nodes that refused this session's adapter: left out of this open only
         for attempt in range(attempts):
             chain = await self.choose_chain(  # NoRouteError when nothing is left
                 batch=batch,
@@ -309,6 +329,7 @@ class AsyncDistributedModel:
                 new_tokens=max_length - prompt_tokens,
                 adapter=adapter_id,
                 adapter_block_bytes=block_bytes,
+                exclude_more=frozenset(passed_over),
             )
             session = InferenceSession(
                 self.swarm,
@@ -328,13 +349,19 @@ class AsyncDistributedModel:
                     raise
                 logger.info("could not open a session on %s: %s", failure.link.peer_id, failure)
                 self.swarm.ban(failure.link.peer_id)
-            except ROUTABLE_REFUSALS as refusal:
-                # the node's record was stale (it moved, filled its cache, began draining): route around it
+            except (*ROUTABLE_REFUSALS, *ADAPTER_REFUSALS) as refusal:
+                # the node's record was stale (it moved, filled its cache, began draining): route around it; one
+                # that could not get or hold the adapter is left out of this open only (its other work is fine)
                 peer_id = getattr(refusal, "peer_id", None)
                 if peer_id is None or attempt + 1 == attempts:
                     raise
+                if isinstance(refusal, AdapterHashError) and adapter_id in self.own_adapters:
+                    raise  # this client's own bytes do not match its adapter's id: no node will take them
                 logger.info("%s refused the session: %s", peer_id, refusal)
-                self.swarm.ban(peer_id)
+                if isinstance(refusal, ADAPTER_REFUSALS):
+                    passed_over.add(peer_id)
+                else:
+                    self.swarm.ban(peer_id)
         raise SessionStateError("no session could be opened")  # the loop returns or raises first
 
     @contextlib.asynccontextmanager
@@ -378,7 +405,13 @@ class AsyncDistributedModel:
         return self.logits(await self.remote_forward(self.embed(input_ids)))
 
     async def remote_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Run hidden states (batch, seq, hidden) through every block without caches (client-relayed)."""
+        """Run hidden states (batch, seq, hidden) through every block without caches (client-relayed), with the
+        base weights: a model given an adapter raises SessionStateError (sessions run adapters)."""
+        if self.adapter is not None:
+            raise SessionStateError(
+                "a forward without an inference session runs the base model, not this model's adapter: open an "
+                "inference session (generate does) to run it"
+            )
         chain = await self.choose_chain(batch=hidden.shape[0])
         preferred = self.config.compression
         for hop in chain.hops:

@@ -212,7 +212,9 @@ class SessionChain:
                 raise LinkFailed(f"could not open a session on {link.peer_id}: {exc!r}", link) from None
             message = self._open_message(index, hops, upstream, downstream.hop if downstream else None, settings[index])
             if self.own_adapter is not None and not self.swarm.holds_adapter(link.peer_id, self.own_adapter.adapter_id):
-                link.send(self.own_adapter.blocks_frame(link.hop.start_block, link.hop.end_block))
+                # the node's whole span where its record says it: its other sessions on part of it can share them
+                start, end = self.swarm.span_of(link.peer_id) or (link.hop.start_block, link.hop.end_block)
+                link.send(self.own_adapter.blocks_frame(start, end))
             link.send(frame(message))
             link.readers.append(asyncio.create_task(self._read(link, link.control, "the session")))
         # every node acknowledges the open (cache reserved) or refuses it with a typed error

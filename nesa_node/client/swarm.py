@@ -226,6 +226,11 @@ class Swarm:
         self.hold(answers)
         return len(answers)
 
+    def span_of(self, peer_id: str) -> tuple[int, int] | None:
+        """The blocks [start, end) the node's record at hand announces; None without a record."""
+        record = self._records.get(peer_id)
+        return None if record is None else (record.info.start_block, record.info.end_block)
+
     def holds_adapter(self, peer_id: str, adapter_id: str) -> bool:
         """Whether the node's record at hand announces the LoRA adapter `adapter_id`."""
         record = self._records.get(peer_id)

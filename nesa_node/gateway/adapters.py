@@ -6,7 +6,8 @@ come from two places: what the swarm's nodes announce (their preloaded adapters,
 what was loaded into this gateway from a folder under `--adapter-dir`; a loaded adapter is the gateway's own, sent
 to the nodes of each request's chain that lack it (client/session_chain.py OwnAdapter), and wins over an announced
 one of the same name. Only folders under `--adapter-dir` can be loaded: an HTTP client never makes the gateway read
-another path. Without `--adapter-dir`, loading answers 403.
+another path. Without `--adapter-dir`, loading answers 403. The endpoints have no authentication of their own: put
+the gateway behind a proxy that has, when others can reach it.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from nesa_node.errors import AdapterError, AdapterMissingError
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # as records.AdapterInfo.name allows, and no ':'
+MAX_LOADED = 64  # adapters loaded into one gateway at once (each is held whole in its memory)
 
 
 class LoadAdapter(BaseModel):
@@ -42,6 +44,7 @@ class GatewayAdapters:
         self.base_name = base_name
         self.adapter_dir = Path(adapter_dir).resolve() if adapter_dir else None
         self.loaded: dict[str, str] = {}  # name -> adapter id, loaded here from a folder
+        self._loading = asyncio.Lock()
 
     async def resolve(self, requested: str) -> str | None:
         """The adapter id a request's `model` names; None for the base model. Raises AdapterMissingError for a
@@ -53,6 +56,13 @@ class GatewayAdapters:
         if name in self.loaded:
             return self.loaded[name]
         return await self.model.adapter_by_name(name)
+
+    def label(self, adapter_id: str | None) -> str:
+        """The metrics label of a request's adapter: "base", the name it was loaded here under, or "swarm" (an
+        announced one: names any peer can make up must not grow the label's values)."""
+        if adapter_id is None:
+            return "base"
+        return next((name for name, loaded in self.loaded.items() if loaded == adapter_id), "swarm")
 
     async def listed(self) -> list[tuple[str, str]]:
         """(name, where from) of every adapter a request may name: "gateway" (loaded here) or "swarm"."""
@@ -67,12 +77,15 @@ class GatewayAdapters:
         model."""
         if self.adapter_dir is None:
             raise PermissionError("this gateway loads no adapters: start it with --adapter-dir DIR")
+        if request.name not in self.loaded and len(self.loaded) >= MAX_LOADED:
+            raise AdapterError(f"{MAX_LOADED} adapters are loaded already: unload one first")
         folder = (self.adapter_dir / request.path).resolve()
         if not folder.is_relative_to(self.adapter_dir):
             raise PermissionError(f"{request.path!r} is outside the gateway's adapter directory")
         if not await asyncio.to_thread(folder.is_dir):
             raise AdapterError(f"no adapter folder {request.path!r} in the gateway's adapter directory")
-        adapter_id = await self.model.resolve_adapter(str(folder))
+        async with self._loading:  # one folder read at a time: each holds a whole adapter in memory
+            adapter_id = await self.model.resolve_adapter(str(folder))
         self.loaded[request.name] = adapter_id
         return {"name": request.name, "id": adapter_id, "parent": self.base_name}
 

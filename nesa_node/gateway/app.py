@@ -27,7 +27,15 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingRes
 from pydantic import BaseModel, ConfigDict, Field
 
 from nesa_node.client.async_model import AsyncDistributedModel
-from nesa_node.errors import AdapterError, AdapterMissingError, NesaError, NoRouteError, PeerUnavailableError
+from nesa_node.errors import (
+    AdapterBudgetError,
+    AdapterError,
+    AdapterMissingError,
+    NesaError,
+    NoRouteError,
+    PeerUnavailableError,
+    RequestError,
+)
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.page import PAGE
@@ -127,6 +135,7 @@ class Gateway:
         self.chat_template = chat_template
         self.created = int(time.time())
         self.slots = asyncio.Semaphore(max_concurrency)
+        self._closing: set[asyncio.Task] = set()  # sessions being closed (the loop keeps only weak references)
         self.eos_token_id = tokenizer.eos_token_id
         self.max_length = int(getattr(model.model_config, "max_position_embeddings", 2048))
         self.metrics = GatewayMetrics()
@@ -216,7 +225,7 @@ class Gateway:
             sampling = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
             sampling["generator"] = generator
         metrics = self.metrics
-        label = prepared.adapter[:12] if prepared.adapter else "base"
+        label = self.adapters.label(prepared.adapter)
         arrived = last = time.perf_counter()
         metrics.requests_waiting.inc()
         metrics.adapter_requests.labels(label, "waiting").inc()
@@ -258,14 +267,16 @@ class Gateway:
                         break
                     if piece:
                         yield generation, piece
-        finally:
-            if session is not None:
-                await asyncio.shield(session.close())  # the nodes free its cache now, also for a client gone away
-                self._count_failovers(session, failovers)
+        finally:  # no await here: a request whose client went away is cancelled again at each one
             self.slots.release()
             metrics.requests_running.dec()
             metrics.adapter_requests.labels(label, "running").dec()
             metrics.request_duration_seconds.observe(time.perf_counter() - arrived)
+            if session is not None:
+                self._count_failovers(session, failovers)
+                closing = asyncio.ensure_future(session.close())  # the nodes free its cache now, in a task of its own
+                self._closing.add(closing)
+                closing.add_done_callback(self._closing.discard)
         if generation.finish_reason is None:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
@@ -423,6 +434,14 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(PeerUnavailableError)
     async def unavailable(request: Request, exc: PeerUnavailableError) -> JSONResponse:
         return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
+
+    @app.exception_handler(NesaError)
+    async def refused(request: Request, exc: NesaError) -> JSONResponse:
+        """Any other typed error: a node's refusal of what this request asks (its adapter, its length) is the
+        request's (400); the swarm's capacity (an adapter budget full of adapters in use) and the rest are 503."""
+        status = 400 if isinstance(exc, RequestError) and not isinstance(exc, AdapterBudgetError) else 503
+        kind = "invalid_request_error" if status == 400 else "server_error"
+        return ApiError(status, exc.message, kind=kind, code=exc.code).response()
 
     app.add_middleware(_CountRequests, metrics=gateway.metrics)
 

@@ -56,7 +56,7 @@ class AdapterInfo(BaseModel):
     name: str = Field(min_length=1, max_length=64)
     slice_sha256: str = Field(pattern=SHA256_HEX)
     rank: int = Field(ge=1, le=1 << 16)
-    slice_bytes: int = Field(0, ge=0)  # bytes of this node's slice (what fetching it from this node moves)
+    slice_bytes: int = Field(0, ge=0, le=1 << 40)  # bytes of this node's slice (what fetching it moves)
 
 
 class NodeInfo(BaseModel):

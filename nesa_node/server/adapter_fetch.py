@@ -3,15 +3,16 @@ announce the adapter (RPC ADAPTER, one stream per peer, all at once), and answer
 
 Nothing a peer sends is trusted: the manifest must hash to the adapter id the session named, every block to the
 manifest's hash for that block (sharding/lora_identity.py). A peer that answers with anything else (or not at all)
-is skipped and the range asked of the next peer announcing it; a range no peer delivers ends the fetch with
-AdapterMissingError, which the client routes around. Concurrent sessions naming the same missing adapter share one
-fetch.
+is skipped and the range asked of the next peer announcing it, or covered again by the others; a range no peer
+delivers within the deadline ends the fetch with AdapterMissingError, and the client leaves the node out of that
+session's chain. Concurrent sessions naming the same missing adapter share one fetch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
@@ -28,10 +29,19 @@ from nesa_node.protocol.messages import (
 )
 from nesa_node.protocol.records import NodeInfo
 from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto
-from nesa_node.sharding.lora import AdapterManifest, AdapterSlice, merge_slices, slice_blobs, slice_from_blocks
+from nesa_node.sharding.lora import (
+    AdapterManifest,
+    AdapterSlice,
+    check_fits_model,
+    merge_slices,
+    slice_blobs,
+    slice_from_blocks,
+)
 from nesa_node.sharding.lora_identity import MAX_MANIFEST_BYTES
 
 logger = logging.getLogger(__name__)
+
+MAX_PEERS_PER_RANGE = 4  # holders asked in turn for one range before it is covered again by the others (guess)
 
 __all__ = ["AdapterFetcher", "answer_adapter_request", "cover"]
 
@@ -53,43 +63,41 @@ def cover(start: int, end: int, holders: list[NodeInfo]) -> list[tuple[int, int,
 
 class AdapterFetcher:
     """Fetches an adapter's blocks from the peers announcing it. `records`: the model's NodeInfo records on the DHT
-    (an awaitable call); the node's own P2P host, peer id, per-peer timeout and frame limit."""
+    (an awaitable call); the node's own P2P host, peer id and model config; `deadline_s` bounds a whole fetch (kept
+    well under what a client waits for its open: a node that fetches too long is passed over anyway), `peer_s` each
+    peer's answer; `max_frame_bytes` bounds an answer."""
 
     def __init__(
         self,
         p2p,
         peer_id: str,
         records: Callable[[], Awaitable[list[NodeInfo]]],
+        model_config,
         *,
-        timeout_s: float,
+        deadline_s: float,
+        peer_s: float,
         max_frame_bytes: int,
     ):
         self.p2p = p2p
         self.peer_id = peer_id
         self.records = records
-        self.timeout_s = timeout_s
+        self.model_config = model_config
+        self.deadline_s = deadline_s
+        self.peer_s = peer_s
         self.max_frame_bytes = max_frame_bytes
-        self._under_way: dict[tuple[str, int, int], asyncio.Future] = {}
+        self._under_way: dict[tuple[str, int, int], asyncio.Task] = {}
 
     async def fetch(self, adapter_id: str, start: int, end: int) -> tuple[str, AdapterManifest, AdapterSlice]:
         """(name, manifest, slice of blocks [start, end)) of adapter `adapter_id`, checked by hash. Raises
-        AdapterMissingError when the peers announcing it cannot deliver it."""
+        AdapterMissingError when the peers announcing it cannot deliver it within the deadline. Sessions asking
+        for the same blocks at once share one fetch, which a caller that goes away does not cancel."""
         key = (adapter_id, start, end)
-        under_way = self._under_way.get(key)
-        if under_way is not None:
-            return await asyncio.shield(under_way)
-        future = asyncio.get_running_loop().create_future()
-        self._under_way[key] = future
-        try:
-            result = await self._fetch(adapter_id, start, end)
-            future.set_result(result)
-            return result
-        except BaseException as exc:
-            future.set_exception(exc if isinstance(exc, Exception) else AdapterMissingError("fetch cancelled"))
-            future.exception()  # retrieved: no "never retrieved" warning when no session waits on it
-            raise
-        finally:
-            del self._under_way[key]
+        task = self._under_way.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._fetch(adapter_id, start, end))
+            self._under_way[key] = task
+            task.add_done_callback(lambda _: self._under_way.pop(key, None))
+        return await asyncio.shield(task)
 
     async def _fetch(self, adapter_id: str, start: int, end: int) -> tuple[str, AdapterManifest, AdapterSlice]:
         holders = [
@@ -99,28 +107,44 @@ class AdapterFetcher:
         ]
         if not holders:
             raise AdapterMissingError(f"adapter {adapter_id}: no peer announces it")
-        name = next(held.name for held in holders[0].adapters if held.adapter_id == adapter_id)
-        ranges = cover(start, end, holders)
-        pieces = await asyncio.gather(*(self._range(adapter_id, first, stop, peers) for first, stop, peers in ranges))
-        manifest = pieces[0][0]
-        return name, manifest, merge_slices(piece for _, piece in pieces)
+        names = Counter(held.name for info in holders for held in info.adapters if held.adapter_id == adapter_id)
+        failed: dict[str, str] = {}  # peer id -> why it was left out
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                pieces = await self._cover(adapter_id, start, end, holders, failed)
+        except TimeoutError:
+            raise AdapterMissingError(f"adapter {adapter_id} blocks {start}:{end}: not fetched within "
+                                      f"{self.deadline_s:.0f} s ({_why(failed)})") from None  # fmt: skip
+        return names.most_common(1)[0][0], pieces[0][0], merge_slices(piece for _, piece in pieces)
+
+    async def _cover(
+        self, adapter_id: str, start: int, end: int, holders: list[NodeInfo], failed: dict[str, str]
+    ) -> list[tuple[AdapterManifest, AdapterSlice]]:
+        """Blocks [start, end) from the holders not failed yet, every range at once; a range whose peers all fail
+        is covered again by the others (a peer claiming a wide span cannot hide those with the blocks)."""
+        alive = [info for info in holders if info.peer_id not in failed]
+        try:
+            ranges = cover(start, end, alive)
+        except AdapterMissingError as exc:
+            raise AdapterMissingError(f"adapter {adapter_id}: {exc.message} ({_why(failed)})") from None
+        parts = await asyncio.gather(
+            *(self._range(adapter_id, first, stop, peers, holders, failed) for first, stop, peers in ranges)
+        )
+        return [piece for part in parts for piece in part]
 
     async def _range(
-        self, adapter_id: str, start: int, end: int, peers: list[NodeInfo]
-    ) -> tuple[AdapterManifest, AdapterSlice]:
-        failures = []
-        for info in peers:
+        self, adapter_id, start, end, peers, holders, failed
+    ) -> list[tuple[AdapterManifest, AdapterSlice]]:
+        for info in peers[:MAX_PEERS_PER_RANGE]:
+            if info.peer_id in failed:
+                continue
             try:
-                async with asyncio.timeout(self.timeout_s):
-                    return await self._ask(info.peer_id, adapter_id, start, end)
-            except (NesaError, TimeoutError, OSError, ConnectionError) as exc:
-                logger.info(
-                    "adapter %s blocks %d:%d from %s failed: %r", adapter_id[:12], start, end, info.peer_id, exc
-                )
-                failures.append(f"{info.peer_id[-8:]}: {exc}")
-        raise AdapterMissingError(
-            f"adapter {adapter_id} blocks {start}:{end}: no peer delivered them ({'; '.join(failures)})"
-        )
+                async with asyncio.timeout(self.peer_s):
+                    return [await self._ask(info.peer_id, adapter_id, start, end)]
+            except Exception as exc:  # any answer but the checked blocks: the next peer
+                logger.debug("adapter %s blocks %d:%d from %s: %r", adapter_id[:12], start, end, info.peer_id, exc)
+                failed[info.peer_id] = exc.message if isinstance(exc, NesaError) else type(exc).__name__
+        return await self._cover(adapter_id, start, end, holders, failed)
 
     async def _ask(self, peer_id: str, adapter_id: str, start: int, end: int) -> tuple[AdapterManifest, AdapterSlice]:
         channel = await open_stream(self.p2p, peer_id, rpc.ADAPTER, max_frame_bytes=self.max_frame_bytes)
@@ -136,10 +160,14 @@ class AdapterFetcher:
             raise message.error()
         if (message.adapter_id, message.start_block, message.end_block) != (adapter_id, start, end):
             raise AdapterError("the peer answered with other blocks than those asked for")
-        return await asyncio.to_thread(_check, message, answer, self.max_frame_bytes)
+        return await asyncio.to_thread(_check, message, answer, self.max_frame_bytes, self.model_config)
 
 
-def _check(message: AdapterBlocks, answer, max_bytes: int) -> tuple[AdapterManifest, AdapterSlice]:
+def _why(failed: dict[str, str]) -> str:
+    return "; ".join(f"{peer[-8:]}: {why}" for peer, why in failed.items()) or "no peer answered"
+
+
+def _check(message: AdapterBlocks, answer, max_bytes: int, model_config) -> tuple[AdapterManifest, AdapterSlice]:
     count = message.end_block - message.start_block
     if len(answer.tensors) != count + 1:
         raise AdapterError(f"expected a manifest and {count} block(s), got {len(answer.tensors)} tensors")
@@ -147,14 +175,19 @@ def _check(message: AdapterBlocks, answer, max_bytes: int) -> tuple[AdapterManif
         bytes_from_proto(answer.tensors[0], max_bytes=MAX_MANIFEST_BYTES), message.adapter_id
     )
     blobs = [bytes_from_proto(tensor, max_bytes=max_bytes) for tensor in answer.tensors[1:]]
-    return manifest, slice_from_blocks(manifest, message.start_block, message.end_block, blobs)
+    piece = slice_from_blocks(manifest, message.start_block, message.end_block, blobs)
+    check_fits_model(piece, model_config)
+    return manifest, piece
 
 
 async def answer_adapter_request(channel: StreamChannel, adapters) -> None:
     """One ADAPTER stream: a peer's AdapterRequest, answered from `adapters` (the node's NodeAdapters) with the
     blocks it announces, or a typed error."""
-    async with asyncio.timeout(adapters.request_timeout_s):
-        request = await channel.receive()
+    try:
+        async with asyncio.timeout(adapters.request_timeout_s):
+            request = await channel.receive()
+    except TimeoutError:  # a peer that opened the stream and said nothing
+        return
     if request is None:
         return
     try:

@@ -7,9 +7,10 @@ sessions that run with them.
   stay resident; a node that moves reloads them for its new span.
 - A session opened with an adapter holds it (never evicted) until it closes; a step runs its rows with it
   (server/compute.py), also inside a decode batch with other sessions' adapters.
-- A client's own adapter comes on the session stream right before the session's open (AdapterBlocks): the
-  manifest is checked against the adapter id and every block against the manifest (a changed byte is refused), the
-  slice is held under the same budget for that session alone, not announced, and dropped when the session closes.
+- A client's own adapter comes on the session stream right before the session's open (AdapterBlocks, the node's
+  span): the manifest is checked against the adapter id and every block against the manifest (a changed byte is
+  refused) and the slices against the model's shapes; it is held under the same budget while sessions naming it
+  are open (whoever opened them: its id is its content), not announced, and dropped when the last one closes.
 - An adapter the node does not hold is fetched from the peers that announce it (server/adapter_fetch.py), then kept
   and announced like a preloaded one but evicted least recently used first; one no peer can deliver is refused with
   AdapterMissingError, and the client routes around the node (or sends its own).
@@ -33,6 +34,7 @@ from nesa_node.sharding.lora import (
     AdapterManifest,
     AdapterSlice,
     adapter_manifest,
+    check_fits_model,
     load_adapter_slice,
     slice_from_blocks,
 )
@@ -157,7 +159,9 @@ class NodeAdapters:
                 f"the adapter's manifest has {manifest.num_blocks} blocks, the model {self.model_config.num_hidden_layers}"
             )
         blobs = [bytes_from_proto(tensor, max_bytes=self.budget_bytes) for tensor in upload.tensors[1:]]
-        return manifest, slice_from_blocks(manifest, message.start_block, message.end_block, blobs)
+        piece = slice_from_blocks(manifest, message.start_block, message.end_block, blobs)
+        check_fits_model(piece, self.model_config)  # before any session's batch runs it
+        return manifest, piece
 
     def announced(self) -> tuple[AdapterInfo, ...]:
         """What the node's record says it holds (clients' own adapters are theirs: not announced)."""

@@ -127,6 +127,7 @@ class InferenceService:
                 if first is None:
                     return
             session = await self._open(first, channel, context.remote_id.to_base58(), upload)
+            upload = first = None  # an adapter's bytes live in the store now, not in this frame for the session's life
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
             return
@@ -155,12 +156,15 @@ class InferenceService:
         adapter, release = None, None
         if upload is not None:  # checked by hash, kept for this session only
             sent = expect(read(upload, TO_SESSION), AdapterBlocks)
-            if message.adapter != sent.adapter_id or (sent.start_block, sent.end_block) != blocks:
+            self.compute.check_blocks(sent.start_block, sent.end_block)  # inside this node's span
+            if message.adapter != sent.adapter_id or not sent.start_block <= blocks[0] < blocks[1] <= sent.end_block:
                 raise BadRequestError("adapter blocks must be those of the session opened right after them")
             adapter, release = await self.adapters.hold_uploaded(sent, upload)
         elif message.adapter is not None:  # held (never evicted) until the session closes
             adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
         try:
+            if adapter is not None:  # the node may have begun moving while the adapter came
+                self.compute.check_blocks(message.start_block, message.end_block)
             session = await self.sessions.open_when_room(
                 message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
             )

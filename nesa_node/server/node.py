@@ -164,7 +164,13 @@ class Node:
 
         frame_bytes = max_frame_bytes(config, model_config.hidden_size)
         fetcher = AdapterFetcher(
-            peer.p2p, peer.peer_id, records, timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes
+            peer.p2p,
+            peer.peer_id,
+            records,
+            model_config,
+            deadline_s=network.peer_timeout_s / 2,  # a client waits peer_timeout_s (30 s by default) for its open
+            peer_s=network.peer_timeout_s / 6,
+            max_frame_bytes=frame_bytes,
         )
         adapters.connect(fetcher, request_timeout_s=network.peer_timeout_s)
         node.metrics = node_metrics(network.metrics_port is not None)

@@ -361,6 +361,7 @@ class SessionTable:
         if session.release_adapter is not None:
             session.release_adapter()
             session.release_adapter = None
+        session.adapter = None
         session.cache = None
         session.close_channels()
         session.last_output = None

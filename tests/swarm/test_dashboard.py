@@ -82,9 +82,10 @@ def test_dashboard_shows_nodes_coverage_joins_departures_and_diagrams(module_swa
                 'v.getAttribute("cy"));'
             )
             assert len(set(vertices)) == 3, vertices  # nodes at one point are drawn apart
-            wait_until(lambda: "topology changed" in browser.run(
-                'return document.querySelector("#events").textContent;'), timeout_s=10)  # fmt: skip
-            assert browser.run('return document.querySelectorAll("#change .score").length;') >= 1
+            # scored against the calibrated threshold (whether a join counts as a change depends on the noise the
+            # calibration saw: tests/unit/test_dashboard_state.py checks the detection itself)
+            wait_until(lambda: browser.run('return document.querySelectorAll("#change .score").length;') >= 2,
+                       timeout_s=10)  # fmt: skip
             browser.screenshot(shots / "dashboard-three-nodes.png")
         finally:
             module_swarm.run(session.close())

@@ -182,6 +182,9 @@ def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
     print(f"session freed {time.monotonic() - closed:.2f} s after the client went away")
     assert node.budget.used_bytes == 0
     assert scrape(node.metrics_url)['nesa_node_kv_cache_bytes{state="used"}'] == 0
+    # and the gateway gave its generation slot back: no request is counted running (64 disconnects would otherwise
+    # leave every later request waiting for a slot)
+    wait_until(lambda: scrape(gateway.url + "/metrics")["nesa_gateway_requests_running"] == 0, timeout_s=5)
 
 
 def scrape_text(url: str) -> str:

@@ -148,7 +148,9 @@ def test_generate_tune_and_training_stop_on_signal(operator, tiny_llama, sig, st
     )
     tune = operator.start("tune", "--scenario", "global-1000", "--out", "params.json")
     train = operator.start("model", "train-tiny", "trained", "--steps", "100000", "--no-progress")  # never cached
-    time.sleep(6.0)  # all under way: generating (500 steps take 50 s or more), tuning (about 40 s), training
+    # all under way: generating (500 steps take 50 s or more) once its p2pd is up, tuning (about 40 s), training
+    wait_until(lambda: p2pd_sockets(generate) != [], timeout_s=60)
+    time.sleep(3.0)
     for command, has_p2pd in ((generate, True), (tune, False), (train, False)):
         assert command.process.poll() is None, command.output()
         assert_stopped_cleanly(operator, command, sig, expected_status=status, has_p2pd=has_p2pd)

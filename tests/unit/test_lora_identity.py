@@ -287,3 +287,10 @@ def test_each_part_of_lora_imports_first(first):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
+
+
+def test_deeply_nested_manifest_bytes_are_a_typed_refusal():
+    """Bytes that hash to the id asked for (anyone can compute it) but nest deeper than the JSON parser goes."""
+    data = b"[" * 100_000 + b"]" * 100_000
+    with pytest.raises(AdapterError, match="not an adapter manifest"):
+        AdapterManifest.from_bytes(data, hashlib.sha256(data).hexdigest())

@@ -311,3 +311,15 @@ def test_a_sendable_adapter_costs_its_transfer_and_holding_it_never_costs_more(s
     chain = select_chain(fewer, request, params=params)
     assert chain.cost.total == pytest.approx(best, rel=1e-9, abs=1e-9)
     assert exhaustive(more, request, params) <= best * (1 + 1e-9) + 1e-9
+
+
+def test_a_fetched_adapter_routes_only_through_nodes_that_can_get_it():
+    """Nodes lacking the adapter are usable when the request can get it to them: any node when the client sends
+    it (adapter_reachable None), else only those whose blocks the holders cover."""
+    nodes = (NodeView("holder", 0, 2, adapters=frozenset({"a"}), cache_tokens_left=10_000),
+             NodeView("near", 0, 2, cache_tokens_left=10_000), NodeView("far", 2, 4, cache_tokens_left=10_000))  # fmt: skip
+    snapshot = SwarmSnapshot(4, nodes)
+    fetched = ChainRequest(adapter="a", adapter_block_bytes=1000.0, adapter_reachable=frozenset({"near"}))
+    assert list(usable_nodes(snapshot, fetched)) == [True, True, False]
+    assert list(usable_nodes(snapshot, replace(fetched, adapter_reachable=None))) == [True, True, True]
+    assert list(usable_nodes(snapshot, replace(fetched, adapter_block_bytes=0.0))) == [True, False, False]
