@@ -32,7 +32,7 @@ def explain_missing(snapshot: SwarmSnapshot, request: ChainRequest, banned: froz
         if node.peer_id in banned:
             reason = "banned after a failure"
         elif node.peer_id in request.exclude:
-            reason = "already in the chain"
+            reason = "left out (in the chain already, or refused this session)"
         elif not node.online:
             reason = "not online"
         elif request.adapter is not None and request.adapter not in node.adapters:
