@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
-from nesa_node.errors import AdapterError, AdapterMissingError, BadRequestError
+from nesa_node.errors import AdapterBudgetError, AdapterError, AdapterMissingError, BadRequestError
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.messages import AdapterBlocks
 from nesa_node.protocol.records import AdapterInfo
@@ -58,6 +59,11 @@ class NodeAdapters:
         self.span: tuple[int, int] | None = None  # the blocks served, once loaded
         self.fetcher: AdapterFetcher | None = None  # fetches from peers (server/adapter_fetch.py), once connected
         self.request_timeout_s = 30.0  # what a peer asking for blocks may take to ask
+        # ends one idle session holding an adapter (SessionTable.preempt_idle_adapter_session); False: none idle
+        self.make_room: Callable[[], bool] = lambda: False
+        # seconds until one could be ended (SessionTable.adapter_preemptible_in_s); None: no session holds one
+        self.room_in_s: Callable[[], float | None] = lambda: None
+        self.max_wait_s = 0.0  # what an open waits at most for that (as for the KV cache: open_when_room)
 
     async def load_span(self, start: int, end: int) -> None:
         """Hold the preloaded adapters' slices of blocks [start, end) in a fresh store (no session may be open: a
@@ -71,9 +77,31 @@ class NodeAdapters:
                         manifest.rank, piece.nbytes, start, end)  # fmt: skip
         self.store, self._private, self.span = store, set(), (start, end)
 
-    def connect(self, fetcher: AdapterFetcher, *, request_timeout_s: float) -> None:
-        """Fetch adapters this node lacks from its peers with `fetcher`."""
+    def connect(self, fetcher: AdapterFetcher, *, request_timeout_s: float, sessions=None, max_wait_s: float = 0.0):
+        """Fetch adapters this node lacks from its peers with `fetcher`; with `sessions` (the SessionTable), end idle
+        sessions holding adapters when the budget is full of adapters in use, waiting at most `max_wait_s` for one
+        to become idle enough."""
         self.fetcher, self.request_timeout_s = fetcher, request_timeout_s
+        if sessions is not None:
+            self.make_room, self.room_in_s = sessions.preempt_idle_adapter_session, sessions.adapter_preemptible_in_s
+            self.max_wait_s = max_wait_s
+
+    async def _add(self, name: str, manifest: AdapterManifest, piece: AdapterSlice) -> None:
+        """Add a fetched or sent slice, preempting idle sessions that hold adapters while the budget is full of
+        adapters in use (waiting up to `max_wait_s` for one to become idle long enough). AdapterBudgetError when
+        it still does not fit."""
+        deadline = time.monotonic() + self.max_wait_s
+        while True:
+            try:
+                self.store.add(name, manifest, piece)
+                return
+            except AdapterBudgetError:
+                if self.make_room():
+                    continue
+                wait_s = self.room_in_s()
+                if wait_s is None or time.monotonic() + wait_s > deadline:
+                    raise
+            await asyncio.sleep(wait_s + 0.01)
 
     def _read(self, folder: str, start: int, end: int):
         whole = load_adapter_slice(folder, self.model_config, 0, None)
@@ -117,7 +145,7 @@ class NodeAdapters:
         if adapter_id not in self.store and self.fetcher is not None and self.span is not None:
             name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
             if adapter_id not in self.store:  # another session's fetch may have added it meanwhile
-                self.store.add(name, manifest, piece)
+                await self._add(name, manifest, piece)
                 logger.info("fetched adapter %s (%s) for blocks %d:%d from peers", name, adapter_id[:12], *self.span)
         return self.hold(adapter_id, blocks)
 
@@ -142,7 +170,7 @@ class NodeAdapters:
         if message.adapter_id not in self.store:
             manifest, piece = await asyncio.to_thread(self._check_upload, message, upload)
             if manifest.adapter_id not in self.store:  # another session may have sent it meanwhile
-                self.store.add(f"private-{manifest.adapter_id[:8]}", manifest, piece)
+                await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece)
                 self._private.add(manifest.adapter_id)
         return self.hold(message.adapter_id, blocks)
 

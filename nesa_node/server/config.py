@@ -105,7 +105,10 @@ class LimitsConfig:
     # one peer's share of this node (a guess at fairness: two busy clients can always both be served)
     max_sessions_per_peer: int = option(32, "open sessions one peer may hold here", parse="positive_int")
     max_cache_share_per_peer: float = option(
-        0.5, "fraction of the KV cache budget one peer may reserve", parse="fraction"
+        0.5,
+        "fraction of the KV cache budget one peer may reserve, and of the adapter budget its sessions' adapters may "
+        "hold",
+        parse="fraction",
     )
     max_queued_steps: int = option(
         8, "steps of one session waiting for compute; more from a pusher are refused", parse="positive_int"

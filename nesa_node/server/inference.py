@@ -27,7 +27,13 @@ import time
 import torch
 from hivemind.p2p import P2PContext
 
-from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, RequestError
+from nesa_node.errors import (
+    AdapterBudgetError,
+    BadRequestError,
+    NesaError,
+    PeerUnavailableError,
+    RequestError,
+)
 from nesa_node.protocol.channel import Channel, ChannelClosedError, Frame, frame, read
 from nesa_node.protocol.framing import StreamChannel
 from nesa_node.protocol.messages import (
@@ -140,6 +146,30 @@ class InferenceService:
             self.sessions.close(session)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
 
+    async def _hold_adapter(self, message: OpenSession, blocks, upload: Frame | None, client_peer: str):
+        """The session's adapter, held: sent with the open (checked by hash), resident, or fetched from peers (the
+        adapter budget preempts idle sessions holding adapters to make room: NodeAdapters). A peer whose sessions
+        would hold more than its share of the budget is refused (AdapterBudgetError: the client leaves this node out
+        of that session's chain)."""
+        if upload is not None:
+            sent = expect(read(upload, TO_SESSION), AdapterBlocks)
+            self.compute.check_blocks(sent.start_block, sent.end_block)  # inside this node's span
+            if message.adapter != sent.adapter_id or not sent.start_block <= blocks[0] < blocks[1] <= sent.end_block:
+                raise BadRequestError("adapter blocks must be those of the session opened right after them")
+            adapter, release = await self.adapters.hold_uploaded(sent, upload)
+        else:
+            adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
+        share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
+        mine = {session.adapter.sha256: session.adapter.nbytes for session in self.sessions.sessions.values()
+                if session.client_peer == client_peer and session.adapter is not None}  # fmt: skip
+        if adapter.sha256 not in mine and sum(mine.values()) + adapter.nbytes > share:
+            release()
+            raise AdapterBudgetError(
+                f"this peer's sessions here would hold {sum(mine.values()) + adapter.nbytes} bytes of adapters, over "
+                f"its share of {share:.0f} (node setting max_cache_share_per_peer, of the adapter budget)"
+            )
+        return adapter, release
+
     async def _next_frame(self, channel: StreamChannel) -> Frame | None:
         try:
             async with asyncio.timeout(self.network.peer_timeout_s):
@@ -154,14 +184,8 @@ class InferenceService:
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
         adapter, release = None, None
-        if upload is not None:  # checked by hash, kept for this session only
-            sent = expect(read(upload, TO_SESSION), AdapterBlocks)
-            self.compute.check_blocks(sent.start_block, sent.end_block)  # inside this node's span
-            if message.adapter != sent.adapter_id or not sent.start_block <= blocks[0] < blocks[1] <= sent.end_block:
-                raise BadRequestError("adapter blocks must be those of the session opened right after them")
-            adapter, release = await self.adapters.hold_uploaded(sent, upload)
-        elif message.adapter is not None:  # held (never evicted) until the session closes
-            adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
+        if upload is not None or message.adapter is not None:  # held (never evicted) until the session closes
+            adapter, release = await self._hold_adapter(message, blocks, upload, client_peer)
         try:
             if adapter is not None:  # the node may have begun moving while the adapter came
                 self.compute.check_blocks(message.start_block, message.end_block)

@@ -51,7 +51,7 @@ from nesa_node.server.link_probe import LinkProber
 from nesa_node.server.push import PushSender
 from nesa_node.server.rebalance import Rebalancer, make_trigger
 from nesa_node.server.rpc import NodeRpc
-from nesa_node.server.sessions import SessionTable
+from nesa_node.server.sessions import MAX_ADMISSION_WAIT_S, SessionTable
 from nesa_node.server.throughput import cached_measure
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
@@ -172,9 +172,14 @@ class Node:
             peer_s=network.peer_timeout_s / 6,
             max_frame_bytes=frame_bytes,
         )
-        adapters.connect(fetcher, request_timeout_s=network.peer_timeout_s)
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
+        adapters.connect(  # an open waits for an idle session holding an adapter as for the KV cache
+            fetcher,
+            request_timeout_s=network.peer_timeout_s,
+            sessions=node.sessions,
+            max_wait_s=min(config.limits.preempt_idle_s, MAX_ADMISSION_WAIT_S),
+        )
         node.compute = BlockCompute(span, compute, config.limits)
         push = PushSender(peer.p2p, node.sessions, peer_timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes)
         node.inference = InferenceService(

@@ -341,6 +341,36 @@ class SessionTable:
         for session in chosen:
             self.preempt(session, now - session.last_active)
 
+    def adapter_preemptible_in_s(self) -> float | None:
+        """Seconds until the first session holding an adapter, and not working now, has been idle
+        `preempt_idle_s`; None if there is none."""
+        now = time.monotonic()
+        waiting = [
+            session.last_active + self.limits.preempt_idle_s - now
+            for session in self.sessions.values()
+            if session.adapter is not None and not session.busy and session.inbox.empty()
+        ]
+        return max(0.0, min(waiting)) if waiting else None
+
+    def preempt_idle_adapter_session(self) -> bool:
+        """End one idle session that holds a LoRA adapter, to let the adapter budget make room: of the peer holding
+        the most adapter bytes, the longest idle. False when no such session is idle."""
+        now = time.monotonic()
+        idle = [
+            session
+            for session in self.sessions.values()
+            if session.adapter is not None and session.idle_s(now) >= self.limits.preempt_idle_s
+        ]
+        if not idle:
+            return False
+        holding = Counter()
+        for session in self.sessions.values():
+            if session.adapter is not None:
+                holding[session.client_peer] += session.adapter.nbytes
+        victim = min(idle, key=lambda session: (-holding[session.client_peer], session.last_active))
+        self.preempt(victim, now - victim.last_active)
+        return True
+
     def preempt(self, session: ServerSession, idle_s: float) -> None:
         """End an idle session at once to make room: its owner is told (typed), its cache freed."""
         error = SessionPreemptedError(f"session idle for {idle_s:.0f} s was ended to admit another: the node is full")

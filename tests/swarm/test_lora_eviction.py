@@ -47,8 +47,15 @@ def test_sessions_cycling_adapters_evict_only_unpinned_ones_within_budget(module
         for start, end in SPANS:  # room for BUDGET slices of this span
             size = load_adapter_slice(folders[0], config, start, end).nbytes
             budget_mb = BUDGET * size * 1.01 / 2**20
-            serving.append(
-                module_swarm.start_node(trained_model, start, end, dht_prefix=PREFIX, adapter_budget_mb=budget_mb)
+            serving.append(  # one client cycles the adapters here: its share of the budget is all of it
+                module_swarm.start_node(
+                    trained_model,
+                    start,
+                    end,
+                    dht_prefix=PREFIX,
+                    adapter_budget_mb=budget_mb,
+                    max_cache_share_per_peer=1.0,
+                )
             )
         evicted: list[tuple[str, int]] = []
         for node in serving:

@@ -18,9 +18,10 @@ from transformers import AutoTokenizer
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.async_model import AsyncDistributedModel, adapter_id_of_folder
 from nesa_node.client.session_chain import OwnAdapter
-from nesa_node.errors import AdapterHashError, AdapterMissingError, NoRouteError
+from nesa_node.errors import AdapterBudgetError, AdapterHashError, AdapterMissingError, NoRouteError
 from nesa_node.gateway.app import Gateway
 from nesa_node.sharding.blocks import load_config
+from nesa_node.sharding.lora import load_adapter_slice
 from tests.support.adapters import peft_generate, save_random_adapter
 from tests.support.gateway import Served
 from tests.support.swarm import wait_for_chain, wait_until
@@ -293,3 +294,49 @@ def test_a_node_lacking_an_announced_adapter_fetches_it_from_peers(lora_swarm, t
             lora_swarm.stop_node(corrupt)
     finally:
         lora_swarm.stop_node(fresh)
+
+
+def test_idle_sessions_holding_adapters_make_room_and_a_peer_holds_at_most_its_share(
+    lora_swarm, trained_model, tmp_path
+):
+    """A node with room for two and a half adapters: two throwaway identities open idle sessions with adapters of
+    their own; an honest client's third adapter is admitted by preempting them (as for the KV cache), and its
+    tokens equal PeftModel's. One peer's sessions may hold at most its share (half) of the adapter budget."""
+    config = load_config(trained_model)
+    folders = [
+        save_random_adapter(trained_model, tmp_path / f"own{index}", 50 + index, r=4, target_modules="all-linear")
+        for index in range(4)
+    ]
+    size = load_adapter_slice(str(folders[0]), config, 0, 4).nbytes
+    node = lora_swarm.start_node(
+        trained_model, 0, 4, dht_prefix="lora-room", adapter_budget_mb=2.5 * size / 2**20, preempt_idle_s=1.0
+    )
+
+    def client():
+        return lora_swarm.run(AsyncDistributedModel.from_pretrained(
+            trained_model, initial_peers=lora_swarm.initial_peers, dht_prefix="lora-room", compression="none",
+            max_open_attempts=1,
+        ))  # fmt: skip
+
+    throwaways, honest = [client(), client()], client()
+    try:
+        idle = [lora_swarm.run(model.open_session(max_length=8, adapter=str(folders[index])))
+                for index, model in enumerate(throwaways)]  # fmt: skip
+        assert node.adapters.store.pinned == 2
+        prompt = torch.tensor([[5, 6, 7, 8]])
+        output = lora_swarm.run(honest.generate(prompt, max_new_tokens=6, adapter=str(folders[2])))
+        assert torch.equal(output, peft_generate(trained_model, folders[2], prompt, 6))
+        assert node.adapters.store.pinned == 1 and len(node.sessions) == 1  # one idle session preempted: enough
+
+        first = lora_swarm.run(honest.open_session(max_length=8, adapter=str(folders[0])))
+        try:
+            with pytest.raises(AdapterBudgetError, match="over its share"):
+                lora_swarm.run(honest.open_session(max_length=8, adapter=str(folders[1])))
+        finally:
+            lora_swarm.run(first.close())
+        for session in idle:
+            lora_swarm.run(session.close())
+    finally:
+        for model in [*throwaways, honest]:
+            lora_swarm.run(model.close())
+        lora_swarm.stop_node(node)
