@@ -22,6 +22,7 @@ from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.sharding.lora import adapters_for_rows
 
+_BASE = contextlib.nullcontext()  # a pass without LoRA rows: nothing to set (reusable, it holds no state)
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
 
 
@@ -122,7 +123,8 @@ class BlockCompute:
 
         def run() -> tuple[torch.Tensor, float]:
             started = time.perf_counter()
-            with torch.inference_mode(), adapters_for_rows(span, [adapter] * hidden.shape[0], blocks=blocks):
+            rows = adapters_for_rows(span, [adapter] * hidden.shape[0], blocks=blocks) if adapter is not None else _BASE
+            with torch.inference_mode(), rows:
                 output = span(hidden, cache, position, blocks)
             return output, time.perf_counter() - started
 
@@ -186,11 +188,15 @@ class BlockCompute:
         if span is None:
             raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
 
-        rows = [step.adapter for step in batch for _ in range(step.hidden.shape[0])]
+        adapters = [step.adapter for step in batch for _ in range(step.hidden.shape[0])]
+        if all(adapter is None for adapter in adapters):
+            rows = _BASE
+        else:  # entered in the compute thread, where the rows' setting must live
+            rows = adapters_for_rows(span, adapters, blocks=batch[0].blocks)
 
         def run() -> tuple[list[torch.Tensor], float]:
             started = time.perf_counter()
-            with torch.inference_mode(), adapters_for_rows(span, rows, blocks=batch[0].blocks):
+            with torch.inference_mode(), rows:
                 outputs = span.decode_batch(
                     [(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks
                 )

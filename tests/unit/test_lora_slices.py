@@ -36,6 +36,7 @@ from nesa_node.sharding.lora import (
     merge_slices,
     read_adapter_config,
 )
+from tests.support.adapters import save_random_adapter
 from tests.support.models import ARCHES
 
 SPLITS = [(0, 1), (1, 3), (3, 4)]  # three nodes over the 4 blocks of the tiny models
@@ -59,15 +60,6 @@ ADAPTERS = {
 }
 
 
-def _save_adapter(model_path: str, folder: Path, seed: int, **lora) -> Path:
-    base = AutoModelForCausalLM.from_pretrained(model_path)
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = peft.get_peft_model(base, peft.LoraConfig(init_lora_weights=False, **lora))
-    model.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def adapter(tiny_models, tmp_path_factory):
     """adapter(arch, name) -> folder of the ADAPTERS[name] adapter for that tiny model, made once."""
@@ -76,7 +68,7 @@ def adapter(tiny_models, tmp_path_factory):
     def make(arch: str, name: str) -> Path:
         if (arch, name) not in made:
             seed = sorted(ADAPTERS).index(name) + 10
-            made[arch, name] = _save_adapter(tiny_models[arch], root / f"{arch}-{name}", seed, **ADAPTERS[name])
+            made[arch, name] = save_random_adapter(tiny_models[arch], root / f"{arch}-{name}", seed, **ADAPTERS[name])
         return made[arch, name]
 
     return make
@@ -400,7 +392,7 @@ def test_merging_refuses_slices_that_do_not_meet(whole):
 
 def test_a_pickled_weights_file_loads_through_peft_to_the_same_slice(tiny_llama, adapter, tmp_path):
     lora = ADAPTERS["qv"]
-    folder = _save_adapter(tiny_llama, tmp_path / "safe", 30, **lora)
+    folder = save_random_adapter(tiny_llama, tmp_path / "safe", 30, **lora)
     pickled = tmp_path / "pickled"
     base = AutoModelForCausalLM.from_pretrained(tiny_llama)
     peft.PeftModel.from_pretrained(base, folder).save_pretrained(pickled, safe_serialization=False)
@@ -447,7 +439,7 @@ def _copy_adapter(folder: Path, into: Path, change: dict) -> Path:
 
 def test_real_dora_and_non_lora_adapters_are_refused(tiny_llama, tmp_path):
     config = load_config(tiny_llama)
-    dora = _save_adapter(tiny_llama, tmp_path / "dora", 1, r=2, target_modules=["q_proj"], use_dora=True)
+    dora = save_random_adapter(tiny_llama, tmp_path / "dora", 1, r=2, target_modules=["q_proj"], use_dora=True)
     with pytest.raises(UnsupportedAdapterError, match="DoRA"):
         load_adapter_slice(dora, config)
     base = AutoModelForCausalLM.from_pretrained(tiny_llama)
@@ -461,12 +453,12 @@ def test_real_dora_and_non_lora_adapters_are_refused(tiny_llama, tmp_path):
 
 def test_saved_modules_inside_the_blocks_are_refused_and_outside_need_consent(tiny_llama, tmp_path):
     config = load_config(tiny_llama)
-    inside = _save_adapter(
+    inside = save_random_adapter(
         tiny_llama, tmp_path / "inside", 2, r=2, target_modules=["q_proj"], modules_to_save=["post_attention_layernorm"]
     )
     with pytest.raises(UnsupportedAdapterError, match="inside block"):
         load_adapter_slice(inside, config, 0, 1)
-    outside = _save_adapter(
+    outside = save_random_adapter(
         tiny_llama, tmp_path / "outside", 3, r=2, target_modules=["q_proj"], modules_to_save=["lm_head"]
     )
     with pytest.raises(UnsupportedAdapterError, match="outside the transformer blocks"):

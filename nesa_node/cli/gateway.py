@@ -1,0 +1,127 @@
+"""`nesa-node gateway`: its options, and the process that serves the OpenAI-compatible API and the dashboard over
+one async swarm client (nesa_node/gateway/)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+from nesa_node import event_loop
+from nesa_node.cli.options import PARSERS, parse_port
+from nesa_node.compression.names import CLIENT_CODECS, DEFAULT_CODEC
+
+
+def add_parser(commands, add_peer_args) -> None:
+    gateway = commands.add_parser(
+        "gateway",
+        help="serve the OpenAI API (/v1/completions, /v1/chat/completions) over the swarm",
+        description="One process that is a client of the swarm (one P2P host, one session per request, at most "
+        "--max-concurrency at once) and serves OpenAI's HTTP API: POST /v1/completions and /v1/chat/completions "
+        "(streamed as server-sent events when asked), GET /v1/models and /health. The model folder gives the "
+        "tokenizer, its chat template and the client's layers. SIGINT or SIGTERM stops it.",
+    )
+    add_peer_args(gateway)
+    gateway.add_argument("--host", default="127.0.0.1", help="address to serve HTTP on (default 127.0.0.1)")
+    gateway.add_argument("--port", type=parse_port, default=8000, help="HTTP port (default 8000; 0: any free one)")
+    gateway.add_argument(
+        "--model-name", default=None, help="the name clients ask for in `model` (default: the folder's name)"
+    )
+    gateway.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="Jinja chat template for /v1/chat/completions (default: the tokenizer's own; without either, chat "
+        "requests get a 400 that names this option)",
+    )
+    gateway.add_argument(
+        "--max-concurrency", type=PARSERS["positive_int"], default=64, help="requests generating at once (default 64)"
+    )
+    gateway.add_argument(
+        "--compression",
+        choices=CLIENT_CODECS,
+        default=DEFAULT_CODEC,
+        help=f"hidden-state codec on every hop that accepts it (default {DEFAULT_CODEC})",
+    )
+    gateway.add_argument(
+        "--adapter-dir",
+        default=None,
+        metavar="DIR",
+        help="folder of PEFT LoRA adapter folders POST /v1/adapters/load may load (by path inside it); without it, "
+        "loading is refused and requests name the adapters the nodes announce",
+    )
+    gateway.add_argument(
+        "--topology-period",
+        type=PARSERS["positive"],
+        default=5.0,
+        metavar="SECONDS",
+        help="seconds between the dashboard's topology snapshots (persistence diagrams and change detection; "
+        "default 5)",
+    )
+    gateway.add_argument("--address-file", default=None, help="write the gateway's URL here once it serves")
+
+
+def run_gateway(args) -> int:
+    chat_template = None
+    if args.chat_template:
+        try:
+            chat_template = Path(args.chat_template).read_text()
+        except OSError as exc:
+            raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror or exc}") from None
+    name = args.model_name or Path(args.model).resolve().name
+    event_loop.run(_serve(args, name, chat_template))
+    return 0
+
+
+async def _serve(args, name: str, chat_template: str | None) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from nesa_node.client.async_model import AsyncDistributedModel
+    from nesa_node.gateway.app import Gateway, create_app
+    from nesa_node.peer import check_port_free
+    from nesa_node.sharding.blocks import load_config
+
+    check_port_free(args.host, args.port, "--port")
+    load_config(args.model)  # a wrong folder is a ModelLoadError, not the Hub's "repo id" error
+    tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
+    model = await AsyncDistributedModel.from_pretrained(
+        args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, compression=args.compression
+    )
+    app = create_app(
+        Gateway(
+            model,
+            tokenizer,
+            model_name=name,
+            chat_template=chat_template,
+            max_concurrency=args.max_concurrency,
+            topology_period_s=args.topology_period,
+            adapter_dir=args.adapter_dir,
+        )
+    )
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off"))
+    server.capture_signals = contextlib.nullcontext  # this process's own handlers stop it (event_loop)
+    serving: asyncio.Task | None = None
+
+    async def start() -> None:
+        nonlocal serving
+        serving = asyncio.ensure_future(server.serve())
+        while not server.started:
+            if serving.done():
+                serving.result()  # raises what stopped it
+                raise OSError(f"the HTTP server on {args.host}:{args.port} stopped at start")
+            await asyncio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        url = f"http://{args.host}:{port}"
+        print(f"gateway for {name} on {url} (OpenAI API under {url}/v1)", flush=True)
+        if args.address_file:
+            await asyncio.to_thread(Path(args.address_file).write_text, url + "\n")
+
+    async def stop() -> None:
+        server.should_exit = True
+        if serving is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(serving, timeout=10)
+        await model.close()
+
+    await event_loop.serve_until_signal(start, stop, name="nesa-node gateway")
