@@ -30,6 +30,11 @@ class LocalSwarm:
     def run(self, coroutine, timeout: float = 120.0):
         return self.runner.call(coroutine, timeout=timeout)
 
+    def peers_with(self, *nodes: Node) -> list[str]:
+        """The initial peers plus `nodes`' own addresses: a raw libp2p peer given these dials the nodes directly
+        instead of waiting until its daemon's routing table has learnt them."""
+        return list(self.initial_peers) + [address for node in nodes for address in self.run(node.visible_maddrs())]
+
     def start_node(self, model_path: str, start: int, end: int, **settings) -> Node:
         config = NodeConfig(model_path=model_path, start_block=start, end_block=end).with_settings(
             initial_peers=tuple(self.initial_peers),

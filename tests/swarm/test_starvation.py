@@ -116,7 +116,7 @@ def starved(module_swarm, tiny_llama):
 
 def attack(starved, identities: int, per_identity: int, max_length: int):
     swarm, node, honest, reference = starved
-    attackers = swarm.run(Attackers.create(identities, swarm.initial_peers, PeerID.from_base58(node.peer_id)))
+    attackers = swarm.run(Attackers.create(identities, swarm.peers_with(node), PeerID.from_base58(node.peer_id)))
     try:
         firsts = swarm.run(attackers.open(per_identity, max_length), timeout=60)
         kinds = {answer["kind"] for answer in firsts}
@@ -152,7 +152,7 @@ def test_g3_nine_identities_holding_every_session_slot_do_not_lock_out_an_honest
 
 def test_g3_five_hundred_concurrent_opens_are_all_answered_promptly(starved):
     swarm, node, honest, reference = starved
-    attackers = swarm.run(Attackers.create(5, swarm.initial_peers, PeerID.from_base58(node.peer_id)))
+    attackers = swarm.run(Attackers.create(5, swarm.peers_with(node), PeerID.from_base58(node.peer_id)))
     try:
         started = time.monotonic()
         firsts = swarm.run(attackers.open(100, 8), timeout=120)
