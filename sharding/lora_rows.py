@@ -56,15 +56,15 @@ class _SpanHooks:
 
 class _RowPlan:
     """Which rows get which adapter in one `adapters_for_rows`: groups of (factors on the span's device, row index
-    (None: every row))."""
+    (None: every row)); `rows` None: any number of rows (trainable_adapter)."""
 
-    def __init__(self, rows: int, groups: list[tuple[dict, torch.Tensor | None]]):
+    def __init__(self, rows: int | None, groups: list[tuple[dict, torch.Tensor | None]]):
         self.rows = rows
         self.groups = groups
 
     def apply(self, target: Target, inputs: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         """output (rows, seq, out) of the base projection on inputs (rows, seq, in), plus each row's update."""
-        if inputs.shape[0] != self.rows:
+        if self.rows is not None and inputs.shape[0] != self.rows:
             raise ValueError(f"adapters_for_rows was given {self.rows} rows but the span runs {inputs.shape[0]}")
         result = output
         for factors, index in self.groups:
@@ -156,6 +156,23 @@ def adapters_for_rows(
         _ACTIVE.reset(token)
 
 
+@contextlib.contextmanager
+def trainable_adapter(span, factors: Mapping[Target, tuple[torch.Tensor, torch.Tensor, float]]) -> Iterator[None]:
+    """Within the block, every row of what `span` runs gets the LoRA `factors` ({target: (A, B, scale)}, tensors on
+    the span's device, float32, typically parameters that require grad): the training path (sharding/lora_train.py).
+    The update is the same as `adapters_for_rows` adds, so autograd reaches A and B through it. The caller checks the
+    shapes (TrainableSlice does, once) and enters this in the thread that runs the span."""
+    enable_lora(span)
+    hooks = _HOOKED[span]
+    active = dict(_ACTIVE.get())
+    active[hooks] = _RowPlan(None, [(dict(factors), None)])  # every row, whatever their number
+    token = _ACTIVE.set(MappingProxyType(active))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
 def _check_fits(adapter: AdapterSlice, span, hooks: _SpanHooks, first: int, end: int) -> None:
     if not adapter.start <= first < end <= adapter.end:
         raise AdapterError(
@@ -177,4 +194,4 @@ def _check_fits(adapter: AdapterSlice, span, hooks: _SpanHooks, first: int, end:
     hooks.checked.add(adapter)
 
 
-__all__ = ["adapters_for_rows", "disable_lora", "enable_lora"]
+__all__ = ["adapters_for_rows", "disable_lora", "enable_lora", "trainable_adapter"]

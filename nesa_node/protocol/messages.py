@@ -19,6 +19,11 @@ metadata holds one message, msgpack-encoded, whose `kind` names its model:
     info        InfoReply       a node's live NodeInfo record
     ticket      LaneTicket      a one-time FORWARD lane ticket and key
     graph       GraphForward    a graph-model stage's named inputs      -> GraphResult
+  training stream (protocol.rpc.TRAIN), client -> node; node answers each in order
+    train_open           OpenTraining       blocks, the slice's bytes, optimizer   -> TrainOpened
+    train_forward        TrainForward       hidden states, saved for backward      -> TrainOutput
+    train_backward       TrainBackward      gradient of the outputs, then a step   -> TrainGrad
+    train_state_request  TrainStateRequest  the slice's current values             -> TrainState
 
 Reading a peer's metadata (`decode`) refuses, with BadRequestError and before any model is built: more than
 MAX_METADATA_BYTES, msgpack extension types (whose decoders may recurse), nesting deeper than MAX_DEPTH, anything but
@@ -289,6 +294,81 @@ class GraphResult(Message):
     compute_s: Seconds = 0.0
 
 
+class OpenTraining(BlockRange):
+    """Open a LoRA training session for blocks [start_block, end_block) of the node's span (server/training.py). The
+    frame's one tensor holds the slice's canonical bytes (sharding/lora.py, bytes_to_proto) for exactly those blocks,
+    whose sha256 is `slice_sha256`; the node trains its own copy with AdamW (`lr`, `betas`, `eps`, `weight_decay`,
+    torch's definitions). `step` is the number of updates the slice has had (a resumed or replacement session)."""
+
+    kind: Literal["train_open"] = "train_open"
+    session_id: Id
+    slice_sha256: AdapterId
+    lr: float = Field(gt=0, le=1.0, allow_inf_nan=False)
+    betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0, le=1.0, allow_inf_nan=False)
+    weight_decay: float = Field(0.0, ge=0, le=1.0, allow_inf_nan=False)
+    step: int = Field(0, ge=0, le=1 << 40)
+
+
+class TrainForward(Message):
+    """Hidden states (batch, seq, hidden) into the session's blocks, positions from 0, in one tensor; `keep` saves the
+    input for the backward pass of the same `step_id` (False: an evaluation pass, nothing saved)."""
+
+    kind: Literal["train_forward"] = "train_forward"
+    step_id: StepIdText
+    codec: Codec = NO_CODEC
+    output_codec: Codec = NO_CODEC
+    keep: bool = True
+
+
+class TrainBackward(Message):
+    """The loss's gradient with respect to the outputs of forward `step_id`, in one tensor; answered with the
+    gradient with respect to its inputs. `apply`: then take one optimizer step on the gradients gathered since the
+    last one (False: gather more micro-batches first). Sent again after a lost answer, it is answered from record."""
+
+    kind: Literal["train_backward"] = "train_backward"
+    step_id: StepIdText
+    codec: Codec = NO_CODEC
+    output_codec: Codec = NO_CODEC
+    apply: bool = True
+
+
+class TrainStateRequest(Message):
+    """Ask for the slice's current values (a checkpoint, or the adapter at the end)."""
+
+    kind: Literal["train_state_request"] = "train_state_request"
+
+
+class TrainOpened(Message):
+    kind: Literal["train_opened"] = "train_opened"
+    step: int = Field(ge=0)
+
+
+class TrainOutput(Message):
+    kind: Literal["train_output"] = "train_output"
+    step_id: StepIdText
+    compute_s: Seconds = 0.0
+    codec: Codec = NO_CODEC
+
+
+class TrainGrad(Message):
+    """The gradient with respect to the inputs of `step_id` (one tensor); `step`: updates applied so far."""
+
+    kind: Literal["train_grad"] = "train_grad"
+    step_id: StepIdText
+    step: int = Field(ge=0)
+    compute_s: Seconds = 0.0
+    codec: Codec = NO_CODEC
+
+
+class TrainState(BlockRange):
+    """The slice after `step` updates: one tensor of its canonical bytes, whose sha256 is `slice_sha256`."""
+
+    kind: Literal["train_state"] = "train_state"
+    step: int = Field(ge=0)
+    slice_sha256: AdapterId
+
+
 M = TypeVar("M", bound=Message)
 
 
@@ -310,6 +390,8 @@ FORWARD = _union(ForwardRequest)
 FORWARD_ANSWERS = _union(ForwardResult, ErrorReply)
 INFO_ANSWERS = _union(InfoReply, ErrorReply)
 TICKET_ANSWERS = _union(LaneTicket, ErrorReply)
+TO_TRAINING = _union(OpenTraining, TrainForward, TrainBackward, TrainStateRequest)  # a training stream's client
+FROM_TRAINING = _union(TrainOpened, TrainOutput, TrainGrad, TrainState, ErrorReply)
 GRAPH = _union(GraphForward)
 GRAPH_ANSWERS = _union(GraphResult, ErrorReply)
 
@@ -401,6 +483,8 @@ __all__ = [
     "PUSH_ANSWERS",
     "TICKET_ANSWERS",
     "TO_SESSION",
+    "TO_TRAINING",
+    "FROM_TRAINING",
     "ErrorReply",
     "ForwardRequest",
     "ForwardResult",
@@ -413,9 +497,17 @@ __all__ = [
     "LaneTicket",
     "Message",
     "OpenSession",
+    "OpenTraining",
     "Opened",
     "Retarget",
     "Retargeted",
+    "TrainBackward",
+    "TrainForward",
+    "TrainGrad",
+    "TrainOpened",
+    "TrainOutput",
+    "TrainState",
+    "TrainStateRequest",
     "Step",
     "StepResult",
     "decode",

@@ -1,7 +1,8 @@
 """Names of the RPCs a node registers on its P2P host, and the frame size limit of unary calls.
 
 Streams (a Channel each, protocol/channel.py): INFERENCE (one per session), PUSH_STREAM (a node's pushes to its
-next node for one session), ADAPTER (a LoRA adapter's blocks for a node that lacks them). Unary: INFO, PING,
+next node for one session), ADAPTER (a LoRA adapter's blocks for a node that lacks them), TRAIN (one LoRA
+training session). Unary: INFO, PING,
 FORWARD, PUSH (one pushed step), LANE_TICKET, GRAPH_FORWARD.
 """
 
@@ -13,6 +14,7 @@ PUSH = "nesa.push"
 PUSH_STREAM = "nesa.push_stream"
 LANE_TICKET = "nesa.lane_ticket"
 GRAPH_FORWARD = "nesa.graph_forward"
+TRAIN = "nesa.train"  # a stream: one LoRA training session (server/training.py)
 ADAPTER = "nesa.adapter"  # a stream: one AdapterRequest, one answer (a node fetching a LoRA adapter's blocks)
 
 MAX_PING_BYTES = 1 << 20  # what a ping may carry: room for a bandwidth probe, nothing more

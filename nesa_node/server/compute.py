@@ -10,8 +10,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -23,6 +25,7 @@ from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.sharding.lora import adapters_for_rows
 
 _BASE = contextlib.nullcontext()  # a pass without LoRA rows: nothing to set (reusable, it holds no state)
+T = TypeVar("T")
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
 
 
@@ -140,6 +143,22 @@ class BlockCompute:
         self.compute_seconds += seconds
         self.steps_served += 1
         return output, seconds
+
+    async def run_work(self, work: Callable[[], T]) -> tuple[T, float]:
+        """`work()` on the compute thread (a training pass: it runs the span itself, under its own grad mode); (its
+        result, seconds it took), counted with the steps' compute time."""
+        if self.span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
+
+        def timed() -> tuple[T, float]:
+            started = time.perf_counter()
+            result = work()
+            return result, time.perf_counter() - started
+
+        result, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+        self.compute_seconds += seconds
+        self.steps_served += 1
+        return result, seconds
 
     async def run_decode(
         self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int], adapter=None

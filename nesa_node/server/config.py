@@ -135,6 +135,14 @@ class LimitsConfig:
         "close a session whose step is not computed and handed to the next node within this many seconds",
         parse="positive",
     )
+    max_training_sessions: int = option(8, "open LoRA training sessions at once", parse="positive_int")
+    # a rank-16 adapter on every projection of 8 blocks of a 7B Llama is about 20 MB; x4 for AdamW (guess: a few)
+    max_training_mb: float = option(
+        1024.0,
+        "memory training sessions may take together: parameters, gradients, AdamW moments and saved inputs, MiB",
+        parse="positive",
+        metavar="MB",
+    )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@
   BlockCompute             the span, the compute thread, input checks (server/compute.py)
   PushSender               outputs to the next node (server/push.py)
   InferenceService         session streams, steps, control, forwards (server/inference.py)
+  TrainingService          LoRA training sessions: forward, backward, AdamW on the node's slice (server/training.py)
   LaneServer               data lane connections and tickets (server/lanes.py)
   NodeRpc                  the RPC entries on the P2P host (server/rpc.py)
   LinkProber, Rebalancer   link measurement (server/link_probe.py), when to move (server/rebalance.py)
@@ -53,6 +54,7 @@ from nesa_node.server.rebalance import Rebalancer, make_trigger
 from nesa_node.server.rpc import NodeRpc
 from nesa_node.server.sessions import MAX_ADMISSION_WAIT_S, SessionTable
 from nesa_node.server.throughput import cached_measure
+from nesa_node.server.training import TrainingService
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
 from nesa_node.version import __version__
@@ -116,6 +118,7 @@ class Node:
         self.compute: BlockCompute
         self.adapters: NodeAdapters
         self.inference: InferenceService
+        self.training: TrainingService
         self.lanes: LaneServer
         self.rpc: NodeRpc
 
@@ -193,8 +196,10 @@ class Node:
             max_frame_bytes=frame_bytes,
             injected_delay=node.inference.injected_delay,
         )
+        node.training = TrainingService(node.compute, config.limits, network, model_config)
         node.rpc = NodeRpc(
             node.inference,
+            node.training,
             node.sessions,
             node.lanes,
             node.current_info,

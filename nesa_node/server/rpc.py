@@ -5,6 +5,7 @@ the component that does the work.
   FORWARD      a cacheless forward (InferenceService)  INFERENCE     one session stream (InferenceService)
   PUSH         one step pushed by an upstream node    PUSH_STREAM   a session's pushes over one stream
   LANE_TICKET  a FORWARD data lane ticket (LaneServer)  ADAPTER       a LoRA adapter's blocks, for a peer (NodeAdapters)
+  TRAIN        one LoRA training session (TrainingService)
 Unary calls are bounded by p2pd (4 MiB); streams by the node's frame limit (protocol/framing.py).
 """
 
@@ -24,6 +25,7 @@ from nesa_node.server.adapter_fetch import answer_adapter_request
 from nesa_node.server.inference import InferenceService
 from nesa_node.server.lanes import LaneServer, serve_steps
 from nesa_node.server.sessions import Inbound, SessionTable
+from nesa_node.server.training import TrainingService
 
 
 class NodeRpc:
@@ -32,6 +34,7 @@ class NodeRpc:
     def __init__(
         self,
         inference: InferenceService,
+        training: TrainingService,
         sessions: SessionTable,
         lanes: LaneServer,
         info: Callable[[], NodeInfo],
@@ -41,6 +44,7 @@ class NodeRpc:
     ):
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.inference = inference
+        self.training = training
         self.sessions = sessions
         self.lanes = lanes
         self.info = info
@@ -59,6 +63,7 @@ class NodeRpc:
             (rpc.INFERENCE, self.inference.serve_session),
             (rpc.PUSH_STREAM, self.rpc_push_stream),
             (rpc.ADAPTER, self.rpc_adapter),
+            (rpc.TRAIN, self.training.serve_training),
         )
         for name, handler in streams:
             await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)

@@ -1,0 +1,170 @@
+"""LoRA fine-tuning over a real swarm (issue: distributed LoRA fine-tuning): three in-process nodes of the trained
+tiny Llama, float32, no compression, against peft training the same adapter in one process with the same AdamW."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.finetune import FineTuningSession, causal_lm_loss
+from nesa_node.errors import AdapterError, BadRequestError
+from nesa_node.protocol.channel import frame
+from nesa_node.protocol.messages import TrainBackward, TrainGrad
+from nesa_node.protocol.tensors import tensor_to_proto
+from nesa_node.sharding.lora import load_adapter_slice
+from tests.support.adapters import peft_generate
+from tests.support.swarm import wait_for_chain
+
+PREFIX = "finetune"
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], lora_dropout=0.0)
+LR, WEIGHT_DECAY = 2e-3, 0.01
+SEQ, BATCH = 24, 4
+
+
+def batches(vocab: int, count: int, seed: int = 7) -> list[torch.Tensor]:
+    """Token batches of a fixed repeating pattern with noise: something an adapter can learn in a few steps."""
+    generator = torch.Generator().manual_seed(seed)
+    pattern = torch.randint(3, vocab, (SEQ,), generator=generator)
+    out = []
+    for _ in range(count):
+        rows = pattern.repeat(BATCH, 1)
+        noise = torch.rand(BATCH, SEQ, generator=generator) < 0.1
+        rows[noise] = torch.randint(3, vocab, (int(noise.sum()),), generator=generator)
+        out.append(rows)
+    return out
+
+
+@pytest.fixture(scope="module")
+def swarm(module_swarm, trained_model):
+    for start, end in ((0, 1), (1, 3), (3, 4)):
+        module_swarm.start_node(trained_model, start, end, dht_prefix=PREFIX)
+    return module_swarm
+
+
+@pytest.fixture(scope="module")
+def initial_adapter(trained_model, tmp_path_factory):
+    """A fresh peft adapter (B zero, as peft starts one), saved: both runs start from it."""
+    base = AutoModelForCausalLM.from_pretrained(trained_model)
+    torch.manual_seed(11)
+    model = peft.get_peft_model(base, peft.LoraConfig(**LORA))
+    folder = tmp_path_factory.mktemp("initial-adapter")
+    model.save_pretrained(folder)
+    return folder
+
+
+def local_run(model_path: str, folder, data: list[torch.Tensor]):
+    """peft in one process: (loss before each step, the trained PeftModel)."""
+    base = AutoModelForCausalLM.from_pretrained(model_path)
+    model = peft.PeftModel.from_pretrained(base, folder, is_trainable=True)
+    parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=LR, weight_decay=WEIGHT_DECAY, foreach=False)
+    losses = []
+    for input_ids in data:
+        loss = causal_lm_loss(model(input_ids).logits, input_ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, model
+
+
+def swarm_session(swarm, model_path, folder) -> FineTuningSession:
+    session = FineTuningSession.create(
+        model_path,
+        initial_peers=swarm.initial_peers,
+        dht_prefix=PREFIX,
+        adapter=folder,
+        lr=LR,
+        weight_decay=WEIGHT_DECAY,
+    )
+    assert len(session.chain) == 3
+    return session
+
+
+def lora_parameters(model) -> dict[str, torch.Tensor]:
+    """{"<block>.<projection>.lora_A|B": tensor} of a PeftModel's adapter."""
+    out = {}
+    for name, parameter in model.named_parameters():
+        if "lora_" in name:
+            block = int(name.split("layers.")[1].split(".")[0])
+            projection = ".".join(name.split("layers.")[1].split(".")[1:3])
+            out[f"{block}.{projection}.{name.split('.')[-3]}"] = parameter.detach()
+    return out
+
+
+def slice_parameters(whole) -> dict[str, torch.Tensor]:
+    out = {}
+    for (block, projection), factor in whole.factors.items():
+        out[f"{block}.{projection}.lora_A"] = factor.lora_a
+        out[f"{block}.{projection}.lora_B"] = factor.lora_b
+    return out
+
+
+def test_one_swarm_step_equals_one_peft_step(swarm, trained_model, initial_adapter):
+    data = batches(2048, 1)
+    losses, model = local_run(trained_model, initial_adapter, data)
+    with swarm_session(swarm, trained_model, initial_adapter) as session:
+        loss = session.train_step(data[0])
+        assert session.step == 1
+        whole = session.adapter()
+    assert abs(loss - losses[0]) < 1e-5
+    local, remote = lora_parameters(model), slice_parameters(whole)
+    assert local.keys() == remote.keys() and len(local) == 4 * 5 * 2
+    moved = 0
+    for name, expected in local.items():
+        assert torch.allclose(remote[name], expected, atol=1e-6, rtol=0), name
+        moved += not torch.equal(expected, slice_parameters(load_adapter_slice(initial_adapter, model.config))[name])
+    assert moved >= 4 * 5  # every B left zero after one step
+
+
+def test_thirty_steps_follow_peft_and_the_adapter_serves(swarm, trained_model, initial_adapter, tmp_path):
+    data = batches(2048, 30)
+    losses, model = local_run(trained_model, initial_adapter, data)
+    with swarm_session(swarm, trained_model, initial_adapter) as session:
+        remote = [session.train_step(input_ids) for input_ids in data]
+        folder = session.save_pretrained(tmp_path / "trained")
+        assert session.step == 30
+    for step, (ours, theirs) in enumerate(zip(remote, losses, strict=True)):
+        assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
+    assert remote[-1] < 0.5 * remote[0]  # it learnt the pattern
+
+    # the saved folder is a standard PEFT adapter, equal to the one trained in one process
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_model), folder)
+    for name, expected in lora_parameters(model).items():
+        assert torch.allclose(lora_parameters(loaded)[name], expected, atol=1e-5, rtol=0), name
+
+    # served: the swarm's greedy tokens with the trained adapter equal PeftModel's in one process
+    prompt = data[0][:1, :6]
+    expected = peft_generate(trained_model, folder, prompt, 8)
+    with DistributedModelForCausalLM.from_pretrained(
+        trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none", adapter=str(folder)
+    ) as client:
+        wait_for_chain(client)
+        tokens = client.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None)
+    assert torch.equal(tokens, expected)
+
+
+def test_evaluation_changes_nothing_and_bad_requests_are_typed(swarm, trained_model, initial_adapter):
+    data = batches(2048, 2)
+    with swarm_session(swarm, trained_model, initial_adapter) as session:
+        before = session.evaluate(data[1])
+        assert session.evaluate(data[1]) == before  # evaluating updates nothing
+        first = session.evaluate(data[0])
+        assert session.train_step(data[0]) == pytest.approx(first, abs=1e-5)  # the loss before the step
+        assert session.evaluate(data[1]) < before  # one step on the pattern helps on another batch of it
+        with pytest.raises(ValueError):
+            session.train_step(data[0][:, :1])  # one token: nothing to predict
+        stray = frame(TrainBackward(step_id="nothing-forwarded"), [tensor_to_proto(torch.zeros(1, 2, 128))])
+        with pytest.raises(BadRequestError, match="no forward pass"):
+            session.runner.call(session.inner.links[0].call(stray, TrainGrad))
+        assert session.step == 1
+        assert session.train_step(data[0]) < first  # the session goes on after a refused request
+        assert session.step == 2
+
+
+def test_a_folder_that_is_not_an_adapter_is_refused(swarm, trained_model, tmp_path):
+    with pytest.raises(AdapterError):
+        FineTuningSession.create(trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, adapter=tmp_path)
