@@ -23,7 +23,8 @@
     ├── SessionStateError           session_state    client-side misuse of an inference session
     ├── PortInUseError              port_in_use      a port this process must listen on is taken
     ├── IdentityFileError           identity         an identity key file that is a link, not ours, or unreadable
-    └── InitialPeersError           initial_peers    --initial-peers malformed, or none of them answered
+    ├── InitialPeersError           initial_peers    --initial-peers malformed, or none of them answered
+    └── TrainingDataError           training_data    a fine-tuning data file missing, empty or malformed
 
 Errors that cross the wire are sent as (code, message) and rebuilt on the other side by `error_from_code`.
 """
@@ -120,6 +121,13 @@ class AdapterMissingError(AdapterError):
     code = "adapter_missing"
 
 
+class CheckpointError(NesaError):
+    """A training checkpoint that is missing, incomplete, of another adapter or model, or whose files do not match
+    their hashes or signatures."""
+
+    code = "checkpoint"
+
+
 class PeerUnavailableError(NesaError):
     code = "peer_unavailable"
 
@@ -150,6 +158,13 @@ class IdentityFileError(NesaError):
     code = "identity"
 
 
+class TrainingDataError(NesaError):
+    """`nesa-node finetune` data that cannot be trained on: a missing or unreadable file, a line that is not a JSON
+    object with "text" (or "prompt" and "completion"), no records, nothing left to predict."""
+
+    code = "training_data"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
@@ -170,6 +185,7 @@ _BY_CODE = {
         UnsupportedAdapterError,
         AdapterHashError,
         AdapterMissingError,
+        CheckpointError,
         PeerUnavailableError,
         SessionPreemptedError,
         NoRouteError,

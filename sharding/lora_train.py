@@ -13,6 +13,8 @@ same loss end where one process updating the whole adapter ends: no node needs a
   every module: rank_pattern and alpha_pattern are refused with UnsupportedAdapterError).
 - `TrainableSlice(piece, device)`: the slice's factors as float32 parameters on `device`; `factors` is what
   sharding/lora_rows.py `trainable_adapter` runs; `snapshot()` the AdapterSlice of their current values.
+- `OptimizerState`: AdamW's moments of a slice's parameters and its step count, with canonical bytes (a
+  checkpoint, or what a replacement node restores); `TrainableSlice.optimizer_state` / `restore_optimizer`.
 - `save_peft_adapter(whole, spec, folder, base_model=...)`: `adapter_model.safetensors` and `adapter_config.json`,
   as `PeftModel.save_pretrained` writes them, so `PeftModel.from_pretrained` loads it and nodes serve it.
 """
@@ -20,13 +22,17 @@ same loss end where one process updating the whole adapter ends: no node needs a
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import re
+import struct
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from nesa_node.errors import AdapterError, UnsupportedAdapterError
+from nesa_node.errors import AdapterError, AdapterHashError, UnsupportedAdapterError
 from nesa_node.sharding.lora import (
     _PEFT_PREFIX,
     PROJECTIONS,
@@ -37,6 +43,8 @@ from nesa_node.sharding.lora import (
     read_adapter_config,
 )
 
+OPTIMIZER_FORMAT = "nesa-lora-adamw/1"
+_MOMENT_KEY = re.compile(r"\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.exp_avg(_sq)?")
 SHORT_NAMES = {projection.split(".")[-1]: projection for projection in PROJECTIONS}  # "q_proj" -> "self_attn.q_proj"
 
 
@@ -146,6 +154,55 @@ class TrainableSlice:
                     f"{tuple(lora_b.shape)}; the model's projection is {module.in_features} -> {module.out_features}"
                 )
 
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        """{"<block>.<projection>.lora_A|lora_B": parameter}: the names optimizer state is stored under."""
+        named = {}
+        for (block, projection), (lora_a, lora_b, _) in self.factors.items():
+            named[f"{block}.{projection}.lora_A"] = lora_a
+            named[f"{block}.{projection}.lora_B"] = lora_b
+        return named
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> OptimizerState:
+        """AdamW's moments of every parameter (none yet before the first step) and its step count."""
+        tensors, step = {}, 0
+        for name, parameter in self.named_parameters().items():
+            state = optimizer.state.get(parameter)
+            if not state:
+                continue
+            step = int(state["step"])
+            tensors[f"{name}.exp_avg"] = state["exp_avg"].detach().cpu().clone()
+            tensors[f"{name}.exp_avg_sq"] = state["exp_avg_sq"].detach().cpu().clone()
+        return OptimizerState(self.start, self.end, step, tensors)
+
+    def restore_optimizer(self, optimizer: torch.optim.Optimizer, saved: OptimizerState) -> None:
+        """Put `saved` (of this slice's blocks) into `optimizer`'s state; AdapterError when it does not match the
+        parameters (a moment missing, of another shape, or not finite)."""
+        if (saved.start, saved.end) != (self.start, self.end):
+            raise AdapterError(
+                f"optimizer state of blocks {saved.start}:{saved.end}, the slice's are {self.start}:{self.end}"
+            )
+        named = self.named_parameters()
+        expected = {f"{name}.{moment}" for name in named for moment in ("exp_avg", "exp_avg_sq")}
+        if saved.tensors and set(saved.tensors) != expected:
+            raise AdapterError("optimizer state does not name exactly the slice's parameters")
+        for name, parameter in named.items():
+            if not saved.tensors:
+                break
+            moments = [saved.tensors[f"{name}.{moment}"] for moment in ("exp_avg", "exp_avg_sq")]
+            for moment in moments:
+                if moment.shape != parameter.shape or not torch.isfinite(moment).all():
+                    raise AdapterError(
+                        f"optimizer state of {name} is not of shape {tuple(parameter.shape)} or not finite"
+                    )
+            if (moments[1] < 0).any():
+                raise AdapterError(f"optimizer state of {name} has a negative second moment")
+            device = parameter.device
+            optimizer.state[parameter] = {
+                "step": torch.tensor(float(saved.step)),
+                "exp_avg": moments[0].to(device, torch.float32).clone(),
+                "exp_avg_sq": moments[1].to(device, torch.float32).clone(),
+            }
+
     def snapshot(self) -> AdapterSlice:
         """The slice of the parameters' current values (float32, on the CPU)."""
         factors = {
@@ -153,6 +210,75 @@ class TrainableSlice:
             for target, (lora_a, lora_b, scale) in self.factors.items()
         }
         return AdapterSlice(self.start, self.end, factors)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class OptimizerState:
+    """AdamW's moments of the LoRA parameters of blocks [start, end) ("<block>.<projection>.lora_A|lora_B.exp_avg"
+    and ".exp_avg_sq", float32; empty before the first step) and its step count. Canonical bytes as an AdapterSlice's:
+    safetensors plus one sorted JSON metadata entry, named by their sha256."""
+
+    start: int
+    end: int
+    step: int
+    tensors: dict[str, torch.Tensor]
+
+    def to_bytes(self) -> bytes:
+        from safetensors.torch import save
+
+        header = {"format": OPTIMIZER_FORMAT, "start": self.start, "end": self.end, "step": self.step}
+        metadata = json.dumps(header, sort_keys=True, separators=(",", ":"))
+        tensors = {name: tensor.detach().cpu().float().contiguous() for name, tensor in self.tensors.items()}
+        return save(tensors, metadata={"nesa_optimizer": metadata})
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, expected_sha256: str) -> OptimizerState:
+        """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
+        or AdapterError otherwise."""
+        from safetensors.torch import load
+
+        actual = hashlib.sha256(data).hexdigest()
+        if actual != expected_sha256.lower():
+            raise AdapterHashError(f"optimizer state bytes hash to {actual[:16]}…, not {expected_sha256[:16]}…")
+        try:
+            (header_length,) = struct.unpack("<Q", data[:8])
+            header = json.loads(data[8 : 8 + header_length])
+            described = json.loads(header["__metadata__"]["nesa_optimizer"])
+            start, end, step = described["start"], described["end"], described["step"]
+            if described["format"] != OPTIMIZER_FORMAT or not all(type(v) is int for v in (start, end, step)):
+                raise ValueError(f"format {described['format']!r}, blocks {start!r}:{end!r}, step {step!r}")
+            tensors = load(data)
+            if not all(_MOMENT_KEY.fullmatch(name) and t.dtype == torch.float32 for name, t in tensors.items()):
+                raise ValueError("a tensor that is not a float32 moment of a LoRA factor")
+            state = cls(start, end, step, dict(tensors))
+        except (ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:  # SafetensorError: ValueError
+            raise AdapterError(f"bytes are not an optimizer state ({type(exc).__name__}: {exc})") from None
+        if not 0 <= start < end or step < 0 or state.sha256 != actual:
+            raise AdapterError("optimizer state of a bad range or step, or not in canonical form")
+        return state
+
+    def narrow(self, start: int, end: int) -> OptimizerState:
+        """The state of blocks [start, end), a part of these."""
+        if not self.start <= start < end <= self.end:
+            raise AdapterError(f"blocks {start}:{end} are not a part of this state's {self.start}:{self.end}")
+        kept = {name: tensor for name, tensor in self.tensors.items() if start <= int(name.split(".")[0]) < end}
+        return OptimizerState(start, end, self.step, kept)
+
+
+def merge_optimizer_states(states: list[OptimizerState]) -> OptimizerState:
+    """One state of adjacent `states` taken at the same step."""
+    ordered = sorted(states, key=lambda state: state.start)
+    if not ordered or len({state.step for state in ordered}) != 1:
+        raise AdapterError("optimizer states to merge must be of the same step")
+    for previous, following in zip(ordered, ordered[1:], strict=False):
+        if following.start != previous.end:
+            raise AdapterError(f"optimizer states {previous.start}:{previous.end} and {following.start}: do not meet")
+    tensors = {name: tensor for state in ordered for name, tensor in state.tensors.items()}
+    return OptimizerState(ordered[0].start, ordered[-1].end, ordered[0].step, tensors)
 
 
 def save_peft_adapter(
@@ -177,4 +303,13 @@ def save_peft_adapter(
     return folder
 
 
-__all__ = ["SHORT_NAMES", "LoraSpec", "TrainableSlice", "init_adapter", "save_peft_adapter", "spec_of_folder"]
+__all__ = [
+    "SHORT_NAMES",
+    "LoraSpec",
+    "OptimizerState",
+    "TrainableSlice",
+    "init_adapter",
+    "merge_optimizer_states",
+    "save_peft_adapter",
+    "spec_of_folder",
+]

@@ -296,9 +296,11 @@ class GraphResult(Message):
 
 class OpenTraining(BlockRange):
     """Open a LoRA training session for blocks [start_block, end_block) of the node's span (server/training.py). The
-    frame's one tensor holds the slice's canonical bytes (sharding/lora.py, bytes_to_proto) for exactly those blocks,
-    whose sha256 is `slice_sha256`; the node trains its own copy with AdamW (`lr`, `betas`, `eps`, `weight_decay`,
-    torch's definitions). `step` is the number of updates the slice has had (a resumed or replacement session)."""
+    frame's first tensor holds the slice's canonical bytes (sharding/lora.py, bytes_to_proto) for exactly those blocks,
+    whose sha256 is `slice_sha256`; with `optimizer_sha256`, a second tensor holds AdamW's state to resume from
+    (sharding/lora_train.py OptimizerState). The node trains its own copy with AdamW (`lr`, `betas`, `eps`,
+    `weight_decay`, torch's definitions). `step` is the number of updates the slice has had (a resumed or replacement
+    session)."""
 
     kind: Literal["train_open"] = "train_open"
     session_id: Id
@@ -308,6 +310,7 @@ class OpenTraining(BlockRange):
     eps: float = Field(1e-8, gt=0, le=1.0, allow_inf_nan=False)
     weight_decay: float = Field(0.0, ge=0, le=1.0, allow_inf_nan=False)
     step: int = Field(0, ge=0, le=1 << 40)
+    optimizer_sha256: AdapterId | None = None
 
 
 class TrainForward(Message):
@@ -362,11 +365,21 @@ class TrainGrad(Message):
 
 
 class TrainState(BlockRange):
-    """The slice after `step` updates: one tensor of its canonical bytes, whose sha256 is `slice_sha256`."""
+    """The slice after `step` updates: two tensors, its canonical bytes (sha256 `slice_sha256`) and AdamW's state
+    (`optimizer_sha256`), signed by the node: `signature` of `signed_bytes(session_id)` by the RSA key `public_key`
+    (hivemind's serialization) whose libp2p peer id is the node's. A checkpoint keeps all of it, so who produced each
+    slice can be checked later."""
 
     kind: Literal["train_state"] = "train_state"
     step: int = Field(ge=0)
     slice_sha256: AdapterId
+    optimizer_sha256: AdapterId
+    public_key: bytes = Field(b"", max_length=2048)
+    signature: bytes = Field(b"", max_length=2048)
+
+    def signed_bytes(self, session_id: str) -> bytes:
+        fields = (session_id, self.start_block, self.end_block, self.step, self.slice_sha256, self.optimizer_sha256)
+        return ("nesa-train-state/1|" + "|".join(str(field) for field in fields)).encode()
 
 
 M = TypeVar("M", bound=Message)

@@ -196,7 +196,8 @@ class Node:
             max_frame_bytes=frame_bytes,
             injected_delay=node.inference.injected_delay,
         )
-        node.training = TrainingService(node.compute, config.limits, network, model_config)
+        signer = peer.signature_validator._private_key if peer.signature_validator is not None else None
+        node.training = TrainingService(node.compute, config.limits, network, model_config, signer=signer)
         node.rpc = NodeRpc(
             node.inference,
             node.training,

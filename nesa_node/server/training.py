@@ -6,7 +6,7 @@ One training stream (protocol.rpc.TRAIN) is one session. The client sends, in or
   OpenTraining   + the slice's canonical bytes   -> TrainOpened   the node keeps a float32 trainable copy
   TrainForward   + hidden states (positions 0..)  -> TrainOutput   the input is saved for the backward pass
   TrainBackward  + gradient of the outputs        -> TrainGrad     gradient of the inputs, then an AdamW step
-  TrainStateRequest                               -> TrainState    the slice's current canonical bytes
+  TrainStateRequest                               -> TrainState    the slice and AdamW's state, signed by the node
 
 What a node keeps for backward is only the input of each forward (batch x seq x hidden): the backward pass runs the
 blocks again from it with autograd on and backpropagates through them (activation recomputation). A node that
@@ -23,6 +23,7 @@ adapter, bad_request); a session ends after `session_timeout_s` without a messag
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 from collections import OrderedDict
@@ -59,7 +60,7 @@ from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
 from nesa_node.sharding.lora import AdapterSlice, check_fits_model
 from nesa_node.sharding.lora_rows import trainable_adapter
-from nesa_node.sharding.lora_train import TrainableSlice
+from nesa_node.sharding.lora_train import OptimizerState, TrainableSlice
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +88,10 @@ class TrainingSession:
 class TrainingService:
     """The node's LoRA training sessions (module docstring)."""
 
-    def __init__(self, compute: BlockCompute, limits: LimitsConfig, network: NetworkConfig, model_config):
+    def __init__(
+        self, compute: BlockCompute, limits: LimitsConfig, network: NetworkConfig, model_config, *, signer=None
+    ):
+        self.signer = signer  # the node's RSAPrivateKey (hivemind), which signs the states it hands out; None: unsigned
         self.compute = compute
         self.limits = limits
         self.network = network
@@ -156,10 +160,17 @@ class TrainingService:
         share = max(1, math.floor(self.limits.max_training_sessions * self.limits.max_cache_share_per_peer))
         if sum(owner == peer for owner, _ in self.sessions) >= share:
             raise QuotaExceededError(f"this peer holds {share} training sessions here, its share")
-        if len(request.tensors) != 1:
-            raise BadRequestError("a training open carries one tensor: the slice's canonical bytes")
+        tensors = 1 if message.optimizer_sha256 is None else 2
+        if len(request.tensors) != tensors:
+            raise BadRequestError(
+                f"this training open carries {tensors} tensors: the slice's bytes, and AdamW's state when it names one"
+            )
         data = bytes_from_proto(request.tensors[0], max_bytes=self.max_state_bytes // 4)
         piece = await asyncio.to_thread(AdapterSlice.from_bytes, data, message.slice_sha256)
+        saved = None
+        if message.optimizer_sha256 is not None:
+            data = bytes_from_proto(request.tensors[1], max_bytes=self.max_state_bytes // 2)
+            saved = await asyncio.to_thread(OptimizerState.from_bytes, data, message.optimizer_sha256)
         if (piece.start, piece.end) != blocks:
             raise AdapterError(f"the slice holds blocks {piece.start}:{piece.end}, the session {blocks[0]}:{blocks[1]}")
         check_fits_model(piece, self.model_config)
@@ -179,6 +190,8 @@ class TrainingService:
             weight_decay=message.weight_decay,
             foreach=False,
         )
+        if saved is not None:
+            trainable.restore_optimizer(optimizer, saved)
         session = TrainingSession(message.session_id, peer, blocks, trainable, optimizer, step=message.step)
         self.sessions[(peer, message.session_id)] = session
         return session
@@ -251,9 +264,24 @@ class TrainingService:
         return answer
 
     def _state(self, session: TrainingSession) -> Frame:
+        """The slice and AdamW's state now, signed (TrainState)."""
+        if session.pending_grads:
+            raise BadRequestError("gradients are gathered but not applied yet: finish the step before asking")
         piece = session.slice.snapshot()
-        message = TrainState(start_block=piece.start, end_block=piece.end, step=session.step, slice_sha256=piece.sha256)
-        return frame(message, [bytes_to_proto(piece.to_bytes())])
+        optimizer_bytes = session.slice.optimizer_state(session.optimizer).to_bytes()
+        message = TrainState(
+            start_block=piece.start,
+            end_block=piece.end,
+            step=session.step,
+            slice_sha256=piece.sha256,
+            optimizer_sha256=hashlib.sha256(optimizer_bytes).hexdigest(),
+        )
+        if self.signer is not None:
+            signature = self.signer.sign(message.signed_bytes(session.session_id))
+            message = message.model_copy(
+                update={"public_key": self.signer.get_public_key().to_bytes(), "signature": signature}
+            )
+        return frame(message, [bytes_to_proto(piece.to_bytes()), bytes_to_proto(optimizer_bytes)])
 
     def close(self) -> None:
         self.sessions.clear()

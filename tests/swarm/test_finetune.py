@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.checkpoints import latest_step, read_checkpoint
 from nesa_node.client.finetune import FineTuningSession, causal_lm_loss
-from nesa_node.errors import AdapterError, BadRequestError
+from nesa_node.errors import AdapterError, BadRequestError, CheckpointError
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import TrainBackward, TrainGrad
 from nesa_node.protocol.tensors import tensor_to_proto
@@ -39,7 +40,7 @@ def batches(vocab: int, count: int, seed: int = 7) -> list[torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def swarm(module_swarm, trained_model):
-    for start, end in ((0, 1), (1, 3), (3, 4)):
+    for start, end in ((0, 1), (1, 3), (1, 3), (3, 4)):  # a spare for blocks 1:3, for the failover test
         module_swarm.start_node(trained_model, start, end, dht_prefix=PREFIX)
     return module_swarm
 
@@ -71,7 +72,7 @@ def local_run(model_path: str, folder, data: list[torch.Tensor]):
     return losses, model
 
 
-def swarm_session(swarm, model_path, folder) -> FineTuningSession:
+def swarm_session(swarm, model_path, folder, **options) -> FineTuningSession:
     session = FineTuningSession.create(
         model_path,
         initial_peers=swarm.initial_peers,
@@ -79,6 +80,7 @@ def swarm_session(swarm, model_path, folder) -> FineTuningSession:
         adapter=folder,
         lr=LR,
         weight_decay=WEIGHT_DECAY,
+        **options,
     )
     assert len(session.chain) == 3
     return session
@@ -168,3 +170,57 @@ def test_evaluation_changes_nothing_and_bad_requests_are_typed(swarm, trained_mo
 def test_a_folder_that_is_not_an_adapter_is_refused(swarm, trained_model, tmp_path):
     with pytest.raises(AdapterError):
         FineTuningSession.create(trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, adapter=tmp_path)
+
+
+def test_a_node_lost_mid_training_is_replaced_and_the_run_resumes_from_its_checkpoint(
+    swarm, trained_model, initial_adapter, tmp_path
+):
+    """Checkpoints every 4 steps; after step 6 the chain's middle node stops: the session reopens the chain at step
+    4 on the spare, replays steps 5 and 6, and goes on. Closed at step 12 and resumed from the checkpoint folder, it
+    ends at step 15 where peft's uninterrupted run ends."""
+    data = batches(2048, 15, seed=3)
+    losses, model = local_run(trained_model, initial_adapter, data)
+    checkpoints = tmp_path / "checkpoints"
+    remote = []
+    with swarm_session(
+        swarm, trained_model, initial_adapter, checkpoint_dir=checkpoints, checkpoint_every=4
+    ) as session:
+        while session.step < 12:
+            if session.step == 6 and session.failovers == 0:
+                middle = next(node for node in swarm.nodes if node.peer_id == session.chain[1].peer_id)
+                swarm.stop_node(middle)
+            remote.append(session.train_step(data[session.step]))
+        assert session.failovers == 1 and session.replayed_steps == 2  # lost: steps 5 and 6, at most the interval
+        assert middle.peer_id not in {hop.peer_id for hop in session.chain}
+    assert latest_step(checkpoints) == 12
+    assert sorted(path.name for path in checkpoints.glob("step-*")) == ["step-00000008", "step-00000012"]
+    with swarm_session(swarm, trained_model, initial_adapter, checkpoint_dir=checkpoints, resume=True) as resumed:
+        assert resumed.step == 12
+        while resumed.step < 15:
+            remote.append(resumed.train_step(data[resumed.step]))
+        folder = resumed.save_pretrained(tmp_path / "adapter")
+    for step, (ours, theirs) in enumerate(zip(remote, losses, strict=True)):
+        assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_model), folder)
+    for name, expected in lora_parameters(model).items():
+        assert torch.allclose(lora_parameters(loaded)[name], expected, atol=1e-5, rtol=0), name
+
+
+def test_a_damaged_checkpoint_is_refused(swarm, trained_model, initial_adapter, tmp_path):
+    data = batches(2048, 2)
+    with swarm_session(swarm, trained_model, initial_adapter, checkpoint_dir=tmp_path, checkpoint_every=2) as session:
+        for input_ids in data:
+            session.train_step(input_ids)
+    checkpoint = read_checkpoint(tmp_path, num_blocks=4)
+    assert checkpoint.step == 2 and {span.peer_id for span in checkpoint.spans} <= {n.peer_id for n in swarm.nodes}
+    manifest = tmp_path / "step-00000002" / "manifest.json"
+    text = manifest.read_text()
+    signer = checkpoint.spans[0].peer_id
+    other = next(node.peer_id for node in swarm.nodes if node.peer_id != signer)
+    manifest.write_text(text.replace(signer, other, 1))  # claims another node produced the first slice
+    with pytest.raises(CheckpointError, match="not signed by that node"):
+        read_checkpoint(tmp_path, num_blocks=4)
+    manifest.write_text(text)
+    next(tmp_path.glob("step-00000002/blocks-0-1.slice.safetensors")).write_bytes(b"\0" * 64)
+    with pytest.raises(CheckpointError):
+        swarm_session(swarm, trained_model, initial_adapter, checkpoint_dir=tmp_path, resume=True)

@@ -1,0 +1,209 @@
+"""Checkpoints of a LoRA training session: each node's slice and AdamW state at one step, as the node signed them.
+
+A checkpoint folder holds one subfolder per kept checkpoint and a pointer to the newest:
+
+    DIR/latest.json                       {"step": N, "folder": "step-0000000N"}  (replaced atomically)
+    DIR/step-0000000N/manifest.json       the session, spec, optimizer settings and, per span: blocks, step, the
+                                          sha256 of both files, the signing node's peer id, public key, signature
+    DIR/step-0000000N/blocks-S-E.slice.safetensors       the slice's canonical bytes (sharding/lora.py)
+    DIR/step-0000000N/blocks-S-E.adamw.safetensors       AdamW's state (sharding/lora_train.py OptimizerState)
+
+A checkpoint is written into a temporary folder, renamed into place, and only then named by latest.json: a crash at
+any point leaves the previous checkpoint whole and current, never a half-written one. Reading checks every file
+against its hash and every signature against the node's key and peer id (CheckpointError otherwise), so a corrupted
+or edited checkpoint is refused instead of trained on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+from hivemind.utils.crypto import RSAPublicKey
+
+from nesa_node.errors import AdapterError, CheckpointError
+from nesa_node.protocol.identity import peer_id_of_public_key
+from nesa_node.protocol.messages import TrainState
+from nesa_node.sharding.lora import AdapterSlice, merge_slices
+from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states
+
+FORMAT = "nesa-finetune-checkpoint/1"
+KEEP = 2  # checkpoints kept: the newest, and the one before while the newest is written
+
+
+@dataclasses.dataclass(frozen=True)
+class SpanState:
+    """One node's slice and AdamW state at one step, with its signature (TrainState)."""
+
+    slice: AdapterSlice
+    optimizer: OptimizerState
+    peer_id: str  # the node that produced and signed it
+    public_key: bytes
+    signature: bytes
+
+    @property
+    def step(self) -> int:
+        return self.optimizer.step
+
+
+def check_signature(message: TrainState, session_id: str, peer_id: str) -> None:
+    """CheckpointError unless `message` is signed by the RSA key of `peer_id`."""
+    if not message.public_key or not message.signature:
+        raise CheckpointError(f"node {peer_id[:12]}… sent an unsigned training state")
+    try:
+        key = RSAPublicKey.from_bytes(message.public_key)
+        valid = key.verify(message.signed_bytes(session_id), message.signature)
+        signer = peer_id_of_public_key(key).to_base58()
+    except Exception as exc:  # a malformed key: the node's fault
+        raise CheckpointError(f"node {peer_id[:12]}… sent an unreadable key ({type(exc).__name__})") from None
+    if not valid or signer != peer_id:
+        raise CheckpointError(f"training state from {peer_id[:12]}… is not signed by that node")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """A whole adapter and its AdamW state at `step` (from every span's SpanState)."""
+
+    step: int
+    session_id: str
+    spec: LoraSpec
+    optimizer: dict  # OptimizerSettings fields
+    adapter: AdapterSlice
+    adam: OptimizerState
+    spans: tuple[SpanState, ...] = ()
+
+
+def assemble(step: int, session_id: str, spec: LoraSpec, optimizer: dict, spans: list[SpanState]) -> Checkpoint:
+    if any(span.step != step for span in spans):
+        raise CheckpointError(f"span states of steps {sorted({span.step for span in spans})}, not all {step}")
+    try:
+        adapter = merge_slices([span.slice for span in spans])
+        adam = merge_optimizer_states([span.optimizer for span in spans])
+    except AdapterError as exc:
+        raise CheckpointError(f"span states do not make one adapter: {exc.message}") from None
+    return Checkpoint(step, session_id, spec, dict(optimizer), adapter, adam, tuple(spans))
+
+
+def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
+    """Write `checkpoint` (module docstring) and make it the latest; returns its subfolder. Older ones past KEEP are
+    removed."""
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"step-{checkpoint.step:08d}"
+    staging = root / f".{name}.partial"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    spans = []
+    for span in checkpoint.spans:
+        stem = f"blocks-{span.slice.start}-{span.slice.end}"
+        slice_bytes, adam_bytes = span.slice.to_bytes(), span.optimizer.to_bytes()
+        _write(staging / f"{stem}.slice.safetensors", slice_bytes)
+        _write(staging / f"{stem}.adamw.safetensors", adam_bytes)
+        spans.append(
+            {
+                "start": span.slice.start,
+                "end": span.slice.end,
+                "step": span.step,
+                "slice_sha256": span.slice.sha256,
+                "optimizer_sha256": hashlib.sha256(adam_bytes).hexdigest(),
+                "signer": span.peer_id,
+                "public_key": span.public_key.hex(),
+                "signature": span.signature.hex(),
+            }
+        )
+    manifest = {
+        "format": FORMAT,
+        "step": checkpoint.step,
+        "session_id": checkpoint.session_id,
+        "spec": dataclasses.asdict(checkpoint.spec),
+        "optimizer": checkpoint.optimizer,
+        "spans": spans,
+    }
+    _write(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    _write(root / "latest.json", json.dumps({"step": checkpoint.step, "folder": name}).encode())
+    kept = sorted(path for path in root.glob("step-*") if path.is_dir())
+    for old in kept[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _write(path: Path, data: bytes) -> None:
+    """Write `data` to `path` through a temporary file and a rename (never a half-written file under that name)."""
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(partial, path)
+
+
+def latest_step(folder: str | Path) -> int | None:
+    """The step of the newest checkpoint in `folder`, None when it holds none."""
+    pointer = Path(folder) / "latest.json"
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return int(json.loads(pointer.read_text())["step"])
+    return None
+
+
+def read_checkpoint(folder: str | Path, num_blocks: int) -> Checkpoint:
+    """The newest checkpoint in `folder`, every file checked against its hash and every signature against its node;
+    CheckpointError when there is none or anything does not check out."""
+    root = Path(folder)
+    try:
+        pointer = json.loads((root / "latest.json").read_text())
+        where = root / str(pointer["folder"])
+        manifest = json.loads((where / "manifest.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
+        raise CheckpointError(f"no readable checkpoint in {root} ({type(exc).__name__}: {exc})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{where / 'manifest.json'} is not a {FORMAT} manifest")
+    try:
+        step, session_id = int(manifest["step"]), str(manifest["session_id"])
+        spec = LoraSpec(**{**manifest["spec"], "targets": tuple(manifest["spec"]["targets"])})
+        spans = [_read_span(where, entry, session_id) for entry in manifest["spans"]]
+    except CheckpointError:
+        raise
+    except (OSError, ValueError, KeyError, TypeError, AdapterError) as exc:
+        raise CheckpointError(f"checkpoint {where} is damaged ({type(exc).__name__}: {exc})") from None
+    checkpoint = assemble(step, session_id, spec, manifest.get("optimizer", {}), spans)
+    if (checkpoint.adapter.start, checkpoint.adapter.end) != (0, num_blocks):
+        raise CheckpointError(f"checkpoint {where} covers blocks {checkpoint.adapter.start}:{checkpoint.adapter.end}")
+    return checkpoint
+
+
+def _read_span(where: Path, entry: dict, session_id: str) -> SpanState:
+    stem = f"blocks-{int(entry['start'])}-{int(entry['end'])}"
+    piece = AdapterSlice.from_bytes((where / f"{stem}.slice.safetensors").read_bytes(), entry["slice_sha256"])
+    adam = OptimizerState.from_bytes((where / f"{stem}.adamw.safetensors").read_bytes(), entry["optimizer_sha256"])
+    message = TrainState(
+        start_block=piece.start,
+        end_block=piece.end,
+        step=int(entry["step"]),
+        slice_sha256=piece.sha256,
+        optimizer_sha256=entry["optimizer_sha256"],
+        public_key=bytes.fromhex(entry["public_key"]),
+        signature=bytes.fromhex(entry["signature"]),
+    )
+    check_signature(message, session_id, str(entry["signer"]))
+    if adam.step != message.step or (adam.start, adam.end) != (piece.start, piece.end):
+        raise CheckpointError(f"{stem}: the optimizer state is of another step or span than its slice")
+    return SpanState(piece, adam, str(entry["signer"]), message.public_key, message.signature)
+
+
+__all__ = [
+    "Checkpoint",
+    "SpanState",
+    "assemble",
+    "check_signature",
+    "latest_step",
+    "read_checkpoint",
+    "write_checkpoint",
+]
