@@ -132,6 +132,12 @@ class PeerUnavailableError(NesaError):
     code = "peer_unavailable"
 
 
+class ReplicaUnavailableError(PeerUnavailableError):
+    """A data-parallel replica of a training session did not send its gradients in time."""
+
+    code = "replica_unavailable"
+
+
 class SessionPreemptedError(PeerUnavailableError):
     """A node ended an idle session to admit a new one (it was full): the owner fails over like for a lost node."""
 
@@ -186,6 +192,7 @@ _BY_CODE = {
         AdapterHashError,
         AdapterMissingError,
         CheckpointError,
+        ReplicaUnavailableError,
         PeerUnavailableError,
         SessionPreemptedError,
         NoRouteError,

@@ -27,8 +27,11 @@ from pathlib import Path
 from hivemind.utils.crypto import RSAPublicKey
 
 from nesa_node.errors import AdapterError, CheckpointError
+from nesa_node.protocol import lane
+from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.messages import TrainState
+from nesa_node.protocol.tensors import bytes_from_proto
 from nesa_node.sharding.lora import AdapterSlice, merge_slices
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states
 
@@ -63,6 +66,26 @@ def check_signature(message: TrainState, session_id: str, peer_id: str) -> None:
         raise CheckpointError(f"node {peer_id[:12]}… sent an unreadable key ({type(exc).__name__})") from None
     if not valid or signer != peer_id:
         raise CheckpointError(f"training state from {peer_id[:12]}… is not signed by that node")
+
+
+def span_state_of(
+    message: TrainState, answer: Frame, blocks: tuple[int, int], step: int, session_id: str, peer_id: str
+) -> SpanState:
+    """The SpanState in a node's TrainState answer, once it is of `blocks` at `step`, both byte tensors match their
+    hashes and the node `peer_id` signed it for `session_id`; CheckpointError or BadRequestError otherwise."""
+    if (message.start_block, message.end_block) != blocks:
+        raise CheckpointError("answered another span's state")
+    if message.step != step or len(answer.tensors) != 2:
+        raise CheckpointError(f"answered the state of step {message.step} in {len(answer.tensors)} tensors, not {step}")
+    check_signature(message, session_id, peer_id)
+    limit = lane.CLIENT_MAX_FRAME_BYTES
+    piece = AdapterSlice.from_bytes(bytes_from_proto(answer.tensors[0], max_bytes=limit), message.slice_sha256)
+    adam = OptimizerState.from_bytes(bytes_from_proto(answer.tensors[1], max_bytes=limit), message.optimizer_sha256)
+    if (piece.start, piece.end) != (adam.start, adam.end) or adam.step not in (0, message.step):
+        raise CheckpointError("the optimizer state does not match the slice")
+    if not adam.tensors:  # before any update AdamW holds nothing; the state is still of this step
+        adam = OptimizerState(adam.start, adam.end, message.step, adam.tensors)
+    return SpanState(piece, adam, peer_id, message.public_key, message.signature)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,5 +228,6 @@ __all__ = [
     "check_signature",
     "latest_step",
     "read_checkpoint",
+    "span_state_of",
     "write_checkpoint",
 ]

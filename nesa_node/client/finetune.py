@@ -36,19 +36,26 @@ from nesa_node.client.checkpoints import (
     Checkpoint,
     SpanState,
     assemble,
-    check_signature,
     latest_step,
     read_checkpoint,
+    span_state_of,
     write_checkpoint,
 )
 from nesa_node.client.model import LoopThread
 from nesa_node.client.session_chain import codec_for
-from nesa_node.client.train_link import IGNORE_INDEX, LinkLost, TrainLink, causal_lm_loss
+from nesa_node.client.train_link import (
+    IGNORE_INDEX,
+    LinkLost,
+    TrainLink,
+    causal_lm_loss,
+    check_labels,
+    labelled_tokens,
+    replica_chains,
+)
 from nesa_node.errors import (
     AdapterBudgetError,
     CheckpointError,
     NoRouteError,
-    PeerUnavailableError,
     QuotaExceededError,
     RequestError,
     TooManySessionsError,
@@ -57,7 +64,9 @@ from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Frame, frame
 from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.messages import (
+    MAX_REPLICAS,
     OpenTraining,
+    Replica,
     TrainBackward,
     TrainForward,
     TrainGrad,
@@ -69,9 +78,7 @@ from nesa_node.protocol.messages import (
 from nesa_node.protocol.tensors import (
     NO_CODEC,
     WireCodec,
-    bytes_from_proto,
     bytes_to_proto,
-    tensor_from_proto,
     tensor_to_proto,
 )
 from nesa_node.routing.snapshot import Hop
@@ -85,8 +92,6 @@ from nesa_node.sharding.lora_train import (
 )
 
 logger = logging.getLogger(__name__)
-
-_WIRE_DTYPES = ("float32", "bfloat16", "float16", "uint8", "int8")
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,13 @@ class AsyncFineTuningSession:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 10,
         restore: Checkpoint | None = None,
+        data_parallel: int = 1,
     ):
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
+        if not 1 <= data_parallel <= MAX_REPLICAS + 1:
+            raise ValueError(f"data_parallel must be between 1 and {MAX_REPLICAS + 1}, got {data_parallel}")
+        self.data_parallel = data_parallel
         self.model = model
         self.spec = spec
         self.optimizer = optimizer
@@ -138,7 +147,7 @@ class AsyncFineTuningSession:
             0, self.session_id, spec, dataclasses.asdict(optimizer), adapter, OptimizerState(0, num_blocks, 0, {})
         )
         self.replay: list[_Pass] = []  # passes since the restore point, replayed after a failover
-        self.links: list[TrainLink] = []
+        self.chains: list[list[TrainLink]] = []  # one chain per data-parallel part; their hops match block for block
         self.step = self.restore.step  # optimizer steps taken
         self.failovers = 0
         self.replayed_steps = 0  # optimizer steps run again after failovers
@@ -164,6 +173,7 @@ class AsyncFineTuningSession:
         checkpoint_dir: str | Path | None = None,
         checkpoint_every: int = 10,
         resume: bool = False,
+        data_parallel: int = 1,
     ) -> AsyncFineTuningSession:
         """Join the swarm and open the training streams on a chain. `adapter`: a PEFT LoRA folder to start from
         (its rank, alpha and targets); otherwise a new adapter of `spec` (default LoraSpec()) initialised as peft
@@ -172,7 +182,9 @@ class AsyncFineTuningSession:
         states are fetched (checked against their hashes and the nodes' signatures): a failover goes back to the
         last one and replays the steps since; with `checkpoint_dir` they are also written there
         (client/checkpoints.py), and `resume` continues from the newest one there (its adapter spec and step; a
-        fresh start when there is none). Raises AdapterError for a bad folder, CheckpointError for a damaged
+        fresh start when there is none). `data_parallel` chains (nodes differ where the swarm has spares) each run a
+        part of every batch, and the nodes of one span sum their gradients before each step (server/training.py).
+        Raises AdapterError for a bad folder, CheckpointError for a damaged
         checkpoint, NoRouteError when no chain covers the model, the node's typed error when one refuses the
         session for another reason than being full."""
         model_path = str(model_path)
@@ -207,6 +219,7 @@ class AsyncFineTuningSession:
                 checkpoint_dir=checkpoint_dir,
                 checkpoint_every=checkpoint_every,
                 restore=restore,
+                data_parallel=data_parallel,
             )
             await session.open()
         except BaseException:
@@ -217,34 +230,48 @@ class AsyncFineTuningSession:
     # ---- the chain -------------------------------------------------------------------------------------------------
 
     async def open(self) -> None:
-        """Choose a chain and open a training stream on each of its nodes, every one starting from the restore
-        point. A node that is full, refuses this peer's share or fails is left out and the chain chosen again."""
+        """Choose the chains and open a training stream on each of their nodes, every one starting from the restore
+        point. A node that is full, refuses this peer's share or fails is left out and the chains chosen again."""
         failed: set[str] = set()
         for _ in range(self.model.config.max_open_attempts):
-            chain = await self.model.choose_chain(exclude=frozenset(failed))
+            first = await self.model.choose_chain(exclude=frozenset(failed))
+            plan = [list(first.hops)] + await self._replica_chains(list(first.hops), failed)
             self.session_id = uuid.uuid4().hex
-            links: list[TrainLink] = []
+            ids = [f"{self.session_id}-{index}" for index in range(len(plan))]
+            opened: list[list[TrainLink]] = []
+            hop = plan[0][0]
             try:
-                for hop in chain.hops:
-                    links.append(await self._open_link(hop))
+                for index, hops in enumerate(plan):
+                    opened.append([])
+                    for position, hop in enumerate(hops):
+                        replicas = tuple(
+                            Replica(peer=plan[other][position].peer_id, session_id=ids[other])
+                            for other in range(len(plan))
+                            if other != index
+                        )
+                        opened[-1].append(await self._open_link(hop, ids[index], replicas))
             except (LinkLost, TooManySessionsError, QuotaExceededError, AdapterBudgetError) as exc:
-                for link in links:
-                    link.close()
-                peer = exc.peer_id if isinstance(exc, LinkLost) else chain.hops[len(links)].peer_id
+                _close(opened)
+                peer = exc.peer_id if isinstance(exc, LinkLost) else hop.peer_id
                 logger.info("training chain: leaving out %s (%s)", peer[:12], exc)
                 failed.add(peer)
                 if isinstance(exc, LinkLost):
                     self.model.swarm.ban(peer)
                 continue
             except BaseException:
-                for link in links:
-                    link.close()
+                _close(opened)
                 raise
-            self.links = links
+            self.chains = opened
             return
         raise NoRouteError(f"no training chain could be opened; nodes left out: {len(failed)}")
 
-    async def _open_link(self, hop: Hop) -> TrainLink:
+    async def _replica_chains(self, hops: list[Hop], failed: set[str]) -> list[list[Hop]]:
+        if self.data_parallel == 1:
+            return []
+        snapshot = await self.model.swarm.snapshot(self.model.model_config.num_hidden_layers)
+        return replica_chains(hops, snapshot.nodes, self.data_parallel - 1, failed | self.model.swarm.banned())
+
+    async def _open_link(self, hop: Hop, session_id: str, replicas: tuple[Replica, ...] = ()) -> TrainLink:
         timeout_s = self.model.config.request_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
@@ -256,9 +283,9 @@ class AsyncFineTuningSession:
         restore = self.restore
         piece = restore.adapter.narrow(hop.start_block, hop.end_block)
         adam = restore.adam.narrow(hop.start_block, hop.end_block) if restore.adam.tensors else None
-        link = TrainLink(hop, channel, timeout_s)
+        link = TrainLink(hop, channel, timeout_s, session_id)
         message = OpenTraining(
-            session_id=self.session_id,
+            session_id=session_id,
             start_block=hop.start_block,
             end_block=hop.end_block,
             slice_sha256=piece.sha256,
@@ -268,6 +295,7 @@ class AsyncFineTuningSession:
             weight_decay=self.optimizer.weight_decay,
             step=restore.step,
             optimizer_sha256=adam.sha256 if adam is not None else None,
+            replicas=replicas,
         )
         tensors = [bytes_to_proto(piece.to_bytes())] + ([bytes_to_proto(adam.to_bytes())] if adam else [])
         try:
@@ -277,14 +305,23 @@ class AsyncFineTuningSession:
             raise
         return link
 
+    @property
+    def links(self) -> list[TrainLink]:
+        """The first chain's links (every chain holds the same adapter)."""
+        return self.chains[0] if self.chains else []
+
     async def _recover(self, lost: LinkLost) -> None:
         """Replace the chain after `lost`: the failed node is banned, every node reopened at the restore point, and
         the passes since it run again before anything else."""
         logger.warning("training: %s; reopening the chain at step %d", lost, self.restore.step)
-        self.model.swarm.ban(lost.peer_id)
-        for link in self.links:
-            link.close()
-        self.links = []
+        peers = sorted({link.peer_id for chain in self.chains for link in chain})
+        _close(self.chains)
+        self.chains = []
+        if lost.blame:
+            self.model.swarm.ban(lost.peer_id)
+        else:  # a replica failed: those that do not answer now are the ones
+            for peer in await self.model.swarm.unreachable(peers):
+                self.model.swarm.ban(peer)
         self.failovers += 1
         self.replayed_steps += sum(item.apply for item in self.replay)
         self.step = self.restore.step
@@ -318,63 +355,70 @@ class AsyncFineTuningSession:
         codec = codec_for(None, link.hop, self.compression, elements=elements)
         return codec, codec
 
-    def _read(self, answer: Frame, codec: WireCodec, like: torch.Tensor) -> torch.Tensor:
-        tensor = tensor_from_proto(
-            answer.tensors[0], allowed_dtypes=_WIRE_DTYPES, max_elements=like.numel(), rank=3, codec=codec
-        )
-        if tensor.shape != like.shape:
-            raise PeerUnavailableError(f"a node answered a tensor of {tuple(tensor.shape)}, not {tuple(like.shape)}")
-        return tensor
-
-    async def _forward(self, hidden: torch.Tensor, step_id: str, *, keep: bool) -> list[torch.Tensor]:
+    async def _forward(
+        self, hidden: torch.Tensor, step_id: str, links: list[TrainLink], *, keep: bool
+    ) -> list[torch.Tensor]:
         """Hidden states through every node; the input each node was given, then the last node's output."""
         inputs = [hidden]
-        for link in self.links:
+        for link in links:
             codec, output_codec = self._codecs(link, hidden.numel())
             request = TrainForward(step_id=step_id, codec=codec, output_codec=output_codec, keep=keep)
             message, answer = await link.call(frame(request, [tensor_to_proto(hidden, codec)]), TrainOutput)
-            hidden = self._read(answer, message.codec, hidden).float()
+            hidden = link.read_tensor(answer, message.codec, hidden).float()
             inputs.append(hidden)
         return inputs
 
-    async def _backward(self, grad: torch.Tensor, step_id: str, *, apply: bool) -> int:
+    async def _backward(self, grad: torch.Tensor, step_id: str, links: list[TrainLink], *, apply: bool) -> int:
         """The gradient of the last node's output up the chain; the optimizer steps the nodes report."""
         steps = set()
-        for link in reversed(self.links):
+        for link in reversed(links):
             codec, output_codec = self._codecs(link, grad.numel())
             request = TrainBackward(step_id=step_id, codec=codec, output_codec=output_codec, apply=apply)
             message, answer = await link.call(frame(request, [tensor_to_proto(grad, codec)]), TrainGrad)
-            grad = self._read(answer, message.codec, grad).float()
+            grad = link.read_tensor(answer, message.codec, grad).float()
             steps.add(message.step)
         return min(steps)
 
-    def _labels(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
-        if input_ids.dim() != 2 or input_ids.shape[1] < 2:
-            raise ValueError(f"input_ids must be (batch, seq) with seq >= 2, got {tuple(input_ids.shape)}")
-        labels = input_ids if labels is None else labels
-        if labels.shape != input_ids.shape:
-            raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
-        return labels
-
-    def _loss_and_grad(self, output: torch.Tensor, labels: torch.Tensor) -> tuple[float, torch.Tensor]:
+    def _loss_and_grad(
+        self, output: torch.Tensor, labels: torch.Tensor, total: int | None
+    ) -> tuple[float, torch.Tensor]:
         edges = self.model.edges
         with torch.enable_grad():
             hidden = output.to(self.model.device, self.model.dtype).detach().requires_grad_(True)
-            loss = causal_lm_loss(edges.lm_head(edges.norm(hidden)), labels)
+            loss = causal_lm_loss(edges.lm_head(edges.norm(hidden)), labels, total=total)
             loss.backward()
         return loss.item(), hidden.grad.cpu()
 
     async def _pass(self, item: _Pass) -> float:
-        """One forward and backward pass through the chain (and an optimizer step with item.apply)."""
+        """One forward and backward pass through the chains, each chain a part of the batch's rows (and an optimizer
+        step with item.apply)."""
         self._passes += 1
         step_id = f"{self.session_id}:{self._passes}"
-        hidden = self.model.embed(item.input_ids).float()
-        outputs = await self._forward(hidden, step_id, keep=True)
-        loss, grad = self._loss_and_grad(outputs[-1], item.labels)
-        step = await self._backward(grad, step_id, apply=item.apply)
+        parts = len(self.chains)
+        if item.input_ids.shape[0] < parts:
+            raise ValueError(f"a batch of {item.input_ids.shape[0]} rows cannot be split over {parts} chains")
+        total = labelled_tokens(item.labels) if parts > 1 else None
+
+        async def run(links: list[TrainLink], input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+            hidden = self.model.embed(input_ids).float()
+            outputs = await self._forward(hidden, step_id, links, keep=True)
+            loss, grad = self._loss_and_grad(outputs[-1], labels, total)
+            return loss, await self._backward(grad, step_id, links, apply=item.apply)
+
+        split = zip(item.input_ids.tensor_split(parts), item.labels.tensor_split(parts), strict=True)
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [
+                    group.create_task(run(links, ids, labels))
+                    for links, (ids, labels) in zip(self.chains, split, strict=True)
+                ]
+        except ExceptionGroup as failures:  # the first lost node (a chain's failure cancels the others' passes)
+            lost = [error for error in failures.exceptions if isinstance(error, LinkLost)]
+            raise (lost[0] if lost else failures.exceptions[0]) from None
+        results = [task.result() for task in tasks]
         if item.apply:
-            self.step = step
-        return loss
+            self.step = min(step for _, step in results)
+        return sum(loss for loss, _ in results)
 
     async def train_step(
         self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, apply: bool = True
@@ -383,7 +427,7 @@ class AsyncFineTuningSession:
         node; the batch's loss before the step. `apply=False` gathers the gradients of more micro-batches first
         (scale their losses yourself: each pass's gradient is of its own mean loss). A node lost on the way is
         replaced (module docstring): the call returns once the step is taken on the new chain."""
-        item = _Pass(input_ids, self._labels(input_ids, labels), apply)
+        item = _Pass(input_ids, check_labels(input_ids, labels), apply)
 
         async def run() -> float:
             loss = await self._pass(item)
@@ -402,7 +446,8 @@ class AsyncFineTuningSession:
         for link in self.links:
             message, answer = await link.call(frame(TrainStateRequest()), TrainState)
             spans.append(await self._span_state(link, message, answer))
-        checkpoint = assemble(self.step, self.session_id, self.spec, dataclasses.asdict(self.optimizer), spans)
+        session_id = self.links[0].session_id
+        checkpoint = assemble(self.step, session_id, self.spec, dataclasses.asdict(self.optimizer), spans)
         if self.checkpoint_dir is not None:
             await asyncio.to_thread(write_checkpoint, self.checkpoint_dir, checkpoint)
         self.restore = checkpoint
@@ -411,35 +456,30 @@ class AsyncFineTuningSession:
 
     async def _span_state(self, link: TrainLink, message: TrainState, answer: Frame) -> SpanState:
         """The state a node answered, checked: its span, step, hashes and signature (LinkLost otherwise)."""
+        hop = link.hop
         try:
-            if (message.start_block, message.end_block) != (link.hop.start_block, link.hop.end_block):
-                raise CheckpointError("answered another span's state")
-            if message.step != self.step or len(answer.tensors) != 2:
-                raise CheckpointError(f"answered the state of step {message.step}, not {self.step}")
-            check_signature(message, self.session_id, link.peer_id)
-            limit = lane.CLIENT_MAX_FRAME_BYTES
-            piece = await asyncio.to_thread(
-                AdapterSlice.from_bytes, bytes_from_proto(answer.tensors[0], max_bytes=limit), message.slice_sha256
+            return await asyncio.to_thread(
+                span_state_of,
+                message,
+                answer,
+                (hop.start_block, hop.end_block),
+                self.step,
+                link.session_id,
+                hop.peer_id,
             )
-            adam = await asyncio.to_thread(
-                OptimizerState.from_bytes,
-                bytes_from_proto(answer.tensors[1], max_bytes=limit),
-                message.optimizer_sha256,
-            )
-            if (piece.start, piece.end) != (adam.start, adam.end) or adam.step not in (0, message.step):
-                raise CheckpointError("the optimizer state does not match the slice")
         except (RequestError, CheckpointError) as exc:
             raise LinkLost(link.peer_id, f"sent a bad training state: {exc.message}") from None
-        adam = OptimizerState(adam.start, adam.end, message.step, adam.tensors) if not adam.tensors else adam
-        return SpanState(piece, adam, link.peer_id, message.public_key, message.signature)
 
     async def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         """The loss of a batch with the adapter as it is now (nothing is saved or updated)."""
-        labels = self._labels(input_ids, labels)
-        self._passes += 1
-        outputs = await self._forward(
-            self.model.embed(input_ids).float(), f"{self.session_id}:{self._passes}", keep=False
-        )
+        labels = check_labels(input_ids, labels)
+
+        async def run() -> list[torch.Tensor]:
+            self._passes += 1
+            hidden = self.model.embed(input_ids).float()
+            return await self._forward(hidden, f"{self.session_id}:{self._passes}", self.links, keep=False)
+
+        outputs = await self._with_failover(run)
         with torch.inference_mode():
             edges = self.model.edges
             hidden = outputs[-1].to(self.model.device, self.model.dtype)
@@ -447,12 +487,13 @@ class AsyncFineTuningSession:
 
     # ---- the adapter -----------------------------------------------------------------------------------------------
 
-    async def adapter(self) -> AdapterSlice:
-        """The whole adapter as the nodes hold it now (every slice checked against its hash and signature)."""
+    async def adapter(self, chain: int = 0) -> AdapterSlice:
+        """The whole adapter as the nodes of data-parallel chain `chain` hold it now (every slice checked against its
+        hash and signature; the chains' replicas hold the same)."""
 
         async def fetch() -> AdapterSlice:
             spans = []
-            for link in self.links:
+            for link in self.chains[chain]:
                 message, answer = await link.call(frame(TrainStateRequest()), TrainState)
                 spans.append(await self._span_state(link, message, answer))
             return merge_slices([span.slice for span in spans])
@@ -466,9 +507,8 @@ class AsyncFineTuningSession:
         return await asyncio.to_thread(save_peft_adapter, whole, self.spec, folder, base_model=self.model_path)
 
     async def close(self) -> None:
-        for link in self.links:
-            link.close()
-        self.links = []
+        _close(self.chains)
+        self.chains = []
         await self.model.close()
 
     async def __aenter__(self) -> AsyncFineTuningSession:
@@ -476,6 +516,12 @@ class AsyncFineTuningSession:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
+
+
+def _close(chains: list[list[TrainLink]]) -> None:
+    for chain in chains:
+        for link in chain:
+            link.close()
 
 
 class FineTuningSession:
@@ -520,8 +566,8 @@ class FineTuningSession:
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
         return self.runner.call(self.inner.evaluate(input_ids, labels))
 
-    def adapter(self) -> AdapterSlice:
-        return self.runner.call(self.inner.adapter())
+    def adapter(self, chain: int = 0) -> AdapterSlice:
+        return self.runner.call(self.inner.adapter(chain))
 
     def save_pretrained(self, folder: str | Path) -> Path:
         return self.runner.call(self.inner.save_pretrained(folder))

@@ -12,33 +12,56 @@ from nesa_node.errors import PeerUnavailableError, RequestError
 from nesa_node.protocol.channel import Frame, read
 from nesa_node.protocol.framing import StreamChannel
 from nesa_node.protocol.messages import FROM_TRAINING, ErrorReply, Message, expect
+from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.routing.snapshot import Hop
 
+WIRE_DTYPES = ("float32", "bfloat16", "float16", "uint8", "int8")  # what a node's tensors may be on the wire
 IGNORE_INDEX = -100  # labels that take no part in the loss (transformers' convention)
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each position's logits against the next label (-100: ignored), in float32."""
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, total: int | None = None) -> torch.Tensor:
+    """Cross-entropy of each position's logits against the next label (-100: ignored), in float32: the mean, or
+    with `total` the sum divided by `total` (the labelled tokens of a whole batch this is a part of)."""
     shifted = logits[:, :-1].float()  # (batch, seq - 1, vocab)
     targets = labels[:, 1:].to(shifted.device)  # (batch, seq - 1)
-    return nn.functional.cross_entropy(
-        shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    flat_logits, flat_targets = shifted.reshape(-1, shifted.shape[-1]), targets.reshape(-1)
+    if total is None:
+        return nn.functional.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX)
+    summed = nn.functional.cross_entropy(flat_logits, flat_targets, ignore_index=IGNORE_INDEX, reduction="sum")
+    return summed / total
+
+
+def check_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+    """`labels` (the inputs when None) once they and `input_ids` are (batch, seq >= 2) alike; ValueError otherwise."""
+    if input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids must be (batch, seq) with seq >= 2, got {tuple(input_ids.shape)}")
+    labels = input_ids if labels is None else labels
+    if labels.shape != input_ids.shape:
+        raise ValueError(f"labels {tuple(labels.shape)} must match input_ids {tuple(input_ids.shape)}")
+    return labels
+
+
+def labelled_tokens(labels: torch.Tensor) -> int:
+    """Tokens whose next label takes part in the loss."""
+    return int((labels[:, 1:] != IGNORE_INDEX).sum())
 
 
 class LinkLost(PeerUnavailableError):
-    """A node of the training chain failed, went silent or answered nonsense: it is replaced (failover)."""
+    """A node of the training chain failed, went silent or answered nonsense: it is replaced (failover). `blame`
+    False: the node reported another's failure (a replica that sent no gradients); the client finds which."""
 
-    def __init__(self, peer_id: str, reason: str):
+    def __init__(self, peer_id: str, reason: str, *, blame: bool = True):
         super().__init__(f"node {peer_id[:12]}… {reason}")
         self.peer_id = peer_id
+        self.blame = blame
 
 
 class TrainLink:
     """The training stream to one node of the chain: one request, one answer, in order."""
 
-    def __init__(self, hop: Hop, channel: StreamChannel, timeout_s: float):
+    def __init__(self, hop: Hop, channel: StreamChannel, timeout_s: float, session_id: str = ""):
         self.hop = hop
+        self.session_id = session_id  # the session's id on this node
         self.channel = channel
         self.timeout_s = timeout_s
 
@@ -67,11 +90,65 @@ class TrainLink:
         except RequestError as exc:
             raise LinkLost(self.peer_id, f"sent a malformed answer: {exc.message}") from None
         if isinstance(message, ErrorReply):
-            raise message.error()
+            error = message.error()
+            if isinstance(error, PeerUnavailableError):  # a replica of this node's session failed
+                raise LinkLost(self.peer_id, f"reported: {error.message}", blame=False) from None
+            raise error
         return expect(message, expected), answer
+
+    def read_tensor(self, answer: Frame, codec: WireCodec, like: torch.Tensor) -> torch.Tensor:
+        """The answer's tensor, of the shape of `like` (what was sent); LinkLost for anything else."""
+        try:
+            tensor = tensor_from_proto(
+                answer.tensors[0] if answer.tensors else None,
+                allowed_dtypes=WIRE_DTYPES,
+                max_elements=like.numel(),
+                rank=like.dim(),
+                codec=codec,
+            )
+        except (RequestError, TypeError, AttributeError) as exc:
+            raise LinkLost(self.peer_id, f"answered an unreadable tensor ({exc})") from None
+        if tensor.shape != like.shape:
+            raise LinkLost(self.peer_id, f"answered a tensor of {tuple(tensor.shape)}, not {tuple(like.shape)}")
+        return tensor
 
     def close(self) -> None:
         self.channel.close()
 
 
-__all__ = ["IGNORE_INDEX", "LinkLost", "TrainLink", "causal_lm_loss"]
+def replica_chains(hops: list[Hop], nodes, count: int, left_out: set[str] | frozenset[str]) -> list[list[Hop]]:
+    """`count` more chains with the blocks of `hops`, hop for hop (data-parallel replicas): each hop on the node among
+    `nodes` (routing NodeViews) serving those blocks that the chains use least, another node where the swarm has one
+    that is online, not draining and not in `left_out`; a node used already runs another part."""
+    plans: list[list[Hop]] = []
+    for _ in range(count):
+        chain = []
+        for position, hop in enumerate(hops):
+            used = [hop.peer_id] + [plan[position].peer_id for plan in plans]
+            candidates = [
+                node
+                for node in nodes
+                if node.start_block <= hop.start_block
+                and hop.end_block <= node.end_block
+                and node.online
+                and not node.draining
+                and node.peer_id not in left_out
+            ]
+            best = min(candidates, key=lambda node: (used.count(node.peer_id), node.peer_id), default=None)
+            if best is None:
+                chain.append(hop)  # no other node serves these blocks: the same one runs another part
+            else:
+                chain.append(Hop(best.peer_id, hop.start_block, hop.end_block, best.codecs))
+        plans.append(chain)
+    return plans
+
+
+__all__ = [
+    "IGNORE_INDEX",
+    "LinkLost",
+    "TrainLink",
+    "causal_lm_loss",
+    "check_labels",
+    "labelled_tokens",
+    "replica_chains",
+]

@@ -24,6 +24,8 @@ metadata holds one message, msgpack-encoded, whose `kind` names its model:
     train_forward        TrainForward       hidden states, saved for backward      -> TrainOutput
     train_backward       TrainBackward      gradient of the outputs, then a step   -> TrainGrad
     train_state_request  TrainStateRequest  the slice's current values             -> TrainState
+  training sync stream (protocol.rpc.TRAIN_SYNC), node -> node
+    train_sync           TrainSync          a replica's gradients for one update   -> TrainSynced
 
 Reading a peer's metadata (`decode`) refuses, with BadRequestError and before any model is built: more than
 MAX_METADATA_BYTES, msgpack extension types (whose decoders may recurse), nesting deeper than MAX_DEPTH, anything but
@@ -294,6 +296,16 @@ class GraphResult(Message):
     compute_s: Seconds = 0.0
 
 
+MAX_REPLICAS = 16  # other sessions training the same blocks in one data-parallel training session
+
+
+class Replica(Message):
+    """A training session on another node (or this one) that trains the same blocks: `session_id` there."""
+
+    peer: PeerIdText
+    session_id: Id
+
+
 class OpenTraining(BlockRange):
     """Open a LoRA training session for blocks [start_block, end_block) of the node's span (server/training.py). The
     frame's first tensor holds the slice's canonical bytes (sharding/lora.py, bytes_to_proto) for exactly those blocks,
@@ -311,6 +323,9 @@ class OpenTraining(BlockRange):
     weight_decay: float = Field(0.0, ge=0, le=1.0, allow_inf_nan=False)
     step: int = Field(0, ge=0, le=1 << 40)
     optimizer_sha256: AdapterId | None = None
+    # data parallel: the sessions training the same blocks on other parts of each batch; before every optimizer step
+    # the members sum their gradients (TrainSync), so every replica takes the same step
+    replicas: tuple[Replica, ...] = Field((), max_length=MAX_REPLICAS)
 
 
 class TrainForward(Message):
@@ -334,6 +349,22 @@ class TrainBackward(Message):
     codec: Codec = NO_CODEC
     output_codec: Codec = NO_CODEC
     apply: bool = True
+
+
+class TrainSync(Message):
+    """Node -> node (protocol.rpc.TRAIN_SYNC): the sender's session `from_session_id` gives its gradients for update
+    `round` to the receiver's session `session_id` of client `owner`, its replica: one float32 tensor of every LoRA
+    parameter's gradient, flattened in the slice's parameter order."""
+
+    kind: Literal["train_sync"] = "train_sync"
+    owner: Id
+    session_id: Id
+    from_session_id: Id
+    round: int = Field(ge=1, le=1 << 40)
+
+
+class TrainSynced(Message):
+    kind: Literal["train_synced"] = "train_synced"
 
 
 class TrainStateRequest(Message):
@@ -405,6 +436,8 @@ INFO_ANSWERS = _union(InfoReply, ErrorReply)
 TICKET_ANSWERS = _union(LaneTicket, ErrorReply)
 TO_TRAINING = _union(OpenTraining, TrainForward, TrainBackward, TrainStateRequest)  # a training stream's client
 FROM_TRAINING = _union(TrainOpened, TrainOutput, TrainGrad, TrainState, ErrorReply)
+TRAIN_SYNC = _union(TrainSync)
+TRAIN_SYNC_ANSWERS = _union(TrainSynced, ErrorReply)
 GRAPH = _union(GraphForward)
 GRAPH_ANSWERS = _union(GraphResult, ErrorReply)
 
@@ -497,6 +530,8 @@ __all__ = [
     "TICKET_ANSWERS",
     "TO_SESSION",
     "TO_TRAINING",
+    "TRAIN_SYNC",
+    "TRAIN_SYNC_ANSWERS",
     "FROM_TRAINING",
     "ErrorReply",
     "ForwardRequest",
@@ -521,6 +556,10 @@ __all__ = [
     "TrainOutput",
     "TrainState",
     "TrainStateRequest",
+    "TrainSync",
+    "TrainSynced",
+    "Replica",
+    "MAX_REPLICAS",
     "Step",
     "StepResult",
     "decode",

@@ -15,6 +15,7 @@ PUSH_STREAM = "nesa.push_stream"
 LANE_TICKET = "nesa.lane_ticket"
 GRAPH_FORWARD = "nesa.graph_forward"
 TRAIN = "nesa.train"  # a stream: one LoRA training session (server/training.py)
+TRAIN_SYNC = "nesa.train_sync"  # a stream: one replica's gradients for one update of a data-parallel training session
 ADAPTER = "nesa.adapter"  # a stream: one AdapterRequest, one answer (a node fetching a LoRA adapter's blocks)
 
 MAX_PING_BYTES = 1 << 20  # what a ping may carry: room for a bandwidth probe, nothing more

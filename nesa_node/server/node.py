@@ -197,7 +197,14 @@ class Node:
             injected_delay=node.inference.injected_delay,
         )
         signer = peer.signature_validator._private_key if peer.signature_validator is not None else None
-        node.training = TrainingService(node.compute, config.limits, network, model_config, signer=signer)
+        node.training = TrainingService(
+            node.compute,
+            config.limits,
+            network,
+            model_config,
+            signer=signer,
+            p2p=peer.p2p,
+        )
         node.rpc = NodeRpc(
             node.inference,
             node.training,

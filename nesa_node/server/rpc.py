@@ -5,7 +5,7 @@ the component that does the work.
   FORWARD      a cacheless forward (InferenceService)  INFERENCE     one session stream (InferenceService)
   PUSH         one step pushed by an upstream node    PUSH_STREAM   a session's pushes over one stream
   LANE_TICKET  a FORWARD data lane ticket (LaneServer)  ADAPTER       a LoRA adapter's blocks, for a peer (NodeAdapters)
-  TRAIN        one LoRA training session (TrainingService)
+  TRAIN        one LoRA training session (TrainingService)  TRAIN_SYNC    a replica's gradients (TrainingService)
 Unary calls are bounded by p2pd (4 MiB); streams by the node's frame limit (protocol/framing.py).
 """
 
@@ -64,6 +64,7 @@ class NodeRpc:
             (rpc.PUSH_STREAM, self.rpc_push_stream),
             (rpc.ADAPTER, self.rpc_adapter),
             (rpc.TRAIN, self.training.serve_training),
+            (rpc.TRAIN_SYNC, self.training.serve_sync),
         )
         for name, handler in streams:
             await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)

@@ -18,11 +18,21 @@ Limits: `max_training_sessions` sessions on the node, each peer at most `max_cac
 least); a session's trainable state (parameters, gradients and AdamW's two moments: four float32 copies of its
 slice) and saved inputs within `max_training_mb`. Refusals are typed (too_many_sessions, quota, adapter_budget,
 adapter, bad_request); a session ends after `session_timeout_s` without a message.
+
+Data parallel: sessions on the same blocks opened as each other's `replicas` (OpenTraining) each run part of every
+batch; before each optimizer step every member sends its gradients to the others (rpc.TRAIN_SYNC, node to node; a
+replica on the same node directly) and waits for theirs, and all sum them in one fixed order, so the replicas take
+bit-identical steps and their slices never drift apart. Only the named replicas' gradients are taken, for this
+update or the next; one that does not send within `peer_timeout_s` fails the step (replica_unavailable) and the
+client replaces the chains. The client names the group when it opens the sessions, so no matchmaking round is
+needed (hivemind's averager finds its group through the DHT each round, seconds that a step of a few hundred ms
+cannot spare).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import math
@@ -36,14 +46,20 @@ from nesa_node.errors import (
     AdapterBudgetError,
     AdapterError,
     BadRequestError,
+    PeerUnavailableError,
     QuotaExceededError,
+    ReplicaUnavailableError,
     RequestError,
     TooManySessionsError,
 )
+from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Frame, frame, read
-from nesa_node.protocol.framing import StreamChannel
+from nesa_node.protocol.framing import StreamChannel, open_stream
 from nesa_node.protocol.messages import (
+    MAX_METADATA_BYTES,
     TO_TRAINING,
+    TRAIN_SYNC,
+    TRAIN_SYNC_ANSWERS,
     ErrorReply,
     OpenTraining,
     TrainBackward,
@@ -53,9 +69,11 @@ from nesa_node.protocol.messages import (
     TrainOutput,
     TrainState,
     TrainStateRequest,
+    TrainSync,
+    TrainSynced,
     expect,
 )
-from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto, tensor_to_proto
+from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto, tensor_from_proto, tensor_to_proto
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
 from nesa_node.sharding.lora import AdapterSlice, check_fits_model
@@ -63,6 +81,11 @@ from nesa_node.sharding.lora_rows import trainable_adapter
 from nesa_node.sharding.lora_train import OptimizerState, TrainableSlice
 
 logger = logging.getLogger(__name__)
+
+
+def _grad_of(parameter: torch.nn.Parameter) -> torch.Tensor:
+    return parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+
 
 ANSWERED_KEPT = 4  # backward answers kept per session for a resent step (the client has one in flight)
 
@@ -78,6 +101,10 @@ class TrainingSession:
     saved: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)  # step id -> forward input
     answered: OrderedDict[str, Frame] = field(default_factory=OrderedDict)  # step id -> its TrainGrad frame
     pending_grads: bool = False  # gradients gathered since the last optimizer step
+    replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
+    # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
+    inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def state_bytes(self) -> int:
@@ -89,9 +116,18 @@ class TrainingService:
     """The node's LoRA training sessions (module docstring)."""
 
     def __init__(
-        self, compute: BlockCompute, limits: LimitsConfig, network: NetworkConfig, model_config, *, signer=None
+        self,
+        compute: BlockCompute,
+        limits: LimitsConfig,
+        network: NetworkConfig,
+        model_config,
+        *,
+        signer=None,
+        p2p=None,
     ):
         self.signer = signer  # the node's RSAPrivateKey (hivemind), which signs the states it hands out; None: unsigned
+        self.p2p = p2p  # the node's P2P host: gradients to replicas on other nodes (None: only local replicas)
+        self.peer_id = p2p.peer_id.to_base58() if p2p is not None else ""
         self.compute = compute
         self.limits = limits
         self.network = network
@@ -192,7 +228,12 @@ class TrainingService:
         )
         if saved is not None:
             trainable.restore_optimizer(optimizer, saved)
-        session = TrainingSession(message.session_id, peer, blocks, trainable, optimizer, step=message.step)
+        replicas = tuple(sorted({(replica.peer, replica.session_id) for replica in message.replicas}))
+        if (self.peer_id, message.session_id) in replicas:
+            raise BadRequestError("a training session cannot be its own replica")
+        session = TrainingSession(
+            message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
+        )
         self.sessions[(peer, message.session_id)] = session
         return session
 
@@ -238,17 +279,21 @@ class TrainingService:
         output_codec = self.compute.codec(message.output_codec)
         span, trainable, optimizer = self.compute.span, session.slice, session.optimizer
 
+        synced = message.apply and bool(session.replicas)
+
         def run() -> torch.Tensor:
             inputs = hidden.to(span.spec.device, span.dtype_).detach().requires_grad_(True)
             with torch.enable_grad(), trainable_adapter(span, trainable.factors):
                 output = span(inputs, None, 0, session.blocks)
             torch.autograd.backward(output, grad.to(output.device, output.dtype))
-            if message.apply:
+            if message.apply and not synced:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             return inputs.grad
 
         grad_input, seconds = await self.compute.run_work(run)
+        if synced:  # the replicas' gradients summed in, then the step every replica takes alike
+            seconds += await self._sync_and_step(session)
         del session.saved[message.step_id]
         session.pending_grads = not message.apply
         if message.apply:
@@ -262,6 +307,104 @@ class TrainingService:
         while len(session.answered) > ANSWERED_KEPT:
             session.answered.popitem(last=False)
         return answer
+
+    # ---- data parallel: replicas sum their gradients before each step ----------------------------------------------
+
+    async def _sync_and_step(self, session: TrainingSession) -> float:
+        """Send this session's gradients to its replicas, wait for theirs (peer_timeout_s), sum all in the order of
+        (peer id, session id), so every replica gets the same bits, then take the optimizer step. Seconds spent."""
+        started = asyncio.get_running_loop().time()
+        parameters = session.slice.parameters()
+        flat = torch.cat([_grad_of(parameter).reshape(-1) for parameter in parameters]).cpu()
+        round_ = session.step + 1
+        me = (self.peer_id, session.session_id)
+        try:
+            async with asyncio.timeout(self.network.peer_timeout_s):
+                async with asyncio.TaskGroup() as group:
+                    for peer, session_id in session.replicas:
+                        group.create_task(self._send_gradients(session, peer, session_id, round_, flat))
+                inbox = session.inbox.setdefault(round_, {})
+                while not set(session.replicas) <= set(inbox):
+                    session.arrived.clear()
+                    await session.arrived.wait()
+        except (TimeoutError, ExceptionGroup) as exc:
+            missing = sorted(set(session.replicas) - set(session.inbox.get(round_, {})))
+            raise ReplicaUnavailableError(
+                f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "
+                f"({type(exc).__name__})"
+            ) from None
+        gradients = {**session.inbox.pop(round_), me: flat}
+        total = functools.reduce(torch.add, (gradients[key] for key in sorted(gradients)))
+
+        def step() -> None:
+            offset = 0
+            for parameter in parameters:
+                count = parameter.numel()
+                parameter.grad = total[offset : offset + count].view_as(parameter).to(parameter.device).clone()
+                offset += count
+            session.optimizer.step()
+            session.optimizer.zero_grad(set_to_none=True)
+
+        await self.compute.run_work(step)
+        return asyncio.get_running_loop().time() - started
+
+    async def _send_gradients(
+        self, session: TrainingSession, peer: str, session_id: str, round_: int, flat: torch.Tensor
+    ) -> None:
+        message = TrainSync(
+            owner=session.client_peer, session_id=session_id, from_session_id=session.session_id, round=round_
+        )
+        if peer == self.peer_id:  # a replica on this node
+            self._deliver(message, self.peer_id, flat)
+            return
+        channel = await open_stream(self.p2p, peer, rpc.TRAIN_SYNC, max_frame_bytes=MAX_METADATA_BYTES + 4096)
+        try:
+            channel.send(frame(message, [tensor_to_proto(flat)]))
+            answer = await channel.receive()
+            if answer is None:
+                raise PeerUnavailableError(f"replica {peer[:12]}… ended the sync stream")
+            reply = read(answer, TRAIN_SYNC_ANSWERS)
+            if isinstance(reply, ErrorReply):
+                raise reply.error()
+        finally:
+            channel.close()
+
+    async def serve_sync(self, channel: StreamChannel, context: P2PContext) -> None:
+        """A replica's gradients for one of this node's sessions (TrainSync), answered TrainSynced or refused."""
+        try:
+            async with asyncio.timeout(self.network.peer_timeout_s):
+                request = await channel.receive()
+        except TimeoutError:
+            return
+        if request is None:
+            return
+        try:
+            message = expect(read(request, TRAIN_SYNC), TrainSync)
+            if len(request.tensors) != 1:
+                raise BadRequestError("a training sync carries one tensor of gradients")
+            session = self.sessions.get((message.owner, message.session_id))
+            if session is None:
+                raise BadRequestError(f"no training session {message.session_id} of that client here")
+            numel = sum(parameter.numel() for parameter in session.slice.parameters())
+            flat = tensor_from_proto(request.tensors[0], allowed_dtypes=("float32",), max_elements=numel, rank=1)
+            self._deliver(message, context.remote_id.to_base58(), flat)
+            channel.send(frame(TrainSynced()))
+        except RequestError as exc:
+            channel.send(frame(ErrorReply.of(exc)))
+
+    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor) -> None:
+        session = self.sessions.get((message.owner, message.session_id))
+        if session is None:
+            raise BadRequestError(f"no training session {message.session_id} of that client here")
+        if (sender, message.from_session_id) not in session.replicas:
+            raise BadRequestError("the sender is not a replica of this training session")
+        numel = sum(parameter.numel() for parameter in session.slice.parameters())
+        if flat.shape != (numel,) or not torch.isfinite(flat).all():
+            raise BadRequestError(f"replica gradients must be {numel} finite float32 values")
+        if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
+            raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
+        session.inbox.setdefault(message.round, {})[(sender, message.from_session_id)] = flat
+        session.arrived.set()
 
     def _state(self, session: TrainingSession) -> Frame:
         """The slice and AdamW's state now, signed (TrainState)."""

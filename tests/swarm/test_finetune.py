@@ -172,6 +172,29 @@ def test_a_folder_that_is_not_an_adapter_is_refused(swarm, trained_model, tmp_pa
         FineTuningSession.create(trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, adapter=tmp_path)
 
 
+def test_two_data_parallel_chains_keep_their_replicas_identical(swarm, trained_model, initial_adapter):
+    """Two chains, each half of every batch: blocks 1:3 on two nodes (their gradients summed node to node), blocks
+    0:1 and 3:4 as two sessions on one node each. After 50 steps the replicas hold the same slices, and every loss
+    is the one of peft training on the whole batches in one process."""
+    data = batches(2048, 50, seed=5)
+    losses, model = local_run(trained_model, initial_adapter, data)
+    with swarm_session(swarm, trained_model, initial_adapter, data_parallel=2) as session:
+        chains = [[link.peer_id for link in chain] for chain in session.inner.chains]
+        assert chains[0][1] != chains[1][1] and chains[0][0] == chains[1][0]  # two nodes for 1:3, one for 0:1
+        remote = [session.train_step(input_ids) for input_ids in data]
+        first, second = session.adapter(0), session.adapter(1)
+    drift = max(
+        (a - b).abs().max().item()
+        for name, a in slice_parameters(first).items()
+        for b in [slice_parameters(second)[name]]
+    )
+    assert drift <= 1e-5
+    for step, (ours, theirs) in enumerate(zip(remote, losses, strict=True)):
+        assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
+    for name, expected in lora_parameters(model).items():
+        assert torch.allclose(slice_parameters(first)[name], expected, atol=1e-4, rtol=0), name
+
+
 def test_a_node_lost_mid_training_is_replaced_and_the_run_resumes_from_its_checkpoint(
     swarm, trained_model, initial_adapter, tmp_path
 ):
