@@ -1,5 +1,9 @@
 """Checkpoints of a LoRA training session: each node's slice and AdamW state at one step, as the node signed them.
 
+The client keeps them, not the nodes: a node replacing a dead one runs on another machine and cannot read the dead
+node's disk, while the client outlives every node of its chain. The nodes' signatures keep each slice attributable
+to the node that produced it wherever the files travel.
+
 A checkpoint folder holds one subfolder per kept checkpoint and a pointer to the newest:
 
     DIR/latest.json                       {"step": N, "folder": "step-0000000N"}  (replaced atomically)
@@ -7,6 +11,7 @@ A checkpoint folder holds one subfolder per kept checkpoint and a pointer to the
                                           sha256 of both files, the signing node's peer id, public key, signature
     DIR/step-0000000N/blocks-S-E.slice.safetensors       the slice's canonical bytes (sharding/lora.py)
     DIR/step-0000000N/blocks-S-E.adamw.safetensors       AdamW's state (sharding/lora_train.py OptimizerState)
+    DIR/step-0000000N/adapter/            the whole adapter as a PEFT folder (PeftModel and nodes load it as it is)
 
 A checkpoint is written into a temporary folder, renamed into place, and only then named by latest.json: a crash at
 any point leaves the previous checkpoint whole and current, never a half-written one. Reading checks every file
@@ -33,7 +38,7 @@ from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.messages import TrainState
 from nesa_node.protocol.tensors import bytes_from_proto
 from nesa_node.sharding.lora import AdapterSlice, merge_slices
-from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states
+from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states, save_peft_adapter
 
 FORMAT = "nesa-finetune-checkpoint/1"
 KEEP = 2  # checkpoints kept: the newest, and the one before while the newest is written
@@ -148,6 +153,7 @@ def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
         "spans": spans,
     }
     _write(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
+    save_peft_adapter(checkpoint.adapter, checkpoint.spec, staging / "adapter")  # servable as it is
     final = root / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)

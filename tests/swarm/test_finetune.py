@@ -236,6 +236,8 @@ def test_a_damaged_checkpoint_is_refused(swarm, trained_model, initial_adapter, 
             session.train_step(input_ids)
     checkpoint = read_checkpoint(tmp_path, num_blocks=4)
     assert checkpoint.step == 2 and {span.peer_id for span in checkpoint.spans} <= {n.peer_id for n in swarm.nodes}
+    config = AutoModelForCausalLM.from_pretrained(trained_model).config
+    assert load_adapter_slice(tmp_path / "step-00000002" / "adapter", config).sha256 == checkpoint.adapter.sha256
     manifest = tmp_path / "step-00000002" / "manifest.json"
     text = manifest.read_text()
     signer = checkpoint.spans[0].peer_id
