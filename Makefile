@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(PY) bench/topology.py
 	$(PY) bench/gateway.py
 	$(PY) bench/lora.py
+	$(PY) bench/finetune.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -19,6 +19,9 @@
     │       ├── AdapterHashError    adapter_hash     slice or manifest bytes whose sha256 is not the expected (tampered)
     │       └── AdapterMissingError  adapter_missing  no node (or not this node) holds the adapter a request names
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
+    │   ├── SessionPreemptedError   preempted        a full node ended an idle session to admit a new one
+    │   └── ReplicaUnavailableError  replica_unavailable  a data-parallel replica sent no gradients in time
+    ├── CheckpointError             checkpoint       a training checkpoint missing, damaged, or not signed by its node
     ├── NoRouteError                no_route         no chain of online nodes covers every block
     ├── SessionStateError           session_state    client-side misuse of an inference session
     ├── PortInUseError              port_in_use      a port this process must listen on is taken

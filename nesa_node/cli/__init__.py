@@ -1,4 +1,5 @@
-"""The `nesa-node` command line: run a node, a bootstrap DHT peer, generate, inspect the swarm, make models.
+"""The `nesa-node` command line: run a node, a bootstrap DHT peer, generate, fine-tune, inspect the swarm, make
+models.
 
 Logging handlers and environment variables are handled here only.
 """
@@ -231,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoRA adapter to generate with: a name the nodes announce, or a PEFT adapter folder (sent to nodes "
         "that lack it, for this generation only)",
     )
+
+    from nesa_node.cli.finetune import add_parser as add_finetune_parser
+
+    add_finetune_parser(commands, _add_peer_args)
 
     from nesa_node.cli.tune import add_parser as add_tune_parser
 
@@ -481,6 +486,10 @@ def _dispatch(args) -> int:
         from nesa_node.cli.graph import run_graph_command
 
         return run_graph_command(args)
+    if args.command == "finetune":
+        from nesa_node.cli.finetune import run_finetune
+
+        return run_finetune(args)
     if args.command == "tune":
         from nesa_node.cli.tune import check_args, run_tune
 

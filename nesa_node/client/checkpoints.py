@@ -6,7 +6,8 @@ to the node that produced it wherever the files travel.
 
 A checkpoint folder holds one subfolder per kept checkpoint and a pointer to the newest:
 
-    DIR/latest.json                       {"step": N, "folder": "step-0000000N"}  (replaced atomically)
+    DIR/latest.json                       {"step": N, "folder": "step-0000000N"}  (replaced atomically; a step written
+                                          again goes to step-0000000N.1, ...: the current folder is never touched)
     DIR/step-0000000N/manifest.json       the session, spec, optimizer settings and, per span: blocks, step, the
                                           sha256 of both files, the signing node's peer id, public key, signature
     DIR/step-0000000N/blocks-S-E.slice.safetensors       the slice's canonical bytes (sharding/lora.py)
@@ -26,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from nesa_node.sharding.lora import AdapterSlice, merge_slices
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states, save_peft_adapter
 
 FORMAT = "nesa-finetune-checkpoint/1"
-KEEP = 2  # checkpoints kept: the newest, and the one before while the newest is written
+_FOLDER = re.compile(r"step-\d{8}(\.\d+)?")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,11 +120,16 @@ def assemble(step: int, session_id: str, spec: LoraSpec, optimizer: dict, spans:
 
 
 def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
-    """Write `checkpoint` (module docstring) and make it the latest; returns its subfolder. Older ones past KEEP are
-    removed."""
+    """Write `checkpoint` (module docstring) and make it the latest; returns its subfolder. Every other step folder but
+    the previous latest is removed: two checkpoints are kept."""
     root = Path(folder)
     root.mkdir(parents=True, exist_ok=True)
+    previous = _latest_folder(root)
     name = f"step-{checkpoint.step:08d}"
+    for again in range(1, 1 << 16):  # the current checkpoint's folder is never touched: a rewrite gets a new name
+        if name != previous:
+            break
+        name = f"step-{checkpoint.step:08d}.{again}"
     staging = root / f".{name}.partial"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
@@ -155,13 +162,22 @@ def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
     _write(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
     save_peft_adapter(checkpoint.adapter, checkpoint.spec, staging / "adapter")  # servable as it is
     final = root / name
-    shutil.rmtree(final, ignore_errors=True)
+    shutil.rmtree(final, ignore_errors=True)  # not the current one (above): what an earlier run or crash left
     os.replace(staging, final)
     _write(root / "latest.json", json.dumps({"step": checkpoint.step, "folder": name}).encode())
-    kept = sorted(path for path in root.glob("step-*") if path.is_dir())
-    for old in kept[:-KEEP]:
-        shutil.rmtree(old, ignore_errors=True)
+    for old in root.glob("step-*"):  # this one and the one before it
+        if old.is_dir() and old.name not in (name, previous):
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _latest_folder(root: Path) -> str | None:
+    """The folder name latest.json points at, when it is one this module writes."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError, RecursionError):
+        name = json.loads((root / "latest.json").read_text())["folder"]
+        if isinstance(name, str) and _FOLDER.fullmatch(name):
+            return name
+    return None
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -187,8 +203,10 @@ def read_checkpoint(folder: str | Path, num_blocks: int) -> Checkpoint:
     CheckpointError when there is none or anything does not check out."""
     root = Path(folder)
     try:
-        pointer = json.loads((root / "latest.json").read_text())
-        where = root / str(pointer["folder"])
+        name = _latest_folder(root)
+        if name is None:
+            raise ValueError("latest.json is missing or does not name a checkpoint folder")
+        where = root / name
         manifest = json.loads((where / "manifest.json").read_text())
     except (OSError, ValueError, KeyError, TypeError, RecursionError) as exc:
         raise CheckpointError(f"no readable checkpoint in {root} ({type(exc).__name__}: {exc})") from None

@@ -204,6 +204,7 @@ class Node:
             model_config,
             signer=signer,
             p2p=peer.p2p,
+            records=records,
         )
         node.rpc = NodeRpc(
             node.inference,

@@ -15,9 +15,11 @@ inputs wait for their backward pass. A backward pass answered once is answered a
 resends it after a lost answer), so no update is ever applied twice.
 
 Limits: `max_training_sessions` sessions on the node, each peer at most `max_cache_share_per_peer` of them (one at
-least); a session's trainable state (parameters, gradients and AdamW's two moments: four float32 copies of its
-slice) and saved inputs within `max_training_mb`. Refusals are typed (too_many_sessions, quota, adapter_budget,
-adapter, bad_request); a session ends after `session_timeout_s` without a message.
+least); when the node is full, the session idle longest, if idle for `preempt_idle_s`, is ended (preempted) to admit
+a new one. A session's trainable state (parameters, gradients and AdamW's two moments: four float32 copies of its
+slice) and saved inputs stay within `max_training_mb`. Refusals are typed (too_many_sessions, quota, adapter_budget,
+adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
+`session_timeout_s` later on.
 
 Data parallel: sessions on the same blocks opened as each other's `replicas` (OpenTraining) each run part of every
 batch; before each optimizer step every member sends its gradients to the others (rpc.TRAIN_SYNC, node to node; a
@@ -32,10 +34,12 @@ cannot spare).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import logging
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -50,6 +54,7 @@ from nesa_node.errors import (
     QuotaExceededError,
     ReplicaUnavailableError,
     RequestError,
+    SessionPreemptedError,
     TooManySessionsError,
 )
 from nesa_node.protocol import rpc
@@ -102,6 +107,9 @@ class TrainingSession:
     answered: OrderedDict[str, Frame] = field(default_factory=OrderedDict)  # step id -> its TrainGrad frame
     pending_grads: bool = False  # gradients gathered since the last optimizer step
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
+    channel: StreamChannel | None = None
+    busy: bool = False  # a request of the session is being answered
+    last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
     # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
     inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
@@ -124,10 +132,12 @@ class TrainingService:
         *,
         signer=None,
         p2p=None,
+        records=None,
     ):
         self.signer = signer  # the node's RSAPrivateKey (hivemind), which signs the states it hands out; None: unsigned
         self.p2p = p2p  # the node's P2P host: gradients to replicas on other nodes (None: only local replicas)
         self.peer_id = p2p.peer_id.to_base58() if p2p is not None else ""
+        self.records = records  # async () -> the NodeInfo records of the swarm (DHT): who may be a replica
         self.compute = compute
         self.limits = limits
         self.network = network
@@ -144,7 +154,7 @@ class TrainingService:
     async def serve_training(self, channel: StreamChannel, context: P2PContext) -> None:
         """One training stream, from its OpenTraining to its end."""
         peer = context.remote_id.to_base58()
-        request = await self._next(channel)
+        request = await self._next(channel, self.limits.first_step_timeout_s)
         if request is None:
             return
         try:
@@ -152,20 +162,48 @@ class TrainingService:
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
             return
+        session.channel = channel
         try:
             channel.send(frame(TrainOpened(step=session.step)))
-            while (request := await self._next(channel)) is not None:
-                channel.send(await self._answer(session, request))
-                await channel.drain()
+            timeout_s = self.limits.first_step_timeout_s  # opening costs nothing: a session must use its place
+            while (request := await self._next(channel, timeout_s)) is not None:
+                session.busy = True
+                try:
+                    channel.send(await self._answer(session, request))
+                    await channel.drain()
+                finally:
+                    session.busy, session.last_active = False, time.monotonic()
+                timeout_s = self.limits.session_timeout_s
         finally:
-            self.sessions.pop((peer, session.session_id), None)
+            if self.sessions.get((peer, session.session_id)) is session:
+                del self.sessions[(peer, session.session_id)]
 
-    async def _next(self, channel: StreamChannel) -> Frame | None:
+    async def _next(self, channel: StreamChannel, timeout_s: float) -> Frame | None:
         try:
-            async with asyncio.timeout(self.limits.session_timeout_s):
+            async with asyncio.timeout(timeout_s):
                 return await channel.receive()
         except TimeoutError:
             return None
+
+    def _preempt_idle(self) -> bool:
+        """End the session idle longest, when one has been idle `preempt_idle_s` (its owner is told, and fails
+        over): a node full of sessions that never step must still admit a client that trains. Whether one was."""
+        now = time.monotonic()
+        idle = [
+            session
+            for session in self.sessions.values()
+            if not session.busy and now - session.last_active >= self.limits.preempt_idle_s
+        ]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda session: session.last_active)
+        del self.sessions[(oldest.client_peer, oldest.session_id)]
+        if oldest.channel is not None:
+            error = SessionPreemptedError(f"training session idle for {now - oldest.last_active:.0f} s, ended")
+            with contextlib.suppress(Exception):
+                oldest.channel.send(frame(ErrorReply.of(error)))
+            oldest.channel.close()
+        return True
 
     async def _answer(self, session: TrainingSession, request: Frame) -> Frame:
         step_id = None
@@ -179,7 +217,10 @@ class TrainingService:
             if isinstance(message, TrainStateRequest):
                 return self._state(session)
             raise BadRequestError("this training session is open already")
-        except RequestError as exc:
+        except (
+            RequestError,
+            PeerUnavailableError,
+        ) as exc:  # refused, or a replica sent nothing: typed, the stream stays
             return frame(ErrorReply.of(exc, step_id))
 
     # ---- opening ---------------------------------------------------------------------------------------------------
@@ -189,13 +230,13 @@ class TrainingService:
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         if (peer, message.session_id) in self.sessions:
             raise BadRequestError(f"training session {message.session_id} is open already")
-        if len(self.sessions) >= self.limits.max_training_sessions:
-            raise TooManySessionsError(
-                f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
-            )
         share = max(1, math.floor(self.limits.max_training_sessions * self.limits.max_cache_share_per_peer))
         if sum(owner == peer for owner, _ in self.sessions) >= share:
             raise QuotaExceededError(f"this peer holds {share} training sessions here, its share")
+        if len(self.sessions) >= self.limits.max_training_sessions and not self._preempt_idle():
+            raise TooManySessionsError(
+                f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
+            )
         tensors = 1 if message.optimizer_sha256 is None else 2
         if len(request.tensors) != tensors:
             raise BadRequestError(
@@ -231,6 +272,7 @@ class TrainingService:
         replicas = tuple(sorted({(replica.peer, replica.session_id) for replica in message.replicas}))
         if (self.peer_id, message.session_id) in replicas:
             raise BadRequestError("a training session cannot be its own replica")
+        await self._check_replica_nodes({peer for peer, _ in replicas} - {self.peer_id}, blocks)
         session = TrainingSession(
             message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
         )
@@ -310,6 +352,25 @@ class TrainingService:
 
     # ---- data parallel: replicas sum their gradients before each step ----------------------------------------------
 
+    async def _check_replica_nodes(self, peers: set[str], blocks: tuple[int, int]) -> None:
+        """BadRequestError unless every peer in `peers` announces on the DHT a span holding `blocks`: gradients go
+        only to nodes that could train the same blocks, never to a peer a client merely names."""
+        if not peers:
+            return
+        serving = set()
+        if self.records is not None:
+            with contextlib.suppress(Exception):  # a DHT read that fails: nobody is known to serve the blocks
+                async with asyncio.timeout(self.network.peer_timeout_s / 3):
+                    infos = await self.records()
+                serving = {
+                    info.peer_id for info in infos if info.start_block <= blocks[0] and blocks[1] <= info.end_block
+                }
+        unknown = sorted(peers - serving)
+        if unknown:
+            raise BadRequestError(
+                f"replicas {', '.join(peer[:12] for peer in unknown)} do not announce blocks {blocks[0]}:{blocks[1]}"
+            )
+
     async def _sync_and_step(self, session: TrainingSession) -> float:
         """Send this session's gradients to its replicas, wait for theirs (peer_timeout_s), sum all in the order of
         (peer id, session id), so every replica gets the same bits, then take the optimizer step. Seconds spent."""
@@ -328,6 +389,7 @@ class TrainingService:
                     session.arrived.clear()
                     await session.arrived.wait()
         except (TimeoutError, ExceptionGroup) as exc:
+            session.optimizer.zero_grad(set_to_none=True)  # this update is lost: its gradients must not linger
             missing = sorted(set(session.replicas) - set(session.inbox.get(round_, {})))
             raise ReplicaUnavailableError(
                 f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "

@@ -115,6 +115,14 @@ def test_readme_swarm_sdk_and_routing_blocks_run_as_written(shell):
     (openai_example,) = readme_blocks("OpenAI-compatible gateway", "python")
     assert shell.python(openai_example).strip() == answer["choices"][0]["text"].strip()
 
+    (finetune,) = readme_blocks("Fine-tuning a LoRA adapter", "sh")
+    output = shell.run(". .venv/bin/activate\n" + finetune)  # the by-hand block's shell, activated
+    assert "adapter: finetuned/adapter" in output and "Traceback" not in output, output
+    assert json.loads((shell.workdir / "finetuned" / "metrics.json").read_text())["steps"] == 20
+    (finetune_sdk,) = readme_blocks("Fine-tuning a LoRA adapter", "python")
+    shell.python(finetune_sdk)
+    assert (shell.workdir / "my-adapter" / "adapter_config.json").is_file()
+
     (routing,) = readme_blocks("Routing", "sh")
     output = shell.run(". .venv/bin/activate\n" + routing)  # the by-hand block's shell, activated
     assert output.count("untuned -> tuned") == 2, output

@@ -1,0 +1,732 @@
+"""Hostile peers against LoRA training (RELIABILITY.md G): raw libp2p peers send malformed or out-of-place training
+opens, passes and replica gradients to a real node. Each is answered with a typed ErrorReply, and an honest
+data-parallel FineTuningSession on the same node keeps training; gradients from anyone but a named replica, or of
+the wrong size, values or round, never reach a session's slices.
+
+Two in-process nodes of the tiny Llama: A serves blocks 0:2 (the target), B serves 2:4. The honest client trains with
+two data-parallel chains, so A holds two sessions of it that name each other as replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import math
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from nesa_node.client.finetune import FineTuningSession
+from nesa_node.devtools.tiny_model import TinyModelSpec, build_config
+from nesa_node.errors import NesaError
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import Frame, frame, read
+from nesa_node.protocol.framing import StreamChannel, open_stream
+from nesa_node.protocol.messages import (
+    FROM_TRAINING,
+    TRAIN_SYNC_ANSWERS,
+    ErrorReply,
+    Message,
+    OpenTraining,
+    Replica,
+    TrainBackward,
+    TrainForward,
+    TrainGrad,
+    TrainOpened,
+    TrainOutput,
+    TrainState,
+    TrainStateRequest,
+    TrainSync,
+    TrainSynced,
+)
+from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto
+from nesa_node.sharding.blocks import load_config
+from nesa_node.sharding.lora import AdapterSlice, projection_shapes
+from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, TrainableSlice, init_adapter
+from tests.support.swarm import wait_until
+
+PREFIX = "hostile-train"
+HIDDEN = 64  # the tiny Llama's hidden size
+MAX_TOKENS = 64
+LIMITS = {
+    "max_training_sessions": 6,
+    "max_cache_share_per_peer": 0.34,  # two training sessions per peer
+    "max_tokens_per_step": MAX_TOKENS,
+    "max_message_bytes": 1 << 20,
+}
+SHARE = 2
+SPEC = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj"))
+MODEL_CONFIG = build_config(TinyModelSpec(arch="llama"), vocab_size=1024)  # what tiny_llama is built from
+CLIENT_FRAME_BYTES = 1 << 22
+
+
+@dataclass
+class Target:
+    swarm: object
+    node: object  # A: blocks 0:2
+    honest: FineTuningSession
+    attackers: list[P2P]  # two raw libp2p peers, each its own identity
+    model_path: str
+    batch: torch.Tensor
+
+    @property
+    def attacker(self) -> P2P:
+        return self.attackers[0]
+
+    def run(self, coroutine, timeout: float = 60.0):
+        return self.swarm.run(coroutine, timeout=timeout)
+
+    @property
+    def honest_peer(self) -> str:
+        return self.honest.inner.model.swarm.peer_id
+
+    def honest_keys(self) -> set[tuple[str, str]]:
+        return {(self.honest_peer, chain[0].session_id) for chain in self.honest.inner.chains}
+
+    def honest_hashes(self) -> tuple[str, str]:
+        return self.honest.adapter(0).sha256, self.honest.adapter(1).sha256
+
+
+@pytest.fixture(scope="module")
+def target(module_swarm, tiny_llama):
+    assert projection_shapes(load_config(tiny_llama)) == projection_shapes(MODEL_CONFIG)
+    node = module_swarm.start_node(tiny_llama, 0, 2, dht_prefix=PREFIX, **LIMITS)
+    module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=PREFIX, **LIMITS)
+    peers = module_swarm.peers_with(node)
+
+    async def identities() -> list[P2P]:
+        return list(await asyncio.gather(*(P2P.create(initial_peers=peers) for _ in range(2))))
+
+    attackers = module_swarm.run(identities())
+    honest = None
+    try:
+        honest = FineTuningSession.create(
+            tiny_llama,
+            initial_peers=module_swarm.initial_peers,
+            dht_prefix=PREFIX,
+            spec=SPEC,
+            seed=3,
+            lr=1e-3,
+            data_parallel=2,
+        )
+        assert [hop.peer_id for hop in honest.chain] == [node.peer_id, module_swarm.nodes[1].peer_id]
+        batch = torch.randint(3, 1000, (2, 8), generator=torch.Generator().manual_seed(5))
+        yield Target(module_swarm, node, honest, attackers, tiny_llama, batch)
+    finally:
+        if honest is not None:
+            honest.close()
+
+        async def shutdown() -> None:
+            await asyncio.gather(*(p2p.shutdown() for p2p in attackers), return_exceptions=True)
+
+        module_swarm.run(shutdown())
+
+
+@pytest.fixture(autouse=True)
+def honest_keeps_training(target):
+    """After each test: the node holds no session but the honest client's, and its next training step works."""
+    yield
+    wait_until(lambda: set(target.node.training.sessions) == target.honest_keys())
+    before = target.honest.step
+    loss = target.honest.train_step(target.batch)
+    assert math.isfinite(loss) and target.honest.step == before + 1
+    first, second = target.honest_hashes()
+    assert first == second  # the replicas took the same step
+
+
+# ---- helpers ---------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def adapter(seed: int = 1) -> AdapterSlice:
+    """A new adapter of SPEC over every block of the tiny Llama (the conftest's TinyModelSpec)."""
+    return init_adapter(MODEL_CONFIG, SPEC, seed)
+
+
+def opening(
+    *,
+    start: int = 0,
+    end: int = 2,
+    piece=None,
+    session_id: str = "attack",
+    sha256: str | None = None,
+    optimizer: bytes | None = None,
+    optimizer_sha256: str | None = None,
+    extra: list | None = None,
+    replicas: tuple[Replica, ...] = (),
+) -> Frame:
+    piece = piece if piece is not None else adapter().narrow(start, end)
+    data = piece.to_bytes()
+    if optimizer is not None and optimizer_sha256 is None:
+        optimizer_sha256 = hashlib.sha256(optimizer).hexdigest()
+    message = OpenTraining(
+        session_id=session_id,
+        start_block=start,
+        end_block=end,
+        slice_sha256=sha256 or piece.sha256,
+        lr=1e-3,
+        optimizer_sha256=optimizer_sha256,
+        replicas=replicas,
+    )
+    tensors = [bytes_to_proto(data)] + ([bytes_to_proto(optimizer)] if optimizer is not None else []) + (extra or [])
+    return frame(message, tensors)
+
+
+def forward(step_id: str, hidden: torch.Tensor, **fields) -> Frame:
+    return frame(TrainForward(step_id=step_id, **fields), [tensor_to_proto(hidden)])
+
+
+def backward(step_id: str, grad: torch.Tensor, **fields) -> Frame:
+    return frame(TrainBackward(step_id=step_id, **fields), [tensor_to_proto(grad)])
+
+
+def hidden(rows: int, tokens: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, tokens, HIDDEN, generator=torch.Generator().manual_seed(seed))
+
+
+async def ask(channel: StreamChannel, request: Frame) -> Message | None:
+    """Send `request`, read the node's answer (None when it ended the stream)."""
+    channel.send(request)
+    async with asyncio.timeout(20):
+        await channel.drain()
+        answer = await channel.receive()
+    return None if answer is None else read(answer, FROM_TRAINING)
+
+
+async def converse(p2p: P2P, node, requests: list[Frame]) -> list[Message | None]:
+    """The requests on one training stream, one answer each, until the node ends the stream (a last None)."""
+    channel = await open_stream(p2p, node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+    answers = []
+    try:
+        for request in requests:
+            answers.append(await ask(channel, request))
+            if answers[-1] is None:
+                break
+        return answers
+    finally:
+        channel.close()
+
+
+def code(answer: Message | None) -> str:
+    assert isinstance(answer, ErrorReply), answer
+    return answer.code
+
+
+def refusal(target: Target, requests: list[Frame]) -> ErrorReply:
+    """The answer to the last of `requests`, which must be a typed error."""
+    answers = target.run(converse(target.attacker, target.node, requests))
+    assert isinstance(answers[-1], ErrorReply), answers
+    return answers[-1]
+
+
+def raw(fields: dict, tensors: list | None = None) -> Frame:
+    """A frame written by hand, as a hostile peer would, rather than by the message models."""
+    return Frame(metadata=msgpack.packb(fields), tensors=tensors or [])
+
+
+def optimizer_state_bytes(corrupt=None) -> bytes:
+    """AdamW's canonical state of blocks 0:2 after one step, `corrupt(tensors)` applied first."""
+    trainable = TrainableSlice(adapter().narrow(0, 2))
+    optimizer = torch.optim.AdamW(trainable.parameters(), lr=1e-3, foreach=False)
+    for parameter in trainable.parameters():
+        parameter.grad = torch.ones_like(parameter)
+    optimizer.step()
+    state = trainable.optimizer_state(optimizer)
+    tensors = dict(state.tensors)
+    if corrupt is not None:
+        corrupt(tensors)
+    return OptimizerState(state.start, state.end, state.step, tensors).to_bytes()
+
+
+def _nan(tensors):
+    name = next(name for name in sorted(tensors) if name.endswith("exp_avg"))
+    tensors[name] = tensors[name].clone().fill_(float("nan"))
+
+
+def _transposed(tensors):
+    name = next(name for name in sorted(tensors) if name.endswith("lora_A.exp_avg_sq"))
+    tensors[name] = tensors[name].t().contiguous()
+
+
+def _negative(tensors):
+    name = next(name for name in sorted(tensors) if name.endswith("exp_avg_sq"))
+    tensors[name] = -tensors[name] - 1.0
+
+
+# ---- opening a training session --------------------------------------------------------------------------------------
+
+
+OPENS = {
+    "slice bytes not matching slice_sha256": (
+        lambda: opening(sha256=adapter(2).narrow(0, 2).sha256),
+        "adapter_hash",
+        "hash to",
+    ),
+    "a slice of other blocks than the open's": (
+        lambda: opening(piece=adapter().narrow(0, 1)),
+        "adapter",
+        "the slice holds blocks 0:1, the session 0:2",
+    ),
+    "blocks outside the node's span": (
+        lambda: opening(start=2, end=4),
+        "wrong_blocks",
+        "serves blocks 0..1",
+    ),
+    "blocks past the model": (lambda: raw_open(end_block=9), "bad_request", "unknown block"),
+    "two tensors without optimizer_sha256": (
+        lambda: opening(extra=[bytes_to_proto(b"\0" * 32)]),
+        "bad_request",
+        "carries",
+    ),
+    "an optimizer state named but not sent": (
+        lambda: frame(
+            OpenTraining(**{**_open_fields(), "optimizer_sha256": "a" * 64}),
+            [bytes_to_proto(adapter().narrow(0, 2).to_bytes())],
+        ),
+        "bad_request",
+        "carries",
+    ),
+    "garbage optimizer state": (
+        lambda: opening(optimizer=b"\x05not an optimizer state"),
+        "adapter",
+        "not an optimizer",
+    ),
+    "an optimizer state of another hash": (
+        lambda: opening(optimizer=optimizer_state_bytes(), optimizer_sha256="b" * 64),
+        "adapter_hash",
+        "hash to",
+    ),
+    "NaN optimizer moments": (lambda: opening(optimizer=optimizer_state_bytes(_nan)), "adapter", "not finite"),
+    "optimizer moments of the wrong shape": (
+        lambda: opening(optimizer=optimizer_state_bytes(_transposed)),
+        "adapter",
+        "not of shape",
+    ),
+    "negative second moments": (lambda: opening(optimizer=optimizer_state_bytes(_negative)), "adapter", "negative"),
+    "slice bytes that are a byte tensor of another dtype": (
+        lambda: frame(OpenTraining(**_open_fields()), [tensor_to_proto(torch.zeros(16))]),
+        "bad_request",
+        "expected bytes",
+    ),
+    "a pass before any open": (lambda: forward("s1", hidden(1, 4)), "bad_request", "expected a train_open"),
+    "a learning rate that is NaN": (lambda: raw_open(lr=float("nan")), "bad_request", "lr"),
+    "a replica that is not a peer id": (
+        lambda: raw_open(replicas=[{"peer": "not-a-peer-id", "session_id": "x"}]),
+        "bad_request",
+        "not a valid peer id",
+    ),
+    "more replicas than allowed": (
+        lambda: raw_open(replicas=[{"peer": _PEER, "session_id": f"r{index}"} for index in range(17)]),
+        "bad_request",
+        "replicas",
+    ),
+    "metadata that is not msgpack": (lambda: Frame(metadata=b"\xc1\xc1"), "bad_request", "not valid msgpack"),
+    "a replica sync on the training stream": (
+        lambda: raw({"kind": "train_sync", "owner": "x", "session_id": "y", "from_session_id": "z", "round": 1}),
+        "bad_request",
+        "does not match any of the expected tags",
+    ),
+}
+
+
+_PEER = "QmVZ6rbVHDr7GpaW6ZFJQFDLP1BPu4c9X9xujJD6Cv4Xzk"  # a well-formed peer id of nobody
+
+
+def _open_fields() -> dict:
+    piece = adapter().narrow(0, 2)
+    return {"kind": "train_open", "session_id": "attack", "start_block": 0, "end_block": 2, "slice_sha256": piece.sha256,
+            "lr": 1e-3}  # fmt: skip
+
+
+def raw_open(**changes) -> Frame:
+    """An open written by hand, with the slice of blocks 0:2 it names."""
+    return raw({**_open_fields(), **changes}, [bytes_to_proto(adapter().narrow(0, 2).to_bytes())])
+
+
+@pytest.mark.parametrize(("build", "expected", "text"), OPENS.values(), ids=OPENS.keys())
+def test_g1_a_bad_training_open_gets_a_typed_error(target, build, expected, text):
+    error = refusal(target, [build()])
+    assert error.code == expected, error
+    assert text in error.message, error
+
+
+def test_g1_the_control_open_is_accepted_and_resumes_adamw(target):
+    """The opens above differ from these by the one thing they break: a valid slice with or without AdamW's state
+    opens, and the session runs a whole step."""
+    answers = target.run(
+        converse(
+            target.attacker,
+            target.node,
+            [
+                opening(optimizer=optimizer_state_bytes()),
+                forward("s1", hidden(1, 4)),
+                backward("s1", hidden(1, 4, seed=1)),
+                frame(TrainStateRequest()),
+            ],
+        )
+    )
+    assert isinstance(answers[0], TrainOpened)
+    assert isinstance(answers[1], TrainOutput) and isinstance(answers[2], TrainGrad) and answers[2].step == 1
+    assert isinstance(answers[3], TrainState) and answers[3].step == 1
+    hand_written = target.run(converse(target.attacker, target.node, [raw_open()]))
+    assert isinstance(hand_written[0], TrainOpened)  # the control of the hand-written opens
+
+
+def test_g1_a_second_open_on_the_same_stream_is_refused_and_the_session_goes_on(target):
+    answers = target.run(
+        converse(
+            target.attacker,
+            target.node,
+            [opening(), opening(session_id="again"), forward("s1", hidden(1, 4), keep=False)],
+        )
+    )
+    assert isinstance(answers[0], TrainOpened)
+    assert code(answers[1]) == "bad_request" and "open already" in answers[1].message
+    assert isinstance(answers[2], TrainOutput)
+
+
+# ---- passes ------------------------------------------------------------------------------------------------------
+
+
+def test_g1_a_backward_for_a_step_never_forwarded(target):
+    error = refusal(target, [opening(), backward("never", hidden(1, 4))])
+    assert error.code == "bad_request" and "no forward pass never" in error.message
+    assert error.step_id == "never"
+
+
+def test_g1_a_gradient_of_the_wrong_shape_is_refused_and_the_step_can_still_be_taken(target):
+    answers = target.run(
+        converse(
+            target.attacker,
+            target.node,
+            [
+                opening(),
+                forward("s1", hidden(1, 4)),
+                backward("s1", hidden(1, 3)),  # one token short
+                backward("s1", hidden(2, 4)),  # another row
+                backward("s1", hidden(1, 4, seed=1)[..., : HIDDEN // 2]),  # half the width
+                backward("s1", torch.full((1, 4, HIDDEN), float("nan"))),
+                backward("s1", hidden(1, 4, seed=1)),
+            ],
+        )
+    )
+    assert isinstance(answers[1], TrainOutput)
+    assert code(answers[2]) == "bad_request" and "gradient of shape (1, 3, 64)" in answers[2].message
+    assert code(answers[3]) == "bad_request" and "batch of 2 rows" in answers[3].message
+    assert code(answers[4]) == "bad_request" and "hidden size 32" in answers[4].message
+    assert code(answers[5]) == "bad_request" and "NaN" in answers[5].message
+    assert isinstance(answers[6], TrainGrad) and answers[6].step == 1  # the saved input survived the refusals
+
+
+def test_g1_passes_over_the_token_limit_or_malformed_are_refused(target):
+    answers = target.run(
+        converse(
+            target.attacker,
+            target.node,
+            [
+                opening(),
+                forward("long", hidden(1, MAX_TOKENS + 1)),
+                forward("wide", hidden(3, MAX_TOKENS // 3 + 1)),
+                frame(TrainForward(step_id="none")),  # no tensor
+                frame(TrainForward(step_id="two"), [tensor_to_proto(hidden(1, 2))] * 2),
+                forward("nan", torch.full((1, 2, HIDDEN), float("inf"))),
+                forward("ok", hidden(1, MAX_TOKENS)),  # at the limit: served
+                forward("ok", hidden(1, 2)),  # the same step id kept twice
+            ],
+        )
+    )
+    limit = f"exceeds the limit of {MAX_TOKENS * HIDDEN} elements"
+    assert code(answers[1]) == "bad_request" and limit in answers[1].message
+    assert code(answers[2]) == "bad_request" and limit in answers[2].message
+    assert code(answers[3]) == "bad_request" and "one tensor" in answers[3].message
+    assert code(answers[4]) == "bad_request" and "one tensor" in answers[4].message
+    assert code(answers[5]) == "bad_request" and "NaN or Inf" in answers[5].message
+    assert isinstance(answers[6], TrainOutput)
+    assert code(answers[7]) == "bad_request" and "run already" in answers[7].message
+
+
+def test_g1_a_frame_over_the_byte_limit_ends_the_stream_with_a_typed_error(target):
+    async def run() -> str:
+        channel = await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+        try:
+            assert isinstance(await ask(channel, opening()), TrainOpened)
+            channel.send(
+                frame(TrainForward(step_id="big"), [bytes_to_proto(b"\0" * (LIMITS["max_message_bytes"] + 1))])
+            )
+            with pytest.raises(NesaError) as ended:
+                async with asyncio.timeout(20):
+                    await channel.drain()
+                    await channel.receive()
+            return ended.value.code
+        finally:
+            channel.close()
+
+    assert target.run(run()) == "too_large"
+
+
+# ---- session limits ----------------------------------------------------------------------------------------------
+
+
+class Holder:
+    """Training sessions held open (idle) by attacker identities until `close`."""
+
+    def __init__(self, target: Target):
+        self.target = target
+        self.channels: list[StreamChannel] = []
+
+    def open(self, p2p: P2P, session_id: str) -> Message | None:
+        async def run():
+            channel = await open_stream(p2p, self.target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+            self.channels.append(channel)
+            return await ask(channel, opening(session_id=session_id))
+
+        return self.target.run(run())
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+
+
+@pytest.fixture
+def holder(target):
+    holder = Holder(target)
+    yield holder
+    holder.close()
+
+
+def test_g3_one_peer_over_its_share_gets_quota_and_a_full_node_too_many_sessions(target, holder):
+    first, second = target.attackers
+    assert len(target.node.training.sessions) == SHARE  # the honest client's two replicas
+    assert all(isinstance(holder.open(first, f"first-{index}"), TrainOpened) for index in range(SHARE))
+    over_share = holder.open(first, "first-more")
+    assert code(over_share) == "quota" and f"holds {SHARE} training sessions here" in over_share.message
+    assert all(isinstance(holder.open(second, f"second-{index}"), TrainOpened) for index in range(SHARE))
+    assert len(target.node.training.sessions) == LIMITS["max_training_sessions"]
+    assert code(holder.open(first, "first-more")) == "quota"  # a peer at its share cannot preempt anyone
+    third = target.run(P2P.create(initial_peers=target.swarm.peers_with(target.node)))
+    try:  # a peer under its share, on a node full of sessions none of which has been idle preempt_idle_s
+        full = holder.open(third, "third")
+        assert code(full) == "too_many_sessions" and "max_training_sessions" in full.message
+    finally:
+        target.run(third.shutdown())
+    # the honest sessions, open before, keep training on the full node
+    assert math.isfinite(target.honest.train_step(target.batch))
+
+
+def test_g1_a_session_id_is_open_once_per_peer(target, holder):
+    first, second = target.attackers
+    assert isinstance(holder.open(first, "same"), TrainOpened)
+    again = holder.open(first, "same")
+    assert code(again) == "bad_request" and "open already" in again.message
+    assert isinstance(holder.open(second, "same"), TrainOpened)  # ids are scoped to the peer that opened them
+
+
+def test_g3_idle_training_sessions_of_throwaway_identities_do_not_lock_out_an_honest_client(target, holder):
+    for p2p in target.attackers:
+        for index in range(SHARE):
+            assert isinstance(holder.open(p2p, f"idle-{index}"), TrainOpened)
+    assert len(target.node.training.sessions) == LIMITS["max_training_sessions"]
+    idle_s = target.node.config.limits.preempt_idle_s + 0.5
+    deadline = time.monotonic() + idle_s
+    target.honest.train_step(target.batch)  # the honest sessions are not idle; the attackers' are
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    started = time.monotonic()
+    with FineTuningSession.create(
+        target.model_path, initial_peers=target.swarm.initial_peers, dht_prefix=PREFIX, spec=SPEC, lr=1e-3
+    ) as newcomer:
+        assert math.isfinite(newcomer.train_step(target.batch))
+    assert time.monotonic() - started < 15
+
+
+# ---- replica gradients (nesa.train_sync) ---------------------------------------------------------------------------
+
+
+async def sync(p2p: P2P, node, message: TrainSync | Frame, tensors: list | None = None) -> Message:
+    request = message if isinstance(message, Frame) else frame(message, tensors or [])
+    channel = await open_stream(p2p, node.peer_id, rpc.TRAIN_SYNC, max_frame_bytes=CLIENT_FRAME_BYTES)
+    try:
+        channel.send(request)
+        async with asyncio.timeout(20):
+            await channel.drain()
+            answer = await channel.receive()
+        assert answer is not None
+        return read(answer, TRAIN_SYNC_ANSWERS)
+    finally:
+        channel.close()
+
+
+def numel_of(piece) -> int:
+    return sum(factor.lora_a.numel() + factor.lora_b.numel() for factor in piece.factors.values())
+
+
+def test_g5_gradients_from_anyone_but_a_named_replica_are_refused(target):
+    """The honest sessions name each other (on node A itself) as replicas: an attacker claiming to be one of them,
+    or naming a session that does not exist, is refused and the slices stay as they were."""
+    before = target.honest_hashes()
+    owner = target.honest_peer
+    ids = [chain[0].session_id for chain in target.honest.inner.chains]
+    gradients = [tensor_to_proto(torch.full((numel_of(adapter().narrow(0, 2)),), 1e3))]
+    attempts = {
+        "a replica's session id, from another peer": TrainSync(
+            owner=owner, session_id=ids[0], from_session_id=ids[1], round=target.honest.step + 1
+        ),
+        "the session itself as sender": TrainSync(
+            owner=owner, session_id=ids[0], from_session_id=ids[0], round=target.honest.step + 1
+        ),
+        "a session that does not exist": TrainSync(
+            owner=owner, session_id="no-such-session", from_session_id=ids[1], round=target.honest.step + 1
+        ),
+        "the session under another owner": TrainSync(
+            owner=target.attacker.peer_id.to_base58(), session_id=ids[0], from_session_id=ids[1], round=1
+        ),
+    }
+    answers = {
+        name: target.run(sync(target.attacker, target.node, message, gradients)) for name, message in attempts.items()
+    }
+    assert code(answers["a replica's session id, from another peer"]) == "bad_request"
+    assert "not a replica" in answers["a replica's session id, from another peer"].message
+    assert "not a replica" in answers["the session itself as sender"].message
+    assert "no training session" in answers["a session that does not exist"].message
+    assert "no training session" in answers["the session under another owner"].message
+    for key in target.honest_keys():
+        assert not target.node.training.sessions[key].inbox  # nothing kept for the next update
+    assert target.honest_hashes() == before
+
+
+def test_g1_a_named_replica_cannot_send_gradients_of_the_wrong_size_values_or_round(target):
+    """A session that names the attacker itself as its replica, so every check after "is it a replica" is reached:
+    the refused gradients never reach the session's inbox or its slices, and the honest sessions are untouched. The
+    attacker passes for a node announcing the blocks (a hostile node can announce any span): the records the target
+    reads are given that entry."""
+    honest_before = target.honest_hashes()
+    me = target.attacker.peer_id.to_base58()
+    records = target.node.training.records
+
+    async def records_with_the_attacker():
+        return [*(await records()), SimpleNamespace(peer_id=me, start_block=0, end_block=2)]
+
+    target.node.training.records = records_with_the_attacker
+    numel = numel_of(adapter().narrow(0, 2))
+
+    def message(**changes) -> TrainSync:
+        return TrainSync(**{"owner": me, "session_id": "dp", "from_session_id": "ghost", "round": 1, **changes})
+
+    def flat(values: torch.Tensor) -> list:
+        return [tensor_to_proto(values)]
+
+    nan = torch.zeros(numel)
+    nan[numel // 2] = float("nan")
+    cases = {
+        "one value short": (message(), flat(torch.zeros(numel - 1)), "must be"),
+        "one value more": (message(), flat(torch.zeros(numel + 1)), "exceeds the limit"),
+        "a NaN": (message(), flat(nan), "finite"),
+        "an Inf": (message(), flat(torch.full((numel,), float("inf"))), "finite"),
+        "half precision": (message(), flat(torch.zeros(numel, dtype=torch.float16)), "dtype"),
+        "a matrix": (message(), flat(torch.zeros(1, numel)), "rank"),
+        "no tensor": (message(), [], "one tensor"),
+        "two tensors": (message(), flat(torch.zeros(numel)) * 2, "one tensor"),
+        "a round far ahead": (message(round=1 << 40), flat(torch.zeros(numel)), "gradients for update"),
+        "the round after next": (message(round=3), flat(torch.zeros(numel)), "gradients for update"),
+        "round 0": (raw({**message().model_dump(), "round": 0}), None, "round"),
+        "another session of the same peer": (message(from_session_id="ghost-2"), flat(torch.zeros(numel)), "replica"),
+        "to the replica's name instead of the session": (
+            message(session_id="ghost"),
+            flat(torch.full((numel,), 1e30)),
+            "no training session",
+        ),
+    }
+
+    async def scenario():
+        channel = await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+        try:
+            opened = await ask(channel, opening(session_id="dp", replicas=(Replica(peer=me, session_id="ghost"),)))
+            assert isinstance(opened, TrainOpened), opened
+            state_before = await ask(channel, frame(TrainStateRequest()))
+            answers = {}
+            for name, (request, tensors, _) in cases.items():
+                answers[name] = await sync(target.attacker, target.node, request, tensors)
+            session = target.node.training.sessions[(me, "dp")]
+            inbox_after_refusals = {round_: dict(got) for round_, got in session.inbox.items()}
+            accepted = await sync(target.attacker, target.node, message(), flat(torch.zeros(numel)))
+            inbox = {round_: list(got) for round_, got in session.inbox.items()}
+            state_after = await ask(channel, frame(TrainStateRequest()))
+            return answers, inbox_after_refusals, accepted, inbox, state_before, state_after
+        finally:
+            channel.close()
+
+    try:
+        answers, refused_inbox, accepted, inbox, state_before, state_after = target.run(scenario())
+    finally:
+        target.node.training.records = records
+    for name, (_, _, text) in cases.items():
+        assert code(answers[name]) == "bad_request", name
+        assert text in answers[name].message, (name, answers[name].message)
+    assert not any(refused_inbox.values())
+    # the control: the same sender with the right gradients is taken, for this update only
+    assert isinstance(accepted, TrainSynced)
+    assert inbox == {1: [(me, "ghost")]}
+    assert isinstance(state_before, TrainState) and isinstance(state_after, TrainState)
+    assert (state_after.step, state_after.slice_sha256) == (0, state_before.slice_sha256)
+    assert state_after.optimizer_sha256 == state_before.optimizer_sha256
+    assert target.honest_hashes() == honest_before
+
+
+def test_g5_a_node_sends_gradients_only_to_nodes_that_serve_the_blocks(target):
+    """The attacker names its second identity, a plain libp2p peer that is no node at all, as its session's replica.
+    Whether the node refuses the open or fails the step, it must not open a stream to that peer."""
+    victim = target.attackers[1]
+    seen: list[str] = []
+
+    async def record(stream_info, reader, writer) -> None:
+        seen.append(stream_info.peer_id.to_base58())
+        writer.close()
+
+    async def scenario() -> list[Message | None]:
+        await victim.add_binary_stream_handler(rpc.TRAIN_SYNC, record)
+        try:
+            replica = Replica(peer=victim.peer_id.to_base58(), session_id="victim")
+            channel = await open_stream(
+                target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES
+            )
+            try:
+                answers = [await ask(channel, opening(session_id="reflect", replicas=(replica,)))]
+                if isinstance(answers[0], TrainOpened):
+                    answers.append(await ask(channel, forward("s1", hidden(1, 4))))
+                    answers.append(await ask(channel, backward("s1", hidden(1, 4, seed=1))))
+                return answers
+            finally:
+                channel.close()
+        finally:
+            await victim.remove_binary_stream_handler(rpc.TRAIN_SYNC)
+
+    answers = target.run(scenario())
+    assert seen == [], f"the node opened {len(seen)} gradient stream(s) to a peer named only by a client: {answers}"
+    assert not isinstance(answers[-1], TrainGrad), answers  # refused at the open, or the step failed
+
+
+def test_a_replica_that_sends_nothing_is_reported_typed_and_the_session_stays(target):
+    """The attacker's session names as replica a session id on the node itself that does not exist: the step's
+    sync fails at once. The node answers the backward with a typed replica_unavailable and keeps the session."""
+    replica = Replica(peer=target.node.peer_id, session_id="no-such-replica")
+    answers = target.run(
+        converse(
+            target.attacker,
+            target.node,
+            [
+                opening(session_id="lonely", replicas=(replica,)),
+                forward("s1", hidden(1, 4)),
+                backward("s1", hidden(1, 4, seed=1)),
+                forward("s2", hidden(1, 4), keep=False),
+            ],
+        )
+    )
+    assert isinstance(answers[0], TrainOpened) and isinstance(answers[1], TrainOutput)
+    assert isinstance(answers[2], ErrorReply), f"the node ended the stream instead of answering: {answers}"
+    assert answers[2].code == "replica_unavailable", answers
+    assert isinstance(answers[3], TrainOutput)  # the stream and its session go on
