@@ -116,6 +116,7 @@ def swarm_run(model_path, peers, initial, data, eval_windows, args, *, compressi
         lr=args.lr,
         compression=compression,
         checkpoint_every=10**9,
+        micro_batches=args.micro_batches,
     ) as session:
         session.evaluate(data[0])  # warm-up: streams and first compute, nothing updated
         started = time.perf_counter()
@@ -171,6 +172,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--micro-batches", type=int, default=1, help="per batch, pipelined down the chain")
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -198,6 +200,7 @@ def main() -> None:
     result = {
         "bench": "finetune",
         "steps": args.steps,
+        "micro_batches": args.micro_batches,
         "tokens_per_step": args.batch * args.seq,
         "base_heldout_ppl": round(local["base_ppl"], 3),
         "peft_heldout_ppl": round(local["ppl"], 3),

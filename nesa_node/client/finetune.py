@@ -15,9 +15,8 @@ AdamW is elementwise, so the slices end where one process training the whole ada
 
 Batches are right-padded: pad tokens after a sequence's end take label -100 (every token attends only to those
 before it, so padding after the end changes nothing before it). The loss is transformers' causal LM loss: logits
-shifted by one, cross-entropy averaged over the labels that are not -100.
-
-`AsyncFineTuningSession` is the same on the caller's event loop.
+shifted by one, cross-entropy averaged over the labels that are not -100. `AsyncFineTuningSession` is the same on
+the caller's event loop.
 """
 
 from __future__ import annotations
@@ -49,6 +48,8 @@ from nesa_node.client.train_link import (
     TrainLink,
     causal_lm_loss,
     check_labels,
+    close_chains,
+    first_failure,
     labelled_tokens,
     replica_chains,
 )
@@ -67,6 +68,8 @@ from nesa_node.protocol.messages import (
     MAX_REPLICAS,
     OpenTraining,
     Replica,
+    TrainApplied,
+    TrainApply,
     TrainBackward,
     TrainForward,
     TrainGrad,
@@ -127,12 +130,16 @@ class AsyncFineTuningSession:
         checkpoint_every: int = 10,
         restore: Checkpoint | None = None,
         data_parallel: int = 1,
+        micro_batches: int = 1,
     ):
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
         if not 1 <= data_parallel <= MAX_REPLICAS + 1:
             raise ValueError(f"data_parallel must be between 1 and {MAX_REPLICAS + 1}, got {data_parallel}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
         self.data_parallel = data_parallel
+        self.micro_batches = micro_batches
         self.model = model
         self.spec = spec
         self.optimizer = optimizer
@@ -174,6 +181,7 @@ class AsyncFineTuningSession:
         checkpoint_every: int = 10,
         resume: bool = False,
         data_parallel: int = 1,
+        micro_batches: int = 1,
     ) -> AsyncFineTuningSession:
         """Join the swarm and open the training streams on a chain. `adapter`: a PEFT LoRA folder to start from
         (its rank, alpha and targets); otherwise a new adapter of `spec` (default LoraSpec()) initialised as peft
@@ -183,7 +191,8 @@ class AsyncFineTuningSession:
         last one and replays the steps since; with `checkpoint_dir` they are also written there
         (client/checkpoints.py), and `resume` continues from the newest one there (its adapter spec and step; a
         fresh start when there is none). `data_parallel` chains (nodes differ where the swarm has spares) each run a
-        part of every batch, and the nodes of one span sum their gradients before each step (server/training.py).
+        part of every batch, and the nodes of one span sum their gradients before each step (server/training.py);
+        `micro_batches` splits each chain's part further, pipelined down the chain (the step is the same).
         Raises AdapterError for a bad folder, CheckpointError for a damaged
         checkpoint, NoRouteError when no chain covers the model, the node's typed error when one refuses the
         session for another reason than being full."""
@@ -220,6 +229,7 @@ class AsyncFineTuningSession:
                 checkpoint_every=checkpoint_every,
                 restore=restore,
                 data_parallel=data_parallel,
+                micro_batches=micro_batches,
             )
             await session.open()
         except BaseException:
@@ -251,7 +261,7 @@ class AsyncFineTuningSession:
                         )
                         opened[-1].append(await self._open_link(hop, ids[index], replicas))
             except (LinkLost, TooManySessionsError, QuotaExceededError, AdapterBudgetError) as exc:
-                _close(opened)
+                close_chains(opened)
                 peer = exc.peer_id if isinstance(exc, LinkLost) else hop.peer_id
                 logger.info("training chain: leaving out %s (%s)", peer[:12], exc)
                 failed.add(peer)
@@ -259,7 +269,7 @@ class AsyncFineTuningSession:
                     self.model.swarm.ban(peer)
                 continue
             except BaseException:
-                _close(opened)
+                close_chains(opened)
                 raise
             self.chains = opened
             return
@@ -315,7 +325,7 @@ class AsyncFineTuningSession:
         the passes since it run again before anything else."""
         logger.warning("training: %s; reopening the chain at step %d", lost, self.restore.step)
         peers = sorted({link.peer_id for chain in self.chains for link in chain})
-        _close(self.chains)
+        close_chains(self.chains)
         self.chains = []
         if lost.blame:
             self.model.swarm.ban(lost.peer_id)
@@ -390,33 +400,35 @@ class AsyncFineTuningSession:
         return loss.item(), hidden.grad.cpu()
 
     async def _pass(self, item: _Pass) -> float:
-        """One forward and backward pass through the chains, each chain a part of the batch's rows (and an optimizer
-        step with item.apply)."""
+        """One forward and backward pass of the batch: its rows split over the chains (data parallel) and, in each
+        chain, into micro_batches that follow each other down the chain (pipelined: while one is at the second node
+        the next is at the first); with item.apply, then one optimizer step on every node."""
         self._passes += 1
         step_id = f"{self.session_id}:{self._passes}"
-        parts = len(self.chains)
+        parts = len(self.chains) * self.micro_batches
         if item.input_ids.shape[0] < parts:
-            raise ValueError(f"a batch of {item.input_ids.shape[0]} rows cannot be split over {parts} chains")
+            raise ValueError(
+                f"a batch of {item.input_ids.shape[0]} rows cannot be split over {len(self.chains)} chains of "
+                f"{self.micro_batches} micro-batches"
+            )
         total = labelled_tokens(item.labels) if parts > 1 else None
+        staged = item.apply and self.micro_batches > 1  # the step after every micro-batch's backward: TrainApply
 
-        async def run(links: list[TrainLink], input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        async def run(links: list[TrainLink], part: int, input_ids, labels) -> tuple[float, int]:
             hidden = self.model.embed(input_ids).float()
-            outputs = await self._forward(hidden, step_id, links, keep=True)
+            outputs = await self._forward(hidden, f"{step_id}.{part}", links, keep=True)
             loss, grad = self._loss_and_grad(outputs[-1], labels, total)
-            return loss, await self._backward(grad, step_id, links, apply=item.apply)
+            return loss, await self._backward(grad, f"{step_id}.{part}", links, apply=item.apply and not staged)
 
-        split = zip(item.input_ids.tensor_split(parts), item.labels.tensor_split(parts), strict=True)
-        try:
-            async with asyncio.TaskGroup() as group:
-                tasks = [
-                    group.create_task(run(links, ids, labels))
-                    for links, (ids, labels) in zip(self.chains, split, strict=True)
-                ]
-        except ExceptionGroup as failures:  # the first lost node (a chain's failure cancels the others' passes)
-            lost = [error for error in failures.exceptions if isinstance(error, LinkLost)]
-            raise (lost[0] if lost else failures.exceptions[0]) from None
-        results = [task.result() for task in tasks]
-        if item.apply:
+        ids, labels = item.input_ids.tensor_split(parts), item.labels.tensor_split(parts)
+        results = await first_failure(
+            run(self.chains[part // self.micro_batches], part, ids[part], labels[part]) for part in range(parts)
+        )
+        if staged:
+            apply = frame(TrainApply(update=self.step + 1))
+            answers = await first_failure(link.call(apply, TrainApplied) for chain in self.chains for link in chain)
+            self.step = min(message.step for message, _ in answers)
+        elif item.apply:
             self.step = min(step for _, step in results)
         return sum(loss for loss, _ in results)
 
@@ -507,7 +519,7 @@ class AsyncFineTuningSession:
         return await asyncio.to_thread(save_peft_adapter, whole, self.spec, folder, base_model=self.model_path)
 
     async def close(self) -> None:
-        _close(self.chains)
+        close_chains(self.chains)
         self.chains = []
         await self.model.close()
 
@@ -516,12 +528,6 @@ class AsyncFineTuningSession:
 
     async def __aexit__(self, *exc_info) -> None:
         await self.close()
-
-
-def _close(chains: list[list[TrainLink]]) -> None:
-    for chain in chains:
-        for link in chain:
-            link.close()
 
 
 class FineTuningSession:

@@ -64,6 +64,7 @@ class TrainLink:
         self.session_id = session_id  # the session's id on this node
         self.channel = channel
         self.timeout_s = timeout_s
+        self._turn = asyncio.Lock()  # one request and its answer at a time (micro-batches share the link)
 
     @property
     def peer_id(self) -> str:
@@ -73,10 +74,11 @@ class TrainLink:
         """Send `request`, return the node's answer; its typed error when it refused; PeerUnavailableError when the
         stream broke or the node did not answer within the timeout."""
         try:
-            self.channel.send(request)
-            async with asyncio.timeout(self.timeout_s):
-                await self.channel.drain()
-                answer = await self.channel.receive()
+            async with self._turn:
+                self.channel.send(request)
+                async with asyncio.timeout(self.timeout_s):
+                    await self.channel.drain()
+                    answer = await self.channel.receive()
         except TimeoutError:
             raise LinkLost(self.peer_id, f"did not answer within {self.timeout_s} s") from None
         except PeerUnavailableError as exc:
@@ -143,12 +145,32 @@ def replica_chains(hops: list[Hop], nodes, count: int, left_out: set[str] | froz
     return plans
 
 
+async def first_failure(calls) -> list:
+    """The results of `calls`, run concurrently; on a failure the others are cancelled and the first lost node's
+    LinkLost (else the first error) is raised."""
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(call) for call in calls]
+    except ExceptionGroup as failures:
+        lost = [error for error in failures.exceptions if isinstance(error, LinkLost)]
+        raise (lost[0] if lost else failures.exceptions[0]) from None
+    return [task.result() for task in tasks]
+
+
+def close_chains(chains: list[list[TrainLink]]) -> None:
+    for chain in chains:
+        for link in chain:
+            link.close()
+
+
 __all__ = [
     "IGNORE_INDEX",
     "LinkLost",
     "TrainLink",
     "causal_lm_loss",
     "check_labels",
+    "close_chains",
+    "first_failure",
     "labelled_tokens",
     "replica_chains",
 ]

@@ -23,6 +23,7 @@ metadata holds one message, msgpack-encoded, whose `kind` names its model:
     train_open           OpenTraining       blocks, the slice's bytes, optimizer   -> TrainOpened
     train_forward        TrainForward       hidden states, saved for backward      -> TrainOutput
     train_backward       TrainBackward      gradient of the outputs, then a step   -> TrainGrad
+    train_apply          TrainApply         the step on gathered micro-batch grads -> TrainApplied
     train_state_request  TrainStateRequest  the slice's current values             -> TrainState
   training sync stream (protocol.rpc.TRAIN_SYNC), node -> node
     train_sync           TrainSync          a replica's gradients for one update   -> TrainSynced
@@ -367,6 +368,21 @@ class TrainSynced(Message):
     kind: Literal["train_synced"] = "train_synced"
 
 
+class TrainApply(Message):
+    """Take optimizer step `update` (the session's step count + 1) on the gradients gathered by backward passes sent
+    with apply=False (micro-batches), after summing the replicas' (data parallel); answered TrainApplied. Sent again
+    for the step it already took, it is answered the same."""
+
+    kind: Literal["train_apply"] = "train_apply"
+    update: int = Field(ge=1, le=1 << 40)
+
+
+class TrainApplied(Message):
+    kind: Literal["train_applied"] = "train_applied"
+    step: int = Field(ge=0)
+    compute_s: Seconds = 0.0
+
+
 class TrainStateRequest(Message):
     """Ask for the slice's current values (a checkpoint, or the adapter at the end)."""
 
@@ -434,8 +450,10 @@ FORWARD = _union(ForwardRequest)
 FORWARD_ANSWERS = _union(ForwardResult, ErrorReply)
 INFO_ANSWERS = _union(InfoReply, ErrorReply)
 TICKET_ANSWERS = _union(LaneTicket, ErrorReply)
-TO_TRAINING = _union(OpenTraining, TrainForward, TrainBackward, TrainStateRequest)  # a training stream's client
-FROM_TRAINING = _union(TrainOpened, TrainOutput, TrainGrad, TrainState, ErrorReply)
+TO_TRAINING = _union(
+    OpenTraining, TrainForward, TrainBackward, TrainApply, TrainStateRequest
+)  # a training stream's client
+FROM_TRAINING = _union(TrainOpened, TrainOutput, TrainGrad, TrainApplied, TrainState, ErrorReply)
 TRAIN_SYNC = _union(TrainSync)
 TRAIN_SYNC_ANSWERS = _union(TrainSynced, ErrorReply)
 GRAPH = _union(GraphForward)
@@ -549,6 +567,8 @@ __all__ = [
     "Opened",
     "Retarget",
     "Retargeted",
+    "TrainApplied",
+    "TrainApply",
     "TrainBackward",
     "TrainForward",
     "TrainGrad",

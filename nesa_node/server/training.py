@@ -6,12 +6,16 @@ One training stream (protocol.rpc.TRAIN) is one session. The client sends, in or
   OpenTraining   + the slice's canonical bytes   -> TrainOpened   the node keeps a float32 trainable copy
   TrainForward   + hidden states (positions 0..)  -> TrainOutput   the input is saved for the backward pass
   TrainBackward  + gradient of the outputs        -> TrainGrad     gradient of the inputs, then an AdamW step
+                                                                   (or, apply=False, gathered for a TrainApply)
+  TrainApply                                      -> TrainApplied  the AdamW step on the gathered micro-batches
   TrainStateRequest                               -> TrainState    the slice and AdamW's state, signed by the node
 
-What a node keeps for backward is only the input of each forward (batch x seq x hidden): the backward pass runs the
-blocks again from it with autograd on and backpropagates through them (activation recomputation). A node that
-replaces a failed one therefore needs nothing but that input, which the client holds; at most `max_queued_steps`
-inputs wait for their backward pass. A backward pass answered once is answered again from record (the client
+What a node keeps for backward: the input of each forward (batch x seq x hidden), and its autograd graph while the
+node's training memory (`max_training_mb`) has room for it (activation_bytes, an estimate); without the graph the
+backward pass runs the blocks again from the input with autograd on (activation recomputation), with the same
+result. A node that replaces a failed one therefore needs nothing but that input, which the client holds. At most
+`max_queued_steps` forwards wait for their backward pass; an optimizer step drops the others' graphs (they saw the
+parameters before it). A backward pass answered once is answered again from record (the client
 resends it after a lost answer), so no update is ever applied twice.
 
 Limits: `max_training_sessions` sessions on the node, each peer at most `max_cache_share_per_peer` of them (one at
@@ -67,6 +71,8 @@ from nesa_node.protocol.messages import (
     TRAIN_SYNC_ANSWERS,
     ErrorReply,
     OpenTraining,
+    TrainApplied,
+    TrainApply,
     TrainBackward,
     TrainForward,
     TrainGrad,
@@ -95,6 +101,28 @@ def _grad_of(parameter: torch.nn.Parameter) -> torch.Tensor:
 ANSWERED_KEPT = 4  # backward answers kept per session for a resent step (the client has one in flight)
 
 
+def activation_bytes(span, tokens: int, blocks: tuple[int, int]) -> int:
+    """What a forward's autograd graph holds through `blocks` for `tokens` tokens, bytes: per token and block, the
+    inputs of the seven projections and two norms, the attention output and the MLP's intermediate tensors (a guess
+    of 12 hidden-wide and 5 intermediate-wide float32 tensors; eager attention holds its probabilities on top)."""
+    config = span.config
+    per_token = 12 * config.hidden_size + 5 * getattr(config, "intermediate_size", 4 * config.hidden_size)
+    return 4 * tokens * per_token * (blocks[1] - blocks[0])
+
+
+@dataclass
+class Saved:
+    """A forward that waits for its backward pass: its input, and its graph (inputs, output) while kept."""
+
+    input: torch.Tensor
+    graph: tuple[torch.Tensor, torch.Tensor] | None
+    graph_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes + self.graph_bytes
+
+
 @dataclass
 class TrainingSession:
     session_id: str
@@ -103,7 +131,7 @@ class TrainingSession:
     slice: TrainableSlice
     optimizer: torch.optim.Optimizer
     step: int  # optimizer steps applied
-    saved: OrderedDict[str, torch.Tensor] = field(default_factory=OrderedDict)  # step id -> forward input
+    saved: OrderedDict[str, Saved] = field(default_factory=OrderedDict)  # step id -> what its backward needs
     answered: OrderedDict[str, Frame] = field(default_factory=OrderedDict)  # step id -> its TrainGrad frame
     pending_grads: bool = False  # gradients gathered since the last optimizer step
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
@@ -116,8 +144,14 @@ class TrainingSession:
 
     @property
     def state_bytes(self) -> int:
-        """Parameters, their gradients and AdamW's two moments, and the saved inputs."""
-        return 4 * self.slice.nbytes + sum(tensor.nbytes for tensor in self.saved.values())
+        """Parameters, their gradients and AdamW's two moments, and what waits for backward passes."""
+        return 4 * self.slice.nbytes + sum(saved.nbytes for saved in self.saved.values())
+
+    def drop_graphs(self) -> None:
+        """Forget the autograd graphs of forwards that wait for their backward pass (they hold the parameters'
+        values before an optimizer step): those backward passes recompute from their inputs."""
+        for saved in self.saved.values():
+            saved.graph, saved.graph_bytes = None, 0
 
 
 class TrainingService:
@@ -214,6 +248,8 @@ class TrainingService:
                 return await self._forward(session, request, message)
             if isinstance(message, TrainBackward):
                 return await self._backward(session, request, message)
+            if isinstance(message, TrainApply):
+                return await self._apply(session, message)
             if isinstance(message, TrainStateRequest):
                 return self._state(session)
             raise BadRequestError("this training session is open already")
@@ -295,14 +331,24 @@ class TrainingService:
             if used + hidden.nbytes > self.max_state_bytes:
                 raise AdapterBudgetError("saved inputs would exceed max_training_mb; send the waiting backward passes")
         span, factors = self.compute.span, session.slice.factors
+        graph_bytes = activation_bytes(span, hidden.shape[0] * hidden.shape[1], session.blocks)
+        used = sum(other.state_bytes for other in self.sessions.values()) + hidden.nbytes
+        keep_graph = message.keep and used + graph_bytes <= self.max_state_bytes  # else recomputed on backward
 
-        def run() -> torch.Tensor:
-            with torch.no_grad(), trainable_adapter(span, factors):
-                return span(hidden, None, 0, session.blocks)
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            if not keep_graph:
+                with torch.no_grad(), trainable_adapter(span, factors):
+                    return span(hidden, None, 0, session.blocks), None
+            inputs = hidden.to(span.spec.device, span.dtype_).detach().requires_grad_(True)
+            with torch.enable_grad(), trainable_adapter(span, factors):
+                output = span(inputs, None, 0, session.blocks)
+            return output, inputs
 
-        output, seconds = await self.compute.run_work(run)
+        (output, inputs), seconds = await self.compute.run_work(run)
         if message.keep:
-            session.saved[message.step_id] = hidden
+            graph = (inputs, output) if keep_graph else None
+            session.saved[message.step_id] = Saved(hidden, graph, graph_bytes if keep_graph else 0)
+        output = output.detach()
         return frame(
             TrainOutput(step_id=message.step_id, compute_s=seconds, codec=output_codec),
             [tensor_to_proto(output, output_codec)],
@@ -312,21 +358,24 @@ class TrainingService:
         answered = session.answered.get(message.step_id)
         if answered is not None:
             return answered
-        hidden = session.saved.get(message.step_id)
-        if hidden is None:
+        saved = session.saved.get(message.step_id)
+        if saved is None:
             raise BadRequestError(f"no forward pass {message.step_id} waits for its backward pass here")
+        hidden = saved.input
         grad = self.compute.read_hidden(request, message.codec, batch=hidden.shape[0])
         if grad.shape != hidden.shape:
             raise BadRequestError(f"gradient of shape {tuple(grad.shape)} for outputs of {tuple(hidden.shape)}")
         output_codec = self.compute.codec(message.output_codec)
         span, trainable, optimizer = self.compute.span, session.slice, session.optimizer
-
         synced = message.apply and bool(session.replicas)
 
         def run() -> torch.Tensor:
-            inputs = hidden.to(span.spec.device, span.dtype_).detach().requires_grad_(True)
-            with torch.enable_grad(), trainable_adapter(span, trainable.factors):
-                output = span(inputs, None, 0, session.blocks)
+            if saved.graph is not None:  # the forward's own graph
+                inputs, output = saved.graph
+            else:  # recomputed from the saved input
+                inputs = hidden.to(span.spec.device, span.dtype_).detach().requires_grad_(True)
+                with torch.enable_grad(), trainable_adapter(span, trainable.factors):
+                    output = span(inputs, None, 0, session.blocks)
             torch.autograd.backward(output, grad.to(output.device, output.dtype))
             if message.apply and not synced:
                 optimizer.step()
@@ -337,8 +386,10 @@ class TrainingService:
         if synced:  # the replicas' gradients summed in, then the step every replica takes alike
             seconds += await self._sync_and_step(session)
         del session.saved[message.step_id]
-        session.pending_grads = not message.apply
+        session.pending_grads = session.pending_grads or not message.apply
         if message.apply:
+            session.pending_grads = False
+            session.drop_graphs()  # graphs of other forwards saw the parameters before this step
             session.step += 1
             self.updates_applied += 1
         answer = frame(
@@ -349,6 +400,30 @@ class TrainingService:
         while len(session.answered) > ANSWERED_KEPT:
             session.answered.popitem(last=False)
         return answer
+
+    async def _apply(self, session: TrainingSession, message: TrainApply) -> Frame:
+        """The optimizer step on the gradients of the micro-batches gathered since the last one (TrainApply)."""
+        if message.update == session.step:  # taken already: the client resent it after a lost answer
+            return frame(TrainApplied(step=session.step))
+        if message.update != session.step + 1:
+            raise BadRequestError(f"update {message.update} asked of a session at step {session.step}")
+        if not session.pending_grads:
+            raise BadRequestError("no backward pass since the last step: nothing to apply")
+        optimizer = session.optimizer
+        if session.replicas:
+            seconds = await self._sync_and_step(session)
+        else:
+
+            def step() -> None:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+            _, seconds = await self.compute.run_work(step)
+        session.pending_grads = False
+        session.step += 1
+        self.updates_applied += 1
+        session.drop_graphs()
+        return frame(TrainApplied(step=session.step, compute_s=seconds))
 
     # ---- data parallel: replicas sum their gradients before each step ----------------------------------------------
 

@@ -13,7 +13,7 @@ from nesa_node.client.checkpoints import latest_step, read_checkpoint
 from nesa_node.client.finetune import FineTuningSession, causal_lm_loss
 from nesa_node.errors import AdapterError, BadRequestError, CheckpointError
 from nesa_node.protocol.channel import frame
-from nesa_node.protocol.messages import TrainBackward, TrainGrad
+from nesa_node.protocol.messages import TrainApplied, TrainApply, TrainBackward, TrainGrad
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.sharding.lora import load_adapter_slice
 from tests.support.adapters import peft_generate
@@ -193,6 +193,24 @@ def test_two_data_parallel_chains_keep_their_replicas_identical(swarm, trained_m
         assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
     for name, expected in lora_parameters(model).items():
         assert torch.allclose(slice_parameters(first)[name], expected, atol=1e-4, rtol=0), name
+
+
+def test_micro_batches_pipelined_down_the_chain_take_the_same_steps(swarm, trained_model, initial_adapter):
+    """Each batch as two micro-batches following each other down the chain, the step applied once both are back
+    (TrainApply): the same losses and adapter as peft's whole batches; a resent TrainApply is answered, not
+    applied again."""
+    data = batches(2048, 10, seed=9)
+    losses, model = local_run(trained_model, initial_adapter, data)
+    with swarm_session(swarm, trained_model, initial_adapter, micro_batches=2) as session:
+        remote = [session.train_step(input_ids) for input_ids in data]
+        link = session.inner.links[0]
+        message, _ = session.runner.call(link.call(frame(TrainApply(update=10)), TrainApplied))
+        assert message.step == 10  # the step it took already
+        whole = session.adapter()
+    for step, (ours, theirs) in enumerate(zip(remote, losses, strict=True)):
+        assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
+    for name, expected in lora_parameters(model).items():
+        assert torch.allclose(slice_parameters(whole)[name], expected, atol=1e-5, rtol=0), name
 
 
 def test_a_node_lost_mid_training_is_replaced_and_the_run_resumes_from_its_checkpoint(
