@@ -130,8 +130,9 @@ def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
         if name != previous:
             break
         name = f"step-{checkpoint.step:08d}.{again}"
+    for partial in root.glob(".step-*.partial"):  # what a crash mid-write left
+        shutil.rmtree(partial, ignore_errors=True)
     staging = root / f".{name}.partial"
-    shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     spans = []
     for span in checkpoint.spans:
@@ -164,11 +165,23 @@ def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
     final = root / name
     shutil.rmtree(final, ignore_errors=True)  # not the current one (above): what an earlier run or crash left
     os.replace(staging, final)
+    _sync_folder(root)  # the rename is on disk before latest.json names it
     _write(root / "latest.json", json.dumps({"step": checkpoint.step, "folder": name}).encode())
+    _sync_folder(root)
     for old in root.glob("step-*"):  # this one and the one before it
         if old.is_dir() and old.name not in (name, previous):
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _sync_folder(path: Path) -> None:
+    """fsync a folder, so the renames in it survive a power cut (where the OS allows opening a folder)."""
+    with contextlib.suppress(OSError):
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
 
 
 def _latest_folder(root: Path) -> str | None:

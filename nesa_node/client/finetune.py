@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -45,25 +44,19 @@ from nesa_node.client.session_chain import codec_for
 from nesa_node.client.train_link import (
     IGNORE_INDEX,
     LinkLost,
+    OptimizerSettings,
+    Pass,
     TrainLink,
     causal_lm_loss,
     check_labels,
     close_chains,
     first_failure,
     labelled_tokens,
+    open_link,
     replica_chains,
 )
-from nesa_node.errors import (
-    AdapterBudgetError,
-    CheckpointError,
-    NoRouteError,
-    QuotaExceededError,
-    RequestError,
-    TooManySessionsError,
-)
-from nesa_node.protocol import lane, rpc
+from nesa_node.errors import BadRequestError, CheckpointError, NoRouteError, RequestError
 from nesa_node.protocol.channel import Frame, frame
-from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.messages import (
     MAX_REPLICAS,
     OpenTraining,
@@ -73,7 +66,6 @@ from nesa_node.protocol.messages import (
     TrainBackward,
     TrainForward,
     TrainGrad,
-    TrainOpened,
     TrainOutput,
     TrainState,
     TrainStateRequest,
@@ -96,22 +88,7 @@ from nesa_node.sharding.lora_train import (
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class _Pass:
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    apply: bool
-
-
-@dataclass(frozen=True)
-class OptimizerSettings:
-    """AdamW on every node's slice, torch's definitions."""
-
-    lr: float = 1e-4
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
+MAX_MICRO_BATCHES = 8  # a node's default max_queued_steps: forwards waiting for their backward pass
 
 
 class AsyncFineTuningSession:
@@ -136,8 +113,8 @@ class AsyncFineTuningSession:
             raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
         if not 1 <= data_parallel <= MAX_REPLICAS + 1:
             raise ValueError(f"data_parallel must be between 1 and {MAX_REPLICAS + 1}, got {data_parallel}")
-        if micro_batches < 1:
-            raise ValueError(f"micro_batches must be at least 1, got {micro_batches}")
+        if not 1 <= micro_batches <= MAX_MICRO_BATCHES:  # each waits at a node for its backward pass
+            raise ValueError(f"micro_batches must be between 1 and {MAX_MICRO_BATCHES}, got {micro_batches}")
         self.data_parallel = data_parallel
         self.micro_batches = micro_batches
         self.model = model
@@ -153,7 +130,7 @@ class AsyncFineTuningSession:
         self.restore = restore or Checkpoint(
             0, self.session_id, spec, dataclasses.asdict(optimizer), adapter, OptimizerState(0, num_blocks, 0, {})
         )
-        self.replay: list[_Pass] = []  # passes since the restore point, replayed after a failover
+        self.replay: list[Pass] = []  # passes since the restore point, replayed after a failover
         self.chains: list[list[TrainLink]] = []  # one chain per data-parallel part; their hops match block for block
         self.step = self.restore.step  # optimizer steps taken
         self.failovers = 0
@@ -260,13 +237,12 @@ class AsyncFineTuningSession:
                             if other != index
                         )
                         opened[-1].append(await self._open_link(hop, ids[index], replicas))
-            except (LinkLost, TooManySessionsError, QuotaExceededError, AdapterBudgetError) as exc:
+            except LinkLost as exc:  # full, moving, failed: left out of this open (banned when to blame)
                 close_chains(opened)
-                peer = exc.peer_id if isinstance(exc, LinkLost) else hop.peer_id
-                logger.info("training chain: leaving out %s (%s)", peer[:12], exc)
-                failed.add(peer)
-                if isinstance(exc, LinkLost):
-                    self.model.swarm.ban(peer)
+                logger.info("training chain: leaving out %s (%s)", exc.peer_id[:12], exc)
+                failed.add(exc.peer_id)
+                if exc.blame:
+                    self.model.swarm.ban(exc.peer_id)
                 continue
             except BaseException:
                 close_chains(opened)
@@ -282,54 +258,39 @@ class AsyncFineTuningSession:
         return replica_chains(hops, snapshot.nodes, self.data_parallel - 1, failed | self.model.swarm.banned())
 
     async def _open_link(self, hop: Hop, session_id: str, replicas: tuple[Replica, ...] = ()) -> TrainLink:
-        timeout_s = self.model.config.request_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                channel = await open_stream(
-                    self.model.swarm.p2p, hop.peer_id, rpc.TRAIN, max_frame_bytes=lane.CLIENT_MAX_FRAME_BYTES
-                )
-        except Exception as exc:
-            raise LinkLost(hop.peer_id, f"could not be reached ({type(exc).__name__})") from None
         restore = self.restore
         piece = restore.adapter.narrow(hop.start_block, hop.end_block)
         adam = restore.adam.narrow(hop.start_block, hop.end_block) if restore.adam.tensors else None
-        link = TrainLink(hop, channel, timeout_s, session_id)
         message = OpenTraining(
             session_id=session_id,
             start_block=hop.start_block,
             end_block=hop.end_block,
             slice_sha256=piece.sha256,
-            lr=self.optimizer.lr,
-            betas=self.optimizer.betas,
-            eps=self.optimizer.eps,
-            weight_decay=self.optimizer.weight_decay,
+            **dataclasses.asdict(self.optimizer),
             step=restore.step,
             optimizer_sha256=adam.sha256 if adam is not None else None,
             replicas=replicas,
         )
         tensors = [bytes_to_proto(piece.to_bytes())] + ([bytes_to_proto(adam.to_bytes())] if adam else [])
-        try:
-            await link.call(frame(message, tensors), TrainOpened)
-        except BaseException:
-            link.close()
-            raise
-        return link
+        return await open_link(
+            self.model.swarm.p2p, hop, frame(message, tensors), session_id, self.model.config.request_timeout_s
+        )
 
     @property
     def links(self) -> list[TrainLink]:
         """The first chain's links (every chain holds the same adapter)."""
         return self.chains[0] if self.chains else []
 
-    async def _recover(self, lost: LinkLost) -> None:
+    async def _recover(self, lost: LinkLost | None) -> None:
         """Replace the chain after `lost`: the failed node is banned, every node reopened at the restore point, and
         the passes since it run again before anything else."""
-        logger.warning("training: %s; reopening the chain at step %d", lost, self.restore.step)
+        logger.warning("training: %s; reopening the chain at step %d", lost or "a pass cut short", self.restore.step)
         peers = sorted({link.peer_id for chain in self.chains for link in chain})
         close_chains(self.chains)
         self.chains = []
-        if lost.blame:
+        if lost is not None and lost.blame:
             self.model.swarm.ban(lost.peer_id)
-        else:  # a replica failed: those that do not answer now are the ones
+        elif peers:  # a node reported another's failure: those that do not answer now are the ones
             for peer in await self.model.swarm.unreachable(peers):
                 self.model.swarm.ban(peer)
         self.failovers += 1
@@ -344,6 +305,10 @@ class AsyncFineTuningSession:
         failures = 0
         while True:
             try:
+                if not self.chains or any(link.broken for chain in self.chains for link in chain):
+                    # a pass cut short by an error of the caller's (or a cancellation): the nodes may hold part of
+                    # it, so every chain goes back to the restore point
+                    await self._recover(None)
                 if self._rolled_back:
                     for item in self.replay:
                         await self._pass(item)
@@ -354,6 +319,10 @@ class AsyncFineTuningSession:
                 if failures > self.model.config.max_failovers:
                     raise
                 await self._recover(exc)
+            except BadRequestError:
+                close_chains(self.chains)  # a node refused part of a pass: reopen before the next call
+                self.chains = []
+                raise
 
     @property
     def chain(self) -> list[Hop]:
@@ -374,6 +343,8 @@ class AsyncFineTuningSession:
             codec, output_codec = self._codecs(link, hidden.numel())
             request = TrainForward(step_id=step_id, codec=codec, output_codec=output_codec, keep=keep)
             message, answer = await link.call(frame(request, [tensor_to_proto(hidden, codec)]), TrainOutput)
+            if message.step_id != step_id:
+                raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
             hidden = link.read_tensor(answer, message.codec, hidden).float()
             inputs.append(hidden)
         return inputs
@@ -384,10 +355,19 @@ class AsyncFineTuningSession:
         for link in reversed(links):
             codec, output_codec = self._codecs(link, grad.numel())
             request = TrainBackward(step_id=step_id, codec=codec, output_codec=output_codec, apply=apply)
-            message, answer = await link.call(frame(request, [tensor_to_proto(grad, codec)]), TrainGrad)
+            message, answer = await link.call(
+                frame(request, [tensor_to_proto(grad, codec)]), TrainGrad, timeout_s=self._step_timeout_s(apply)
+            )
+            if message.step_id != step_id:
+                raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
             grad = link.read_tensor(answer, message.codec, grad).float()
             steps.add(message.step)
         return min(steps)
+
+    def _step_timeout_s(self, apply: bool) -> float:
+        """A call that takes an optimizer step with replicas waits on them too (up to their own timeout)."""
+        timeout_s = self.model.config.request_timeout_s
+        return 2 * timeout_s if apply and len(self.chains) > 1 else timeout_s
 
     def _loss_and_grad(
         self, output: torch.Tensor, labels: torch.Tensor, total: int | None
@@ -399,7 +379,7 @@ class AsyncFineTuningSession:
             loss.backward()
         return loss.item(), hidden.grad.cpu()
 
-    async def _pass(self, item: _Pass) -> float:
+    async def _pass(self, item: Pass) -> float:
         """One forward and backward pass of the batch: its rows split over the chains (data parallel) and, in each
         chain, into micro_batches that follow each other down the chain (pipelined: while one is at the second node
         the next is at the first); with item.apply, then one optimizer step on every node."""
@@ -426,7 +406,10 @@ class AsyncFineTuningSession:
         )
         if staged:
             apply = frame(TrainApply(update=self.step + 1))
-            answers = await first_failure(link.call(apply, TrainApplied) for chain in self.chains for link in chain)
+            timeout_s = self._step_timeout_s(True)
+            answers = await first_failure(
+                link.call(apply, TrainApplied, timeout_s=timeout_s) for chain in self.chains for link in chain
+            )
             self.step = min(message.step for message, _ in answers)
         elif item.apply:
             self.step = min(step for _, step in results)
@@ -439,7 +422,7 @@ class AsyncFineTuningSession:
         node; the batch's loss before the step. `apply=False` gathers the gradients of more micro-batches first
         (scale their losses yourself: each pass's gradient is of its own mean loss). A node lost on the way is
         replaced (module docstring): the call returns once the step is taken on the new chain."""
-        item = _Pass(input_ids, check_labels(input_ids, labels), apply)
+        item = Pass(input_ids, check_labels(input_ids, labels), apply)
 
         async def run() -> float:
             loss = await self._pass(item)
@@ -448,12 +431,15 @@ class AsyncFineTuningSession:
 
         loss = await self._with_failover(run)
         if apply and self.step - self.restore.step >= self.checkpoint_every:
-            await self._with_failover(self.checkpoint)
+            await self._with_failover(self._checkpoint_now)
         return loss
 
     async def checkpoint(self) -> Checkpoint:
         """Fetch every node's slice and AdamW state now (hashes and signatures checked) as the new restore point,
-        written to checkpoint_dir when set."""
+        written to checkpoint_dir when set; a node lost on the way is replaced first."""
+        return await self._with_failover(self._checkpoint_now)
+
+    async def _checkpoint_now(self) -> Checkpoint:
         spans = []
         for link in self.links:
             message, answer = await link.call(frame(TrainStateRequest()), TrainState)
@@ -483,19 +469,26 @@ class AsyncFineTuningSession:
             raise LinkLost(link.peer_id, f"sent a bad training state: {exc.message}") from None
 
     async def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        """The loss of a batch with the adapter as it is now (nothing is saved or updated)."""
+        """The loss of a batch with the adapter as it is now (nothing is saved or updated); its rows split over the
+        data-parallel chains."""
         labels = check_labels(input_ids, labels)
 
-        async def run() -> list[torch.Tensor]:
+        async def run() -> float:
             self._passes += 1
-            hidden = self.model.embed(input_ids).float()
-            return await self._forward(hidden, f"{self.session_id}:{self._passes}", self.links, keep=False)
+            step_id = f"{self.session_id}:{self._passes}"
+            parts = min(len(self.chains), input_ids.shape[0])
+            total = labelled_tokens(labels)
 
-        outputs = await self._with_failover(run)
-        with torch.inference_mode():
-            edges = self.model.edges
-            hidden = outputs[-1].to(self.model.device, self.model.dtype)
-            return causal_lm_loss(edges.lm_head(edges.norm(hidden)), labels).item()
+            async def part(links: list[TrainLink], ids: torch.Tensor, part_labels: torch.Tensor) -> float:
+                outputs = await self._forward(self.model.embed(ids).float(), step_id, links, keep=False)
+                with torch.inference_mode():
+                    edges, hidden = self.model.edges, outputs[-1].to(self.model.device, self.model.dtype)
+                    return causal_lm_loss(edges.lm_head(edges.norm(hidden)), part_labels, total=total).item()
+
+            split = zip(self.chains, input_ids.tensor_split(parts), labels.tensor_split(parts), strict=False)
+            return sum(await first_failure(part(links, ids, lab) for links, ids, lab in split))
+
+        return await self._with_failover(run)
 
     # ---- the adapter -----------------------------------------------------------------------------------------------
 

@@ -1,17 +1,20 @@
-"""The client's side of one node in a LoRA training chain (client/finetune.py): its training stream, one request and
-one answer at a time, and the causal LM loss the client computes on the chain's output."""
+"""The pieces of a LoRA training session's client (client/finetune.py): the training stream to one node of a chain
+(one request and one answer at a time), how replica chains are chosen, the causal LM loss the client computes on the
+chain's output, and the small records a session keeps (optimizer settings, passes to replay)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from nesa_node.errors import PeerUnavailableError, RequestError
+from nesa_node.errors import BadRequestError, PeerUnavailableError, RequestError
+from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Frame, read
-from nesa_node.protocol.framing import StreamChannel
-from nesa_node.protocol.messages import FROM_TRAINING, ErrorReply, Message, expect
+from nesa_node.protocol.framing import StreamChannel, open_stream
+from nesa_node.protocol.messages import FROM_TRAINING, ErrorReply, Message, TrainOpened
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.routing.snapshot import Hop
 
@@ -31,6 +34,23 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, total: int | N
     return summed / total
 
 
+async def open_link(p2p, hop: Hop, opening: Frame, session_id: str, timeout_s: float) -> TrainLink:
+    """A training stream to `hop`'s node, opened with `opening` (OpenTraining and its tensors); LinkLost when the
+    node cannot be reached or refuses for a reason of its own, BadRequestError when it finds the open malformed."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            channel = await open_stream(p2p, hop.peer_id, rpc.TRAIN, max_frame_bytes=lane.CLIENT_MAX_FRAME_BYTES)
+    except Exception as exc:
+        raise LinkLost(hop.peer_id, f"could not be reached ({type(exc).__name__})") from None
+    link = TrainLink(hop, channel, timeout_s, session_id)
+    try:
+        await link.call(opening, TrainOpened)
+    except BaseException:
+        link.close()
+        raise
+    return link
+
+
 def check_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
     """`labels` (the inputs when None) once they and `input_ids` are (batch, seq >= 2) alike; ValueError otherwise."""
     if input_ids.dim() != 2 or input_ids.shape[1] < 2:
@@ -44,6 +64,25 @@ def check_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.
 def labelled_tokens(labels: torch.Tensor) -> int:
     """Tokens whose next label takes part in the loss."""
     return int((labels[:, 1:] != IGNORE_INDEX).sum())
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One forward and backward pass of a batch, as replayed after a failover."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    apply: bool
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """AdamW on every node's slice, torch's definitions."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
 
 
 class LinkLost(PeerUnavailableError):
@@ -65,38 +104,53 @@ class TrainLink:
         self.channel = channel
         self.timeout_s = timeout_s
         self._turn = asyncio.Lock()  # one request and its answer at a time (micro-batches share the link)
+        self.broken = False  # a call was cut short: an answer may be left unread
 
     @property
     def peer_id(self) -> str:
         return self.hop.peer_id
 
-    async def call(self, request: Frame, expected: type[Message]) -> tuple[Message, Frame]:
-        """Send `request`, return the node's answer; its typed error when it refused; PeerUnavailableError when the
-        stream broke or the node did not answer within the timeout."""
-        try:
-            async with self._turn:
+    async def call(
+        self, request: Frame, expected: type[Message], *, timeout_s: float | None = None
+    ) -> tuple[Message, Frame]:
+        """Send `request`, return the node's answer (within `timeout_s`, default the link's). Raises the node's
+        BadRequestError when it refused the request as malformed (the caller's mistake), and LinkLost for everything
+        else: the stream broke or ran out of step, the node did not answer, answered nonsense, refused for a reason
+        of its own (full, moving; blamed), or reported a failure elsewhere (a replica; not blamed). A call cut short
+        (cancelled, timed out) leaves the stream out of step: later calls raise LinkLost at once."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        async with self._turn:
+            if self.broken:
+                raise LinkLost(self.peer_id, "stream out of step after an interrupted call", blame=False)
+            self.broken = True  # until the answer is read
+            try:
                 self.channel.send(request)
-                async with asyncio.timeout(self.timeout_s):
+                async with asyncio.timeout(timeout_s):
                     await self.channel.drain()
                     answer = await self.channel.receive()
-        except TimeoutError:
-            raise LinkLost(self.peer_id, f"did not answer within {self.timeout_s} s") from None
-        except PeerUnavailableError as exc:
-            raise LinkLost(self.peer_id, exc.message) from None
-        except RequestError as exc:  # a malformed frame
-            raise LinkLost(self.peer_id, f"sent a malformed frame: {exc.message}") from None
-        if answer is None:
-            raise LinkLost(self.peer_id, "ended the training stream")
+            except TimeoutError:
+                raise LinkLost(self.peer_id, f"did not answer within {timeout_s} s") from None
+            except PeerUnavailableError as exc:
+                raise LinkLost(self.peer_id, exc.message) from None
+            except RequestError as exc:  # a malformed frame
+                raise LinkLost(self.peer_id, f"sent a malformed frame: {exc.message}") from None
+            if answer is None:  # the node ended the session (idle, timed out, stopping): probed, not blamed
+                raise LinkLost(self.peer_id, "ended the training stream", blame=False)
+            self.broken = False
         try:
             message = read(answer, FROM_TRAINING)
         except RequestError as exc:
             raise LinkLost(self.peer_id, f"sent a malformed answer: {exc.message}") from None
         if isinstance(message, ErrorReply):
             error = message.error()
-            if isinstance(error, PeerUnavailableError):  # a replica of this node's session failed
-                raise LinkLost(self.peer_id, f"reported: {error.message}", blame=False) from None
-            raise error
-        return expect(message, expected), answer
+            if isinstance(error, PeerUnavailableError):  # preempted, or a replica of this node's session failed
+                raise LinkLost(self.peer_id, f"reported [{error.code}] {error.message}", blame=False) from None
+            if isinstance(error, BadRequestError):
+                raise error
+            raise LinkLost(self.peer_id, f"refused [{error.code}] {error.message}") from None
+        if not isinstance(message, expected):
+            raise LinkLost(self.peer_id, f"answered {message.kind}, not {expected.__name__}")
+        return message, answer
 
     def read_tensor(self, answer: Frame, codec: WireCodec, like: torch.Tensor) -> torch.Tensor:
         """The answer's tensor, of the shape of `like` (what was sent); LinkLost for anything else."""
@@ -112,6 +166,8 @@ class TrainLink:
             raise LinkLost(self.peer_id, f"answered an unreadable tensor ({exc})") from None
         if tensor.shape != like.shape:
             raise LinkLost(self.peer_id, f"answered a tensor of {tuple(tensor.shape)}, not {tuple(like.shape)}")
+        if not torch.isfinite(tensor).all():
+            raise LinkLost(self.peer_id, "answered NaN or Inf")
         return tensor
 
     def close(self) -> None:
@@ -166,11 +222,14 @@ def close_chains(chains: list[list[TrainLink]]) -> None:
 __all__ = [
     "IGNORE_INDEX",
     "LinkLost",
+    "OptimizerSettings",
+    "Pass",
     "TrainLink",
     "causal_lm_loss",
     "check_labels",
     "close_chains",
     "first_failure",
     "labelled_tokens",
+    "open_link",
     "replica_chains",
 ]

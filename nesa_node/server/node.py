@@ -383,6 +383,8 @@ class Node:
         end the rest after the steps already in their queues (their clients fail over) and wait up to `end_s` for
         them to close. Returns how many were ended."""
         self.sessions.draining = True
+        self.training.draining = True
+        self.training.end_all("the node is draining")  # clients reopen their chain elsewhere at their checkpoint
         self.state = NodeState.draining
         await self.announce_now(SHUTDOWN_STEP_S if self._stopped.is_set() else None)
         if self.sessions.sessions and finish_s > 0:
@@ -423,6 +425,7 @@ class Node:
                 self.start_block, self.end_block = old
                 await self._load_span(*old)
             self.sessions.draining = False
+            self.training.draining = False
             seconds = time.monotonic() - began
             self.moves.append(
                 {"from": old, "to": (self.start_block, self.end_block), "reason": reason, "drained_s": drained_s}

@@ -15,8 +15,10 @@ node's training memory (`max_training_mb`) has room for it (activation_bytes, an
 backward pass runs the blocks again from the input with autograd on (activation recomputation), with the same
 result. A node that replaces a failed one therefore needs nothing but that input, which the client holds. At most
 `max_queued_steps` forwards wait for their backward pass; an optimizer step drops the others' graphs (they saw the
-parameters before it). A backward pass answered once is answered again from record (the client
-resends it after a lost answer), so no update is ever applied twice.
+parameters before it). A step id's backward pass runs once (a repeat is refused), and a TrainApply for the step
+already taken is answered without another, so no update is ever applied twice; a client that loses an answer
+reopens its chain at its last checkpoint instead (client/finetune.py). A pass of more activations than
+`max_training_mb` holds is refused; running out of device memory is a typed refusal too.
 
 Limits: `max_training_sessions` sessions on the node, each peer at most `max_cache_share_per_peer` of them (one at
 least); when the node is full, the session idle longest, if idle for `preempt_idle_s`, is ended (preempted) to admit
@@ -98,7 +100,7 @@ def _grad_of(parameter: torch.nn.Parameter) -> torch.Tensor:
     return parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
 
 
-ANSWERED_KEPT = 4  # backward answers kept per session for a resent step (the client has one in flight)
+ANSWERED_KEPT = 64  # step ids of answered backward passes remembered per session: a reused one is refused
 
 
 def activation_bytes(span, tokens: int, blocks: tuple[int, int]) -> int:
@@ -132,7 +134,7 @@ class TrainingSession:
     optimizer: torch.optim.Optimizer
     step: int  # optimizer steps applied
     saved: OrderedDict[str, Saved] = field(default_factory=OrderedDict)  # step id -> what its backward needs
-    answered: OrderedDict[str, Frame] = field(default_factory=OrderedDict)  # step id -> its TrainGrad frame
+    answered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids of the last backward passes
     pending_grads: bool = False  # gradients gathered since the last optimizer step
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
     channel: StreamChannel | None = None
@@ -144,8 +146,9 @@ class TrainingSession:
 
     @property
     def state_bytes(self) -> int:
-        """Parameters, their gradients and AdamW's two moments, and what waits for backward passes."""
-        return 4 * self.slice.nbytes + sum(saved.nbytes for saved in self.saved.values())
+        """Parameters, their gradients and AdamW's two moments, what waits for backward passes, replicas' gradients."""
+        inbox = sum(flat.nbytes for got in self.inbox.values() for flat in got.values())
+        return 4 * self.slice.nbytes + sum(saved.nbytes for saved in self.saved.values()) + inbox
 
     def drop_graphs(self) -> None:
         """Forget the autograd graphs of forwards that wait for their backward pass (they hold the parameters'
@@ -177,6 +180,7 @@ class TrainingService:
         self.network = network
         self.model_config = model_config
         self.sessions: dict[tuple[str, str], TrainingSession] = {}
+        self.draining = False  # refuse new sessions (the node is stopping or moving)
         self.updates_applied = 0
 
     @property
@@ -204,7 +208,11 @@ class TrainingService:
                 session.busy = True
                 try:
                     channel.send(await self._answer(session, request))
-                    await channel.drain()
+                    async with asyncio.timeout(self.limits.step_timeout_s):
+                        await channel.drain()
+                except TimeoutError:  # a client that stops reading: the session ends
+                    logger.debug("training session %s: client stopped reading", session.session_id)
+                    return
                 finally:
                     session.busy, session.last_active = False, time.monotonic()
                 timeout_s = self.limits.session_timeout_s
@@ -220,23 +228,19 @@ class TrainingService:
             return None
 
     def _preempt_idle(self) -> bool:
-        """End the session idle longest, when one has been idle `preempt_idle_s` (its owner is told, and fails
-        over): a node full of sessions that never step must still admit a client that trains. Whether one was."""
+        """End the session idle longest, when one has been idle `preempt_idle_s` with no forward waiting for its
+        backward pass (its owner is told, and fails over): a node full of sessions that never step must still admit
+        a client that trains. Whether one was."""
         now = time.monotonic()
         idle = [
             session
             for session in self.sessions.values()
-            if not session.busy and now - session.last_active >= self.limits.preempt_idle_s
+            if not session.busy and not session.saved and now - session.last_active >= self.limits.preempt_idle_s
         ]
         if not idle:
             return False
         oldest = min(idle, key=lambda session: session.last_active)
-        del self.sessions[(oldest.client_peer, oldest.session_id)]
-        if oldest.channel is not None:
-            error = SessionPreemptedError(f"training session idle for {now - oldest.last_active:.0f} s, ended")
-            with contextlib.suppress(Exception):
-                oldest.channel.send(frame(ErrorReply.of(error)))
-            oldest.channel.close()
+        self._end(oldest, SessionPreemptedError(f"training session idle for {now - oldest.last_active:.0f} s, ended"))
         return True
 
     async def _answer(self, session: TrainingSession, request: Frame) -> Frame:
@@ -251,7 +255,7 @@ class TrainingService:
             if isinstance(message, TrainApply):
                 return await self._apply(session, message)
             if isinstance(message, TrainStateRequest):
-                return self._state(session)
+                return await self._state(session)
             raise BadRequestError("this training session is open already")
         except (
             RequestError,
@@ -262,17 +266,12 @@ class TrainingService:
     # ---- opening ---------------------------------------------------------------------------------------------------
 
     async def _open(self, request: Frame, peer: str) -> TrainingSession:
+        """Validate the open (everything that awaits), then admit it in one go with no await between the checks and
+        the insert, so concurrent opens cannot all pass the same limits."""
+        if self.draining:
+            raise TooManySessionsError("node is draining or moving; route around it")
         message = expect(read(request, TO_TRAINING), OpenTraining)
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
-        if (peer, message.session_id) in self.sessions:
-            raise BadRequestError(f"training session {message.session_id} is open already")
-        share = max(1, math.floor(self.limits.max_training_sessions * self.limits.max_cache_share_per_peer))
-        if sum(owner == peer for owner, _ in self.sessions) >= share:
-            raise QuotaExceededError(f"this peer holds {share} training sessions here, its share")
-        if len(self.sessions) >= self.limits.max_training_sessions and not self._preempt_idle():
-            raise TooManySessionsError(
-                f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
-            )
         tensors = 1 if message.optimizer_sha256 is None else 2
         if len(request.tensors) != tensors:
             raise BadRequestError(
@@ -287,33 +286,74 @@ class TrainingService:
         if (piece.start, piece.end) != blocks:
             raise AdapterError(f"the slice holds blocks {piece.start}:{piece.end}, the session {blocks[0]}:{blocks[1]}")
         check_fits_model(piece, self.model_config)
-        trainable = TrainableSlice(piece, self.compute.span.spec.device)
-        trainable.check_fits(self.compute.span)
-        used = sum(session.state_bytes for session in self.sessions.values())
-        if used + 4 * trainable.nbytes > self.max_state_bytes:
-            raise AdapterBudgetError(
-                f"training state of {4 * trainable.nbytes} bytes does not fit: {used} of max_training_mb "
-                f"({self.max_state_bytes} bytes) are taken"
-            )
-        optimizer = torch.optim.AdamW(
-            trainable.parameters(),
-            lr=message.lr,
-            betas=message.betas,
-            eps=message.eps,
-            weight_decay=message.weight_decay,
-            foreach=False,
-        )
-        if saved is not None:
-            trainable.restore_optimizer(optimizer, saved)
         replicas = tuple(sorted({(replica.peer, replica.session_id) for replica in message.replicas}))
         if (self.peer_id, message.session_id) in replicas:
             raise BadRequestError("a training session cannot be its own replica")
         await self._check_replica_nodes({peer for peer, _ in replicas} - {self.peer_id}, blocks)
+        span = self.compute.span
+        if span is None:
+            raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
+
+        def build() -> tuple[TrainableSlice, torch.optim.Optimizer]:
+            trainable = TrainableSlice(piece, span.spec.device)
+            trainable.check_fits(span)
+            optimizer = torch.optim.AdamW(
+                trainable.parameters(),
+                lr=message.lr,
+                betas=message.betas,
+                eps=message.eps,
+                weight_decay=message.weight_decay,
+                foreach=False,
+            )
+            if saved is not None:
+                trainable.restore_optimizer(optimizer, saved)
+            return trainable, optimizer
+
+        trainable, optimizer = await asyncio.to_thread(build)
+        self._admit(peer, message.session_id, 4 * trainable.nbytes)
         session = TrainingSession(
             message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
         )
         self.sessions[(peer, message.session_id)] = session
         return session
+
+    def _admit(self, peer: str, session_id: str, nbytes: int) -> None:
+        """Room for a new session of `peer` holding `nbytes`, preempting idle sessions when the node is full (of
+        sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after."""
+        if self.draining:
+            raise TooManySessionsError("node is draining or moving; route around it")
+        if (peer, session_id) in self.sessions:
+            raise BadRequestError(f"training session {session_id} is open already")
+        share = max(1, math.floor(self.limits.max_training_sessions * self.limits.max_cache_share_per_peer))
+        if sum(owner == peer for owner, _ in self.sessions) >= share:
+            raise QuotaExceededError(f"this peer holds {share} training sessions here, its share")
+        while len(self.sessions) >= self.limits.max_training_sessions:
+            if not self._preempt_idle():
+                raise TooManySessionsError(
+                    f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
+                )
+        while (used := self.used_bytes) + nbytes > self.max_state_bytes:
+            if not self._preempt_idle():
+                raise AdapterBudgetError(
+                    f"training state of {nbytes} bytes does not fit: {used} of max_training_mb "
+                    f"({self.max_state_bytes} bytes) are taken"
+                )
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(session.state_bytes for session in self.sessions.values())
+
+    def end_all(self, reason: str) -> None:
+        """End every training session (the node drains or moves): each owner is told and fails over."""
+        for session in list(self.sessions.values()):
+            self._end(session, SessionPreemptedError(f"training session ended: {reason}"))
+
+    def _end(self, session: TrainingSession, error) -> None:
+        self.sessions.pop((session.client_peer, session.session_id), None)
+        if session.channel is not None:
+            with contextlib.suppress(Exception):
+                session.channel.send(frame(ErrorReply.of(error)))
+            session.channel.close()
 
     # ---- passes ----------------------------------------------------------------------------------------------------
 
@@ -332,7 +372,12 @@ class TrainingService:
                 raise AdapterBudgetError("saved inputs would exceed max_training_mb; send the waiting backward passes")
         span, factors = self.compute.span, session.slice.factors
         graph_bytes = activation_bytes(span, hidden.shape[0] * hidden.shape[1], session.blocks)
-        used = sum(other.state_bytes for other in self.sessions.values()) + hidden.nbytes
+        if message.keep and graph_bytes > self.max_state_bytes:  # a backward pass holds it, kept or recomputed
+            raise AdapterBudgetError(
+                f"a pass of {hidden.shape[0] * hidden.shape[1]} tokens needs about {graph_bytes} bytes of activations, "
+                f"over max_training_mb ({self.max_state_bytes} bytes): send fewer tokens per pass (micro-batches)"
+            )
+        used = self.used_bytes + hidden.nbytes
         keep_graph = message.keep and used + graph_bytes <= self.max_state_bytes  # else recomputed on backward
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -344,7 +389,7 @@ class TrainingService:
                 output = span(inputs, None, 0, session.blocks)
             return output, inputs
 
-        (output, inputs), seconds = await self.compute.run_work(run)
+        (output, inputs), seconds = await self._compute(run)
         if message.keep:
             graph = (inputs, output) if keep_graph else None
             session.saved[message.step_id] = Saved(hidden, graph, graph_bytes if keep_graph else 0)
@@ -355,9 +400,8 @@ class TrainingService:
         )
 
     async def _backward(self, session: TrainingSession, request: Frame, message: TrainBackward) -> Frame:
-        answered = session.answered.get(message.step_id)
-        if answered is not None:
-            return answered
+        if message.step_id in session.answered:
+            raise BadRequestError(f"the backward pass of step {message.step_id} was run already")
         saved = session.saved.get(message.step_id)
         if saved is None:
             raise BadRequestError(f"no forward pass {message.step_id} waits for its backward pass here")
@@ -382,24 +426,23 @@ class TrainingService:
                 optimizer.zero_grad(set_to_none=True)
             return inputs.grad
 
-        grad_input, seconds = await self.compute.run_work(run)
+        grad_input, seconds = await self._compute(run)
+        del session.saved[message.step_id]  # its graph is used up
+        session.answered[message.step_id] = None
+        while len(session.answered) > ANSWERED_KEPT:
+            session.answered.popitem(last=False)
         if synced:  # the replicas' gradients summed in, then the step every replica takes alike
             seconds += await self._sync_and_step(session)
-        del session.saved[message.step_id]
         session.pending_grads = session.pending_grads or not message.apply
         if message.apply:
             session.pending_grads = False
             session.drop_graphs()  # graphs of other forwards saw the parameters before this step
             session.step += 1
             self.updates_applied += 1
-        answer = frame(
+        return frame(
             TrainGrad(step_id=message.step_id, step=session.step, compute_s=seconds, codec=output_codec),
             [tensor_to_proto(grad_input, output_codec)],
         )
-        session.answered[message.step_id] = answer
-        while len(session.answered) > ANSWERED_KEPT:
-            session.answered.popitem(last=False)
-        return answer
 
     async def _apply(self, session: TrainingSession, message: TrainApply) -> Frame:
         """The optimizer step on the gradients of the micro-batches gathered since the last one (TrainApply)."""
@@ -418,7 +461,7 @@ class TrainingService:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
 
-            _, seconds = await self.compute.run_work(step)
+            _, seconds = await self._compute(step)
         session.pending_grads = False
         session.step += 1
         self.updates_applied += 1
@@ -465,6 +508,8 @@ class TrainingService:
                     await session.arrived.wait()
         except (TimeoutError, ExceptionGroup) as exc:
             session.optimizer.zero_grad(set_to_none=True)  # this update is lost: its gradients must not linger
+            session.pending_grads = False
+            session.inbox.pop(round_, None)
             missing = sorted(set(session.replicas) - set(session.inbox.get(round_, {})))
             raise ReplicaUnavailableError(
                 f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "
@@ -482,7 +527,7 @@ class TrainingService:
             session.optimizer.step()
             session.optimizer.zero_grad(set_to_none=True)
 
-        await self.compute.run_work(step)
+        await self._compute(step)
         return asyncio.get_running_loop().time() - started
 
     async def _send_gradients(
@@ -543,12 +588,16 @@ class TrainingService:
         session.inbox.setdefault(message.round, {})[(sender, message.from_session_id)] = flat
         session.arrived.set()
 
-    def _state(self, session: TrainingSession) -> Frame:
-        """The slice and AdamW's state now, signed (TrainState)."""
+    async def _state(self, session: TrainingSession) -> Frame:
+        """The slice and AdamW's state now, signed (TrainState); serialized off the event loop."""
         if session.pending_grads:
             raise BadRequestError("gradients are gathered but not applied yet: finish the step before asking")
-        piece = session.slice.snapshot()
-        optimizer_bytes = session.slice.optimizer_state(session.optimizer).to_bytes()
+
+        def serialize() -> tuple[AdapterSlice, bytes]:
+            return session.slice.snapshot(), session.slice.optimizer_state(session.optimizer).to_bytes()
+
+        (piece, optimizer_bytes), _ = await self._compute(serialize)
+        slice_bytes = await asyncio.to_thread(piece.to_bytes)
         message = TrainState(
             start_block=piece.start,
             end_block=piece.end,
@@ -561,10 +610,18 @@ class TrainingService:
             message = message.model_copy(
                 update={"public_key": self.signer.get_public_key().to_bytes(), "signature": signature}
             )
-        return frame(message, [bytes_to_proto(piece.to_bytes()), bytes_to_proto(optimizer_bytes)])
+        return frame(message, [bytes_to_proto(slice_bytes), bytes_to_proto(optimizer_bytes)])
+
+    async def _compute(self, work):
+        """`work` on the compute thread (its result, seconds); device memory running out is a typed refusal."""
+        try:
+            result, seconds = await self.compute.run_work(work)
+        except torch.OutOfMemoryError:
+            raise AdapterBudgetError("the device ran out of memory for this training pass; send fewer tokens") from None
+        return result, seconds
 
     def close(self) -> None:
-        self.sessions.clear()
+        self.end_all("node stopped")
 
 
 __all__ = ["TrainingService", "TrainingSession"]

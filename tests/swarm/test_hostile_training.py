@@ -527,6 +527,26 @@ def test_g1_a_session_id_is_open_once_per_peer(target, holder):
     assert isinstance(holder.open(second, "same"), TrainOpened)  # ids are scoped to the peer that opened them
 
 
+def test_g3_concurrent_opens_cannot_pass_the_limits_together(target, holder):
+    """Eight opens from one identity at once, each waiting on the same slow checks: only its share is admitted,
+    the others are told quota, and the node holds no session it does not count."""
+    first = target.attackers[0]
+
+    async def opens() -> list[Message | None]:
+        async def one(index: int) -> Message | None:
+            channel = await open_stream(first, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+            holder.channels.append(channel)
+            return await ask(channel, opening(session_id=f"together-{index}"))
+
+        return list(await asyncio.gather(*(one(index) for index in range(8))))
+
+    answers = target.run(opens())
+    assert sum(isinstance(answer, TrainOpened) for answer in answers) == SHARE
+    assert sorted(code(answer) for answer in answers if not isinstance(answer, TrainOpened)) == ["quota"] * 6
+    mine = [key for key in target.node.training.sessions if key[0] == first.peer_id.to_base58()]
+    assert len(mine) == SHARE
+
+
 def test_g3_idle_training_sessions_of_throwaway_identities_do_not_lock_out_an_honest_client(target, holder):
     for p2p in target.attackers:
         for index in range(SHARE):
