@@ -142,6 +142,22 @@ def add_parser(commands, add_peer_args) -> None:
         help="codec of activations and gradients between nodes; a lossy one trades accuracy for bytes (default none)",
     )
     training.add_argument(
+        "--data-parallel",
+        type=PARSERS["positive_int"],
+        default=1,
+        metavar="N",
+        help="chains training at once, each on a part of every batch; the nodes of one span sum their gradients "
+        "before each step (other nodes where the swarm has spares; default 1)",
+    )
+    training.add_argument(
+        "--micro-batches",
+        type=PARSERS["positive_int"],
+        default=1,
+        metavar="M",
+        help="split each chain's part of a batch into M micro-batches that follow each other down the chain; the "
+        "step is the same (at most 8; default 1)",
+    )
+    training.add_argument(
         "--eval-every",
         type=PARSERS["positive_int"],
         default=DEFAULT_EVERY,
@@ -174,6 +190,13 @@ def check_args(args) -> None:
         raise ValueError("--adapter gives the rank, alpha and targets: leave out --rank, --alpha and --targets")
     if args.seq_len < 2:
         raise ValueError(f"--seq-len must be 2 or more (a token and the next to predict), got {args.seq_len}")
+    if not 1 <= args.micro_batches <= 8:
+        raise ValueError(f"--micro-batches must be between 1 and 8, got {args.micro_batches}")
+    if args.batch_size < args.data_parallel * args.micro_batches:
+        raise ValueError(
+            f"--batch-size {args.batch_size} cannot be split into {args.data_parallel} chains of "
+            f"{args.micro_batches} micro-batches"
+        )
     if args.resume and args.checkpoint_every == 0:
         raise ValueError("--resume continues from a checkpoint: it needs --checkpoint-every above 0")
 
@@ -232,6 +255,8 @@ def run_finetune(args) -> int:
         # without checkpoints on disk the session still keeps one in memory, where a failover goes back to
         checkpoint_every=args.checkpoint_every or DEFAULT_EVERY,
         resume=args.resume,
+        data_parallel=args.data_parallel,
+        micro_batches=args.micro_batches,
     )
     try:
         hops = ", ".join(f"{hop.peer_id[:12]}… {hop.start_block}:{hop.end_block}" for hop in session.chain)

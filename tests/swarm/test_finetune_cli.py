@@ -146,8 +146,9 @@ def test_finetune_trains_an_adapter_peft_loads_and_resumes(swarm, trained_model,
         (["--steps", "0"], [{"text": "a"}], "error: [usage] argument --steps: expected a whole number above 0"),
         ([], [], "error: [training_data] --data train.jsonl is empty"),
         ([], '{"text": "fine"}\n{"text": \n', "error: [training_data] --data train.jsonl line 2: not JSON"),
+        (["--batch-size", "2", "--data-parallel", "2", "--micro-batches", "2"], [{"text": "a"}], "error: [bad_value] --batch-size 2 cannot be split into 2 chains of 2 micro-batches"),
     ],
-    ids=["missing-data", "unknown-target", "zero-steps", "empty-data", "malformed-line"],
+    ids=["missing-data", "unknown-target", "zero-steps", "empty-data", "malformed-line", "unsplittable-batch"],
 )  # fmt: skip
 def test_mistakes_print_one_error_line(trained_model, operator, tmp_path, extra, data, expected):
     if data is not None:
