@@ -107,17 +107,16 @@ def tokens(data: list[torch.Tensor]) -> int:
     return sum(batch.numel() for batch in data)
 
 
+def session_of(model_path, peers, initial, args, **options) -> FineTuningSession:
+    """A session on the bench's swarm starting from the adapter peft started from."""
+    return FineTuningSession.create(
+        model_path, initial_peers=peers, dht_prefix=PREFIX, adapter=initial, lr=args.lr, **options
+    )
+
+
 def swarm_run(model_path, peers, initial, data, eval_windows, args, *, compression: str) -> dict:
-    with FineTuningSession.create(
-        model_path,
-        initial_peers=peers,
-        dht_prefix=PREFIX,
-        adapter=initial,
-        lr=args.lr,
-        compression=compression,
-        checkpoint_every=10**9,
-        micro_batches=args.micro_batches,
-    ) as session:
+    options = dict(compression=compression, checkpoint_every=10**9, micro_batches=args.micro_batches)
+    with session_of(model_path, peers, initial, args, **options) as session:
         session.evaluate(data[0])  # warm-up: streams and first compute, nothing updated
         started = time.perf_counter()
         for input_ids in data:
@@ -130,14 +129,8 @@ def kill_run(group, model_path, peers, spans, nodes, initial, data, args) -> lis
     """Seconds from each kill until the next step is done (training caught up on a replacement)."""
     rng = random.Random(args.seed)
     recoveries = []
-    with FineTuningSession.create(
-        model_path,
-        initial_peers=peers,
-        dht_prefix=PREFIX,
-        adapter=initial,
-        lr=args.lr,
-        compression="none",
-        checkpoint_every=args.checkpoint_every,
+    with session_of(
+        model_path, peers, initial, args, compression="none", checkpoint_every=args.checkpoint_every
     ) as session:
         for kill in range(args.kills):
             for _ in range(rng.randint(1, 2 * args.checkpoint_every)):
