@@ -159,6 +159,7 @@ class AsyncFineTuningSession:
         resume: bool = False,
         data_parallel: int = 1,
         micro_batches: int = 1,
+        lanes: bool = True,
     ) -> AsyncFineTuningSession:
         """Join the swarm and open the training streams on a chain. `adapter`: a PEFT LoRA folder to start from
         (its rank, alpha and targets); otherwise a new adapter of `spec` (default LoraSpec()) initialised as peft
@@ -170,6 +171,7 @@ class AsyncFineTuningSession:
         fresh start when there is none). `data_parallel` chains (nodes differ where the swarm has spares) each run a
         part of every batch, and the nodes of one span sum their gradients before each step (server/training.py);
         `micro_batches` splits each chain's part further, pipelined down the chain (the step is the same).
+        `lanes`: each training session on the node's encrypted data lane where it has one (False: libp2p).
         Raises AdapterError for a bad folder, CheckpointError for a damaged
         checkpoint, NoRouteError when no chain covers the model, the node's typed error when one refuses the
         session for another reason than being full."""
@@ -181,6 +183,7 @@ class AsyncFineTuningSession:
             dtype="float32",
             compression=compression,
             request_timeout_s=request_timeout_s,
+            lanes=lanes,
         )
         try:
             restore = None
@@ -273,7 +276,7 @@ class AsyncFineTuningSession:
         )
         tensors = [bytes_to_proto(piece.to_bytes())] + ([bytes_to_proto(adam.to_bytes())] if adam else [])
         return await open_link(
-            self.model.swarm.p2p, hop, frame(message, tensors), session_id, self.model.config.request_timeout_s
+            self.model.swarm, hop, frame(message, tensors), session_id, self.model.config.request_timeout_s
         )
 
     @property

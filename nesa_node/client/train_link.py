@@ -5,18 +5,21 @@ chain's output, and the small records a session keeps (optimizer settings, passe
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from nesa_node.errors import BadRequestError, PeerUnavailableError, RequestError
+from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, RequestError
 from nesa_node.protocol import lane, rpc
-from nesa_node.protocol.channel import Frame, read
-from nesa_node.protocol.framing import StreamChannel, open_stream
-from nesa_node.protocol.messages import FROM_TRAINING, ErrorReply, Message, TrainOpened
+from nesa_node.protocol.channel import Channel, Frame, LaneChannel, read
+from nesa_node.protocol.framing import open_stream
+from nesa_node.protocol.messages import FROM_TRAINING, TICKET_ANSWERS, ErrorReply, LaneTicket, Message, TrainOpened
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.routing.snapshot import Hop
+
+logger = logging.getLogger(__name__)
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "uint8", "int8")  # what a node's tensors may be on the wire
 IGNORE_INDEX = -100  # labels that take no part in the loss (transformers' convention)
@@ -34,14 +37,20 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, total: int | N
     return summed / total
 
 
-async def open_link(p2p, hop: Hop, opening: Frame, session_id: str, timeout_s: float) -> TrainLink:
-    """A training stream to `hop`'s node, opened with `opening` (OpenTraining and its tensors); LinkLost when the
-    node cannot be reached or refuses for a reason of its own, BadRequestError when it finds the open malformed."""
-    try:
-        async with asyncio.timeout(timeout_s):
-            channel = await open_stream(p2p, hop.peer_id, rpc.TRAIN, max_frame_bytes=lane.CLIENT_MAX_FRAME_BYTES)
-    except Exception as exc:
-        raise LinkLost(hop.peer_id, f"could not be reached ({type(exc).__name__})") from None
+async def open_link(swarm, hop: Hop, opening: Frame, session_id: str, timeout_s: float) -> TrainLink:
+    """A training session on `hop`'s node, opened with `opening` (OpenTraining and its tensors): on its TRAIN data
+    lane when `swarm` (the client's Swarm) uses lanes and the node offers one (a ticket over libp2p, then direct
+    encrypted TCP: no p2pd on the way), else on a libp2p stream. LinkLost when the node cannot be reached or refuses
+    for a reason of its own, BadRequestError when it finds the open malformed."""
+    channel = await _train_lane(swarm, hop.peer_id, timeout_s)
+    if channel is None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                channel = await open_stream(
+                    swarm.p2p, hop.peer_id, rpc.TRAIN, max_frame_bytes=lane.CLIENT_MAX_FRAME_BYTES
+                )
+        except Exception as exc:
+            raise LinkLost(hop.peer_id, f"could not be reached ({type(exc).__name__})") from None
     link = TrainLink(hop, channel, timeout_s, session_id)
     try:
         await link.call(opening, TrainOpened)
@@ -49,6 +58,24 @@ async def open_link(p2p, hop: Hop, opening: Frame, session_id: str, timeout_s: f
         link.close()
         raise
     return link
+
+
+async def _train_lane(swarm, peer_id: str, timeout_s: float) -> LaneChannel | None:
+    address = swarm.lane_address(peer_id) if swarm.use_lanes else None
+    if address is None:
+        return None
+    try:
+        async with asyncio.timeout(timeout_s):
+            answer = await swarm.unary(peer_id, rpc.LANE_TICKET, Frame())
+            message = read(answer, TICKET_ANSWERS)
+            if not isinstance(message, LaneTicket):
+                raise PeerUnavailableError(f"no lane ticket: {getattr(message, 'message', message)}")
+            key = bytes.fromhex(message.key)
+            stream = await lane.connect(address, lane.ROLE_TRAIN, message.ticket, key)
+    except (NesaError, TimeoutError, ValueError, lane.LaneClosedError) as exc:
+        logger.debug("no training lane to %s, using libp2p: %r", peer_id, exc)
+        return None
+    return LaneChannel(stream, "answer on a training lane")
 
 
 def check_labels(input_ids: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
@@ -98,7 +125,7 @@ class LinkLost(PeerUnavailableError):
 class TrainLink:
     """The training stream to one node of the chain: one request, one answer, in order."""
 
-    def __init__(self, hop: Hop, channel: StreamChannel, timeout_s: float, session_id: str = ""):
+    def __init__(self, hop: Hop, channel: Channel, timeout_s: float, session_id: str = ""):
         self.hop = hop
         self.session_id = session_id  # the session's id on this node
         self.channel = channel

@@ -24,7 +24,8 @@ and ends the connection. A PING hello (no session) is answered with salt_a at on
 
 Cacheless forward calls (a batch through a node's span, client-relayed) use a FORWARD lane: the client asks the
 node for a ticket over libp2p (`rpc_lane_ticket`: a ticket id and a fresh key), then sends requests on a lane
-opened with the ticket id in place of a session id; the node answers each on the same lane.
+opened with the ticket id in place of a session id; the node answers each on the same lane. A LoRA training session
+(server/training.py) runs on a TRAIN lane opened the same way: every frame its libp2p stream would carry.
 
 Frame lengths are checked against the receiver's limit before a payload is read.
 """
@@ -51,8 +52,9 @@ ROLE_SEND = 1  # c sends steps into the session; a answers only to refuse one
 ROLE_RECEIVE = 2  # c (the client) receives the session's outputs from its last node
 ROLE_PING = 3  # no session: a answers the hello at once
 ROLE_FORWARD = 4  # cacheless forward calls (rpc_forward's requests and answers); the "session" is a ticket id
-ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_PING, ROLE_FORWARD)
-CONNECT_ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_FORWARD)
+ROLE_TRAIN = 5  # one LoRA training session (the nesa.train stream's frames); the "session" is a ticket id
+ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_PING, ROLE_FORWARD, ROLE_TRAIN)
+CONNECT_ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_FORWARD, ROLE_TRAIN)
 KEY_BYTES = 32
 SALT_BYTES = 16
 TAG_BYTES = 16
@@ -202,7 +204,7 @@ async def connect(
     host, port = parse_address(address)
     sid = session_id.encode()
     if not 0 < len(sid) <= MAX_SESSION_ID_BYTES or role not in CONNECT_ROLES:
-        raise ValueError("a lane needs a session id of 1..128 bytes and the SEND, RECEIVE or FORWARD role")
+        raise ValueError("a lane needs a session id of 1..128 bytes and the SEND, RECEIVE, FORWARD or TRAIN role")
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
@@ -315,6 +317,7 @@ __all__ = [
     "ROLE_PING",
     "ROLE_RECEIVE",
     "ROLE_SEND",
+    "ROLE_TRAIN",
     "LaneClosedError",
     "SealedStream",
     "accept",

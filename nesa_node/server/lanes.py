@@ -4,6 +4,7 @@
             and a refused one is answered on the lane (its sender reports it to the client)
   RECEIVE   the client takes a session's outputs (this node is the last)
   FORWARD   a client's cacheless forward calls, opened with a one-time ticket issued over libp2p (`issue_ticket`)
+  TRAIN     one LoRA training session (server/training.py), opened with such a ticket too
   PING      answered at once, for round-trip times
 Anything malformed or unauthenticated closes the connection and touches no session. How many connections are taken at
 all, and how long a hello may take, is server/lane_gate.py's business.
@@ -57,7 +58,9 @@ class LaneServer:
         session_timeout_s: float,
         max_frame_bytes: int,
         injected_delay: Callable[[], Awaitable[None]],
+        train: Callable[[Channel, str], Awaitable[None]] | None = None,
     ):
+        self.train = train  # serves one training session on a channel, for its peer (None: no TRAIN lanes)
         self.sessions = sessions
         self.forward = forward
         self.network = network
@@ -97,7 +100,7 @@ class LaneServer:
     # ---- tickets ------------------------------------------------------------------------------------------------
 
     def issue_ticket(self, peer: str) -> LaneTicket:
-        """A ticket for a FORWARD lane: an id and a fresh key, known to `peer` only. A ticket serves one connection;
+        """A ticket for a FORWARD or TRAIN lane: an id and a fresh key, known to `peer` only. A ticket serves one connection;
         a peer holds at most MAX_TICKETS_PER_PEER unused ones (the oldest go). BadRequestError without a lane."""
         if self.address is None:
             raise BadRequestError("this node has no data lane")
@@ -147,7 +150,9 @@ class LaneServer:
                     await writer.drain()
                     return
                 owner = None
-                if role == lane.ROLE_FORWARD:
+                if role in (lane.ROLE_FORWARD, lane.ROLE_TRAIN):
+                    if role == lane.ROLE_TRAIN and self.train is None:
+                        raise BadRequestError("this node takes no training sessions on its lane")
                     key, owner = self._take_ticket(session_id)
                     stream = await lane.accept(reader, writer, role, salt, key, self.max_frame_bytes)
                 else:
@@ -156,6 +161,8 @@ class LaneServer:
             admission.authenticated()
             if role == lane.ROLE_FORWARD:
                 await self._serve_forwards(channel, owner)
+            elif role == lane.ROLE_TRAIN:
+                await self.train(channel, owner)
             elif self.sessions.holds(session):
                 if role == lane.ROLE_RECEIVE:
                     await self._serve_output(channel, session)

@@ -188,14 +188,6 @@ class Node:
         node.inference = InferenceService(
             node.sessions, node.compute, push, config.limits, network, adapters=adapters, metrics=node.metrics
         )
-        node.lanes = LaneServer(
-            node.sessions,
-            node.inference.forward,
-            network,
-            session_timeout_s=config.limits.session_timeout_s,
-            max_frame_bytes=frame_bytes,
-            injected_delay=node.inference.injected_delay,
-        )
         signer = peer.signature_validator._private_key if peer.signature_validator is not None else None
         node.training = TrainingService(
             node.compute,
@@ -205,6 +197,15 @@ class Node:
             signer=signer,
             p2p=peer.p2p,
             records=records,
+        )
+        node.lanes = LaneServer(
+            node.sessions,
+            node.inference.forward,
+            network,
+            session_timeout_s=config.limits.session_timeout_s,
+            max_frame_bytes=frame_bytes,
+            injected_delay=node.inference.injected_delay,
+            train=node.training.serve_session,
         )
         node.rpc = NodeRpc(
             node.inference,

@@ -64,7 +64,7 @@ from nesa_node.errors import (
     TooManySessionsError,
 )
 from nesa_node.protocol import rpc
-from nesa_node.protocol.channel import Frame, frame, read
+from nesa_node.protocol.channel import Channel, Frame, frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
 from nesa_node.protocol.messages import (
     MAX_METADATA_BYTES,
@@ -137,7 +137,7 @@ class TrainingSession:
     answered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids of the last backward passes
     pending_grads: bool = False  # gradients gathered since the last optimizer step
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
-    channel: StreamChannel | None = None
+    channel: Channel | None = None
     busy: bool = False  # a request of the session is being answered
     last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
     # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
@@ -190,8 +190,12 @@ class TrainingService:
     # ---- the stream ------------------------------------------------------------------------------------------------
 
     async def serve_training(self, channel: StreamChannel, context: P2PContext) -> None:
-        """One training stream, from its OpenTraining to its end."""
-        peer = context.remote_id.to_base58()
+        """One training stream (libp2p), from its OpenTraining to its end."""
+        await self.serve_session(channel, context.remote_id.to_base58())
+
+    async def serve_session(self, channel: Channel, peer: str) -> None:
+        """One training session on `channel` (a libp2p stream, or a TRAIN data lane opened with a ticket `peer`
+        was given), from its OpenTraining to its end."""
         request = await self._next(channel, self.limits.first_step_timeout_s)
         if request is None:
             return
@@ -220,7 +224,7 @@ class TrainingService:
             if self.sessions.get((peer, session.session_id)) is session:
                 del self.sessions[(peer, session.session_id)]
 
-    async def _next(self, channel: StreamChannel, timeout_s: float) -> Frame | None:
+    async def _next(self, channel: Channel, timeout_s: float) -> Frame | None:
         try:
             async with asyncio.timeout(timeout_s):
                 return await channel.receive()

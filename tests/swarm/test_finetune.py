@@ -12,7 +12,7 @@ from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.checkpoints import latest_step, read_checkpoint
 from nesa_node.client.finetune import FineTuningSession, causal_lm_loss
 from nesa_node.errors import AdapterError, BadRequestError, CheckpointError
-from nesa_node.protocol.channel import frame
+from nesa_node.protocol.channel import LaneChannel, frame
 from nesa_node.protocol.messages import TrainApplied, TrainApply, TrainBackward, TrainGrad
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.sharding.lora import load_adapter_slice
@@ -105,10 +105,12 @@ def slice_parameters(whole) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_one_swarm_step_equals_one_peft_step(swarm, trained_model, initial_adapter):
+@pytest.mark.parametrize("lanes", [True, False], ids=["data-lanes", "libp2p"])
+def test_one_swarm_step_equals_one_peft_step(swarm, trained_model, initial_adapter, lanes):
     data = batches(2048, 1)
     losses, model = local_run(trained_model, initial_adapter, data)
-    with swarm_session(swarm, trained_model, initial_adapter) as session:
+    with swarm_session(swarm, trained_model, initial_adapter, lanes=lanes) as session:
+        assert all(isinstance(link.channel, LaneChannel) == lanes for link in session.inner.links)
         loss = session.train_step(data[0])
         assert session.step == 1
         whole = session.adapter()
