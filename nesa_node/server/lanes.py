@@ -162,6 +162,7 @@ class LaneServer:
             if role == lane.ROLE_FORWARD:
                 await self._serve_forwards(channel, owner)
             elif role == lane.ROLE_TRAIN:
+                lane.confirm(channel.stream)
                 await self.train(channel, owner)
             elif self.sessions.holds(session):
                 if role == lane.ROLE_RECEIVE:
