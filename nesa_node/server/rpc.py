@@ -64,7 +64,7 @@ class NodeRpc:
             (rpc.PUSH_STREAM, self.rpc_push_stream),
             (rpc.ADAPTER, self.rpc_adapter),
             (rpc.TRAIN, self.training.serve_training),
-            (rpc.TRAIN_SYNC, self.training.serve_sync),
+            (rpc.TRAIN_SYNC, self.training.sync.serve),
         )
         for name, handler in streams:
             await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)

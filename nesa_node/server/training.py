@@ -27,7 +27,7 @@ slice) and saved inputs stay within `max_training_mb`. Refusals are typed (too_m
 adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
 `session_timeout_s` later on.
 
-Data parallel: sessions on the same blocks opened as each other's `replicas` (OpenTraining) each run part of every
+Data parallel (server/training_sync.py): sessions on the same blocks opened as each other's `replicas` (OpenTraining) each run part of every
 batch; before each optimizer step every member sends its gradients to the others (rpc.TRAIN_SYNC, node to node; a
 replica on the same node directly) and waits for theirs, and all sum them in one fixed order, so the replicas take
 bit-identical steps and their slices never drift apart. Only the named replicas' gradients are taken, for this
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import logging
 import math
@@ -58,19 +57,14 @@ from nesa_node.errors import (
     BadRequestError,
     PeerUnavailableError,
     QuotaExceededError,
-    ReplicaUnavailableError,
     RequestError,
     SessionPreemptedError,
     TooManySessionsError,
 )
-from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Channel, Frame, frame, read
-from nesa_node.protocol.framing import StreamChannel, open_stream
+from nesa_node.protocol.framing import StreamChannel
 from nesa_node.protocol.messages import (
-    MAX_METADATA_BYTES,
     TO_TRAINING,
-    TRAIN_SYNC,
-    TRAIN_SYNC_ANSWERS,
     ErrorReply,
     OpenTraining,
     TrainApplied,
@@ -82,22 +76,17 @@ from nesa_node.protocol.messages import (
     TrainOutput,
     TrainState,
     TrainStateRequest,
-    TrainSync,
-    TrainSynced,
     expect,
 )
-from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto, tensor_from_proto, tensor_to_proto
+from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto, tensor_to_proto
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
+from nesa_node.server.training_sync import ReplicaSync
 from nesa_node.sharding.lora import AdapterSlice, check_fits_model
 from nesa_node.sharding.lora_rows import trainable_adapter
 from nesa_node.sharding.lora_train import OptimizerState, TrainableSlice
 
 logger = logging.getLogger(__name__)
-
-
-def _grad_of(parameter: torch.nn.Parameter) -> torch.Tensor:
-    return parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
 
 
 ANSWERED_KEPT = 64  # step ids of answered backward passes remembered per session: a reused one is refused
@@ -175,6 +164,7 @@ class TrainingService:
         self.p2p = p2p  # the node's P2P host: gradients to replicas on other nodes (None: only local replicas)
         self.peer_id = p2p.peer_id.to_base58() if p2p is not None else ""
         self.records = records  # async () -> the NodeInfo records of the swarm (DHT): who may be a replica
+        self.sync = ReplicaSync(self)  # data parallel: gradients to and from the sessions' replicas
         self.compute = compute
         self.limits = limits
         self.network = network
@@ -293,7 +283,7 @@ class TrainingService:
         replicas = tuple(sorted({(replica.peer, replica.session_id) for replica in message.replicas}))
         if (self.peer_id, message.session_id) in replicas:
             raise BadRequestError("a training session cannot be its own replica")
-        await self._check_replica_nodes({peer for peer, _ in replicas} - {self.peer_id}, blocks)
+        await self.sync.check_nodes({peer for peer, _ in replicas} - {self.peer_id}, blocks)
         span = self.compute.span
         if span is None:
             raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
@@ -436,7 +426,7 @@ class TrainingService:
         while len(session.answered) > ANSWERED_KEPT:
             session.answered.popitem(last=False)
         if synced:  # the replicas' gradients summed in, then the step every replica takes alike
-            seconds += await self._sync_and_step(session)
+            seconds += await self.sync.sync_and_step(session)
         session.pending_grads = session.pending_grads or not message.apply
         if message.apply:
             session.pending_grads = False
@@ -458,7 +448,7 @@ class TrainingService:
             raise BadRequestError("no backward pass since the last step: nothing to apply")
         optimizer = session.optimizer
         if session.replicas:
-            seconds = await self._sync_and_step(session)
+            seconds = await self.sync.sync_and_step(session)
         else:
 
             def step() -> None:
@@ -471,126 +461,6 @@ class TrainingService:
         self.updates_applied += 1
         session.drop_graphs()
         return frame(TrainApplied(step=session.step, compute_s=seconds))
-
-    # ---- data parallel: replicas sum their gradients before each step ----------------------------------------------
-
-    async def _check_replica_nodes(self, peers: set[str], blocks: tuple[int, int]) -> None:
-        """BadRequestError unless every peer in `peers` announces on the DHT a span holding `blocks`: gradients go
-        only to nodes that could train the same blocks, never to a peer a client merely names."""
-        if not peers:
-            return
-        serving = set()
-        if self.records is not None:
-            with contextlib.suppress(Exception):  # a DHT read that fails: nobody is known to serve the blocks
-                async with asyncio.timeout(self.network.peer_timeout_s / 3):
-                    infos = await self.records()
-                serving = {
-                    info.peer_id for info in infos if info.start_block <= blocks[0] and blocks[1] <= info.end_block
-                }
-        unknown = sorted(peers - serving)
-        if unknown:
-            raise BadRequestError(
-                f"replicas {', '.join(peer[:12] for peer in unknown)} do not announce blocks {blocks[0]}:{blocks[1]}"
-            )
-
-    async def _sync_and_step(self, session: TrainingSession) -> float:
-        """Send this session's gradients to its replicas, wait for theirs (peer_timeout_s), sum all in the order of
-        (peer id, session id), so every replica gets the same bits, then take the optimizer step. Seconds spent."""
-        started = asyncio.get_running_loop().time()
-        parameters = session.slice.parameters()
-        flat = torch.cat([_grad_of(parameter).reshape(-1) for parameter in parameters]).cpu()
-        round_ = session.step + 1
-        me = (self.peer_id, session.session_id)
-        try:
-            async with asyncio.timeout(self.network.peer_timeout_s):
-                async with asyncio.TaskGroup() as group:
-                    for peer, session_id in session.replicas:
-                        group.create_task(self._send_gradients(session, peer, session_id, round_, flat))
-                inbox = session.inbox.setdefault(round_, {})
-                while not set(session.replicas) <= set(inbox):
-                    session.arrived.clear()
-                    await session.arrived.wait()
-        except (TimeoutError, ExceptionGroup) as exc:
-            session.optimizer.zero_grad(set_to_none=True)  # this update is lost: its gradients must not linger
-            session.pending_grads = False
-            session.inbox.pop(round_, None)
-            missing = sorted(set(session.replicas) - set(session.inbox.get(round_, {})))
-            raise ReplicaUnavailableError(
-                f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "
-                f"({type(exc).__name__})"
-            ) from None
-        gradients = {**session.inbox.pop(round_), me: flat}
-        total = functools.reduce(torch.add, (gradients[key] for key in sorted(gradients)))
-
-        def step() -> None:
-            offset = 0
-            for parameter in parameters:
-                count = parameter.numel()
-                parameter.grad = total[offset : offset + count].view_as(parameter).to(parameter.device).clone()
-                offset += count
-            session.optimizer.step()
-            session.optimizer.zero_grad(set_to_none=True)
-
-        await self._compute(step)
-        return asyncio.get_running_loop().time() - started
-
-    async def _send_gradients(
-        self, session: TrainingSession, peer: str, session_id: str, round_: int, flat: torch.Tensor
-    ) -> None:
-        message = TrainSync(
-            owner=session.client_peer, session_id=session_id, from_session_id=session.session_id, round=round_
-        )
-        if peer == self.peer_id:  # a replica on this node
-            self._deliver(message, self.peer_id, flat)
-            return
-        channel = await open_stream(self.p2p, peer, rpc.TRAIN_SYNC, max_frame_bytes=MAX_METADATA_BYTES + 4096)
-        try:
-            channel.send(frame(message, [tensor_to_proto(flat)]))
-            answer = await channel.receive()
-            if answer is None:
-                raise PeerUnavailableError(f"replica {peer[:12]}… ended the sync stream")
-            reply = read(answer, TRAIN_SYNC_ANSWERS)
-            if isinstance(reply, ErrorReply):
-                raise reply.error()
-        finally:
-            channel.close()
-
-    async def serve_sync(self, channel: StreamChannel, context: P2PContext) -> None:
-        """A replica's gradients for one of this node's sessions (TrainSync), answered TrainSynced or refused."""
-        try:
-            async with asyncio.timeout(self.network.peer_timeout_s):
-                request = await channel.receive()
-        except TimeoutError:
-            return
-        if request is None:
-            return
-        try:
-            message = expect(read(request, TRAIN_SYNC), TrainSync)
-            if len(request.tensors) != 1:
-                raise BadRequestError("a training sync carries one tensor of gradients")
-            session = self.sessions.get((message.owner, message.session_id))
-            if session is None:
-                raise BadRequestError(f"no training session {message.session_id} of that client here")
-            numel = sum(parameter.numel() for parameter in session.slice.parameters())
-            flat = tensor_from_proto(request.tensors[0], allowed_dtypes=("float32",), max_elements=numel, rank=1)
-            self._deliver(message, context.remote_id.to_base58(), flat)
-            channel.send(frame(TrainSynced()))
-        except RequestError as exc:
-            channel.send(frame(ErrorReply.of(exc)))
-
-    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor) -> None:
-        session = self.sessions.get((message.owner, message.session_id))
-        if session is None:
-            raise BadRequestError(f"no training session {message.session_id} of that client here")
-        if (sender, message.from_session_id) not in session.replicas:
-            raise BadRequestError("the sender is not a replica of this training session")
-        numel = sum(parameter.numel() for parameter in session.slice.parameters())
-        if flat.shape != (numel,) or not torch.isfinite(flat).all():
-            raise BadRequestError(f"replica gradients must be {numel} finite float32 values")
-        if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
-            raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
-        session.inbox.setdefault(message.round, {})[(sender, message.from_session_id)] = flat
-        session.arrived.set()
 
     async def _state(self, session: TrainingSession) -> Frame:
         """The slice and AdamW's state now, signed (TrainState); serialized off the event loop."""

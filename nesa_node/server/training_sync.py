@@ -1,0 +1,174 @@
+"""Data-parallel LoRA training: the sessions of one span on several nodes (or one node) are each other's replicas,
+and before every optimizer step each sends its gradients to the others and all sum them in one fixed order, so the
+replicas take bit-identical steps (server/training.py's module docstring says why the client names the group
+instead of hivemind's averager finding one).
+
+  TrainSync   node -> node on rpc.TRAIN_SYNC: one replica's flat gradients for one update; TrainSynced, or refused
+
+Only a session's named replicas are heard, only for this update or the next, and a node sends gradients only to
+replicas that announce the blocks on the DHT.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from hivemind.p2p import P2PContext
+
+from nesa_node.errors import BadRequestError, PeerUnavailableError, ReplicaUnavailableError, RequestError
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import frame, read
+from nesa_node.protocol.framing import StreamChannel, open_stream
+from nesa_node.protocol.messages import (
+    MAX_METADATA_BYTES,
+    TRAIN_SYNC,
+    TRAIN_SYNC_ANSWERS,
+    ErrorReply,
+    TrainSync,
+    TrainSynced,
+    expect,
+)
+from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
+
+if TYPE_CHECKING:
+    from nesa_node.server.training import TrainingSession
+
+logger = logging.getLogger(__name__)
+
+
+def _grad_of(parameter: torch.nn.Parameter) -> torch.Tensor:
+    return parameter.grad if parameter.grad is not None else torch.zeros_like(parameter)
+
+
+class ReplicaSync:
+    """The gradient exchange of a TrainingService's sessions with their replicas."""
+
+    def __init__(self, service):
+        self.service = service  # server/training.py TrainingService: its sessions, records, P2P host, compute
+
+    async def check_nodes(self, peers: set[str], blocks: tuple[int, int]) -> None:
+        """BadRequestError unless every peer in `peers` announces on the DHT a span holding `blocks`: gradients go
+        only to nodes that could train the same blocks, never to a peer a client merely names."""
+        if not peers:
+            return
+        serving = set()
+        if self.service.records is not None:
+            try:
+                async with asyncio.timeout(self.service.network.peer_timeout_s / 3):
+                    infos = await self.service.records()
+                serving = {
+                    info.peer_id for info in infos if info.start_block <= blocks[0] and blocks[1] <= info.end_block
+                }
+            except Exception as exc:  # a DHT read that fails: nobody is known to serve the blocks
+                logger.warning("training: could not read the swarm's records to check replicas: %r", exc)
+        unknown = sorted(peers - serving)
+        if unknown:
+            raise BadRequestError(
+                f"replicas {', '.join(peer[:12] for peer in unknown)} do not announce blocks {blocks[0]}:{blocks[1]}"
+            )
+
+    async def sync_and_step(self, session: TrainingSession) -> float:
+        """Send this session's gradients to its replicas, wait for theirs (peer_timeout_s), sum all in the order of
+        (peer id, session id), so every replica gets the same bits, then take the optimizer step. Seconds spent."""
+        started = asyncio.get_running_loop().time()
+        parameters = session.slice.parameters()
+        flat = torch.cat([_grad_of(parameter).reshape(-1) for parameter in parameters]).cpu()
+        round_ = session.step + 1
+        me = (self.service.peer_id, session.session_id)
+        try:
+            async with asyncio.timeout(self.service.network.peer_timeout_s):
+                async with asyncio.TaskGroup() as group:
+                    for peer, session_id in session.replicas:
+                        group.create_task(self._send_gradients(session, peer, session_id, round_, flat))
+                inbox = session.inbox.setdefault(round_, {})
+                while not set(session.replicas) <= set(inbox):
+                    session.arrived.clear()
+                    await session.arrived.wait()
+        except (TimeoutError, ExceptionGroup) as exc:
+            session.optimizer.zero_grad(set_to_none=True)  # this update is lost: its gradients must not linger
+            session.pending_grads = False
+            session.inbox.pop(round_, None)
+            missing = sorted(set(session.replicas) - set(session.inbox.get(round_, {})))
+            raise ReplicaUnavailableError(
+                f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "
+                f"({type(exc).__name__})"
+            ) from None
+        gradients = {**session.inbox.pop(round_), me: flat}
+        total = functools.reduce(torch.add, (gradients[key] for key in sorted(gradients)))
+
+        def step() -> None:
+            offset = 0
+            for parameter in parameters:
+                count = parameter.numel()
+                parameter.grad = total[offset : offset + count].view_as(parameter).to(parameter.device).clone()
+                offset += count
+            session.optimizer.step()
+            session.optimizer.zero_grad(set_to_none=True)
+
+        await self.service._compute(step)
+        return asyncio.get_running_loop().time() - started
+
+    async def _send_gradients(
+        self, session: TrainingSession, peer: str, session_id: str, round_: int, flat: torch.Tensor
+    ) -> None:
+        message = TrainSync(
+            owner=session.client_peer, session_id=session_id, from_session_id=session.session_id, round=round_
+        )
+        if peer == self.service.peer_id:  # a replica on this node
+            self._deliver(message, self.service.peer_id, flat)
+            return
+        channel = await open_stream(self.service.p2p, peer, rpc.TRAIN_SYNC, max_frame_bytes=MAX_METADATA_BYTES + 4096)
+        try:
+            channel.send(frame(message, [tensor_to_proto(flat)]))
+            answer = await channel.receive()
+            if answer is None:
+                raise PeerUnavailableError(f"replica {peer[:12]}… ended the sync stream")
+            reply = read(answer, TRAIN_SYNC_ANSWERS)
+            if isinstance(reply, ErrorReply):
+                raise reply.error()
+        finally:
+            channel.close()
+
+    async def serve(self, channel: StreamChannel, context: P2PContext) -> None:
+        """A replica's gradients for one of this node's sessions (TrainSync), answered TrainSynced or refused."""
+        try:
+            async with asyncio.timeout(self.service.network.peer_timeout_s):
+                request = await channel.receive()
+        except TimeoutError:
+            return
+        if request is None:
+            return
+        try:
+            message = expect(read(request, TRAIN_SYNC), TrainSync)
+            if len(request.tensors) != 1:
+                raise BadRequestError("a training sync carries one tensor of gradients")
+            session = self.service.sessions.get((message.owner, message.session_id))
+            if session is None:
+                raise BadRequestError(f"no training session {message.session_id} of that client here")
+            numel = sum(parameter.numel() for parameter in session.slice.parameters())
+            flat = tensor_from_proto(request.tensors[0], allowed_dtypes=("float32",), max_elements=numel, rank=1)
+            self._deliver(message, context.remote_id.to_base58(), flat)
+            channel.send(frame(TrainSynced()))
+        except RequestError as exc:
+            channel.send(frame(ErrorReply.of(exc)))
+
+    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor) -> None:
+        session = self.service.sessions.get((message.owner, message.session_id))
+        if session is None:
+            raise BadRequestError(f"no training session {message.session_id} of that client here")
+        if (sender, message.from_session_id) not in session.replicas:
+            raise BadRequestError("the sender is not a replica of this training session")
+        numel = sum(parameter.numel() for parameter in session.slice.parameters())
+        if flat.shape != (numel,) or not torch.isfinite(flat).all():
+            raise BadRequestError(f"replica gradients must be {numel} finite float32 values")
+        if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
+            raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
+        session.inbox.setdefault(message.round, {})[(sender, message.from_session_id)] = flat
+        session.arrived.set()
+
+
+__all__ = ["ReplicaSync"]
