@@ -148,6 +148,19 @@ class AdapterSlice:
         )
         return sum(t.nbytes for f in self.factors.values() for t in (f.lora_a, f.lora_b)) + copies
 
+    def run_bytes(self, device: torch.device | str) -> int:
+        """Bytes of the float32 copies `device_factors(device)` makes beside the stored factors (0 where those are
+        float32 on `device` already): with `nbytes`, what a node's adapter budget charges for running the slice there."""
+        device = torch.device(device)
+        return sum(
+            tensor.numel() * 4
+            for factor in self.factors.values()
+            for tensor in (factor.lora_a, factor.lora_b)
+            if tensor.dtype != torch.float32
+            or tensor.device.type != device.type
+            or (device.index is not None and tensor.device.index != device.index)
+        )
+
     def to_bytes(self) -> bytes:
         """The canonical bytes (module docstring): what travels to peers and what `sha256` names."""
         from safetensors.torch import save

@@ -51,6 +51,14 @@ def add_parser(commands, add_peer_args) -> None:
         "loading is refused and requests name the adapters the nodes announce",
     )
     gateway.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="file of API keys, one per line: every /v1 request then needs `Authorization: Bearer KEY` (401 "
+        "otherwise); /health, /metrics and the dashboard stay open. Without it /v1 is open to whoever reaches "
+        "--host, and adapters are loaded and unloaded only from this machine",
+    )
+    gateway.add_argument(
         "--topology-period",
         type=PARSERS["positive"],
         default=5.0,
@@ -69,11 +77,16 @@ def run_gateway(args) -> int:
         except OSError as exc:
             raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror or exc}") from None
     name = args.model_name or Path(args.model).resolve().name
-    event_loop.run(_serve(args, name, chat_template))
+    api_keys = None
+    if args.api_key_file:
+        from nesa_node.gateway.auth import ApiKeys
+
+        api_keys = ApiKeys.from_file(args.api_key_file)
+    event_loop.run(_serve(args, name, chat_template, api_keys))
     return 0
 
 
-async def _serve(args, name: str, chat_template: str | None) -> None:
+async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -97,6 +110,7 @@ async def _serve(args, name: str, chat_template: str | None) -> None:
             max_concurrency=args.max_concurrency,
             topology_period_s=args.topology_period,
             adapter_dir=args.adapter_dir,
+            api_keys=api_keys,
         )
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off"))
@@ -113,7 +127,8 @@ async def _serve(args, name: str, chat_template: str | None) -> None:
             await asyncio.sleep(0.05)
         port = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://{args.host}:{port}"
-        print(f"gateway for {name} on {url} (OpenAI API under {url}/v1)", flush=True)
+        access = f"{len(api_keys)} API key(s)" if api_keys else "no API key: open to whoever reaches it"
+        print(f"gateway for {name} on {url} (OpenAI API under {url}/v1; {access})", flush=True)
         if args.address_file:
             await asyncio.to_thread(Path(args.address_file).write_text, url + "\n")
 

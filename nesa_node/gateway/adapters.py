@@ -6,8 +6,8 @@ come from two places: what the swarm's nodes announce (their preloaded adapters,
 what was loaded into this gateway from a folder under `--adapter-dir`; a loaded adapter is the gateway's own, sent
 to the nodes of each request's chain that lack it (client/session_chain.py OwnAdapter), and wins over an announced
 one of the same name. Only folders under `--adapter-dir` can be loaded: an HTTP client never makes the gateway read
-another path. Without `--adapter-dir`, loading answers 403. The endpoints have no authentication of their own: put
-the gateway behind a proxy that has, when others can reach it.
+another path. Without `--adapter-dir`, loading answers 403. Loading and unloading take the gateway's API key, and
+without keys are answered only on this machine (gateway/auth.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ unknown model, 400 for a bad request, never a 500 for the caller's mistake); str
 `data: {json}` per chunk and `data: [DONE]` at the end; `stream_options.include_usage` adds one last chunk with
 empty choices and the usage. `finish_reason` is "stop" (end of sequence or a stop string) or "length" (max_tokens),
 the same streamed or not; stop strings never reach the client, also when they cross tokens (gateway/text.py). A
-client that goes away mid-stream closes the request's session, so the nodes free its cache at once.
+client that goes away mid-stream closes the request's session, so the nodes free its cache at once. Who may call
+`/v1/*` (API keys) and load adapters: gateway/auth.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,6 +38,7 @@ from nesa_node.errors import (
     RequestError,
 )
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
+from nesa_node.gateway.auth import ApiKeys, is_loopback
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.text import TextStream
@@ -126,8 +128,10 @@ class Gateway:
         max_concurrency: int = 64,
         topology_period_s: float = TOPOLOGY_PERIOD_S,
         adapter_dir: str | None = None,
+        api_keys: ApiKeys | None = None,
     ):
         self.model = model
+        self.api_keys = api_keys  # None: /v1 is open (gateway/auth.py)
         self.adapters = GatewayAdapters(model, base_name=model_name, adapter_dir=adapter_dir)
         self.topology_period_s = topology_period_s
         self.tokenizer = tokenizer
@@ -445,6 +449,19 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     app.add_middleware(_CountRequests, metrics=gateway.metrics)
 
+    async def authorized(request: Request) -> None:
+        if gateway.api_keys is not None and not gateway.api_keys.allows(request.headers.get("authorization")):
+            raise ApiError(401, "a valid API key is needed: send `Authorization: Bearer KEY` (the client's api_key)",
+                           code="invalid_api_key")  # fmt: skip
+
+    async def may_manage(request: Request) -> None:
+        await authorized(request)
+        if gateway.api_keys is None and not is_loopback(request.client.host if request.client else None):
+            raise ApiError(403, "adapters are loaded and unloaded from this machine only, unless the gateway has "
+                           "--api-key-file", kind="permission_error")  # fmt: skip
+
+    v1 = [Depends(authorized)]
+
     @app.get("/metrics")
     async def metrics() -> Response:
         body, content_type = exposition(gateway.metrics.registry)
@@ -466,7 +483,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def health() -> dict:
         return {"status": "ok", "model": gateway.model_name}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models() -> dict:
         base = {"id": gateway.model_name, "object": "model", "created": gateway.created, "owned_by": "nesa-node"}
         adapters = [
@@ -475,7 +492,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         ]
         return {"object": "list", "data": [base, *adapters]}
 
-    @app.post("/v1/adapters/load")
+    @app.post("/v1/adapters/load", dependencies=[Depends(may_manage)])
     async def load_adapter(request: LoadAdapter) -> dict:
         try:
             return await gateway.adapters.load(request)
@@ -484,7 +501,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         except AdapterError as exc:
             raise ApiError(400, exc.message, param="path", code=exc.code) from None
 
-    @app.post("/v1/adapters/unload")
+    @app.post("/v1/adapters/unload", dependencies=[Depends(may_manage)])
     async def unload_adapter(request: UnloadAdapter) -> dict:
         try:
             return gateway.adapters.unload(request)
@@ -502,11 +519,11 @@ def create_app(gateway: Gateway) -> FastAPI:
             )
         return await gateway.complete(request, prepared)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(request: CompletionRequest):
         return await answer(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(request: ChatRequest):
         return await answer(request)
 

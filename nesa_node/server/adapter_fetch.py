@@ -6,16 +6,21 @@ manifest's hash for that block (sharding/lora_identity.py). A peer that answers 
 is skipped and the range asked of the next peer announcing it, or covered again by the others; a range no peer
 delivers within the deadline ends the fetch with AdapterMissingError, and the client leaves the node out of that
 session's chain. Concurrent sessions naming the same missing adapter share one fetch.
+
+Answering is bounded (AnswerGate): a few streams per peer and in all at once, a number of requests per peer a minute,
+and a short wait for the request, so peers asking without end (or opening streams and saying nothing) cannot keep a
+node copying slices or hold its answer slots; they get QuotaExceededError, and an honest fetcher asks the next holder.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
-from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
+from nesa_node.errors import AdapterError, AdapterMissingError, NesaError, QuotaExceededError
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
@@ -42,8 +47,68 @@ from nesa_node.sharding.lora_identity import MAX_MANIFEST_BYTES
 logger = logging.getLogger(__name__)
 
 MAX_PEERS_PER_RANGE = 4  # holders asked in turn for one range before it is covered again by the others (guess)
+# answering peers' fetches (guesses: a node fetches an adapter once per range and holder, so honest peers need few)
+MAX_ANSWERS = 8  # ADAPTER streams a node serves at once, from all peers
+MAX_ANSWERS_PER_PEER = 2  # ... from one peer
+MAX_REQUESTS_PER_PEER = 240  # ADAPTER streams one peer may open per REQUEST_WINDOW_S (a node thrashing its budget
+# refetches often: tests/swarm/test_lora_eviction.py fetches about 40 in 6 s)
+REQUEST_WINDOW_S = 60.0
+REQUEST_WAIT_S = 5.0  # a fetching peer sends its request right after opening the stream
 
-__all__ = ["AdapterFetcher", "answer_adapter_request", "cover"]
+__all__ = ["AdapterFetcher", "AnswerGate", "answer_adapter_request", "cover"]
+
+
+class AnswerGate:
+    """Admission of peers' ADAPTER streams (see the module docstring): `enter(peer)` before serving one, the returned
+    call when done. `now` is the clock (time.monotonic)."""
+
+    def __init__(
+        self,
+        *,
+        max_running: int = MAX_ANSWERS,
+        max_running_per_peer: int = MAX_ANSWERS_PER_PEER,
+        max_per_window: int = MAX_REQUESTS_PER_PEER,
+        window_s: float = REQUEST_WINDOW_S,
+        now=time.monotonic,
+    ):
+        self.max_running, self.max_running_per_peer = max_running, max_running_per_peer
+        self.max_per_window, self.window_s = max_per_window, window_s
+        self.now = now
+        self.running: Counter[str] = Counter()
+        self.recent: dict[str, deque[float]] = {}  # peer -> when its streams in the window started
+
+    def enter(self, peer: str):
+        """Admit one stream of `peer`: the call that ends it (once). Raises QuotaExceededError, naming the limit,
+        when the node serves its most streams at once, the peer its share, or the peer asked its most this window."""
+        now = self.now()
+        for known in [known for known, times in self.recent.items() if times[-1] <= now - self.window_s]:
+            del self.recent[known]  # peers quiet for a whole window are forgotten: the table stays small
+        times = self.recent.get(peer, deque())
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if sum(self.running.values()) >= self.max_running:
+            raise QuotaExceededError(f"this node answers {self.max_running} adapter requests at once; ask again later "
+                                     "or ask another holder")  # fmt: skip
+        if self.running[peer] >= self.max_running_per_peer:
+            raise QuotaExceededError(f"a peer may have {self.max_running_per_peer} adapter requests under way at once")
+        if len(times) >= self.max_per_window:
+            raise QuotaExceededError(
+                f"a peer may ask for adapter blocks {self.max_per_window} times per {self.window_s:.0f} s"
+            )
+        times.append(now)
+        self.recent[peer] = times
+        self.running[peer] += 1
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.running[peer] -= 1
+                if not self.running[peer]:
+                    del self.running[peer]
+
+        return leave
 
 
 def cover(start: int, end: int, holders: list[NodeInfo]) -> list[tuple[int, int, list[NodeInfo]]]:
@@ -86,6 +151,8 @@ class AdapterFetcher:
         self.peer_s = peer_s
         self.max_frame_bytes = max_frame_bytes
         self._under_way: dict[tuple[str, int, int], asyncio.Task] = {}
+        # this node's own streams to one holder at once: never beyond what the holder's AnswerGate admits per peer
+        self._per_holder: dict[str, asyncio.Semaphore] = {}
 
     async def fetch(self, adapter_id: str, start: int, end: int) -> tuple[str, AdapterManifest, AdapterSlice]:
         """(name, manifest, slice of blocks [start, end)) of adapter `adapter_id`, checked by hash. Raises
@@ -147,6 +214,11 @@ class AdapterFetcher:
         return await self._cover(adapter_id, start, end, holders, failed)
 
     async def _ask(self, peer_id: str, adapter_id: str, start: int, end: int) -> tuple[AdapterManifest, AdapterSlice]:
+        turns = self._per_holder.setdefault(peer_id, asyncio.Semaphore(MAX_ANSWERS_PER_PEER))
+        async with turns:
+            return await self._ask_now(peer_id, adapter_id, start, end)
+
+    async def _ask_now(self, peer_id, adapter_id, start, end) -> tuple[AdapterManifest, AdapterSlice]:
         channel = await open_stream(self.p2p, peer_id, rpc.ADAPTER, max_frame_bytes=self.max_frame_bytes)
         try:
             channel.send(frame(AdapterRequest(adapter_id=adapter_id, start_block=start, end_block=end)))
@@ -180,23 +252,32 @@ def _check(message: AdapterBlocks, answer, max_bytes: int, model_config) -> tupl
     return manifest, piece
 
 
-async def answer_adapter_request(channel: StreamChannel, adapters) -> None:
-    """One ADAPTER stream: a peer's AdapterRequest, answered from `adapters` (the node's NodeAdapters) with the
-    blocks it announces, or a typed error."""
+async def answer_adapter_request(channel: StreamChannel, adapters, peer: str, gate: AnswerGate) -> None:
+    """One ADAPTER stream of `peer`: its AdapterRequest, answered from `adapters` (the node's NodeAdapters) with the
+    blocks it announces, or a typed error; admitted by `gate` (QuotaExceededError, answered at once, beyond it)."""
     try:
-        async with asyncio.timeout(adapters.request_timeout_s):
-            request = await channel.receive()
-    except TimeoutError:  # a peer that opened the stream and said nothing
-        return
-    if request is None:
-        return
-    try:
-        message = expect(read(request, ADAPTER_REQUESTS), AdapterRequest)
-        manifest, piece = adapters.shared(message.adapter_id, message.start_block, message.end_block)
-        blobs = await asyncio.to_thread(slice_blobs, piece)
-        channel.send(frame(message_of(message), [bytes_to_proto(manifest.to_bytes()), *map(bytes_to_proto, blobs)]))
-    except NesaError as exc:
+        leave = gate.enter(peer)
+    except QuotaExceededError as exc:
         channel.send(frame(ErrorReply.of(exc)))
+        return
+    try:
+        try:
+            async with asyncio.timeout(min(adapters.request_timeout_s, REQUEST_WAIT_S)):
+                request = await channel.receive()
+        except TimeoutError:  # a peer that opened the stream and said nothing
+            return
+        if request is None:
+            return
+        try:
+            message = expect(read(request, ADAPTER_REQUESTS), AdapterRequest)
+            manifest, piece = adapters.shared(message.adapter_id, message.start_block, message.end_block)
+            blobs = await asyncio.to_thread(slice_blobs, piece)
+            blocks = [bytes_to_proto(manifest.to_bytes()), *map(bytes_to_proto, blobs)]
+            channel.send(frame(message_of(message), blocks))
+        except NesaError as exc:
+            channel.send(frame(ErrorReply.of(exc)))
+    finally:
+        leave()
 
 
 def message_of(request: AdapterRequest) -> AdapterBlocks:

@@ -2,9 +2,10 @@
 
 Issue 21: adapter bytes count against a node budget with LRU eviction, never evicting an adapter an open session
 uses. Each entry is one adapter's slice of this node's blocks (sharding/lora.py), keyed by the adapter id (the sha256
-of its manifest, sharding/lora_identity.py) and counted at `AdapterSlice.nbytes`, the length of its canonical bytes.
-That is what the slice weighs as stored on the CPU; the float32 device copies a slice makes on first use
-(`resident_bytes`) are not counted here, as the KV cache budget does not count activations.
+of its manifest, sharding/lora_identity.py) and charged what the store's `weigh` says: by default
+`AdapterSlice.nbytes`, the length of its canonical bytes (what it weighs stored); a node charges that plus the
+float32 copies running it on its device makes (`AdapterSlice.run_bytes`: on a GPU node with bfloat16 factors, three
+times the stored bytes), charged when it enters, not when a first step makes them.
 
 An entry is kept while
 - a session pins it (`pin` at open, `unpin` at close; counted, several sessions may share one adapter), or
@@ -22,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 
 from nesa_node.errors import AdapterBudgetError, AdapterError
 from nesa_node.protocol.records import MAX_LIST_ITEMS
@@ -42,6 +44,7 @@ class AdapterEntry:
     piece: AdapterSlice
     preloaded: bool = False  # the operator's --adapters: never evicted
     pins: int = 0  # open sessions using it: never evicted while above 0
+    charge: int = 0  # bytes of the budget it takes (the store's weigh)
 
     @property
     def adapter_id(self) -> str:
@@ -53,12 +56,14 @@ class AdapterEntry:
 
 
 class AdapterStore:
-    """The adapters a node holds, at most `budget_bytes` of slice bytes (module docstring)."""
+    """The adapters a node holds, at most `budget_bytes` charged by `weigh` (default: slice bytes; module
+    docstring)."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, weigh: Callable[[AdapterSlice], int] | None = None):
         if type(budget_bytes) is not int or budget_bytes < 0:
             raise ValueError(f"an adapter budget is a number of bytes >= 0, not {budget_bytes!r}")
         self._budget = budget_bytes
+        self._weigh = weigh or (lambda piece: piece.nbytes)
         self._entries: OrderedDict[str, AdapterEntry] = OrderedDict()  # least recently used first
         self._used = 0
 
@@ -68,7 +73,7 @@ class AdapterStore:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the resident slices (their `nbytes`); never above budget_bytes."""
+        """Bytes charged for the resident slices; never above budget_bytes."""
         return self._used
 
     @property
@@ -96,7 +101,7 @@ class AdapterStore:
 
         Already resident: the entry is marked used and returned (preloaded=True makes it preloaded from then on;
         name and slice stay those of the first add). Otherwise the least recently used entries that no session pins
-        and the operator did not preload are evicted until `piece.nbytes` fits. Raises AdapterBudgetError, evicting
+        and the operator did not preload are evicted until its charge fits. Raises AdapterBudgetError, evicting
         nothing, when it cannot fit even then (or is larger than the whole budget); AdapterHashError when `piece`
         is not a slice of `manifest`'s adapter; AdapterError for a name the node record cannot carry."""
         adapter_id = manifest.adapter_id
@@ -108,10 +113,11 @@ class AdapterStore:
         if not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_LENGTH:
             raise AdapterError(f"an adapter's name has 1 to {MAX_NAME_LENGTH} characters, not {name!r}")
         check_slice(manifest, piece)
-        self._make_room(name, adapter_id, piece.nbytes)
-        entry = AdapterEntry(name, manifest, piece, preloaded=preloaded)
+        charge = self._weigh(piece)
+        self._make_room(name, adapter_id, charge)
+        entry = AdapterEntry(name, manifest, piece, preloaded=preloaded, charge=charge)
         self._entries[adapter_id] = entry
-        self._used += piece.nbytes
+        self._used += charge
         return entry
 
     def get(self, adapter_id: str) -> AdapterEntry | None:
@@ -170,7 +176,7 @@ class AdapterStore:
         if needed <= free:
             return
         evictable = [entry for entry in self._entries.values() if entry.evictable]  # least recently used first
-        if needed > free + sum(entry.piece.nbytes for entry in evictable):
+        if needed > free + sum(entry.charge for entry in evictable):
             raise AdapterBudgetError(self._refusal(name, adapter_id, needed))
         for entry in evictable:
             if needed <= self._budget - self._used:
@@ -179,8 +185,8 @@ class AdapterStore:
 
     def _evict(self, entry: AdapterEntry) -> None:
         del self._entries[entry.adapter_id]
-        self._used -= entry.piece.nbytes
-        logger.debug("adapter %s (%s) left the store, %d bytes", entry.name, entry.adapter_id[:16], entry.piece.nbytes)
+        self._used -= entry.charge
+        logger.debug("adapter %s (%s) left the store, %d bytes", entry.name, entry.adapter_id[:16], entry.charge)
 
     def _refusal(self, name: str, adapter_id: str, needed: int) -> str:
         what = f"adapter {name!r} ({adapter_id[:16]}…, {needed} bytes on this node's blocks)"
@@ -190,8 +196,8 @@ class AdapterStore:
         preloaded = [entry for entry in self._entries.values() if entry.preloaded and entry.pins == 0]
         return (
             f"{what} does not fit this node's adapter budget of {self._budget} bytes: "
-            f"{sum(e.piece.nbytes for e in pinned)} bytes are held by {len(pinned)} adapter(s) open sessions use and "
-            f"{sum(e.piece.nbytes for e in preloaded)} by {len(preloaded)} preloaded one(s); retry when sessions "
+            f"{sum(e.charge for e in pinned)} bytes are held by {len(pinned)} adapter(s) open sessions use and "
+            f"{sum(e.charge for e in preloaded)} by {len(preloaded)} preloaded one(s); retry when sessions "
             "close, or use another node"
         )
 

@@ -48,13 +48,15 @@ __all__ = ["NodeAdapters"]
 
 class NodeAdapters:
     """The adapters of one node (see the module docstring). `folders`: the preloaded adapter folders;
-    `budget_bytes`: what their slices and fetched ones may take together."""
+    `budget_bytes`: what their slices and fetched ones may take together, each charged its bytes plus the float32
+    copies running it on `device` makes (AdapterSlice.run_bytes)."""
 
-    def __init__(self, model_config, folders: tuple[str, ...] = (), *, budget_bytes: int):
+    def __init__(self, model_config, folders: tuple[str, ...] = (), *, budget_bytes: int, device: str = "cpu"):
         self.model_config = model_config
         self.folders = tuple(folders)
         self.budget_bytes = budget_bytes
-        self.store = AdapterStore(budget_bytes)
+        self.device = device
+        self.store = self._new_store()
         self._private: set[str] = set()  # ids in the store a client sent for its sessions alone
         self.span: tuple[int, int] | None = None  # the blocks served, once loaded
         self.fetcher: AdapterFetcher | None = None  # fetches from peers (server/adapter_fetch.py), once connected
@@ -69,13 +71,16 @@ class NodeAdapters:
         """Hold the preloaded adapters' slices of blocks [start, end) in a fresh store (no session may be open: a
         node loads them at start and after a move). Raises AdapterError (and its kinds) for a folder that is not a
         LoRA adapter of this model, AdapterBudgetError when they do not fit the budget together."""
-        store = AdapterStore(self.budget_bytes)
+        store = self._new_store()
         for folder in self.folders:
             name, manifest, piece = await asyncio.to_thread(self._read, folder, start, end)
             store.add(name, manifest, piece, preloaded=True)
             logger.info("adapter %s (%s, rank %d): %d bytes for blocks %d:%d", name, manifest.adapter_id[:12],
                         manifest.rank, piece.nbytes, start, end)  # fmt: skip
         self.store, self._private, self.span = store, set(), (start, end)
+
+    def _new_store(self) -> AdapterStore:
+        return AdapterStore(self.budget_bytes, weigh=lambda piece: piece.nbytes + piece.run_bytes(self.device))
 
     def connect(self, fetcher: AdapterFetcher, *, request_timeout_s: float, sessions=None, max_wait_s: float = 0.0):
         """Fetch adapters this node lacks from its peers with `fetcher`; with `sessions` (the SessionTable), end idle
@@ -193,7 +198,7 @@ class NodeAdapters:
 
     def announced(self) -> tuple[AdapterInfo, ...]:
         """What the node's record says it holds (clients' own adapters are theirs: not announced)."""
-        sizes = {entry.adapter_id: entry.piece.nbytes for entry in self.store.entries()}
+        sizes = {entry.adapter_id: entry.piece.nbytes for entry in self.store.entries()}  # what a fetcher gets
         return tuple(
             AdapterInfo(
                 adapter_id=adapter_id,

@@ -194,7 +194,10 @@ class ComputeConfig:
     )
     # a rank-16 adapter on every projection of a 7B Llama's 32 blocks is about 80 MB (guess: room for a dozen)
     adapter_budget_mb: float = option(
-        1024.0, "memory the adapters' slices may take together, MiB", parse="positive", metavar="MB"
+        1024.0,
+        "memory the adapters' slices may take together, MiB, counting the float32 copies that run them on a GPU",
+        parse="positive",
+        metavar="MB",
     )
 
 

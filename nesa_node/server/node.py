@@ -146,7 +146,9 @@ class Node:
             throughput = await asyncio.to_thread(cached_measure, span, cache_path)
         else:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
-        adapters = NodeAdapters(model_config, compute.adapters, budget_bytes=int(compute.adapter_budget_mb * 2**20))
+        adapters = NodeAdapters(
+            model_config, compute.adapters, budget_bytes=int(compute.adapter_budget_mb * 2**20), device=compute.device
+        )
         await adapters.load_span(config.start_block, config.end_block)
         budget = cache_budget(config, model_config, config.end_block - config.start_block)
         if network.dht_storage_mb is not None:  # the process's peers from now on: a daemon runs one

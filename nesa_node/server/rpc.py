@@ -21,7 +21,7 @@ from nesa_node.protocol.channel import Frame, frame, is_error_reply, read
 from nesa_node.protocol.framing import StreamChannel, serve_stream
 from nesa_node.protocol.messages import PUSHED, ErrorReply, InfoReply
 from nesa_node.protocol.records import NodeInfo
-from nesa_node.server.adapter_fetch import answer_adapter_request
+from nesa_node.server.adapter_fetch import AnswerGate, answer_adapter_request
 from nesa_node.server.inference import InferenceService
 from nesa_node.server.lanes import LaneServer, serve_steps
 from nesa_node.server.sessions import Inbound, SessionTable
@@ -49,6 +49,7 @@ class NodeRpc:
         self.lanes = lanes
         self.info = info
         self.max_frame_bytes = max_frame_bytes
+        self.adapter_answers = AnswerGate()  # peers' ADAPTER streams: bounded per peer and in all
 
     async def register(self, p2p: P2P) -> None:
         for name, handler in (
@@ -71,7 +72,8 @@ class NodeRpc:
 
     async def rpc_adapter(self, channel: StreamChannel, context: P2PContext) -> None:
         """A peer fetching an adapter this node announces (server/adapter_fetch.py)."""
-        await answer_adapter_request(channel, self.inference.adapters)
+        peer = context.remote_id.to_base58()
+        await answer_adapter_request(channel, self.inference.adapters, peer, self.adapter_answers)
 
     def _counted(self, name: str, handler):
         """`handler`, counting its answers by status (an ErrorReply is "error") when the node has metrics."""

@@ -11,16 +11,17 @@ from tests.support.swarm import wait_until
 
 
 class Served:
-    """A gateway app served by uvicorn on the swarm's event loop, on a free port of 127.0.0.1."""
+    """A gateway app served by uvicorn on the swarm's event loop, on a free port of `host` (its URL names `host`, or
+    127.0.0.1 for 0.0.0.0)."""
 
-    def __init__(self, swarm, gateway: Gateway):
+    def __init__(self, swarm, gateway: Gateway, host: str = "127.0.0.1"):
         self.swarm = swarm
-        self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), host=host, port=0, log_level="warning"))
         self.server.capture_signals = lambda: _nothing()
         self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), swarm.loop)
         wait_until(lambda: self.server.started, timeout_s=30)
         port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
 
     def close(self) -> None:
         self.server.should_exit = True

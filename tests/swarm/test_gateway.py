@@ -40,7 +40,7 @@ def served(module_swarm, tiny_llama):
     without_template = Served(module_swarm, Gateway(model, tokenizer, model_name=NAME))
     try:
         wait_until(lambda: module_swarm.run(model.choose_chain(max_length=8)) is not None, timeout_s=30)
-        yield with_template, without_template, node, tokenizer
+        yield with_template, without_template, node, tokenizer, model
     finally:
         with_template.close()
         without_template.close()
@@ -59,11 +59,13 @@ def reference(tiny_llama):
     return tokenizer.decode(new, skip_special_tokens=True, clean_up_tokenization_spaces=False), new
 
 
-def raw_request(served: Served, method: str, path: str, body: dict | None = None) -> httplib.HTTPResponse:
+def raw_request(
+    served: Served, method: str, path: str, body: dict | None = None, headers: dict | None = None
+) -> httplib.HTTPResponse:
     """A raw HTTP request (the bytes as they come, no client library between)."""
     connection = httplib.HTTPConnection(served.url.removeprefix("http://"), timeout=60)
     payload = json.dumps(body).encode() if body is not None else None
-    connection.request(method, path, body=payload, headers={"Content-Type": "application/json"})
+    connection.request(method, path, body=payload, headers={"Content-Type": "application/json", **(headers or {})})
     return connection.getresponse()
 
 
@@ -168,7 +170,7 @@ def test_errors_in_openai_shape(served):
 
 
 def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
-    gateway, _, node, _ = served
+    gateway, _, node, *_ = served
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}
     response = raw_request(gateway, "POST", "/v1/completions", body)
     while response.fp.readline():
@@ -220,7 +222,7 @@ GATEWAY_MOVING = [
 
 
 def test_metrics_exist_and_move_during_a_generation(served):
-    gateway, _, node, _ = served
+    gateway, _, node, *_ = served
     node_before, gateway_before = scrape(node.metrics_url), scrape(gateway.url + "/metrics")
     for name in ("nesa_node_sessions", "nesa_node_queued_steps", "nesa_node_kv_cache_usage_ratio", "nesa_node_dht_peers",
                  'nesa_node_kv_cache_bytes{state="free"}', "nesa_node_push_duration_seconds_count",
@@ -254,7 +256,7 @@ def test_metrics_exist_and_move_during_a_generation(served):
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="needs promtool (Debian's prometheus package)")
 def test_promtool_finds_no_naming_problem(served):
-    gateway, _, node, _ = served
+    gateway, _, node, *_ = served
     client(gateway).completions.create(model=NAME, prompt=PROMPT, max_tokens=3, temperature=0)
     for url in (node.metrics_url, gateway.url + "/metrics"):
         checked = subprocess.run(
@@ -265,3 +267,70 @@ def test_promtool_finds_no_naming_problem(served):
             checked.stdout,
             checked.stderr,
         )
+
+
+def non_loopback_address() -> str | None:
+    """An address of this machine that is not loopback (the one a UDP socket would leave from), or None."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))  # no packet is sent: this only picks the route's source address
+            address = probe.getsockname()[0]
+        except OSError:
+            return None
+    return None if address.startswith("127.") else address
+
+
+def test_api_keys_guard_v1_and_adapters_load_only_from_this_machine_without_them(served, reference, tmp_path):
+    """With --api-key-file: /v1 without a key or with a wrong one is a 401 `invalid_api_key`; the right key (either of
+    two) gets the single-process text; /health and /metrics stay open. Without keys, loading an adapter is refused
+    (403) to a client that is not on a loopback address, while completions are served to it."""
+    from nesa_node.gateway.auth import ApiKeys
+
+    key_file = tmp_path / "keys"
+    key_file.write_text("# gateway keys\nsk-first\n\nsk-second\n")
+    key_file.chmod(0o600)
+    swarm, tokenizer, model = served[0].swarm, served[3], served[4]
+    keyed = Served(swarm, Gateway(model, tokenizer, model_name=NAME, api_keys=ApiKeys.from_file(key_file)), "0.0.0.0")
+    try:
+        for key in (None, "sk-wrong", "sk-first sk-second"):
+            response = raw_request(keyed, "POST", "/v1/completions", {"model": NAME, "prompt": PROMPT},
+                                   headers={"Authorization": f"Bearer {key}"} if key else {})  # fmt: skip
+            body = json.loads(response.read())
+            assert response.status == 401 and body["error"]["code"] == "invalid_api_key", body
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=keyed.url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+        for key in ("sk-first", "sk-second"):
+            answer = openai.OpenAI(base_url=keyed.url + "/v1", api_key=key, max_retries=0).completions.create(
+                model=NAME, prompt=PROMPT, max_tokens=12, temperature=0
+            )
+            assert answer.choices[0].text == reference[0]
+        response = raw_request(keyed, "POST", "/v1/adapters/load", {"name": "x", "path": "x"},
+                               headers={"Authorization": "Bearer sk-first"})  # fmt: skip
+        assert response.status == 403 and "--adapter-dir" in json.loads(response.read())["error"]["message"]
+        assert raw_request(keyed, "GET", "/health").status == 200
+        assert raw_request(keyed, "GET", "/metrics").status == 200
+    finally:
+        keyed.close()
+
+    address = non_loopback_address()
+    if address is None:
+        pytest.skip("this machine has no address but loopback")
+    open_gateway = Served(swarm, Gateway(model, tokenizer, model_name=NAME), host="0.0.0.0")
+    try:
+        remote = Served.__new__(Served)  # the same server, reached from this machine's other address
+        remote.url = open_gateway.url.replace("127.0.0.1", address)
+        response = raw_request(remote, "POST", "/v1/adapters/load", {"name": "x", "path": "x"})
+        body = json.loads(response.read())
+        assert response.status == 403 and "this machine only" in body["error"]["message"], body
+        response = raw_request(remote, "POST", "/v1/adapters/unload", {"name": "x"})
+        assert response.status == 403
+        answer = openai.OpenAI(base_url=remote.url + "/v1", api_key="unused", max_retries=0).completions.create(
+            model=NAME, prompt=PROMPT, max_tokens=12, temperature=0
+        )
+        assert answer.choices[0].text == reference[0]
+        response = raw_request(open_gateway, "POST", "/v1/adapters/unload", {"name": "x"})
+        assert response.status == 404  # on this machine: past the check, and nothing of that name is loaded
+    finally:
+        open_gateway.close()

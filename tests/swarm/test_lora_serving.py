@@ -5,6 +5,7 @@ adapters of different ranks and targets; greedy tokens through the swarm with an
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import urllib.error
@@ -13,6 +14,7 @@ import urllib.request
 import openai
 import pytest
 import torch
+from hivemind.p2p import P2P
 from transformers import AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
@@ -20,6 +22,11 @@ from nesa_node.client.async_model import AsyncDistributedModel, adapter_id_of_fo
 from nesa_node.client.session_chain import OwnAdapter
 from nesa_node.errors import AdapterBudgetError, AdapterHashError, AdapterMissingError, NoRouteError
 from nesa_node.gateway.app import Gateway
+from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import frame, read
+from nesa_node.protocol.framing import open_stream
+from nesa_node.protocol.messages import ADAPTER_ANSWERS, AdapterRequest, ErrorReply
+from nesa_node.server.adapter_fetch import MAX_ANSWERS_PER_PEER
 from nesa_node.sharding.blocks import load_config
 from nesa_node.sharding.lora import load_adapter_slice
 from tests.support.adapters import peft_generate, save_random_adapter
@@ -340,3 +347,76 @@ def test_idle_sessions_holding_adapters_make_room_and_a_peer_holds_at_most_its_s
         for model in [*throwaways, honest]:
             lora_swarm.run(model.close())
         lora_swarm.stop_node(node)
+
+
+def test_peers_asking_for_adapter_blocks_without_end_are_refused_and_an_honest_fetch_still_succeeds(
+    lora_swarm, trained_model, adapters
+):
+    """Two attacker identities each open their share of ADAPTER streams on the node holding blocks 2:3 and say
+    nothing; a further stream gets a typed `quota` refusal at once. Meanwhile a new node fetches an adapter's blocks
+    from the same holder (checked by hash) and an honest client's tokens with that adapter equal PeftModel's."""
+    holder = next(node for node in lora_swarm.nodes[-len(SPANS) :] if (node.start_block, node.end_block) == (2, 3))
+    adapter_id = adapter_id_of_folder(adapters["all-r16"], load_config(trained_model))
+
+    async def ask(p2p, request: AdapterRequest | None):
+        channel = await open_stream(p2p, holder.peer_id, rpc.ADAPTER, max_frame_bytes=2**24)
+        if request is not None:
+            channel.send(frame(request))
+            return channel, read(await channel.receive(), ADAPTER_ANSWERS)
+        return channel, None
+
+    async def identities(count: int, initial_peers: list[str]) -> list[P2P]:
+        return list(await asyncio.gather(*(P2P.create(initial_peers=initial_peers) for _ in range(count))))
+
+    async def shutdown(peers: list[P2P]) -> None:
+        await asyncio.gather(*(p2p.shutdown() for p2p in peers), return_exceptions=True)
+
+    attackers = lora_swarm.run(identities(2, lora_swarm.peers_with(holder)))
+    fresh = lora_swarm.start_node(trained_model, 2, 3, dht_prefix=PREFIX)
+    held = []
+    try:
+        for p2p in attackers:  # each peer's share of streams, idle
+            held += [lora_swarm.run(ask(p2p, None))[0] for _ in range(MAX_ANSWERS_PER_PEER)]
+        wait_until(lambda: sum(holder.rpc.adapter_answers.running.values()) == len(held), timeout_s=10)
+        channel, answer = lora_swarm.run(ask(attackers[0], AdapterRequest(adapter_id=adapter_id, start_block=2,
+                                                                          end_block=3)))  # fmt: skip
+        channel.close()
+        assert isinstance(answer, ErrorReply) and answer.code == "quota", answer
+
+        piece, release = lora_swarm.run(fresh.adapters.hold_or_fetch(adapter_id, (2, 3)))  # from the holder
+        release()
+        assert (piece.start, piece.end) == (2, 3)
+        input_ids = prompts(1)[0]
+        with connect(lora_swarm, trained_model, adapter="all-r16") as model:
+            output = model.generate(input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+        assert torch.equal(output, peft_generate(trained_model, adapters["all-r16"], input_ids, NEW_TOKENS))
+    finally:
+        for channel in held:
+            channel.close()
+        lora_swarm.run(shutdown(attackers))
+        lora_swarm.stop_node(fresh)
+    wait_until(lambda: not holder.rpc.adapter_answers.running, timeout_s=10)  # closed or timed out: slots free
+
+
+def test_a_name_squatted_by_another_adapter_is_refused_never_resolved_to_it(
+    lora_swarm, trained_model, adapters, tmp_path
+):
+    """A node announces a different adapter under a name the swarm already uses: the name is refused as ambiguous
+    (typed, naming the way out), never resolved to the squatter's adapter; named by its id, the honest adapter
+    still gives PeftModel's tokens."""
+    name = "attention-r4"
+    squatted = save_random_adapter(trained_model, tmp_path / name, 99, r=4, lora_alpha=8, target_modules=["q_proj"])
+    squatter = lora_swarm.start_node(trained_model, 0, 2, dht_prefix=PREFIX, adapters=(str(squatted),))
+    honest_id = adapter_id_of_folder(adapters[name], load_config(trained_model))
+    try:
+        with connect(lora_swarm, trained_model) as model:
+            wait_until(lambda: len(model.call(model.client.announced_adapters()).get(name, ())) == 2, timeout_s=30)
+            with pytest.raises(AdapterMissingError, match="2 different adapters have this name"):
+                model.generate(prompts(1)[0], max_new_tokens=2, adapter=name)
+            input_ids = prompts(1)[0]
+            output = model.generate(
+                input_ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, adapter=honest_id
+            )
+        assert torch.equal(output, peft_generate(trained_model, adapters[name], input_ids, NEW_TOKENS))
+    finally:
+        lora_swarm.stop_node(squatter)

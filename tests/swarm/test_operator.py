@@ -299,6 +299,8 @@ def _mistakes(model: str) -> list[tuple[tuple[str, ...], str, str]]:
         (("run", "--model", model, "--blocks", "0:2", "--initial-peers", "garbage"), "initial_peers", "/p2p/"),
         (("tune", "--scenario", "nowhere", "--out", "p.json"), "bad_value", "nowhere"),
         (("launch",), "usage", "invalid choice"),
+        (("gateway", "--model", model, "--initial-peers", silent, "--api-key-file", "./no-keys"), "bad_value",
+         "--api-key-file ./no-keys"),
     ]  # fmt: skip
     if not torch.cuda.is_available():
         mistakes.append((("run", "--model", model, "--blocks", "0:2", "--new-swarm", "--device", "cuda"), "device", ""))

@@ -1,5 +1,6 @@
-"""Which peers a node asks for an adapter's blocks (server/adapter_fetch.py `cover`), and the shape check a node
-applies to slices it did not read itself (sharding/lora.py `check_fits_model`)."""
+"""Which peers a node asks for an adapter's blocks (server/adapter_fetch.py `cover`), how it bounds the peers asking
+it (`AnswerGate`), and the shape check a node applies to slices it did not read itself (sharding/lora.py
+`check_fits_model`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nesa_node.errors import AdapterError, AdapterMissingError
+from nesa_node.errors import AdapterError, AdapterMissingError, QuotaExceededError
 from nesa_node.protocol.records import NodeInfo, NodeState
-from nesa_node.server.adapter_fetch import cover
+from nesa_node.server.adapter_fetch import AnswerGate, cover
 from nesa_node.sharding.lora import AdapterSlice, LoraFactors, check_fits_model
 
 
@@ -61,3 +62,66 @@ def test_a_slice_must_fit_the_models_projections():
     check_fits_model(piece(4), Config())  # k_proj: 8 -> 1 head of 4
     with pytest.raises(AdapterError, match="does not fit this model"):
         check_fits_model(piece(8), Config())  # a model with 2 key/value heads
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_answer_gate_bounds_streams_per_peer_and_in_all_and_frees_them_once():
+    gate = AnswerGate(max_running=3, max_running_per_peer=2, max_per_window=100, window_s=60.0, now=Clock())
+    first, second = gate.enter("a"), gate.enter("a")
+    with pytest.raises(QuotaExceededError, match="2 adapter requests under way"):
+        gate.enter("a")
+    third = gate.enter("b")
+    with pytest.raises(QuotaExceededError, match="3 adapter requests at once"):
+        gate.enter("c")
+    first()
+    first()  # a second call frees nothing more
+    assert gate.running == {"a": 1, "b": 1}
+    fourth = gate.enter("c")
+    for leave in (second, third, fourth):
+        leave()
+    assert not gate.running
+
+
+def test_answer_gate_counts_each_peers_requests_per_window_and_forgets_quiet_peers():
+    clock = Clock()
+    gate = AnswerGate(max_running=8, max_running_per_peer=2, max_per_window=3, window_s=60.0, now=clock)
+    for _ in range(3):
+        gate.enter("a")()
+    with pytest.raises(QuotaExceededError, match="3 times per 60 s"):
+        gate.enter("a")
+    gate.enter("b")()  # another peer has its own count
+    clock.t += 30
+    with pytest.raises(QuotaExceededError):
+        gate.enter("a")
+    clock.t += 30.5  # the window has passed every one of a's requests
+    gate.enter("a")()
+    clock.t += 61
+    gate.enter("c")()
+    assert set(gate.recent) == {"c"}  # peers quiet for a whole window are gone from the table
+
+
+@given(st.lists(st.tuples(st.sampled_from("abcd"), st.booleans(), st.floats(0, 30)), max_size=60))
+def test_answer_gate_never_exceeds_its_limits(moves):
+    clock = Clock()
+    gate = AnswerGate(max_running=3, max_running_per_peer=2, max_per_window=5, window_s=60.0, now=clock)
+    open_calls, started = [], {}
+    for peer, enter, wait in moves:
+        clock.t += wait
+        if enter:
+            try:
+                open_calls.append(gate.enter(peer))
+                started.setdefault(peer, []).append(clock.t)
+            except QuotaExceededError:
+                pass
+        elif open_calls:
+            open_calls.pop(0)()
+        assert sum(gate.running.values()) <= 3 and all(count <= 2 for count in gate.running.values())
+        for times in started.values():
+            assert len([t for t in times if t > clock.t - 60.0]) <= 5

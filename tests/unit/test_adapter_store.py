@@ -278,3 +278,29 @@ def test_100_sessions_cycling_200_adapters_against_a_budget_of_16(seed):
 @given(seed=st.integers(0, 2**32 - 1), preloaded=st.sets(st.integers(0, 199), max_size=6))
 def test_random_interleavings_keep_the_store_invariants(seed, preloaded):
     _simulate(seed, steps=600, preloaded=tuple(sorted(preloaded)))
+
+
+def test_a_slice_running_on_another_device_or_dtype_is_charged_its_float32_copies():
+    """A node charges a slice its bytes plus the float32 copies running it makes (AdapterSlice.run_bytes): none for
+    float32 factors on the CPU, four bytes per element for bfloat16 ones (which the CPU copies to float32) or on a
+    GPU; an adapter that fits stored but not with its copies is refused, naming the charged bytes."""
+    manifest, piece = ADAPTERS[0]
+    elements = sum(t.numel() for f in piece.factors.values() for t in (f.lora_a, f.lora_b))
+    assert piece.run_bytes("cpu") == 0
+    assert piece.run_bytes("cuda:0") == piece.run_bytes("cuda") == 4 * elements
+    half = AdapterSlice(
+        piece.start,
+        piece.end,
+        {key: LoraFactors(f.lora_a.bfloat16(), f.lora_b.bfloat16(), f.scale) for key, f in piece.factors.items()},
+    )
+    assert half.run_bytes("cpu") == 4 * elements
+    device_copies = half.device_factors(torch.device("cpu"))
+    assert sum(a.nbytes + b.nbytes for a, b, _ in device_copies.values()) == half.run_bytes("cpu")  # what it makes
+    assert half.resident_bytes == 2 * elements + half.run_bytes("cpu")  # bfloat16 as stored, and the copies
+
+    charged = AdapterStore(SIZE + 4 * elements, weigh=lambda p: p.nbytes + p.run_bytes("cuda"))
+    entry = charged.add("on-gpu", manifest, piece)
+    assert entry.charge == charged.used_bytes == SIZE + 4 * elements
+    with pytest.raises(AdapterBudgetError, match=f"{SIZE + 4 * elements} bytes on this node"):
+        AdapterStore(SIZE, weigh=lambda p: p.nbytes + p.run_bytes("cuda")).add("on-gpu", manifest, piece)
+    assert charged.remove(manifest.adapter_id) and charged.used_bytes == 0
