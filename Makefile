@@ -55,8 +55,8 @@ TEST_ENV := PYTHONNODEBUGRANGES=1
 test: $(STAMP) sysdeps lint
 	$(TEST_ENV) $(PY) -m pytest -q tests
 	# the suite again with asserts stripped: no check may rely on them. The `cli` tests (nesa-node processes driven
-	# from outside, a third of the time) run once, above.
-	$(TEST_ENV) $(PY) -O -m pytest -q -m "not slow and not cli" tests
+	# from outside, a third of the time) and the `once` ones (accuracy tables, pure data) run once, above.
+	$(TEST_ENV) $(PY) -O -m pytest -q -m "not slow and not cli and not once" tests
 
 test-slow: $(STAMP) sysdeps
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests

@@ -12,6 +12,8 @@ from nesa_node.devtools.evaluation import accuracy_table, format_table
 from nesa_node.devtools.tiny_train import evaluate_perplexity, heldout_token_windows
 from tests.support.swarm import wait_for_chain
 
+pytestmark = pytest.mark.once  # a measurement or pure data: `make test` runs it in its first pass only
+
 PROMPTS, PROMPT_TOKENS, NEW_TOKENS = 20, 24, 32
 WINDOWS, WINDOW_TOKENS = 32, 128
 SPANS = [(0, 1), (1, 3), (3, 4)]

@@ -109,6 +109,7 @@ def test_b_records_are_signed_and_a_forged_record_is_rejected(local_swarm, tiny_
     assert stored is not None and forged_subkey not in dict(stored.value.items())
 
 
+@pytest.mark.cli
 def test_status_command_lists_nodes_and_missing_blocks(local_swarm, tiny_llama):
     node = local_swarm.start_node(tiny_llama, 0, 3, dht_prefix="status")
     command = [sys.executable, "-m", "nesa_node.cli", "status", "--model", tiny_llama, "--dht-prefix", "status"]
@@ -120,6 +121,7 @@ def test_status_command_lists_nodes_and_missing_blocks(local_swarm, tiny_llama):
     assert "0:3" in result.stdout and node.peer_id[:10] in result.stdout
 
 
+@pytest.mark.cli
 def test_demo_exits_zero_and_leaves_no_process(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "nesa_node.cli", "demo", "--nodes", "3", "--max-new-tokens", "16"],

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.protocol import rpc
+from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS
 from tests.support.swarm import wait_for_chain, wait_until
 
 PREFIX = "starve"
@@ -173,3 +174,40 @@ def test_g3_five_hundred_concurrent_opens_are_all_answered_promptly(starved):
     finally:
         swarm.run(attackers.close(), timeout=60)
         wait_until(lambda: not node.sessions.sessions, timeout_s=20)
+
+
+def test_g3_sessions_reserve_cache_as_they_use_it_and_one_that_never_steps_is_closed(module_swarm, tiny_llama):
+    """An open reserves a chunk of cache, not its whole max_length; a session that takes no step within the first-step
+    deadline is closed by the node although its owner keeps the stream open, and its cache returns; an honest
+    session that generates past the chunk grows its reservation and gets the reference tokens."""
+    node = module_swarm.start_node(
+        tiny_llama, 0, 4, dht_prefix="starve-deadline", first_step_timeout_s=1.0, max_cache_tokens=1024
+    )
+    chunk = node.budget.session_bytes(1, RESERVE_CHUNK_TOKENS)
+    attackers = module_swarm.run(Attackers.create(2, module_swarm.peers_with(node), PeerID.from_base58(node.peer_id)))
+    try:
+        firsts = module_swarm.run(attackers.open(1, 1024), timeout=60)
+        assert [answer["kind"] for answer in firsts] == ["opened", "opened"], firsts
+        assert node.budget.used_bytes == 2 * chunk  # not two sessions of 1024 tokens: the whole cache
+        started = time.monotonic()
+        wait_until(lambda: not node.sessions.sessions, timeout_s=10)
+        print(f"idle sessions closed {time.monotonic() - started:.1f} s after opening (deadline 1 s)")
+        assert node.budget.used_bytes == 0
+
+        new_tokens = RESERVE_CHUNK_TOKENS + 20  # past the first chunk
+        reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        with torch.inference_mode():
+            expected = reference.generate(PROMPT, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="starve-deadline", compression="none"
+        ) as honest:
+            wait_for_chain(honest)
+            with honest.inference_session(max_length=512):
+                output = honest.generate(PROMPT, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+                (session,) = node.sessions.sessions.values()
+                assert session.reserved_tokens == 2 * RESERVE_CHUNK_TOKENS
+                assert node.budget.used_bytes == node.budget.session_bytes(1, 2 * RESERVE_CHUNK_TOKENS)
+        assert torch.equal(output, expected)
+    finally:
+        module_swarm.run(attackers.close(), timeout=60)
+        module_swarm.stop_node(node)

@@ -40,6 +40,8 @@ from nesa_node.sharding.lora_train import (
     spec_of_folder,
 )
 
+pytestmark = pytest.mark.once  # a measurement or pure data: `make test` runs it in its first pass only
+
 # a Llama-shaped config small enough to build in microseconds: 4 blocks, hidden 16, MLP 24
 CONFIG = SimpleNamespace(
     hidden_size=16, num_attention_heads=2, num_key_value_heads=1, intermediate_size=24, num_hidden_layers=4
