@@ -71,12 +71,18 @@ class BootstrapPeer:
         initial_peers: tuple[str, ...] = (),
         dht_prefixes: tuple[str, ...] = (),
         peers_file: str | Path | None = None,
+        announce_host: str | None = None,
     ) -> BootstrapPeer:
         """`dht_prefixes`: model keys whose records this peer validates (it stores them for the swarm).
         `peers_file`: where the known peers are kept across restarts (default: next to `identity_path`; none
-        without one)."""
+        without one). `announce_host`: the IP address other machines reach it at, when not `host`'s."""
         peer = await start_peer(
-            initial_peers=initial_peers, host=host, port=port, identity_path=identity_path, dht_prefixes=dht_prefixes
+            initial_peers=initial_peers,
+            host=host,
+            port=port,
+            identity_path=identity_path,
+            dht_prefixes=dht_prefixes,
+            announce_host=announce_host,
         )
         path = Path(peers_file) if peers_file else default_peers_file(identity_path)
         return cls(peer, path)

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
+from nesa_node.sdnotify import Notifier
+
 
 def _uvloop():
     if os.environ.get("NESA_EVENT_LOOP", "uvloop") == "asyncio":
@@ -44,15 +46,19 @@ async def serve_until_signal(
 
     A second signal while shutting down exits at once (status 128 + signal): an operator who presses Ctrl-C twice
     does not want to wait. Child p2pd daemons run in process groups of their own (nesa_node.peer), so a signal to
-    this process's group reaches this process alone and the shutdown can still use the network."""
+    this process's group reaches this process alone and the shutdown can still use the network. Under a service
+    manager (NOTIFY_SOCKET) the command says READY once `start` is done, beats the watchdog, and says STOPPING at the
+    signal (nesa_node/sdnotify.py)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    notifier = Notifier()
 
     def on_signal(sig: signal.Signals) -> None:
         if stop.is_set():
             print(f"{name}: second {sig.name}, exiting now", file=sys.stderr, flush=True)
             os._exit(128 + sig)
         print(f"{name}: {sig.name} received, stopping (send it again to exit at once)", file=sys.stderr, flush=True)
+        notifier.stopping(f"{name}: {sig.name} received, stopping")
         stop.set()
 
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
@@ -68,9 +74,11 @@ async def serve_until_signal(
                 await starting
         else:
             starting.result()  # a failed start raises here (after shutdown, below)
+            notifier.ready(f"{name}: serving")
         await stopping
     finally:
         stopping.cancel()
+        notifier.close()
         await shutdown()
         for sig, handler in previous.items():  # what the program had before (the CLI's own SIGTERM handling)
             loop.remove_signal_handler(sig)

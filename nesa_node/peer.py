@@ -101,12 +101,14 @@ async def start_peer(
     dht_prefixes: tuple[str, ...] | list[str] = (),
     signs_records: bool = False,
     client_mode: bool = False,
+    announce_host: str | None = None,
 ) -> Peer:
     """Start P2P and DHT. `dht_prefixes`: model keys whose NodeInfo records this peer validates (protocol.dht).
 
     `signs_records`: the peer announces records signed with its identity key (nodes); without `identity_path` a
     fresh key is made for this run. `client_mode`: a DHT client that stores nothing for others (SDK clients).
-    `host` None lets hivemind pick its default listening address. Raises PortInUseError for a taken `port`,
+    `host` None lets hivemind pick its default listening address. `announce_host`: the IP address announced instead
+    of the listening one (on `port`; a free one is picked for 0, since an announced address needs its port). Raises PortInUseError for a taken `port`,
     InitialPeersError when `initial_peers` are malformed or none answers, OSError or hivemind's errors when p2pd
     cannot start otherwise; nothing is left running then."""
     check_initial_peers(initial_peers)
@@ -123,8 +125,11 @@ async def start_peer(
             if signs_records:
                 signature_validator = RSASignatureValidator(load_private_key(identity_path))
         options: dict = {"initial_peers": list(initial_peers)}
+        if announce_host is not None:
+            port = port or free_port(host or "0.0.0.0")
+            options["announce_maddrs"] = [f"{ip_protocol(announce_host)}/{announce_host}/tcp/{port}"]
         if host is not None:
-            options["host_maddrs"] = [f"/ip4/{host}/tcp/{port}"]
+            options["host_maddrs"] = [f"{ip_protocol(host)}/{host}/tcp/{port}"]
         if identity_path is not None:
             options.update(identity_path=str(identity_path), check_if_identity_free=False)
         if client_mode:
@@ -181,6 +186,19 @@ def check_initial_peers(initial_peers) -> None:
 def _no_initial_peer_answered(initial_peers) -> str:
     names = ", ".join(str(address) for address in initial_peers)
     return f"none of the initial peers answered ({names}); check that they run, or use another: {ADDRESS_HINT}"
+
+
+def ip_protocol(address: str) -> str:
+    """The multiaddr protocol of an IP address: /ip4 or /ip6."""
+    return "/ip6" if ":" in address else "/ip4"
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the kernel's pick)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return probe.getsockname()[1]
 
 
 def check_port_free(host: str, port: int, option: str) -> None:

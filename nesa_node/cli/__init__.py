@@ -162,6 +162,14 @@ def build_parser() -> argparse.ArgumentParser:
     dht.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     dht.add_argument("--port", type=parse_port, default=0, help="TCP port to listen on (default 0: any free one)")
     dht.add_argument(
+        "--announce-host",
+        type=PARSERS["ip"],
+        default=None,
+        metavar="IP",
+        help="the IP address other machines reach this peer at, when it is not --host's (0.0.0.0, NAT, a container): "
+        "announced with --port (give it one: a restart must keep the address)",
+    )
+    dht.add_argument(
         "--identity",
         default=None,
         metavar="FILE",
@@ -337,6 +345,7 @@ async def _run_dht(args) -> None:
         identity_path=args.identity,
         initial_peers=tuple(args.initial_peers),
         peers_file=args.peers_file,
+        announce_host=args.announce_host,
     )
 
     async def start() -> None:

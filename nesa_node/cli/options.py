@@ -36,8 +36,19 @@ def parse_port(text: str) -> int:
     return value
 
 
+def parse_ip(text: str) -> str:
+    """An IPv4 or IPv6 address (as others dial it: no name to resolve)."""
+    import ipaddress
+
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an IP address such as 192.0.2.10, got {text!r}") from None
+
+
 PARSERS = {
     "port": parse_port,
+    "ip": parse_ip,
     "positive": _number(float, 0, above=True, what="a finite number above 0"),
     "positive_int": _number(int, 0, above=True, what="a whole number above 0"),
     "non_negative": _number(float, 0, above=False, what="a finite number of 0 or more"),

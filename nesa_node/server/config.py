@@ -27,6 +27,14 @@ class NetworkConfig:
     new_swarm: bool = option(False, "start a new swarm (no initial peers)")
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(0, "TCP port of the libp2p host (0: any free port)", parse="port")
+    announce_host: str | None = option(
+        None,
+        "the IP address other machines reach this node at, when it is not --host's (listening on 0.0.0.0, behind "
+        "NAT or port forwarding, in a container): its libp2p address and its data lane are announced there, on "
+        "--port and --lane-port (a free port is picked for a port of 0)",
+        parse="ip",
+        metavar="IP",
+    )
     lane_port: int | None = option(
         0,
         "TCP port of the data lane: hidden states of open sessions straight between peers, AES-GCM encrypted with "

@@ -87,7 +87,7 @@ class LaneServer:
             raise
         port = self._server.sockets[0].getsockname()[1]
         host = self.network.host
-        if host in ("0.0.0.0", "::"):
+        if host in ("0.0.0.0", "::") or self.network.announce_host is not None:
             host = await visible_host()
         self.address = lane.format_address(host, port)
         logger.info("data lane on %s", self.address)

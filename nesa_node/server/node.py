@@ -160,6 +160,7 @@ class Node:
             identity_path=network.identity_path,
             dht_prefixes=(network.dht_prefix or default_dht_prefix(config.model_path),),
             signs_records=True,
+            announce_host=network.announce_host,
         )
         node = cls(config, model_config, peer, throughput)
         node.adapters = adapters
@@ -238,6 +239,8 @@ class Node:
 
     async def _visible_host(self) -> str:
         """The IPv4 address peers reach this node's P2P host on (for a lane listening on every interface)."""
+        if self.config.network.announce_host is not None:
+            return self.config.network.announce_host
         addresses = [str(addr) for addr in await self.p2p.get_visible_maddrs() if "/ip4/" in str(addr)]
         return addresses[0].split("/")[2] if addresses else "127.0.0.1"
 

@@ -340,3 +340,79 @@ def test_gateway_serves_then_stops_on_signal(operator, tiny_llama, sig):
     answer = json.loads(connection.getresponse().read())
     assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 4, answer
     assert assert_stopped_cleanly(operator, gateway, sig) < STOP_S
+
+
+# ---- under a service manager -----------------------------------------------------------------------------------------
+
+
+class Supervisor:
+    """The service manager's side of `Type=notify` (systemd's sd_notify protocol): a datagram socket in the abstract
+    namespace whose name goes to the command as NOTIFY_SOCKET; `messages` keeps what it said, in order."""
+
+    def __init__(self):
+        self.name = f"@nesa-test-notify-{os.getpid()}-{time.monotonic_ns()}"
+        self.socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.socket.bind("\0" + self.name[1:])
+        self.messages: list[dict[str, str]] = []
+
+    def wait_for(self, key: str, timeout_s: float) -> dict[str, str]:
+        """The first message (from now on, or already received) holding `key`."""
+        deadline = time.monotonic() + timeout_s
+        while not any(key in message for message in self.messages):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {key} from the command within {timeout_s} s: {self.messages}")
+            self.socket.settimeout(left)
+            try:
+                data = self.socket.recv(4096)
+            except TimeoutError:
+                continue
+            self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line))
+        return next(message for message in self.messages if key in message)
+
+    def drain(self) -> list[dict[str, str]]:
+        """Read what the command has sent so far; every message received."""
+        self.socket.setblocking(False)
+        try:
+            while True:
+                data = self.socket.recv(4096)
+                self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines() if "=" in line))
+        except BlockingIOError:
+            pass
+        finally:
+            self.socket.setblocking(True)
+        return self.messages
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+@pytest.mark.parametrize("command", ["run", "dht"])
+def test_under_a_service_manager_a_command_says_ready_beats_the_watchdog_and_stops_cleanly(
+    operator, tiny_llama, monkeypatch, command
+):
+    """What a `Type=notify` unit with `WatchdogSec=` sees (deploy/systemd/nesa-node@.service): READY=1 once the
+    command serves (a node: its address file written, its blocks loaded), with its main pid; WATCHDOG=1 at half the
+    watchdog period while it runs; STOPPING=1 at SIGTERM, then a drain and a clean exit within the bound."""
+    supervisor = Supervisor()
+    monkeypatch.setenv("NOTIFY_SOCKET", supervisor.name)
+    monkeypatch.setenv("WATCHDOG_USEC", "1000000")
+    try:
+        if command == "run":
+            args = ("run", "--model", tiny_llama, "--blocks", "0:4", "--new-swarm", "--torch-threads", "1")
+        else:
+            args = ("dht",)
+        process = operator.start(*args, "--address-file", "served.addr", name=command)
+        ready = supervisor.wait_for("READY", timeout_s=120)
+        assert ready["READY"] == "1" and ready["MAINPID"] == str(process.pid), ready
+        assert "serving" in ready["STATUS"]
+        assert operator.wait_file("served.addr", process, timeout_s=1)  # ready means it serves
+        time.sleep(1.6)  # a beat at READY, then one every 0.5 s
+        beats = [message for message in supervisor.drain() if "WATCHDOG" in message]
+        assert len(beats) >= 3, supervisor.messages
+        seconds = assert_stopped_cleanly(operator, process, signal.SIGTERM)
+        stopping = supervisor.wait_for("STOPPING", timeout_s=1)
+        assert "SIGTERM" in stopping["STATUS"]
+        print(f"{command}: ready, watchdog beats, stopped {seconds:.1f} s after SIGTERM")
+    finally:
+        supervisor.close()
