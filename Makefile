@@ -19,7 +19,8 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 install: $(STAMP)
 
 # tcpdump for the loopback-capture test (RELIABILITY.md C), promtool (Debian's prometheus) for the metrics naming
-# check, headless chromium and its driver for the dashboard test; installed where apt-get and root are available
+# check, headless chromium and its driver for the dashboard test, systemd-analyze for the unit's checks, ip and tc
+# for the network-namespace tests; installed where apt-get and root are available
 sysdeps:
 	@command -v tcpdump >/dev/null || { \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -35,6 +36,16 @@ sysdeps:
 			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
 			chromium chromium-driver >/dev/null; \
 		else echo "chromium is missing and cannot be installed here: the dashboard test is skipped"; fi; }
+	@command -v systemd-analyze >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			systemd >/dev/null; \
+		else echo "systemd-analyze is missing and cannot be installed here: the unit checks are skipped"; fi; }
+	@command -v tc >/dev/null || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			iproute2 >/dev/null; \
+		else echo "ip and tc are missing and cannot be installed here: the network-namespace tests are skipped"; fi; }
 
 DEMO_PORT ?= 8000
 demo: $(STAMP)
