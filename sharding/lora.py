@@ -488,6 +488,7 @@ def _check_factor(block: int, projection: str, factor: LoraFactors, start: int, 
 
 def _parse_slice(data: bytes) -> tuple[int, int, dict[Target, LoraFactors]]:
     """(start, end, factors) of canonical slice bytes; AdapterError for anything else."""
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
     try:
@@ -511,7 +512,7 @@ def _parse_slice(data: bytes) -> tuple[int, int, dict[Target, LoraFactors]]:
         for (block, projection), pair in by_target.items():
             scale = scales[f"{block}.{projection}"]
             factors[(block, projection)] = LoraFactors(pair["A"], pair["B"], scale)
-    except (ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:  # SafetensorError: a ValueError
+    except (ValueError, KeyError, TypeError, RecursionError, struct.error, SafetensorError) as exc:
         raise AdapterError(f"bytes are not an adapter slice ({type(exc).__name__}: {exc})") from None
     return start, end, factors
 

@@ -239,6 +239,7 @@ class OptimizerState:
     def from_bytes(cls, data: bytes, expected_sha256: str) -> OptimizerState:
         """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
         or AdapterError otherwise."""
+        from safetensors import SafetensorError
         from safetensors.torch import load
 
         actual = hashlib.sha256(data).hexdigest()
@@ -255,7 +256,7 @@ class OptimizerState:
             if not all(_MOMENT_KEY.fullmatch(name) and t.dtype == torch.float32 for name, t in tensors.items()):
                 raise ValueError("a tensor that is not a float32 moment of a LoRA factor")
             state = cls(start, end, step, dict(tensors))
-        except (ValueError, KeyError, TypeError, RecursionError, struct.error) as exc:  # SafetensorError: ValueError
+        except (ValueError, KeyError, TypeError, RecursionError, struct.error, SafetensorError) as exc:
             raise AdapterError(f"bytes are not an optimizer state ({type(exc).__name__}: {exc})") from None
         if not 0 <= start < end or step < 0 or state.sha256 != actual:
             raise AdapterError("optimizer state of a bad range or step, or not in canonical form")

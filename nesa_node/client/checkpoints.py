@@ -34,7 +34,6 @@ from pathlib import Path
 from hivemind.utils.crypto import RSAPublicKey
 
 from nesa_node.errors import AdapterError, CheckpointError
-from nesa_node.protocol import lane
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.messages import TrainState
@@ -76,18 +75,25 @@ def check_signature(message: TrainState, session_id: str, peer_id: str) -> None:
 
 
 def span_state_of(
-    message: TrainState, answer: Frame, blocks: tuple[int, int], step: int, session_id: str, peer_id: str
+    message: TrainState,
+    answer: Frame,
+    blocks: tuple[int, int],
+    step: int,
+    session_id: str,
+    peer_id: str,
+    *,
+    max_bytes: int,
 ) -> SpanState:
-    """The SpanState in a node's TrainState answer, once it is of `blocks` at `step`, both byte tensors match their
-    hashes and the node `peer_id` signed it for `session_id`; CheckpointError or BadRequestError otherwise."""
+    """The SpanState in a node's TrainState answer, once it is of `blocks` at `step`, both byte tensors hold at most
+    `max_bytes` (client/train_link.py state_tensor_bytes) and match their hashes, and the node `peer_id` signed it
+    for `session_id`; CheckpointError or BadRequestError otherwise."""
     if (message.start_block, message.end_block) != blocks:
         raise CheckpointError("answered another span's state")
     if message.step != step or len(answer.tensors) != 2:
         raise CheckpointError(f"answered the state of step {message.step} in {len(answer.tensors)} tensors, not {step}")
     check_signature(message, session_id, peer_id)
-    limit = lane.CLIENT_MAX_FRAME_BYTES
-    piece = AdapterSlice.from_bytes(bytes_from_proto(answer.tensors[0], max_bytes=limit), message.slice_sha256)
-    adam = OptimizerState.from_bytes(bytes_from_proto(answer.tensors[1], max_bytes=limit), message.optimizer_sha256)
+    piece = AdapterSlice.from_bytes(bytes_from_proto(answer.tensors[0], max_bytes=max_bytes), message.slice_sha256)
+    adam = OptimizerState.from_bytes(bytes_from_proto(answer.tensors[1], max_bytes=max_bytes), message.optimizer_sha256)
     if (piece.start, piece.end) != (adam.start, adam.end) or adam.step not in (0, message.step):
         raise CheckpointError("the optimizer state does not match the slice")
     if not adam.tensors:  # before any update AdamW holds nothing; the state is still of this step

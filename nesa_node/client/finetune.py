@@ -54,6 +54,9 @@ from nesa_node.client.train_link import (
     labelled_tokens,
     open_link,
     replica_chains,
+    state_answer_bytes,
+    state_tensor_bytes,
+    tensor_answer_bytes,
 )
 from nesa_node.errors import BadRequestError, CheckpointError, NoRouteError, RequestError
 from nesa_node.protocol.channel import Frame, frame
@@ -276,7 +279,12 @@ class AsyncFineTuningSession:
         )
         tensors = [bytes_to_proto(piece.to_bytes())] + ([bytes_to_proto(adam.to_bytes())] if adam else [])
         return await open_link(
-            self.model.swarm, hop, frame(message, tensors), session_id, self.model.config.request_timeout_s
+            self.model.swarm,
+            hop,
+            frame(message, tensors),
+            session_id,
+            self.model.config.request_timeout_s,
+            state_bytes=state_tensor_bytes(piece),
         )
 
     @property
@@ -345,7 +353,11 @@ class AsyncFineTuningSession:
         for link in links:
             codec, output_codec = self._codecs(link, hidden.numel())
             request = TrainForward(step_id=step_id, codec=codec, output_codec=output_codec, keep=keep)
-            message, answer = await link.call(frame(request, [tensor_to_proto(hidden, codec)]), TrainOutput)
+            message, answer = await link.call(
+                frame(request, [tensor_to_proto(hidden, codec)]),
+                TrainOutput,
+                max_answer_bytes=tensor_answer_bytes(hidden),
+            )
             if message.step_id != step_id:
                 raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
             hidden = link.read_tensor(answer, message.codec, hidden).float()
@@ -359,7 +371,10 @@ class AsyncFineTuningSession:
             codec, output_codec = self._codecs(link, grad.numel())
             request = TrainBackward(step_id=step_id, codec=codec, output_codec=output_codec, apply=apply)
             message, answer = await link.call(
-                frame(request, [tensor_to_proto(grad, codec)]), TrainGrad, timeout_s=self._step_timeout_s(apply)
+                frame(request, [tensor_to_proto(grad, codec)]),
+                TrainGrad,
+                timeout_s=self._step_timeout_s(apply),
+                max_answer_bytes=tensor_answer_bytes(grad),
             )
             if message.step_id != step_id:
                 raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
@@ -445,7 +460,9 @@ class AsyncFineTuningSession:
     async def _checkpoint_now(self) -> Checkpoint:
         spans = []
         for link in self.links:
-            message, answer = await link.call(frame(TrainStateRequest()), TrainState)
+            message, answer = await link.call(
+                frame(TrainStateRequest()), TrainState, max_answer_bytes=state_answer_bytes(link.state_bytes)
+            )
             spans.append(await self._span_state(link, message, answer))
         session_id = self.links[0].session_id
         checkpoint = assemble(self.step, session_id, self.spec, dataclasses.asdict(self.optimizer), spans)
@@ -467,6 +484,7 @@ class AsyncFineTuningSession:
                 self.step,
                 link.session_id,
                 hop.peer_id,
+                max_bytes=link.state_bytes,
             )
         except (RequestError, CheckpointError) as exc:
             raise LinkLost(link.peer_id, f"sent a bad training state: {exc.message}") from None
@@ -502,7 +520,9 @@ class AsyncFineTuningSession:
         async def fetch() -> AdapterSlice:
             spans = []
             for link in self.chains[chain]:
-                message, answer = await link.call(frame(TrainStateRequest()), TrainState)
+                message, answer = await link.call(
+                    frame(TrainStateRequest()), TrainState, max_answer_bytes=state_answer_bytes(link.state_bytes)
+                )
                 spans.append(await self._span_state(link, message, answer))
             return merge_slices([span.slice for span in spans])
 

@@ -18,7 +18,7 @@ import torch
 
 from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
 from nesa_node.client.config import ClientConfig
-from nesa_node.client.swarm import ANSWER_DTYPES, Swarm
+from nesa_node.client.swarm import Swarm
 from nesa_node.compression.auto import compression_pays
 from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import NesaError, PeerUnavailableError, RequestError
@@ -337,12 +337,17 @@ class SessionChain:
         shape: tuple[int, ...] | None = None,
     ) -> torch.Tensor:
         """The hidden states of a node's answer; LinkFailed (the node is failed: banned, its span re-routed) when they
-        are not one well-formed tensor of exactly `shape` (when given) with every value finite."""
+        are not one well-formed tensor of exactly `shape` (when given), in the dtype the node announces, with every
+        value finite."""
         if len(answer.tensors) != 1:
             raise LinkFailed(f"node {link.peer_id} sent a malformed answer", link)
         try:
             hidden = tensor_from_proto(
-                answer.tensors[0], allowed_dtypes=ANSWER_DTYPES, max_elements=max_elements, rank=3, codec=codec
+                answer.tensors[0],
+                allowed_dtypes=self.swarm.answer_dtypes(link.peer_id),
+                max_elements=max_elements,
+                rank=3,
+                codec=codec,
             )
         except RequestError as exc:
             raise LinkFailed(f"node {link.peer_id} sent malformed hidden states: {exc.message}", link) from None

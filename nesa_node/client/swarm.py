@@ -49,7 +49,7 @@ PROBED_RECORD_TTL_S = 15.0
 # Nodes whose records expired less than this long ago are still asked directly when routing finds no chain (guess:
 # a few announcement lifetimes; a node gone longer is unlikely to be back under the same id).
 RECENT_RECORD_S = 120.0
-ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # hidden states a client accepts from a node
+ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a node computes in (sharding/blocks.py DTYPES)
 BANDWIDTH_PAYLOAD_BYTES = 256 * 1024  # as the nodes' link probe: dominates a LAN round trip, short on a slow uplink
 BANDWIDTH_MAX_AGE_S = 600.0  # a link's bandwidth is measured again after this long (guess)
 
@@ -236,6 +236,16 @@ class Swarm:
         record = self._records.get(peer_id)
         return record is not None and any(info.adapter_id == adapter_id for info in record.info.adapters)
 
+    def answer_dtypes(self, peer_id: str) -> tuple[str, ...]:
+        """The dtypes hidden states from node `peer_id` may arrive in: exactly the one its record announces, since a
+        node runs its blocks in that dtype and sends their outputs in it whatever the codec (a codec keeps the
+        tensor's dtype); none when the record names a dtype no node computes in; any of ANSWER_DTYPES only without a
+        record at hand."""
+        record = self._records.get(peer_id)
+        if record is None:
+            return ANSWER_DTYPES
+        return (record.info.dtype,) if record.info.dtype in ANSWER_DTYPES else ()
+
     def lane_address(self, peer_id: str) -> str | None:
         """The data lane address a node's record announces (protocol/lane.py), if any and well formed."""
         record = self._records.get(peer_id)
@@ -408,10 +418,11 @@ class Swarm:
             raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
 
     async def info(self, peer_id: str, *, timeout_s: float | None = None) -> NodeInfo:
-        """The live NodeInfo of a peer, asked directly (not from the DHT); PeerUnavailableError after timeout_s."""
+        """The live NodeInfo of a peer, asked directly (not from the DHT); PeerUnavailableError after timeout_s,
+        BadRequestError for an answer that holds no valid record."""
         answer = await self.unary(peer_id, rpc.INFO, Frame(), timeout_s)
         reply = check_answer(read(answer, INFO_ANSWERS, max_bytes=MAX_INFO_BYTES), InfoReply)
-        return NodeInfo.from_wire(reply.info)
+        return reply.node_info()
 
     async def forward(
         self, hop: Hop, hidden: torch.Tensor, codec: WireCodec = NO_CODEC, output_codec: WireCodec = NO_CODEC
@@ -432,7 +443,11 @@ class Swarm:
         if len(answer.tensors) != 1:
             raise PeerUnavailableError(f"peer {peer_id} sent a malformed answer to a forward")
         output = tensor_from_proto(
-            answer.tensors[0], allowed_dtypes=ANSWER_DTYPES, max_elements=hidden.numel(), rank=3, codec=result.codec
+            answer.tensors[0],
+            allowed_dtypes=self.answer_dtypes(peer_id),
+            max_elements=hidden.numel(),
+            rank=3,
+            codec=result.codec,
         )
         return output, result.compute_s
 

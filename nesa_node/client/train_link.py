@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nesa_node.client.session_chain import ANSWER_HEADROOM_BYTES
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, RequestError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, read
@@ -18,11 +19,35 @@ from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.messages import FROM_TRAINING, TICKET_ANSWERS, ErrorReply, LaneTicket, Message, TrainOpened
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.routing.snapshot import Hop
+from nesa_node.sharding.lora import AdapterSlice
 
 logger = logging.getLogger(__name__)
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16", "uint8", "int8")  # what a node's tensors may be on the wire
 IGNORE_INDEX = -100  # labels that take no part in the loss (transformers' convention)
+# one tensor's entry in a safetensors header (name, dtype, shape, offsets): about 100 bytes measured, with margin
+STATE_ENTRY_BYTES = 256
+
+
+def tensor_answer_bytes(like: torch.Tensor) -> int:
+    """The longest honest answer to a pass that sent `like`: one tensor of its shape in float32 (no codec sends more
+    than 4 bytes an element) and its message, bytes."""
+    return like.numel() * 4 + ANSWER_HEADROOM_BYTES
+
+
+def state_tensor_bytes(piece: AdapterSlice) -> int:
+    """The most bytes each of the two tensors of an honest TrainState answer for the blocks of `piece` (the client's
+    own slice of them) holds: every value of the slice in float32 twice over (AdamW's two moments; the slice itself
+    holds them once), a header entry for each of the optimizer state's tensors and one for its metadata, and the
+    slice's own metadata (its scales), which the client's copy, header included, bounds."""
+    factors = piece.factors.values()
+    values = sum(factor.lora_a.numel() + factor.lora_b.numel() for factor in factors)
+    return 8 * values + (4 * len(piece.factors) + 1) * STATE_ENTRY_BYTES + piece.nbytes
+
+
+def state_answer_bytes(state_bytes: int) -> int:
+    """The longest honest TrainState answer: its two tensors of at most `state_bytes` each, and its message."""
+    return 2 * state_bytes + ANSWER_HEADROOM_BYTES
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, total: int | None = None) -> torch.Tensor:
@@ -37,21 +62,22 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, total: int | N
     return summed / total
 
 
-async def open_link(swarm, hop: Hop, opening: Frame, session_id: str, timeout_s: float) -> TrainLink:
+async def open_link(
+    swarm, hop: Hop, opening: Frame, session_id: str, timeout_s: float, *, state_bytes: int
+) -> TrainLink:
     """A training session on `hop`'s node, opened with `opening` (OpenTraining and its tensors): on its TRAIN data
     lane when `swarm` (the client's Swarm) uses lanes and the node offers one (a ticket over libp2p, then direct
-    encrypted TCP: no p2pd on the way), else on a libp2p stream. LinkLost when the node cannot be reached or refuses
-    for a reason of its own, BadRequestError when it finds the open malformed."""
+    encrypted TCP: no p2pd on the way), else on a libp2p stream. `state_bytes`: what each tensor of the session's
+    TrainState answers may hold (state_tensor_bytes). LinkLost when the node cannot be reached or refuses for a
+    reason of its own, BadRequestError when it finds the open malformed."""
     channel = await _train_lane(swarm, hop.peer_id, timeout_s)
     if channel is None:
         try:
             async with asyncio.timeout(timeout_s):
-                channel = await open_stream(
-                    swarm.p2p, hop.peer_id, rpc.TRAIN, max_frame_bytes=lane.CLIENT_MAX_FRAME_BYTES
-                )
+                channel = await open_stream(swarm.p2p, hop.peer_id, rpc.TRAIN, max_frame_bytes=ANSWER_HEADROOM_BYTES)
         except Exception as exc:
             raise LinkLost(hop.peer_id, f"could not be reached ({type(exc).__name__})") from None
-    link = TrainLink(hop, channel, timeout_s, session_id)
+    link = TrainLink(hop, channel, timeout_s, session_id, state_bytes=state_bytes)
     try:
         await link.call(opening, TrainOpened)
     except BaseException:
@@ -71,7 +97,9 @@ async def _train_lane(swarm, peer_id: str, timeout_s: float) -> LaneChannel | No
             if not isinstance(message, LaneTicket):
                 raise PeerUnavailableError(f"no lane ticket: {getattr(message, 'message', message)}")
             key = bytes.fromhex(message.key)
-            stream = await lane.connect(address, lane.ROLE_TRAIN, message.ticket, key)
+            stream = await lane.connect(
+                address, lane.ROLE_TRAIN, message.ticket, key, max_frame_bytes=ANSWER_HEADROOM_BYTES
+            )
     except (NesaError, TimeoutError, ValueError, lane.LaneClosedError) as exc:
         logger.debug("no training lane to %s, using libp2p: %r", peer_id, exc)
         return None
@@ -123,13 +151,15 @@ class LinkLost(PeerUnavailableError):
 
 
 class TrainLink:
-    """The training stream to one node of the chain: one request, one answer, in order."""
+    """The training stream to one node of the chain: one request, one answer, in order. Each answer is bounded
+    before it is read by what the request can legitimately be answered with (`call`'s max_answer_bytes)."""
 
-    def __init__(self, hop: Hop, channel: Channel, timeout_s: float, session_id: str = ""):
+    def __init__(self, hop: Hop, channel: Channel, timeout_s: float, session_id: str = "", *, state_bytes: int):
         self.hop = hop
         self.session_id = session_id  # the session's id on this node
         self.channel = channel
         self.timeout_s = timeout_s
+        self.state_bytes = state_bytes  # the most each tensor of a TrainState answer holds (state_tensor_bytes)
         self._turn = asyncio.Lock()  # one request and its answer at a time (micro-batches share the link)
         self.broken = False  # a call was cut short: an answer may be left unread
 
@@ -138,18 +168,26 @@ class TrainLink:
         return self.hop.peer_id
 
     async def call(
-        self, request: Frame, expected: type[Message], *, timeout_s: float | None = None
+        self,
+        request: Frame,
+        expected: type[Message],
+        *,
+        timeout_s: float | None = None,
+        max_answer_bytes: int = ANSWER_HEADROOM_BYTES,
     ) -> tuple[Message, Frame]:
-        """Send `request`, return the node's answer (within `timeout_s`, default the link's). Raises the node's
-        BadRequestError when it refused the request as malformed (the caller's mistake), and LinkLost for everything
-        else: the stream broke or ran out of step, the node did not answer, answered nonsense, refused for a reason
-        of its own (full, moving; blamed), or reported a failure elsewhere (a replica; not blamed). A call cut short
+        """Send `request`, return the node's answer (within `timeout_s`, default the link's). `max_answer_bytes`: the
+        longest answer the request can have (default: a message without tensors; tensor_answer_bytes for a pass,
+        state_answer_bytes for a state); a longer one is refused before it is read. Raises the node's BadRequestError
+        when it refused the request as malformed (the caller's mistake), and LinkLost for everything else: the stream
+        broke or ran out of step, the node did not answer, answered nonsense or too much, refused for a reason of its
+        own (full, moving; blamed), or reported a failure elsewhere (a replica; not blamed). A call cut short
         (cancelled, timed out) leaves the stream out of step: later calls raise LinkLost at once."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         async with self._turn:
             if self.broken:
                 raise LinkLost(self.peer_id, "stream out of step after an interrupted call", blame=False)
             self.broken = True  # until the answer is read
+            self.channel.max_frame_bytes = max_answer_bytes
             try:
                 self.channel.send(request)
                 async with asyncio.timeout(timeout_s):
@@ -259,4 +297,7 @@ __all__ = [
     "labelled_tokens",
     "open_link",
     "replica_chains",
+    "state_answer_bytes",
+    "state_tensor_bytes",
+    "tensor_answer_bytes",
 ]

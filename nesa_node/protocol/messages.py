@@ -54,7 +54,7 @@ from pydantic import (
 
 from nesa_node.errors import BadRequestError, NesaError, error_from_code
 from nesa_node.protocol import lane
-from nesa_node.protocol.records import MAX_RECORD_BYTES
+from nesa_node.protocol.records import MAX_RECORD_BYTES, NodeInfo
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
 
 MAX_METADATA_BYTES = 16 * 1024  # a message is a handful of ids and numbers
@@ -275,6 +275,13 @@ class ForwardResult(Message):
 class InfoReply(Message):
     kind: Literal["info"] = "info"
     info: str = Field(max_length=MAX_RECORD_BYTES)  # NodeInfo JSON (protocol/records.py); decode with MAX_INFO_BYTES
+
+    def node_info(self) -> NodeInfo:
+        """The NodeInfo record the reply carries; BadRequestError when it is not a valid one."""
+        try:
+            return NodeInfo.from_wire(self.info)
+        except ValueError as exc:  # from_wire's refusal (pydantic's ValidationError is one)
+            raise BadRequestError(f"info reply holds no valid NodeInfo record: {str(exc)[:200]}") from None
 
 
 class LaneTicket(Message):

@@ -23,7 +23,6 @@ from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.messages import INFO_ANSWERS, MAX_INFO_BYTES, PUSH_ANSWERS, ErrorReply, InfoReply, Step
-from nesa_node.protocol.records import NodeInfo
 from nesa_node.server.sessions import ServerSession, SessionTable
 
 logger = logging.getLogger(__name__)
@@ -95,7 +94,7 @@ class PushSender:
         try:
             answer = await self.p2p.call_protobuf_handler(PeerID.from_base58(peer_id), rpc.INFO, Frame(), Frame)
             reply = read(answer, INFO_ANSWERS, max_bytes=MAX_INFO_BYTES)
-            info = NodeInfo.from_wire(reply.info) if isinstance(reply, InfoReply) else None
+            info = reply.node_info() if isinstance(reply, InfoReply) else None
             address = info.lane if info is not None and info.peer_id == peer_id else None
         except Exception as exc:
             logger.debug("lane address of %s unknown: %r", peer_id, exc)

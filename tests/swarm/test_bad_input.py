@@ -427,6 +427,29 @@ def test_d_duplicate_session_id(target):
     assert error["message"] == f"session {msgpack.unpackb(first.metadata)['session_id']!r} is already open on this node"
 
 
+@pytest.mark.parametrize(
+    ("session_id", "message"),
+    [
+        ("s1\r\nHost: 10.0.0.1", "String should match pattern"),
+        ("s1\nGET / HTTP/1.1", "String should match pattern"),
+        ("two words", "String should match pattern"),
+        ("tab\there", "String should match pattern"),
+        ("nul\x00byte", "String should match pattern"),
+        ("caf\u00e9", "String should match pattern"),
+        ("", "String should have at least 1 character"),
+        ("x" * 129, "String should have at most 128 characters"),
+    ],
+    ids=["crlf", "lf", "space", "tab", "nul", "non-ascii", "empty", "too-long"],
+)
+def test_g5_a_session_id_outside_the_fixed_format_is_refused(target, session_id, message):
+    """Session ids travel into logs and lane hellos, where line breaks or other characters could forge a line of
+    another protocol: an open naming one is refused with a typed bad_request and opens nothing (the honest session
+    goes on: the autouse check)."""
+    error = refusal(target, [opening(session_id=session_id)], answers=1)
+    assert error["code"] == "bad_request"
+    assert f"open message: session_id: {message}" in error["message"], error
+
+
 def test_d_push_from_a_peer_that_is_not_the_upstream(target):
     """A session whose upstream is the honest client: the attacker's pushes into it are refused."""
     session_id = uuid.uuid4().hex

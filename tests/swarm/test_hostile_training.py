@@ -4,7 +4,8 @@ data-parallel FineTuningSession on the same node keeps training; gradients from 
 the wrong size, values or round, never reach a session's slices.
 
 Two in-process nodes of the tiny Llama: A serves blocks 0:2 (the target), B serves 2:4. The honest client trains with
-two data-parallel chains, so A holds two sessions of it that name each other as replicas.
+two data-parallel chains, so A holds two sessions of it that name each other as replicas. The last section turns it
+around: a node answering a training client with more than the client can legitimately receive is failed and replaced.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from nesa_node.client.finetune import FineTuningSession
 from nesa_node.devtools.tiny_model import TinyModelSpec, build_config
 from nesa_node.errors import NesaError
 from nesa_node.protocol import rpc
-from nesa_node.protocol.channel import Frame, frame, read
+from nesa_node.protocol.channel import Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
 from nesa_node.protocol.messages import (
     FROM_TRAINING,
@@ -750,3 +751,67 @@ def test_a_replica_that_sends_nothing_is_reported_typed_and_the_session_stays(ta
     assert isinstance(answers[2], ErrorReply), f"the node ended the stream instead of answering: {answers}"
     assert answers[2].code == "replica_unavailable", answers
     assert isinstance(answers[3], TrainOutput)  # the stream and its session go on
+
+
+# ---- a hostile node against a training client ------------------------------------------------------------------------
+
+PADDING = "x" * (2 << 20)  # a field the client does not read, making an answer 2 MiB: far over what it can hold
+
+
+@pytest.mark.parametrize(
+    ("answer", "lanes"),
+    [("output", True), ("output", False), ("state", True)],
+    ids=["pass-answer-on-a-lane", "pass-answer-on-libp2p", "state-answer-on-a-lane"],
+)
+def test_g1_a_node_answering_more_than_the_session_can_hold_is_failed_and_replaced(target, answer, lanes):
+    """A client bounds each training answer by what it asked for (a pass: one tensor of the shape it sent; a state:
+    its own slice of the node's blocks, in float32, and AdamW's two moments of it) and refuses a longer frame
+    before reading it. A node that pads its answers to 2 MiB with a field nobody reads is failed like a dead one:
+    banned, and the chain reopened on a spare, where the step is taken."""
+    swarm, prefix = target.swarm, f"oversized-{answer}-{lanes}"
+    liar = swarm.start_node(target.model_path, 0, 4, dht_prefix=prefix, **LIMITS)
+    nodes, session = [liar], None
+    try:
+        session = FineTuningSession.create(
+            target.model_path,
+            initial_peers=swarm.initial_peers,
+            dht_prefix=prefix,
+            spec=SPEC,
+            seed=3,
+            lr=1e-3,
+            lanes=lanes,
+        )
+        assert [hop.peer_id for hop in session.chain] == [liar.peer_id]
+        assert isinstance(session.inner.links[0].channel, LaneChannel) == lanes
+        client = session.inner.model.swarm
+        nodes.append(swarm.start_node(target.model_path, 0, 4, dht_prefix=prefix, **LIMITS))
+        spare = nodes[-1]
+
+        def seen() -> bool:
+            records = session.runner.call(client.node_records(fresh=True))
+            return spare.peer_id in {record.info.peer_id for record in records}
+
+        wait_until(seen, timeout_s=30)
+        if answer == "state":
+            assert math.isfinite(session.train_step(target.batch))  # honest passes: the oversized answer is the state
+        method = "_forward" if answer == "output" else "_state"
+        honest = getattr(liar.training, method)
+
+        async def padded(*args):
+            reply = await honest(*args)
+            reply.uid = PADDING
+            return reply
+
+        setattr(liar.training, method, padded)
+        if answer == "output":
+            assert math.isfinite(session.train_step(target.batch)) and session.step == 1
+        else:
+            assert session.checkpoint().spans[0].peer_id == spare.peer_id
+        assert session.failovers == 1
+        assert [hop.peer_id for hop in session.chain] == [spare.peer_id]
+        assert liar.peer_id in client.banned()
+    finally:
+        if session is not None:
+            session.close()
+        for node in nodes:
+            swarm.stop_node(node)

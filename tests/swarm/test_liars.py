@@ -131,3 +131,24 @@ def test_g4_a_node_lying_about_its_links_and_uptime_gets_no_more_than_its_share(
         assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
     for node in [*honest, liar]:
         module_swarm.stop_node(node)
+
+
+def test_g4_a_node_claiming_0_tokens_per_s_is_costed_as_an_average_node_not_a_free_one(
+    module_swarm, tiny_llama, reference
+):
+    """A record with no throughput (0 tokens/s, as a node that never measured announces) once made the node free to
+    route to: it took every session. Before the client has measured anyone, an unknown speed costs the median of
+    the other nodes' claims, so the sessions spread as over equal nodes."""
+    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-zero")
+    lying(liar, inference_tps=0.0, forward_tps=0.0, block_ms=0.0)
+    with connect(module_swarm, tiny_llama, "liar-zero") as model:
+        wait_for_chain(model)
+        records_show(model, liar.peer_id, lambda info: info.inference_tps == 0.0)
+        honest_records_show(model, honest)
+        assert not model.swarm.timings.measured()  # routing has only the claims to go on
+        taken = share_of_sessions(model, liar.peer_id)
+        print(f"the 0 tokens/s claimant got {taken} of {SESSIONS} sessions")
+        assert taken <= FAIR + NOISE
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
+    for node in [*honest, liar]:
+        module_swarm.stop_node(node)

@@ -101,20 +101,29 @@ def group_peer_id(group: ProcessGroup, process) -> str:
     raise AssertionError(f"node {process.pid} printed no peer id")
 
 
-@pytest.mark.parametrize("fault", ["nan", "shape"])
+def spoiled(output: torch.Tensor, fault: str) -> torch.Tensor:
+    """A node's output as a lying node sends it: NaN, a token short, or in another dtype than it announces."""
+    if fault == "nan":
+        return torch.full_like(output, float("nan"))
+    if fault == "shape":
+        return output[:, :0]
+    return output.to(torch.float16)  # the nodes announce float32
+
+
+@pytest.mark.parametrize("fault", ["nan", "shape", "dtype"])
 def test_a_node_sending_bad_hidden_states_is_banned_and_its_span_rerouted(local_swarm, tiny_llama, fault):
-    """The last node of the chain answers NaN, or a token short: the client checks every answer's shape and values,
-    treats the node as failed (banned, its span re-routed to a spare, whose cache is rebuilt), and the tokens equal
-    single-process generation."""
+    """The last node of the chain answers NaN, a token short, or float16 where it announces float32: the client
+    checks every answer's shape, dtype and values, treats the node as failed (banned, its span re-routed to a spare,
+    whose cache is rebuilt), and the tokens equal single-process generation."""
     prefix = f"bad-output-{fault}"
     local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
     liar = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
     honest_run = liar.compute.run
 
-    async def lying_run(hidden, cache, position, blocks):
-        output, seconds = await honest_run(hidden, cache, position, blocks)
+    async def lying_run(hidden, cache, position, blocks, adapter=None):
+        output, seconds = await honest_run(hidden, cache, position, blocks, adapter)
         if position >= PROMPT.shape[1] + 2:  # after a few honest steps, so the client has history to replay
-            output = torch.full_like(output, float("nan")) if fault == "nan" else output[:, :0]
+            output = spoiled(output, fault)
         return output, seconds
 
     liar.compute.run = lying_run
@@ -134,6 +143,7 @@ def test_a_node_sending_bad_hidden_states_is_banned_and_its_span_rerouted(local_
             spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
             output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
+        assert session.failovers[0]["position"] >= PROMPT.shape[1] + 2  # failed by its lie, not by anything before
         assert liar.peer_id in session.failovers[0]["banned"]
         assert session.chain.hops[1].peer_id == spare.peer_id
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
@@ -152,8 +162,8 @@ def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, 
     honest = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
     honest_run = liar.compute.run
 
-    async def lying_run(hidden, cache, position, blocks):
-        output, seconds = await honest_run(hidden, cache, position, blocks)
+    async def lying_run(hidden, cache, position, blocks, adapter=None):
+        output, seconds = await honest_run(hidden, cache, position, blocks, adapter)
         if position >= PROMPT.shape[1] + 2:
             output = torch.full_like(output, float("nan")) if fault == "nan" else output[:, :0]
         return output, seconds
@@ -168,6 +178,7 @@ def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, 
             spare = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
             output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
+        assert session.failovers[0]["position"] >= PROMPT.shape[1] + 2  # failed by its lie, not by anything before
         assert session.chain.peer_ids == (spare.peer_id, honest.peer_id)
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False

@@ -36,8 +36,15 @@ class Channel:
         self.closed = True
 
 
+class Swarm:
+    """What reading an answer asks of the client's Swarm: the dtype the node's record announces."""
+
+    def answer_dtypes(self, peer_id: str) -> tuple[str, ...]:
+        return ("float32",)
+
+
 def chain_with_link() -> tuple[SessionChain, ChainLink]:
-    chain = SessionChain(None, ClientConfig(), session_id="s", batch=2, max_length=32)
+    chain = SessionChain(Swarm(), ClientConfig(), session_id="s", batch=2, max_length=32)
     link = ChainLink(Hop("peer", 0, 4))
     link.control, link.outputs = Channel(), Channel()
     chain.links = [link]
@@ -58,6 +65,16 @@ def test_frames_are_bounded_by_the_session_and_then_by_the_models_hidden_size():
     assert link.control.max_frame_bytes == link.outputs.max_frame_bytes == chain.max_answer_bytes
     # the largest honest answer (the whole session's hidden states) fits the bound
     assert answer(torch.randn(2, 32, 64)).ByteSize() <= chain.max_answer_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hidden_states_in_another_dtype_than_the_node_announces_fail_the_node(dtype):
+    chain, link = chain_with_link()
+    hidden = torch.randn(2, 5, 64)
+    with pytest.raises(LinkFailed, match="is not allowed; allowed: float32") as failed:
+        chain.read_hidden(link, answer(hidden.to(dtype)), NO_CODEC, hidden.numel(), tuple(hidden.shape))
+    assert failed.value.link is link
+    assert chain.read_hidden(link, answer(hidden), NO_CODEC, hidden.numel(), tuple(hidden.shape)).dtype == torch.float32
 
 
 def test_a_node_flooding_answers_is_failed_once_its_unread_answers_reach_the_bound():

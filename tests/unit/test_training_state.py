@@ -25,11 +25,13 @@ from nesa_node.client.checkpoints import (
     span_state_of,
     write_checkpoint,
 )
+from nesa_node.client.train_link import state_answer_bytes, state_tensor_bytes
 from nesa_node.errors import AdapterError, AdapterHashError, CheckpointError, RequestError
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.messages import TrainState
 from nesa_node.protocol.tensors import bytes_to_proto
+from nesa_node.sharding.lora import AdapterSlice, LoraFactors
 from nesa_node.sharding.lora_train import (
     OPTIMIZER_FORMAT,
     LoraSpec,
@@ -540,6 +542,9 @@ def test_the_signature_binds_the_node_and_the_session(keys):
         check_signature(signed_message(trainable, state, None), SESSION, peer_of(keys[0]))
 
 
+LIMIT = 1 << 20  # bytes per tensor of a state answer: more than these spans hold
+
+
 def test_a_span_state_is_taken_from_an_answer_only_when_it_checks_out(keys):
     trainable, optimizer = trained(2, 1, 3)
     state = trainable.optimizer_state(optimizer)
@@ -547,16 +552,16 @@ def test_a_span_state_is_taken_from_an_answer_only_when_it_checks_out(keys):
     piece_bytes, adam_bytes = trainable.snapshot().to_bytes(), state.to_bytes()
     answer = frame(message, [bytes_to_proto(piece_bytes), bytes_to_proto(adam_bytes)])
     peer = peer_of(keys[0])
-    taken = span_state_of(message, answer, (1, 3), 2, SESSION, peer)
+    taken = span_state_of(message, answer, (1, 3), 2, SESSION, peer, max_bytes=LIMIT)
     assert taken.slice.sha256 == trainable.snapshot().sha256 and taken.optimizer.sha256 == state.sha256
     with pytest.raises(CheckpointError):
-        span_state_of(message, answer, (0, 3), 2, SESSION, peer)  # another span than asked
+        span_state_of(message, answer, (0, 3), 2, SESSION, peer, max_bytes=LIMIT)  # another span than asked
     with pytest.raises(CheckpointError):
-        span_state_of(message, answer, (1, 3), 3, SESSION, peer)  # another step
+        span_state_of(message, answer, (1, 3), 3, SESSION, peer, max_bytes=LIMIT)  # another step
     with pytest.raises(CheckpointError):
-        span_state_of(message, frame(message, [bytes_to_proto(piece_bytes)]), (1, 3), 2, SESSION, peer)
+        span_state_of(message, frame(message, [bytes_to_proto(piece_bytes)]), (1, 3), 2, SESSION, peer, max_bytes=LIMIT)
     with pytest.raises(CheckpointError):
-        span_state_of(message, answer, (1, 3), 2, SESSION, peer_of(keys[1]))
+        span_state_of(message, answer, (1, 3), 2, SESSION, peer_of(keys[1]), max_bytes=LIMIT)
     tampered = bytearray(piece_bytes)
     tampered[-2] ^= 1
     with pytest.raises(RequestError):  # AdapterHashError: the bytes are not the ones signed
@@ -567,6 +572,7 @@ def test_a_span_state_is_taken_from_an_answer_only_when_it_checks_out(keys):
             2,
             SESSION,
             peer,
+            max_bytes=LIMIT,
         )
     # an optimizer state of another range than the slice, though both hash and sign correctly
     other = state_after(2, 0, 2)
@@ -579,4 +585,26 @@ def test_a_span_state_is_taken_from_an_answer_only_when_it_checks_out(keys):
             2,
             SESSION,
             peer,
+            max_bytes=LIMIT,
         )
+
+
+def test_a_span_state_is_bounded_by_what_the_clients_own_slice_of_its_blocks_allows(keys):
+    """The client bounds a node's TrainState by its own slice of the node's blocks (the one it opened the session
+    with): the node's float32 slice and AdamW moments fit the bound even when the client's copy is half as wide,
+    and a tensor over it is refused before its bytes are parsed."""
+    trainable, optimizer = trained(2, 1, 3)
+    state = trainable.optimizer_state(optimizer)
+    message = signed_message(trainable, state, keys[0])
+    piece_bytes, adam_bytes = trainable.snapshot().to_bytes(), state.to_bytes()
+    answer = frame(message, [bytes_to_proto(piece_bytes), bytes_to_proto(adam_bytes)])
+    own = init_adapter(CONFIG, SPEC, seed=1).narrow(1, 3)
+    narrow = AdapterSlice(1, 3, {key: LoraFactors(f.lora_a.bfloat16(), f.lora_b.bfloat16(), f.scale)
+                                 for key, f in own.factors.items()})  # fmt: skip
+    for copy in (own, narrow):
+        limit = state_tensor_bytes(copy)
+        assert max(len(piece_bytes), len(adam_bytes)) <= limit
+        assert answer.ByteSize() <= state_answer_bytes(limit)
+        span_state_of(message, answer, (1, 3), 2, SESSION, peer_of(keys[0]), max_bytes=limit)
+    with pytest.raises(RequestError, match="bytes where at most"):
+        span_state_of(message, answer, (1, 3), 2, SESSION, peer_of(keys[0]), max_bytes=len(adam_bytes) - 1)
