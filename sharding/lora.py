@@ -414,14 +414,14 @@ def _read_block_tensors(
 
     weights_file = path / SAFETENSORS_WEIGHTS_NAME
     if weights_file.is_file():
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         try:
             with safe_open(weights_file, framework="pt") as handle:
                 names = list(handle.keys())
                 chosen = _chosen_names(path, names, start, end, ignore_outside_blocks)
                 read = {name: handle.get_tensor(name) for name in chosen}
-        except (OSError, ValueError, RuntimeError) as exc:  # safetensors raises its own SafetensorError (a ValueError)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             raise AdapterError(f"{weights_file} cannot be read ({type(exc).__name__}: {exc})") from None
     elif (path / WEIGHTS_NAME).is_file():
         try:

@@ -481,6 +481,12 @@ def test_folders_that_do_not_fit_the_model_are_refused(tiny_llama, adapter, tmp_
     disagree = _copy_adapter(adapter("llama", "qv"), tmp_path, {"target_modules": ["q_proj", "v_proj", "k_proj"]})
     with pytest.raises(AdapterError, match="disagree"):
         load_adapter_slice(disagree, config, 0, 1)
+    (tmp_path / "broken").mkdir()
+    broken = _copy_adapter(adapter("llama", "qv"), tmp_path / "broken", {})
+    weights = broken / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:8] + b"{not a header")  # safetensors' own error, typed here
+    with pytest.raises(AdapterError, match="cannot be read"):
+        load_adapter_slice(broken, config, 0, 1)
     # a slice of this model run on a span of another shape is refused before it runs
     span = load_block_span(tiny_llama, SpanSpec(0, 1))
     up = load_adapter_slice(folder, config, 0, 1).factors[0, "mlp.up_proj"]
