@@ -6,7 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test test-slow lint bench clean
+.PHONY: install sysdeps demo test test-slow lint bench clean deploy-wheels deploy-base deploy-image deploy-prometheus \
+	deploy-check
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -82,6 +83,54 @@ bench: $(STAMP)
 	$(PY) bench/gateway.py
 	$(PY) bench/lora.py
 	$(PY) bench/finetune.py
+
+# deploy/: the container image and the compose swarm. Not part of `make test`: they need docker (a daemon and
+# compose v2), and root for the base image (debootstrap). The image build needs no network: deploy-wheels builds
+# every wheel on this machine first, through constraints.txt, into build/deploy/ (the only part of the tree in the
+# build context, .dockerignore). DEPLOY_VARIANT=cuda: torch from PyPI as published for Linux (CUDA builds; the
+# local pip configuration, whose find-links may hold a CPU build, is ignored) and the quant extra.
+DEPLOY_VARIANT ?= cpu
+DEPLOY_BASE_IMAGE ?= nesa-node-base:bookworm
+DEPLOY_IMAGE ?= nesa-node:$(DEPLOY_VARIANT)
+DEPLOY_PROMETHEUS_IMAGE ?= nesa-node-prometheus:bookworm
+DEPLOY_BUILD := build/deploy
+ifeq ($(DEPLOY_VARIANT),cuda)
+DEPLOY_PIP_ENV := PIP_CONFIG_FILE=/dev/null
+DEPLOY_EXTRAS := gateway,topology,quant
+else
+DEPLOY_PIP_ENV :=
+DEPLOY_EXTRAS := gateway,topology
+endif
+
+deploy-wheels: $(STAMP)
+	@echo "wheels ($(DEPLOY_VARIANT)) into $(DEPLOY_BUILD)"
+	rm -rf $(DEPLOY_BUILD)/wheels-$(DEPLOY_VARIANT) $(DEPLOY_BUILD)/project build/lib build/bdist.*
+	$(DEPLOY_PIP_ENV) $(PIP) wheel -q -q -c constraints.txt -w $(DEPLOY_BUILD)/wheels-$(DEPLOY_VARIANT) \
+		torch==2.13.0 ".[$(DEPLOY_EXTRAS)]"
+	# setuptools builds the project's wheel in build/lib: drop it, so a removed module never reaches the next wheel
+	rm -rf build/lib build/bdist.*
+	mkdir -p $(DEPLOY_BUILD)/project
+	mv $(DEPLOY_BUILD)/wheels-$(DEPLOY_VARIANT)/nesa_node-*.whl $(DEPLOY_BUILD)/project/
+
+deploy-base:
+	deploy/base-image.sh $(DEPLOY_BASE_IMAGE)
+
+# --network none: the build reaches nothing, its wheels are all in the context
+deploy-image: deploy-wheels deploy-base
+	docker build -q --network none -f deploy/Dockerfile --build-arg BASE_IMAGE=$(DEPLOY_BASE_IMAGE) \
+		--build-arg VARIANT=$(DEPLOY_VARIANT) -t $(DEPLOY_IMAGE) .
+	@docker image ls $(DEPLOY_IMAGE)
+
+# its build installs Debian's prometheus package: the one image build that reaches Debian's mirror
+deploy-prometheus: deploy-base
+	@docker image inspect $(DEPLOY_PROMETHEUS_IMAGE) >/dev/null 2>&1 || \
+		docker build -q --network host -f deploy/prometheus.Dockerfile --build-arg BASE_IMAGE=$(DEPLOY_BASE_IMAGE) \
+		-t $(DEPLOY_PROMETHEUS_IMAGE) deploy
+
+# the compose swarm end to end (deploy/check.py): healthy within 120 s, the reference tokens through the gateway, a
+# node killed mid-stream, peer ids kept across down and up; it removes the containers and volumes it made
+deploy-check: deploy-image deploy-prometheus
+	$(PY) deploy/check.py --image $(DEPLOY_IMAGE) --prometheus-image $(DEPLOY_PROMETHEUS_IMAGE)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

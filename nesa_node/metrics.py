@@ -7,7 +7,7 @@ Names: `nesa_node_` for a node, `nesa_gateway_` for the gateway, snake_case with
   prefill on a CPU);
 - LATENCY_BUCKETS (seconds): what a user waits for, 5 ms to 60 s.
 Each node, gateway or client gets a registry of its own (several live in one process in tests), served by
-`serve_registry` or the gateway's `/metrics` route.
+`serve_registry` (a node's, with its /health beside) or the gateway's `/metrics` route.
 """
 
 from __future__ import annotations
@@ -183,11 +183,42 @@ def exposition(registry) -> tuple[bytes, str]:
     return generate_latest(registry), CONTENT_TYPE_LATEST
 
 
-def serve_registry(registry, host: str, port: int):
-    """Serve `registry` at http://host:port/metrics on a thread of its own; returns (server, thread, port)."""
-    from prometheus_client import start_http_server
+def serve_registry(registry, host: str, port: int, *, health: Callable[[], tuple[bool, dict]] | None = None):
+    """Serve `registry` at http://host:port/metrics on a thread of its own; returns (server, thread, port).
 
-    server, thread = start_http_server(port, addr=host, registry=registry)
+    With `health`, GET /health answers what it returns, `(healthy, body)`: the body as JSON, status 200 when healthy
+    and 503 otherwise (a container's HEALTHCHECK or a load balancer reads the status). It is called on the server's
+    thread. Every other path serves the metrics, as prometheus-client's own server does."""
+    import json
+    import socket
+    import threading
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    metrics_app = make_wsgi_app(registry)
+
+    def app(environ, start_response):
+        if health is None or environ.get("PATH_INFO") != "/health" or environ.get("REQUEST_METHOD") != "GET":
+            return metrics_app(environ, start_response)
+        healthy, body = health()
+        payload = json.dumps(body).encode()
+        headers = [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))]
+        start_response("200 OK" if healthy else "503 Service Unavailable", headers)
+        return [payload]
+
+    class Server(ThreadingMixIn, WSGIServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True  # a request in flight never holds the process at exit
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format, *args) -> None:  # a scrape every few seconds is not worth a log line
+            pass
+
+    server = make_server(host, port, app, server_class=Server, handler_class=QuietHandler)
+    thread = threading.Thread(target=server.serve_forever, name=f"metrics-{server.server_port}", daemon=True)
+    thread.start()
     return server, thread, server.server_port
 
 

@@ -85,8 +85,9 @@ class NetworkConfig:
     address_file: str | None = option(None, "write the listening multiaddrs here once ready")
     metrics_port: int | None = option(
         None,
-        "serve Prometheus metrics at http://HOST:PORT/metrics (0: any free port; default: not served; needs the "
-        "gateway extra: prometheus-client)",
+        "serve Prometheus metrics at http://HOST:PORT/metrics and a health check at /health (200 while the node "
+        "serves, 503 when stuck or offline; 0: any free port; default: not served; needs the gateway extra: "
+        "prometheus-client)",
         parse="port",
     )
     # the kernel here has no netem to delay packets, so a node on one machine looks far away only this way

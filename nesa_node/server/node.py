@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -63,6 +64,9 @@ logger = logging.getLogger(__name__)
 events = logging.getLogger("nesa_node.events")  # what an operator sees at the default log level: moves
 
 END_SESSIONS_S = 5.0  # for sessions to close once ended: their queued steps (guess: a few decode steps)
+# /health: how long the event loop may take to run a no-op before the node counts as stuck (guess: steps run on the
+# compute thread, so a loop that cannot run a no-op in 5 s is blocked, not busy)
+HEALTH_LOOP_TIMEOUT_S = 5.0
 
 
 def node_metrics(required: bool) -> NodeMetrics | None:
@@ -361,7 +365,7 @@ class Node:
             await asyncio.to_thread(write_address_file, self.config.network.address_file, await self.visible_maddrs())
 
     def _serve_metrics(self):
-        """Serve the node's metrics over HTTP (a thread of prometheus-client's); their gauges read this node."""
+        """Serve the node's metrics and /health over HTTP (a thread of their own); the gauges read this node."""
         self.metrics.bind(
             sessions=lambda: len(self.sessions),
             cache_used=lambda: self.budget.used_bytes,
@@ -371,10 +375,33 @@ class Node:
             adapters=self.adapters,
         )
         network = self.config.network
-        server, _, port = serve_registry(self.metrics.registry, network.host, network.metrics_port)
+        loop = asyncio.get_running_loop()
+        server, _, port = serve_registry(
+            self.metrics.registry, network.host, network.metrics_port, health=lambda: self.health(loop)
+        )
         self.metrics_url = f"http://{network.host}:{port}/metrics"
-        logger.info("metrics on %s", self.metrics_url)
+        logger.info("metrics on %s, health on /health", self.metrics_url)
         return server
+
+    def health(self, loop: asyncio.AbstractEventLoop, timeout_s: float = HEALTH_LOOP_TIMEOUT_S) -> tuple[bool, dict]:
+        """What /health answers, (healthy, body); called from another thread than `loop`, the node's event loop.
+        Healthy while the loop runs a no-op within `timeout_s` and the node is not offline: online, or joining or
+        draining during a move, is a working node; a stuck loop serves no step and answers no RPC."""
+        body = {
+            "state": self.state.value,
+            "peer_id": self.peer_id,
+            "start_block": self.start_block,
+            "end_block": self.end_block,
+        }
+        answered = threading.Event()
+        try:
+            loop.call_soon_threadsafe(answered.set)
+            responsive = answered.wait(timeout_s)
+        except RuntimeError:  # the loop is closed
+            responsive = False
+        healthy = responsive and self.state != NodeState.offline
+        body["event_loop"] = "responsive" if responsive else f"no answer within {timeout_s:g} s"
+        return healthy, {"status": "ok" if healthy else "unavailable", **body}
 
     async def _run_tasks(self) -> None:
         async with asyncio.TaskGroup() as tasks:
@@ -480,6 +507,7 @@ class Node:
         self.lanes.close()
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.shutdown)
+            self._metrics_server.server_close()
             self._metrics_server = None
         self.state = NodeState.offline
         await self.announce_now(SHUTDOWN_STEP_S)
