@@ -124,6 +124,13 @@ class AdapterMissingError(AdapterError):
     code = "adapter_missing"
 
 
+class WeightsManifestError(NesaError):
+    """A weights manifest (per-block weight hashes of a model, sharding/weights_manifest.py) that cannot be read or is
+    not one."""
+
+    code = "weights_manifest"
+
+
 class CheckpointError(NesaError):
     """A training checkpoint that is missing, incomplete, of another adapter or model, or whose files do not match
     their hashes or signatures."""

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
+from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
 
 if TYPE_CHECKING:
     from nesa_node.compression.weights import QuantizationReport
@@ -150,6 +151,7 @@ class BlockSpan(nn.Module):
         layers: list[nn.Module],
         weights_hash: str,
         quantization: QuantizationReport | None = None,
+        source_hash: str | None = None,
     ):
         super().__init__()
         self.config = config
@@ -160,6 +162,7 @@ class BlockSpan(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.rotary = family_class(config, "RotaryEmbedding")(config=config).to(spec.device)
         self.weights_hash = weights_hash
+        self.source_hash = source_hash if source_hash is not None else weights_hash  # the checkpoint's, unquantized
         self.quantization = quantization
         self.dtype_ = DTYPES[spec.dtype]
 
@@ -290,14 +293,29 @@ def check_device(device: str) -> None:
         )
 
 
+def weights_manifest_of(model_path: str | Path, *, config=None) -> WeightsManifest:
+    """The weights manifest of a model folder: each block's digest of its tensors as stored (one block read at a time).
+    Raises ModelLoadError for a bad folder or a block without weights."""
+    config = config if config is not None else load_config(model_path)
+    index = SafetensorsIndex(model_path)
+    digests = []
+    for block in range(config.num_hidden_layers):
+        names = index.names_with_prefix(LAYER_PREFIX.format(index=block))
+        if not names:
+            raise ModelLoadError(f"no weights for block {block} in {model_path}")
+        digests.append(block_digest(index.read(names).items()))
+    return WeightsManifest(tuple(digests))
+
+
 def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> BlockSpan:
     """Read only the weights of blocks [spec.start, spec.end) and build them on `spec.device` in `spec.dtype`.
 
     With spec.quant "int8" or "nf4" each block's linear layers are quantized with bitsandbytes as the block is read,
-    so the full-precision span is never held whole. `weights_hash` (16 hex characters) starts from the sha256 of the
-    source tensors' names and bytes as read from the folder; with quantization it is sha256("<source sha256>:<mode>:
-    <served digest>"), where the served digest (`quantized_state_digest`) covers the quantized weights, their scales and
-    settings: two nodes announce the same hash only when they serve the same checkpoint quantized the same way.
+    so the full-precision span is never held whole. `source_hash` (16 hex characters) is the span hash of the blocks'
+    digests as stored in the folder (sharding/weights_manifest.py: what a model's manifest predicts for the span);
+    `weights_hash` is the same without quantization, and with it sha256("<source hash>:<mode>:<served digest>"),
+    where the served digest (`quantized_state_digest`) covers the quantized weights, their scales and settings: two
+    nodes announce the same weights hash only when they serve the same checkpoint quantized the same way.
     Raises ModelLoadError for a bad folder or range, DeviceUnavailableError for a device torch cannot use here, UnsupportedModelError for another model family,
     QuantizationUnsupportedError for a quantization mode this device or bitsandbytes cannot run.
     """
@@ -318,7 +336,7 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
     layer_cls = family_class(config, "DecoderLayer")
     sub_config = span_config(config, spec.start, spec.end)
     index = SafetensorsIndex(model_path)
-    digest = hashlib.sha256()
+    digests = []
     layers = []
     for local, block in enumerate(range(spec.start, spec.end)):
         prefix = LAYER_PREFIX.format(index=block)
@@ -326,12 +344,8 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
         if not names:
             raise ModelLoadError(f"no weights for block {block} (prefix {prefix!r}) in {model_path}")
         tensors = index.read(names)
-        state = {}
-        for name in names:
-            tensor = tensors[name]
-            digest.update(name.encode())
-            digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-            state[name[len(prefix) :]] = tensor.to(DTYPES[spec.dtype])
+        digests.append(block_digest(tensors.items()))
+        state = {name[len(prefix) :]: tensor.to(DTYPES[spec.dtype]) for name, tensor in tensors.items()}
         with torch.device("meta"):
             layer = layer_cls(sub_config, local)
         missing, unexpected = layer.load_state_dict(state, strict=False, assign=True)
@@ -345,11 +359,11 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
         )
         report = layer_report if report is None else report + layer_report
         layers.append(layer.requires_grad_(False))
-    weights_hash = digest.hexdigest()[:16]
+    source_hash = weights_hash = span_hash(digests)
     if quantizer is not None:
         served = quantizer.quantized_state_digest(nn.ModuleList(layers))
-        weights_hash = hashlib.sha256(f"{digest.hexdigest()}:{spec.quant}:{served}".encode()).hexdigest()[:16]
-    span = BlockSpan(config, spec, layers, weights_hash=weights_hash, quantization=report)
+        weights_hash = hashlib.sha256(f"{source_hash}:{spec.quant}:{served}".encode()).hexdigest()[:16]
+    span = BlockSpan(config, spec, layers, weights_hash=weights_hash, quantization=report, source_hash=source_hash)
     logger.info("loaded blocks %d:%d of %s (%s, %s)", spec.start, spec.end, model_path, spec.dtype, spec.device)
     if report is not None:
         logger.info(

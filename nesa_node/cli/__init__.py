@@ -121,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default 1024)")
     tiny.add_argument("--seed", type=int, default=0)
     _add_train_tiny_parser(model)
+    manifest = model.add_parser(
+        "manifest",
+        help="write a model's weights manifest (per-block weight hashes) for clients to check nodes against",
+        description="Read every block's weights of a model folder and write their sha256 digests as a weights "
+        "manifest. A client given it (from_pretrained(weights_manifest=...), or the file in its model folder under "
+        "the default name) routes only to nodes whose announced weights are the manifest's for their blocks.",
+    )
+    manifest.add_argument("path", help="Hugging Face model folder")
+    manifest.add_argument(
+        "--out", default=None, metavar="FILE", help="where to write it (default: PATH/weights-manifest.json)"
+    )
 
     run = commands.add_parser(
         "run",
@@ -454,6 +465,15 @@ def main(argv: list[str] | None = None) -> int:
 def _dispatch(args) -> int:
     if args.command == "model" and args.model_command == "train-tiny":
         return _train_tiny(args)
+    if args.command == "model" and args.model_command == "manifest":
+        from nesa_node.sharding.blocks import weights_manifest_of
+        from nesa_node.sharding.weights_manifest import FILE_NAME
+
+        manifest = weights_manifest_of(args.path)
+        out = Path(args.out) if args.out else Path(args.path) / FILE_NAME
+        manifest.write(out)
+        print(f"wrote {out}: {manifest.num_blocks} blocks, whole model {manifest.span_hash(0, manifest.num_blocks)}")
+        return 0
     if args.command == "model":
         from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 

@@ -41,12 +41,15 @@ from nesa_node.errors import (
     QuotaExceededError,
     SessionStateError,
     TooManySessionsError,
+    WeightsManifestError,
     WrongBlocksError,
 )
 from nesa_node.protocol.dht import default_dht_prefix
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
 from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, slice_blobs
+from nesa_node.sharding.weights_manifest import FILE_NAME as MANIFEST_FILE
+from nesa_node.sharding.weights_manifest import WeightsManifest
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +160,7 @@ class AsyncDistributedModel:
         dtype: str | None = None,
         device: str = "cpu",
         adapter: str | None = None,
+        weights_manifest: str | Path | WeightsManifest | None = None,
         config: ClientConfig | None = None,
         **settings,
     ) -> AsyncDistributedModel:
@@ -167,6 +171,10 @@ class AsyncDistributedModel:
         no node is seen yet). `settings` are ClientConfig fields (mode, compression, lanes, request_timeout_s,
         routing_params, ...); an unknown one raises TypeError. `adapter`: the LoRA adapter sessions use by
         default (a name nodes announce, an adapter folder, or an adapter id; see `resolve_adapter`).
+        `weights_manifest`: the model's per-block weight hashes (`nesa-node model manifest`; a path or a
+        WeightsManifest; default the folder's weights-manifest.json when it has one): only nodes announcing those
+        weights for their span are routed to (sharding/weights_manifest.py). WeightsManifestError for a manifest that
+        cannot be read or is of a model with another number of blocks.
         Raises ModelLoadError for a bad model folder (its
         DeviceUnavailableError for a device this machine lacks), ValueError for bad settings, PeerUnavailableError
         when the swarm cannot be joined."""
@@ -179,6 +187,7 @@ class AsyncDistributedModel:
 
             generation_config = GenerationConfig.from_pretrained(model_path)
         check_device(device)  # before joining: a mistake shows at once
+        manifest = await asyncio.to_thread(_weights_manifest, weights_manifest, model_path, model_config)
         swarm = await Swarm.create(
             list(initial_peers),
             dht_prefix=dht_prefix or default_dht_prefix(model_path),
@@ -193,6 +202,7 @@ class AsyncDistributedModel:
                 load_client_edges, model_path, dtype=dtype, device=device, config=model_config
             )
             model = cls(model_config, edges, swarm, config, generation_config=generation_config)
+            model.router.weights_manifest = manifest
             model.adapter = await model.resolve_adapter(adapter) if adapter is not None else None
         except BaseException:
             await swarm.close()
@@ -510,6 +520,23 @@ class AsyncDistributedModel:
             drop = cumulative - ordered.softmax(dim=-1) >= top_p  # keep the smallest prefix reaching top_p
             scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
         return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+def _weights_manifest(given, model_path: str, model_config) -> WeightsManifest | None:
+    """The manifest `given` names, or the model folder's own when it has one; None without either."""
+    if isinstance(given, WeightsManifest):
+        manifest = given
+    elif given is not None:
+        manifest = WeightsManifest.read(given)
+    elif (Path(model_path) / MANIFEST_FILE).is_file():
+        manifest = WeightsManifest.read(Path(model_path) / MANIFEST_FILE)
+    else:
+        return None
+    if manifest.num_blocks != model_config.num_hidden_layers:
+        raise WeightsManifestError(
+            f"the weights manifest lists {manifest.num_blocks} blocks, the model has {model_config.num_hidden_layers}"
+        )
+    return manifest
 
 
 __all__ = ["AsyncDistributedModel", "ROUTABLE_REFUSALS", "client_config"]

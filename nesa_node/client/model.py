@@ -122,6 +122,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         routing_params: RoutingParams | str | Path | None = None,
         lanes: bool = True,
         adapter: str | Path | None = None,
+        weights_manifest: str | Path | None = None,
         config: ClientConfig | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
@@ -138,6 +139,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         handed out over libp2p) where nodes offer them; False keeps every message on libp2p.
         `adapter`: the LoRA adapter every session runs with unless `generate(..., adapter=...)` names another: a
         name the nodes announce, a PEFT adapter folder, or an adapter id (AsyncDistributedModel.resolve_adapter).
+        `weights_manifest`: the model's per-block weight hashes (`nesa-node model manifest`; default the folder's
+        weights-manifest.json when present): nodes announcing other weights are not routed to.
         `config`: a ClientConfig for the other settings (the keywords above override its fields).
         An unknown keyword raises TypeError.
         """
@@ -159,6 +162,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                     dtype=dtype,
                     device=device,
                     adapter=None if adapter is None else str(adapter),
+                    weights_manifest=weights_manifest,
                     config=settings,
                 ),
                 timeout=120,

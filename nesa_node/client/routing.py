@@ -13,16 +13,19 @@ from dataclasses import replace
 
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import NoRouteError
-from nesa_node.protocol.records import NodeState
+from nesa_node.errors import NoRouteError, WeightsManifestError
+from nesa_node.protocol.records import NodeInfo, NodeState
 from nesa_node.routing.chain import Chain, ChainRequest, SwarmSnapshot, select_chain
+from nesa_node.sharding.weights_manifest import WeightsManifest
 
 logger = logging.getLogger(__name__)
 
 ChainSelector = Callable[[SwarmSnapshot, ChainRequest], Chain]
 
 
-def explain_missing(snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str]) -> str:
+def explain_missing(
+    snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str], other_weights: frozenset[str] = frozenset()
+) -> str:
     """Why the nodes of the requested block range were not used: what a NoRouteError adds for its reader."""
     end = request.end_block if request.end_block is not None else snapshot.num_blocks
     seen = []
@@ -31,6 +34,8 @@ def explain_missing(snapshot: SwarmSnapshot, request: ChainRequest, banned: froz
             continue
         if node.peer_id in banned:
             reason = "banned after a failure"
+        elif node.peer_id in other_weights:
+            reason = "announces other weights than the manifest's"
         elif node.peer_id in request.exclude:
             reason = "left out (in the chain already, or refused this session)"
         elif not node.online:
@@ -61,6 +66,33 @@ class Router:
         self.hidden_size = hidden_size
         self.chain_selector = chain_selector or functools.partial(select_chain, params=config.routing_params)
         self.last_chain: Chain | None = None
+        # with a manifest, only nodes announcing its weights for their span are routed to (sharding/weights_manifest.py)
+        self.weights_manifest: WeightsManifest | None = None
+        self._warned: set[str] = set()
+
+    def other_weights(self) -> frozenset[str]:
+        """The nodes, among the records at hand, whose announced source hash is not the manifest's for their span
+        (none without a manifest); each is logged once."""
+        if self.weights_manifest is None:
+            return frozenset()
+        other = frozenset(
+            record.info.peer_id
+            for record in self.swarm.records_at_hand()
+            if not self._announces_manifest_weights(record.info)
+        )
+        for peer_id in other - self._warned:
+            logger.warning("%s announces other weights than the weights manifest's: not routed to", peer_id)
+        self._warned |= other
+        return other
+
+    def _announces_manifest_weights(self, info: NodeInfo) -> bool:
+        try:
+            return info.source_hash == self.weights_manifest.span_hash(info.start_block, info.end_block)
+        except WeightsManifestError:  # a span outside the model
+            return False
+
+    def _select(self, snapshot: SwarmSnapshot, request: ChainRequest) -> Chain:
+        return self.chain_selector(snapshot, replace(request, exclude=request.exclude | self.other_weights()))
 
     async def snapshot(self, *, fresh: bool = False) -> SwarmSnapshot:
         """The routing snapshot of the swarm for this model (records, links and the client's round trips)."""
@@ -116,7 +148,7 @@ class Router:
             codec=self.config.compression.name,
         )
         with contextlib.suppress(NoRouteError):
-            return self.chain_selector(await self.snapshot(), request)
+            return self._select(await self.snapshot(), request)
         # The records at hand may be stale or lack a live node (its announcements missed the DHT replicas read, or a
         # replica that stopped answering slows every read): ask the nodes seen lately for these blocks directly, and
         # if that gives no chain either, decide on a completed DHT read.
@@ -124,12 +156,13 @@ class Router:
         candidates = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
         if candidates and await self.swarm.probe_nodes(candidates, timeout_s=self.config.probe_timeout_s):
             with contextlib.suppress(NoRouteError):
-                return self.chain_selector(await self.snapshot(), request)
+                return self._select(await self.snapshot(), request)
         snapshot = await self.snapshot(fresh=True)
         try:
-            return self.chain_selector(snapshot, request)
+            return self._select(snapshot, request)
         except NoRouteError as error:
-            raise NoRouteError(f"{error.message}; {explain_missing(snapshot, request, self.swarm.banned())}") from None
+            why = explain_missing(snapshot, request, self.swarm.banned(), self.other_weights())
+            raise NoRouteError(f"{error.message}; {why}") from None
 
 
 __all__ = ["ChainSelector", "Router", "explain_missing"]

@@ -191,6 +191,10 @@ class Swarm:
                 held[record.info.peer_id] = record
         self._records = held
 
+    def records_at_hand(self) -> list[NodeRecord]:
+        """The unexpired records this client holds now (no DHT read)."""
+        return list(self._unexpired().values())
+
     def recent_nodes(self, start_block: int, end_block: int, *, within_s: float = RECENT_RECORD_S) -> list[str]:
         """Peer ids of the nodes whose records, seen by this client, overlap blocks [start_block, end_block) and
         expired less than `within_s` ago or not yet: the candidates to ask directly (see probe_nodes)."""

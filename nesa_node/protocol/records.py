@@ -72,6 +72,9 @@ class NodeInfo(BaseModel):
     quantization: str = Field("none", max_length=16)
     codecs: tuple[str, ...] = Field(("none",), max_length=MAX_LIST_ITEMS)  # hidden-state codecs it accepts
     weights_hash: str = Field("", max_length=64)
+    # the span's weights as stored in the checkpoint, before quantization: what a weights manifest predicts
+    # (sharding/weights_manifest.py)
+    source_hash: str = Field("", max_length=64)
     gpu_total_mb: float = Field(0.0, ge=0, allow_inf_nan=False)
     gpu_free_mb: float = Field(0.0, ge=0, allow_inf_nan=False)  # G_A of eq. 18
     load: LoadInfo = LoadInfo()

@@ -282,6 +282,7 @@ class Node:
             codecs=self.compute.accepted_codecs,
             quantization=self.config.compute.quant,
             weights_hash=span.weights_hash if span is not None else "",
+            source_hash=span.source_hash if span is not None else "",
             ram_total_mb=memory.total / 2**20,
             ram_free_mb=memory.available / 2**20,
             load=LoadInfo(
