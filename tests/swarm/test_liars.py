@@ -98,39 +98,55 @@ def honest_records_show(model, honest) -> None:
         records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
 
 
+def liar_share(swarm, path: str, prefix: str, reference, lie, announced, *, measured: bool) -> int:
+    """Three nodes of equal real speed, the last made to `lie` (called with it and the honest ones); once its record
+    shows `announced` (a predicate of its NodeInfo and the liar) and the honest ones show their measured throughput,
+    and when `measured`, after the client timed every node: the sessions of SESSIONS the liar gets. An honest
+    generation meanwhile must equal `reference`."""
+    *honest, liar = start_nodes(swarm, path, prefix)
+    lie(liar, honest)
+    try:
+        with connect(swarm, path, prefix) as model:
+            wait_for_chain(model)
+            records_show(model, liar.peer_id, lambda info: announced(info, liar))
+            honest_records_show(model, honest)
+            if measured:
+                measure(model, [*honest, liar])
+            else:
+                assert not model.swarm.timings.measured()  # routing has only the claims to go on
+            taken = share_of_sessions(model, liar.peer_id)
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
+            return taken
+    finally:
+        for node in [*honest, liar]:
+            swarm.stop_node(node)
+
+
 def test_g4_a_node_claiming_100x_throughput_gets_no_more_than_its_share_once_measured(
     module_swarm, tiny_llama, reference
 ):
-    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-speed")
-    liar.throughput = {name: 100 * value for name, value in liar.throughput.items()}
-    with connect(module_swarm, tiny_llama, "liar-speed") as model:
-        wait_for_chain(model)
-        records_show(model, liar.peer_id, lambda info: info.inference_tps == claimed_tps(liar))
-        honest_records_show(model, honest)
-        measure(model, [*honest, liar])
-        taken = share_of_sessions(model, liar.peer_id)
-        print(f"the 100x liar got {taken} of {SESSIONS} sessions")
-        assert taken <= FAIR + NOISE
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
-    for node in [*honest, liar]:
-        module_swarm.stop_node(node)
+    def lie(liar, honest) -> None:
+        liar.throughput = {name: 100 * value for name, value in liar.throughput.items()}
+
+    def announced(info, liar) -> bool:
+        return info.inference_tps == claimed_tps(liar)
+
+    taken = liar_share(module_swarm, tiny_llama, "liar-speed", reference, lie, announced, measured=True)
+    print(f"the 100x liar got {taken} of {SESSIONS} sessions")
+    assert taken <= FAIR + NOISE
 
 
 def test_g4_a_node_lying_about_its_links_and_uptime_gets_no_more_than_its_share(module_swarm, tiny_llama, reference):
-    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-links")
-    fake_links = tuple(LinkInfo(peer_id=node.peer_id, rtt_ms=0.001, bandwidth_mbps=1e6) for node in honest)
-    lying(liar, uptime_s=1e9, links=fake_links)
-    with connect(module_swarm, tiny_llama, "liar-links") as model:
-        wait_for_chain(model)
-        records_show(model, liar.peer_id, lambda info: info.uptime_s == 1e9)
-        honest_records_show(model, honest)
-        measure(model, [*honest, liar])
-        taken = share_of_sessions(model, liar.peer_id)
-        print(f"the links and uptime liar got {taken} of {SESSIONS} sessions")
-        assert taken <= FAIR + NOISE
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
-    for node in [*honest, liar]:
-        module_swarm.stop_node(node)
+    def lie(liar, honest) -> None:
+        links = tuple(LinkInfo(peer_id=node.peer_id, rtt_ms=0.001, bandwidth_mbps=1e6) for node in honest)
+        lying(liar, uptime_s=1e9, links=links)
+
+    def announced(info, liar) -> bool:
+        return info.uptime_s == 1e9
+
+    taken = liar_share(module_swarm, tiny_llama, "liar-links", reference, lie, announced, measured=True)
+    print(f"the links and uptime liar got {taken} of {SESSIONS} sessions")
+    assert taken <= FAIR + NOISE
 
 
 def test_g4_a_node_claiming_0_tokens_per_s_is_costed_as_an_average_node_not_a_free_one(
@@ -139,16 +155,13 @@ def test_g4_a_node_claiming_0_tokens_per_s_is_costed_as_an_average_node_not_a_fr
     """A record with no throughput (0 tokens/s, as a node that never measured announces) once made the node free to
     route to: it took every session. Before the client has measured anyone, an unknown speed costs the median of
     the other nodes' claims, so the sessions spread as over equal nodes."""
-    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-zero")
-    lying(liar, inference_tps=0.0, forward_tps=0.0, block_ms=0.0)
-    with connect(module_swarm, tiny_llama, "liar-zero") as model:
-        wait_for_chain(model)
-        records_show(model, liar.peer_id, lambda info: info.inference_tps == 0.0)
-        honest_records_show(model, honest)
-        assert not model.swarm.timings.measured()  # routing has only the claims to go on
-        taken = share_of_sessions(model, liar.peer_id)
-        print(f"the 0 tokens/s claimant got {taken} of {SESSIONS} sessions")
-        assert taken <= FAIR + NOISE
-        assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
-    for node in [*honest, liar]:
-        module_swarm.stop_node(node)
+
+    def lie(liar, honest) -> None:
+        lying(liar, inference_tps=0.0, forward_tps=0.0, block_ms=0.0)
+
+    def announced(info, liar) -> bool:
+        return info.inference_tps == 0.0
+
+    taken = liar_share(module_swarm, tiny_llama, "liar-zero", reference, lie, announced, measured=False)
+    print(f"the 0 tokens/s claimant got {taken} of {SESSIONS} sessions")
+    assert taken <= FAIR + NOISE
