@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -c constraints.txt torch==2.13.0
-	$(PIP) install --quiet -c constraints.txt -e ".[dev,quant,topology,gateway]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev,quant,topology,gateway,plots,ckks]"
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
-import ctypes.util
 import json
 import statistics
 import sys
@@ -43,6 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nesa_node.compression.codec import CODECS, decode, encode, wire_bytes  # noqa: E402
+from nesa_node.devtools.allocator import steady_allocator  # noqa: E402
 
 LINK_BITS_PER_S = 100e6  # the simulated 100 Mbit/s link
 WIDE_HIDDEN = 4096  # hidden size of a 7B-class model, for the computed transfer times
@@ -74,17 +73,6 @@ def _interleaved_seconds(runs: dict[str, Callable[[], object]], repeats: int, de
     return seconds
 
 
-def _steady_allocator() -> str:
-    """Make glibc reuse freed memory for blocks up to 32 MiB (see the module docstring); says what was done."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
-        applied = libc.mallopt(m_mmap_threshold, 32 << 20) == 1 and libc.mallopt(m_trim_threshold, 1 << 30) == 1
-    except (OSError, AttributeError):
-        applied = False
-    return "glibc: mmap threshold 32 MiB, no trimming" if applied else "unchanged (not glibc)"
-
-
 def _inputs(shape: tuple[int, ...], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     gaussian = torch.randn(shape, generator=generator)  # (*shape,)
@@ -108,7 +96,7 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
     """Per shape and codec: throughput, times, ratio to clone, bytes on the wire and errors (see module docstring)."""
     target = torch.device(device)
     table: dict = {
-        "allocator": _steady_allocator(),
+        "allocator": steady_allocator(),
         "device": str(target),
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -187,11 +188,71 @@ def schema_table(nodes: int, book_per_state: int = 6, held_out_per_state: int = 
     return result
 
 
+def stability_under_churn(requests: int, seeds: tuple[int, ...] = (101, 102, 103)) -> dict:
+    """Sec. 3.1 under churn: requests of the `global-1000-churn` scenario (as it is) routed by eq. 18 with the
+    snapshot's reliability as announced ("plain") and raised by each node's stability over the last 30 announce ticks
+    ("stable": client/stability.py's rule, a node missing from a tick counting 0), on held-out request seeds. A
+    request fails when a node of its chain is gone at its start or leaves before its end (the simulator's truth)."""
+    from nesa_node.errors import NoRouteError
+    from nesa_node.routing.chain import select_chain
+    from nesa_node.routing.cost import RoutingParams
+    from nesa_node.topology.monitor import node_stability, stable_reliability, temporal_stability
+
+    simulator = Simulator(SCENARIOS["global-1000-churn"])
+    period = simulator.scenario.announce_period_s
+    per_tick: dict[int, dict[str, float]] = {}
+
+    def stability_at(time_s: float) -> dict[str, float]:
+        tick = int(time_s // period)
+        for back in range(max(0, tick - 29), tick + 1):
+            if back not in per_tick:
+                per_tick[back] = node_stability(swarm_graph(simulator.snapshot(back * period)))
+        return temporal_stability([per_tick[back] for back in range(max(0, tick - 29), tick + 1)])
+
+    params = RoutingParams()
+    outcomes: dict[str, list[tuple[bool, float]]] = {"plain": [], "stable": []}
+    started = time.perf_counter()
+    for seed in seeds:
+        for request in simulator.requests(requests, seed):
+            snapshot = simulator.snapshot(request.time_s)
+            views = {"plain": snapshot, "stable": stable_reliability(snapshot, stability_at(request.time_s))}
+            for name, view in views.items():
+                try:
+                    chain = select_chain(view, simulator.chain_request(request), params=params)
+                except NoRouteError:
+                    outcomes[name].append((True, math.inf))
+                    continue
+                latency = simulator.latency_s(chain, request)
+                failed = any(
+                    simulator.leaves_at(int(peer[4:]), request.time_s) < request.time_s + latency
+                    for peer in chain.peer_ids
+                )
+                outcomes[name].append((failed, latency))
+    result: dict = {"scenario": simulator.scenario.name, "requests": len(outcomes["plain"]), "seeds": list(seeds)}
+    for name, rows in outcomes.items():
+        latencies = np.array([latency for _, latency in rows])
+        finite = latencies[np.isfinite(latencies)]
+        result[name] = {
+            "failed_rate": sum(failed for failed, _ in rows) / len(rows),
+            "mean_s": float(finite.mean()) if finite.size else math.inf,
+            "p95_s": float(np.percentile(finite, 95)) if finite.size else math.inf,
+        }
+    result["failed_ratio_stable_vs_plain"] = (
+        result["stable"]["failed_rate"] / result["plain"]["failed_rate"] if result["plain"]["failed_rate"] else None
+    )
+    result["seconds"] = time.perf_counter() - started
+    log(f"  stability under churn: {json.dumps(result)}")
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-triggers", action="store_true", help="timings only")
     parser.add_argument("--schema-nodes", type=int, default=1000, help="swarm size of the schema section")
+    parser.add_argument(
+        "--stability-requests", type=int, default=200, help="requests per held-out seed, stability under churn"
+    )
     args = parser.parse_args()
     result: dict = {"bench": "topology", "cpus": os.cpu_count(), "loadavg_start": os.getloadavg()}
     log("snapshot -> diagrams")
@@ -200,6 +261,8 @@ def main() -> None:
     if not args.skip_triggers:
         log("six hours of swarm life per trigger")
         result["triggers"] = trigger_table()
+    log("stability-informed reliability under churn")
+    result["stability_under_churn"] = stability_under_churn(args.stability_requests)
     log("precomputed schemas")
     result["schemas"] = schema_table(args.schema_nodes)
     result["classifier_time_s"] = result["schemas"]["classifier_s"]

@@ -4,6 +4,7 @@
     ├── ModelLoadError              model_load       bad model folder, missing weights, bad block range
     │   ├── UnsupportedModelError   unsupported_model
     │   ├── QuantizationUnsupportedError  unsupported_quantization: a --quant mode bitsandbytes cannot run here
+    │   ├── SparsityUnsupportedError  unsupported_sparsity: activation sparsity on a non-ReLU or quantized MLP
     │   └── DeviceUnavailableError  device           --device names a device this machine or torch build lacks
     ├── RequestError                                  a request a node refuses; travels back over the wire
     │   ├── BadRequestError         bad_request      malformed message, wrong shape/dtype, NaN/Inf, bad position
@@ -23,11 +24,16 @@
     │   └── ReplicaUnavailableError  replica_unavailable  a data-parallel replica sent no gradients in time
     ├── CheckpointError             checkpoint       a training checkpoint missing, damaged, or not signed by its node
     ├── NoRouteError                no_route         no chain of online nodes covers every block
+    ├── NoConsensusError            no_consensus     replicas of a span gave outputs no strict majority agrees on
+    ├── PlotsUnavailableError       plots_unavailable  a chart asked for without matplotlib (the `plots` extra)
+    ├── CkksError                   ckks             the CKKS demo: TenSEAL missing, a secret key sent to the server, a
+    │                                                product wider than the slots, bytes that are no ciphertext
     ├── SessionStateError           session_state    client-side misuse of an inference session
     ├── PortInUseError              port_in_use      a port this process must listen on is taken
     ├── IdentityFileError           identity         an identity key file that is a link, not ours, or unreadable
     ├── InitialPeersError           initial_peers    --initial-peers malformed, or none of them answered
-    └── TrainingDataError           training_data    a fine-tuning data file missing, empty or malformed
+    ├── TrainingDataError           training_data    a fine-tuning data file missing, empty or malformed
+    └── ReceiptError                receipt          a hop record, commitment or receipts file that does not decode
 
 Errors that cross the wire are sent as (code, message) and rebuilt on the other side by `error_from_code`.
 """
@@ -56,6 +62,13 @@ class UnsupportedModelError(ModelLoadError):
 
 class QuantizationUnsupportedError(ModelLoadError):
     code = "unsupported_quantization"
+
+
+class SparsityUnsupportedError(ModelLoadError):
+    """Activation sparsity (sharding/sparsity.py) asked of a model whose MLP neurons are never exactly zero (SiLU,
+    GELU: only ReLU-family activations are), or whose MLP weights are quantized and cannot be gathered by neuron."""
+
+    code = "unsupported_sparsity"
 
 
 class DeviceUnavailableError(ModelLoadError):
@@ -158,6 +171,31 @@ class NoRouteError(NesaError):
     code = "no_route"
 
 
+class NoConsensusError(NesaError):
+    """Majority verification (verify="majority:3"): the replicas of a span disagree and no output is backed by a
+    strict majority of them (itself included). The step is not taken; the replicas' peer ids are in `peer_ids`."""
+
+    code = "no_consensus"
+
+    def __init__(self, message: str, peer_ids: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.peer_ids = peer_ids
+
+
+class PlotsUnavailableError(NesaError):
+    """A chart was asked for (`nesa-node privacy-check --png`) without matplotlib (the optional `plots` extra)."""
+
+    code = "plots_unavailable"
+
+
+class CkksError(NesaError):
+    """The CKKS demo (nesa_node/privacy/ckks.py) cannot serve a request: TenSEAL missing, a context holding a secret
+    key sent to the server, a product wider than a ciphertext's slots, an unknown layer or operation, or bytes that
+    are not a ciphertext of the session's context."""
+
+    code = "ckks"
+
+
 class SessionStateError(NesaError):
     code = "session_state"
 
@@ -181,12 +219,21 @@ class TrainingDataError(NesaError):
     code = "training_data"
 
 
+class ReceiptError(NesaError):
+    """Bytes or a file that are not a hop record, an output commitment or a receipts file (nesa_node/verification):
+    malformed, out of bounds, of an unknown version or not in canonical form. A peer that sends such bytes is faulty;
+    a receipts file that raises it is unreadable, which `nesa-node audit` reports apart from a failed check."""
+
+    code = "receipt"
+
+
 _BY_CODE = {
     cls.code: cls
     for cls in (
         ModelLoadError,
         UnsupportedModelError,
         QuantizationUnsupportedError,
+        SparsityUnsupportedError,
         DeviceUnavailableError,
         RequestError,
         BadRequestError,

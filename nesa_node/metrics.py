@@ -172,8 +172,18 @@ class GatewayMetrics:
             "nesa_gateway_adapters_loaded", "LoRA adapters loaded into the gateway (POST /v1/adapters/load)",
             registry=registry,
         )  # fmt: skip
+        self.verification_checks_total = Counter(
+            "nesa_gateway_verification_checks_total",
+            'Output checks, by result: of voted spans (--verify majority:N) "agreed", "outvoted" (a replica outvoted '
+            'and banned) or "no_consensus" (the request failed); of audited windows (--verify audit:P) "passed", '
+            '"failed", "inconclusive" (the auditors disagreed) or "unrecorded" (a hop sent no record)',
+            ["result"],
+            registry=registry,
+        )
         for state in ("running", "waiting"):
             self.adapter_requests.labels("base", state)
+        for result in ("agreed", "outvoted", "no_consensus", "passed", "failed", "inconclusive", "unrecorded"):
+            self.verification_checks_total.labels(result)
 
 
 def exposition(registry) -> tuple[bytes, str]:

@@ -62,13 +62,15 @@ def build_snapshot(
     measured: Mapping[str, Measured] | None = None,
     seen_s: Mapping[str, float] | None = None,
     own_sessions: Mapping[str, int] | None = None,
+    distrust: Mapping[str, float] | None = None,
 ) -> SwarmSnapshot:
     """The routing snapshot of `infos` (one record per node) for a model of `num_blocks` blocks.
 
     `client_rtt_ms`: the client's own measured round trips by peer id. `hidden_size` sets D of eq. 18's transfer
     term (0: latency only). Element bytes follow the nodes' announced dtype (the most common one). `measured`: the
     client's own measurements of nodes' speed; `seen_s`: how long the client has seen each node; `own_sessions`:
-    the client's open sessions per node (the module docstring says how each is used).
+    the client's open sessions per node (the module docstring says how each is used); `distrust`: factors in
+    (0, 1] by peer id that multiply R_A (a node an audit caught cheating: client/audit.py).
     """
     client_rtt_ms = dict(client_rtt_ms or {})
     own_sessions = own_sessions or {}
@@ -103,8 +105,12 @@ def build_snapshot(
             access_ms=access.get(info.peer_id),
             bandwidth_mbps=bandwidth.get(info.peer_id),
             load=max(load_share(info.load), _share(own_sessions.get(info.peer_id, 0))),
-            reliability=reliability(info, uptimes[info.peer_id]) * speeds[info.peer_id].reliability_factor,
+            reliability=reliability(info, uptimes[info.peer_id])
+            * speeds[info.peer_id].reliability_factor
+            * (distrust or {}).get(info.peer_id, 1.0),
             adapters=frozenset(adapter.adapter_id for adapter in info.adapters),
+            lat=info.location[0] if info.location is not None else None,
+            lon=info.location[1] if info.location is not None else None,
         )
         for info in infos
     ]

@@ -24,7 +24,7 @@ R_A of eq. 18 (routing/cost.py).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -48,6 +48,7 @@ __all__ = [
     "snapshot_distances",
     "stable_reliability",
     "start_monitor",
+    "temporal_stability",
 ]
 
 
@@ -187,6 +188,18 @@ def node_stability(graph: SwarmGraph, *, min_cluster_size: int = MIN_CLUSTER_SIZ
         if parent_cluster[cluster] >= 0:
             best[cluster] = max(own[cluster], best[parent_cluster[cluster]])
     return {peer_id: float(min(best[index] / span, 1.0)) for index, peer_id in enumerate(graph.peer_ids)}
+
+
+def temporal_stability(history: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Each node's stability over time: the mean of its `node_stability` over the snapshots of `history` (oldest
+    first), a snapshot it is missing from counting 0. A node whose links flap sits in a long-lived cluster in some
+    snapshots and in short-lived ones (or alone) in others, so its mean falls below that of a node as fast that
+    stays in its cluster; a node that comes and goes is missing from some snapshots. Nodes seen in no snapshot get
+    no score. Pure; values in [0, 1]."""
+    if not history:
+        return {}
+    peers = set().union(*(snapshot.keys() for snapshot in history))
+    return {peer: sum(snapshot.get(peer, 0.0) for snapshot in history) / len(history) for peer in sorted(peers)}
 
 
 def stable_reliability(

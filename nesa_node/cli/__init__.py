@@ -15,7 +15,14 @@ from pathlib import Path
 
 from nesa_node import event_loop
 from nesa_node.cli.failures import ArgumentParser, Terminated, raise_terminated, report
-from nesa_node.cli.options import PARSERS, add_config_options, config_from_args, parse_port
+from nesa_node.cli.options import (
+    PARSERS,
+    add_config_options,
+    add_privacy_args,
+    add_verify_arg,
+    config_from_args,
+    parse_port,
+)
 from nesa_node.compression.names import CLIENT_CODECS, CODECS, DEFAULT_CODEC
 from nesa_node.server.config import ComputeConfig, LimitsConfig, NetworkConfig, NodeConfig, RebalanceConfig
 
@@ -251,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="LoRA adapter to generate with: a name the nodes announce, or a PEFT adapter folder (sent to nodes "
         "that lack it, for this generation only)",
     )
+    add_privacy_args(generate)
+    add_verify_arg(generate)
 
     from nesa_node.cli.finetune import add_parser as add_finetune_parser
 
@@ -259,6 +268,14 @@ def build_parser() -> argparse.ArgumentParser:
     from nesa_node.cli.tune import add_parser as add_tune_parser
 
     add_tune_parser(commands)
+
+    from nesa_node.cli.audit import add_parser as add_audit_parser
+
+    add_audit_parser(commands)
+
+    from nesa_node.cli.privacy import add_parser as add_privacy_parser
+
+    add_privacy_parser(commands)
 
     from nesa_node.cli.graph import add_graph_commands
 
@@ -391,6 +408,9 @@ def _generate(args) -> int:
         dtype=args.dtype,
         device=args.device,
         adapter=args.adapter,
+        private_edges=args.private_edges,
+        boundary_noise=args.boundary_noise,
+        verify=args.verify,
     ) as model:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
@@ -519,11 +539,19 @@ def _dispatch(args) -> int:
         from nesa_node.cli.finetune import run_finetune
 
         return run_finetune(args)
+    if args.command == "audit":
+        from nesa_node.cli.audit import run_audit
+
+        return run_audit(args)
     if args.command == "tune":
         from nesa_node.cli.tune import check_args, run_tune
 
         check_args(args)
         return run_tune(args)
+    if args.command == "privacy-check":
+        from nesa_node.cli.privacy import run_privacy_check
+
+        return run_privacy_check(args)
     if args.command == "demo":
         from nesa_node.devtools.demo import run_demo
 

@@ -8,7 +8,7 @@ import contextlib
 from pathlib import Path
 
 from nesa_node import event_loop
-from nesa_node.cli.options import PARSERS, parse_port
+from nesa_node.cli.options import PARSERS, add_privacy_args, add_verify_arg, parse_port
 from nesa_node.compression.names import CLIENT_CODECS, DEFAULT_CODEC
 
 
@@ -67,6 +67,8 @@ def add_parser(commands, add_peer_args) -> None:
         "default 5)",
     )
     gateway.add_argument("--address-file", default=None, help="write the gateway's URL here once it serves")
+    add_privacy_args(gateway)
+    add_verify_arg(gateway)
 
 
 def run_gateway(args) -> int:
@@ -99,7 +101,13 @@ async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
     load_config(args.model)  # a wrong folder is a ModelLoadError, not the Hub's "repo id" error
     tokenizer = AutoTokenizer.from_pretrained(args.model, trust_remote_code=False)
     model = await AsyncDistributedModel.from_pretrained(
-        args.model, initial_peers=args.initial_peers, dht_prefix=args.dht_prefix, compression=args.compression
+        args.model,
+        initial_peers=args.initial_peers,
+        dht_prefix=args.dht_prefix,
+        compression=args.compression,
+        private_edges=args.private_edges,
+        boundary_noise=args.boundary_noise,
+        verify=args.verify,
     )
     app = create_app(
         Gateway(

@@ -46,6 +46,59 @@ def parse_ip(text: str) -> str:
         raise argparse.ArgumentTypeError(f"expected an IP address such as 192.0.2.10, got {text!r}") from None
 
 
+def parse_edges(text: str) -> tuple[int, int]:
+    """`A,B`: blocks a client keeps at the front and at the back (whole numbers of 0 or more)."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(part.strip().isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected A,B: two whole numbers of 0 or more such as 1,1, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def parse_verify(text: str) -> str:
+    """A verification policy as client/config.py's VerifyPolicy reads it."""
+    from nesa_node.client.config import VerifyPolicy
+
+    try:
+        return str(VerifyPolicy.parse(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def add_verify_arg(parser: argparse.ArgumentParser) -> None:
+    """--verify, for the commands that run a client (generate, gateway)."""
+    parser.add_argument(
+        "--verify",
+        type=parse_verify,
+        default="off",
+        metavar="POLICY",
+        help='check the nodes\' outputs: "off" (default); "audit:P" (nodes sign a commitment per 32-token window, a '
+        "fraction P of the windows is re-executed on other nodes, a node caught is banned and the generation run "
+        'again); or "majority:N" (each span run by N disjoint nodes, a strict majority deciding; "majority:N@A:B" '
+        "for the spans of blocks A:B only; costs N times their compute, and two colluding nodes of three still win)",
+    )
+
+
+def add_privacy_args(parser: argparse.ArgumentParser) -> None:
+    """--private-edges and --boundary-noise, for the commands that run a client (generate, gateway)."""
+    parser.add_argument(
+        "--private-edges",
+        type=parse_edges,
+        default=None,
+        metavar="A,B",
+        help="run the first A and the last B decoder blocks in this process as well as the embeddings and LM head: "
+        "nodes serve only the middle and never see token ids or vocabulary-sized tensors. With public weights this "
+        "hides little on its own: `nesa-node privacy-check` measures what it hides (default: nodes serve all blocks)",
+    )
+    parser.add_argument(
+        "--boundary-noise",
+        type=PARSERS["non_negative"],
+        default=0.0,
+        metavar="SIGMA",
+        help="Gaussian noise on every hidden state leaving this process, SIGMA times each token's RMS; it costs "
+        "output quality (privacy-check measures both; default 0)",
+    )
+
+
 PARSERS = {
     "port": parse_port,
     "ip": parse_ip,
@@ -124,4 +177,14 @@ def config_from_args(config_class: type, args: argparse.Namespace):
     return config_class(**values)
 
 
-__all__ = ["PARSERS", "add_config_options", "config_from_args", "flag_of", "parse_port"]
+__all__ = [
+    "PARSERS",
+    "add_config_options",
+    "add_privacy_args",
+    "add_verify_arg",
+    "config_from_args",
+    "flag_of",
+    "parse_edges",
+    "parse_port",
+    "parse_verify",
+]

@@ -18,36 +18,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import re
-import statistics
 from collections.abc import AsyncIterator
 from dataclasses import fields
 from pathlib import Path
 
 import torch
 
+from nesa_node.client.adapter_lookup import AdapterLookup, adapter_id_of_folder, own_adapter_of_folder
+from nesa_node.client.audit import Auditor, AuditOutcome
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig, client_codec
+from nesa_node.client.majority import MajoritySession, open_majority_session
+from nesa_node.client.private_edges import EdgeBlocks, EdgeSession, check_private_edges
 from nesa_node.client.routing import ChainSelector, Router
 from nesa_node.client.session import InferenceSession
 from nesa_node.client.session_chain import OwnAdapter, codec_for
+from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
     AdapterBudgetError,
     AdapterError,
     AdapterHashError,
-    AdapterMissingError,
     CacheBudgetError,
+    PeerUnavailableError,
     QuotaExceededError,
     SessionStateError,
     TooManySessionsError,
     WeightsManifestError,
     WrongBlocksError,
 )
+from nesa_node.privacy.noise import check_sigma
 from nesa_node.protocol.dht import default_dht_prefix
 from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
-from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, slice_blobs
 from nesa_node.sharding.weights_manifest import FILE_NAME as MANIFEST_FILE
 from nesa_node.sharding.weights_manifest import WeightsManifest
 
@@ -59,17 +62,6 @@ ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, Q
 # a node that cannot get or hold a session's adapter (evicted, no peer delivered it, budget full of adapters in use)
 ADAPTER_REFUSALS = (AdapterError, AdapterBudgetError)
 CONFIG_FIELDS = frozenset(item.name for item in fields(ClientConfig))
-
-
-def own_adapter_of_folder(folder: str, model_config) -> OwnAdapter:
-    """The PEFT LoRA adapter in `folder`, whole, as the client sends it to nodes (sharding/lora.py)."""
-    whole = load_adapter_slice(folder, model_config, 0, None)
-    return OwnAdapter(adapter_manifest(whole, model_config.num_hidden_layers), tuple(slice_blobs(whole)))
-
-
-def adapter_id_of_folder(folder: str, model_config) -> str:
-    """The id of the PEFT LoRA adapter in `folder` for this model (the sha256 of its manifest of block hashes)."""
-    return own_adapter_of_folder(folder, model_config).adapter_id
 
 
 def client_config(config: ClientConfig | None = None, **settings) -> ClientConfig:
@@ -92,6 +84,7 @@ def client_config(config: ClientConfig | None = None, **settings) -> ClientConfi
 
 
 DEFAULT_NEW_TOKENS = 20  # what transformers generates when no length is set
+MAX_AUDITED_RUNS = 3  # generations tried when audits blame a node of the chain (each blamed node is banned)
 
 
 def default_new_tokens(generation_config, prompt_tokens: int) -> int:
@@ -121,7 +114,7 @@ async def swarm_dtype(swarm: Swarm, *, timeout_s: float = 10.0) -> str:
     return max(sorted(set(dtypes)), key=dtypes.count)
 
 
-class AsyncDistributedModel:
+class AsyncDistributedModel(AdapterLookup):
     """A causal LM over a swarm (see the module docstring). Build it with `from_pretrained`; close it when done."""
 
     def __init__(
@@ -134,11 +127,13 @@ class AsyncDistributedModel:
         chain_selector: ChainSelector | None = None,
         generation_config=None,
         adapter: str | None = None,
+        edge_blocks: EdgeBlocks | None = None,
     ):
         self.model_config = model_config
         self.adapter = adapter  # the LoRA adapter id sessions use unless a call names another (or None: base)
         self.own_adapters: dict[str, OwnAdapter] = {}  # adapters named by folder: sent to nodes that lack them
         self.edges = edges
+        self.edge_blocks = edge_blocks  # blocks the client runs itself (private_edges); None: the swarm runs all
         self.swarm = swarm
         self.config = config
         self.router = Router(
@@ -149,6 +144,10 @@ class AsyncDistributedModel:
             chain_selector=chain_selector,
         )
         self.generation_config = generation_config
+        verify = config.verify
+        self.auditor = Auditor(self, verify.rate) if verify.mode == "audit" else None
+        self.last_verification: dict | None = None  # what the last generation's checks found (audit or majority)
+        self.last_receipts = None  # the last audited session's SessionReceipts (verification/receipts.py)
 
     @classmethod
     async def from_pretrained(
@@ -161,6 +160,8 @@ class AsyncDistributedModel:
         device: str = "cpu",
         adapter: str | None = None,
         weights_manifest: str | Path | WeightsManifest | None = None,
+        private_edges: tuple[int, int] | None = None,
+        boundary_noise: float = 0.0,
         config: ClientConfig | None = None,
         **settings,
     ) -> AsyncDistributedModel:
@@ -175,6 +176,10 @@ class AsyncDistributedModel:
         WeightsManifest; default the folder's weights-manifest.json when it has one): only nodes announcing those
         weights for their span are routed to (sharding/weights_manifest.py). WeightsManifestError for a manifest that
         cannot be read or is of a model with another number of blocks.
+        `private_edges` (a, b): the client also runs decoder blocks [0, a) and [L-b, L) itself; nodes serve only the
+        middle and never see token ids or vocabulary-sized tensors (client/private_edges.py; what this hides is
+        measured by `nesa-node privacy-check`). `boundary_noise`: Gaussian noise of this sigma (relative to each
+        token's RMS) on every hidden state that leaves the client (privacy/noise.py); it costs output quality.
         Raises ModelLoadError for a bad model folder (its
         DeviceUnavailableError for a device this machine lacks), ValueError for bad settings, PeerUnavailableError
         when the swarm cannot be joined."""
@@ -187,6 +192,9 @@ class AsyncDistributedModel:
 
             generation_config = GenerationConfig.from_pretrained(model_path)
         check_device(device)  # before joining: a mistake shows at once
+        boundary_noise = check_sigma(boundary_noise)
+        if private_edges is not None:
+            private_edges = check_private_edges(private_edges, model_config.num_hidden_layers)
         manifest = await asyncio.to_thread(_weights_manifest, weights_manifest, model_path, model_config)
         swarm = await Swarm.create(
             list(initial_peers),
@@ -196,12 +204,26 @@ class AsyncDistributedModel:
         )
         try:
             swarm.use_lanes = config.lanes
+            swarm.stability = StabilityTracker(weight=config.stability_weight, period_s=config.stability_period_s)
             if dtype is None:
                 dtype = await swarm_dtype(swarm)
             edges = await asyncio.to_thread(
                 load_client_edges, model_path, dtype=dtype, device=device, config=model_config
             )
-            model = cls(model_config, edges, swarm, config, generation_config=generation_config)
+            edge_blocks = None
+            if private_edges is not None or boundary_noise > 0:
+                edge_blocks = await asyncio.to_thread(
+                    EdgeBlocks.load,
+                    model_path,
+                    private_edges or (0, 0),
+                    config=model_config,
+                    dtype=dtype,
+                    device=device,
+                    noise_sigma=boundary_noise,
+                )
+            model = cls(
+                model_config, edges, swarm, config, generation_config=generation_config, edge_blocks=edge_blocks
+            )
             model.router.weights_manifest = manifest
             model.adapter = await model.resolve_adapter(adapter) if adapter is not None else None
         except BaseException:
@@ -235,7 +257,10 @@ class AsyncDistributedModel:
         """The chain for a new session (or a cacheless forward), for LoRA adapter id `adapter` when given: through
         any node, a node lacking it costed with getting its blocks (sent by this client when it holds the adapter,
         else fetched from the nodes announcing it); NoRouteError when the swarm has none."""
+        first, end = self.swarm_blocks
         request = ChainRequest(
+            start_block=first,
+            end_block=end,
             batch=batch,
             max_length=max_length,
             exclude=exclude | exclude_more,
@@ -253,74 +278,20 @@ class AsyncDistributedModel:
         )
         return await self.router.choose_chain(request)
 
-    async def resolve_adapter(self, adapter: str | Path) -> str:
-        """The id of the LoRA adapter `adapter` names: an id (64 hex characters) as it is; a folder holding a PEFT
-        adapter (its manifest, computed here: the id nodes announce for the same adapter; the client then sends its
-        blocks to the nodes of a chain that do not hold it); else a name nodes announce (records.AdapterInfo). Raises AdapterError for a folder that is not an adapter of this model,
-        AdapterMissingError for a name no node announces or two adapters share."""
-        text = str(adapter)
-        if re.fullmatch(r"[0-9a-f]{64}", text):
-            return text
-        if await asyncio.to_thread(Path(text).is_dir):
-            own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config)
-            self.own_adapters[own.adapter_id] = own
-            return own.adapter_id
-        return await self.adapter_by_name(text)
+    @property
+    def swarm_blocks(self) -> tuple[int, int]:
+        """The blocks the swarm runs for this client: all, or the middle [a, L-b) with private edges."""
+        if self.edge_blocks is not None:
+            return self.edge_blocks.swarm_blocks
+        return 0, self.model_config.num_hidden_layers
 
-    async def adapter_reachable(self, adapter_id: str) -> frozenset[str] | None:
-        """The nodes that lack adapter `adapter_id` but can fetch it: those whose blocks the other nodes announcing
-        it cover; None when this client sends it (any node)."""
-        if adapter_id in self.own_adapters:
-            return None
-        infos = [record.info for record in await self.swarm.node_records()]
-        holders = [info for info in infos if any(held.adapter_id == adapter_id for held in info.adapters)]
-        reachable = set()
-        for info in infos:
-            covered = set()
-            for holder in holders:
-                if holder.peer_id != info.peer_id:
-                    covered.update(range(holder.start_block, holder.end_block))
-            if covered.issuperset(range(info.start_block, info.end_block)):
-                reachable.add(info.peer_id)
-        return frozenset(reachable)
-
-    async def adapter_block_bytes(self, adapter_id: str) -> float:
-        """Bytes per block of adapter `adapter_id` that a node lacking it has to get: the client's own copy (it
-        sends it), else what the nodes announcing it hold (a node fetches it from them); 0 when neither, and then
-        only nodes holding it can serve it."""
-        own = self.own_adapters.get(adapter_id)
-        if own is not None:
-            return own.block_bytes
-        sizes = [
-            info.slice_bytes / (record.info.end_block - record.info.start_block)
-            for record in await self.swarm.node_records()
-            for info in record.info.adapters
-            if info.adapter_id == adapter_id and info.slice_bytes > 0
-        ]
-        return float(statistics.median(sizes)) if sizes else 0.0  # one peer's claim cannot set it alone
-
-    async def announced_adapters(self) -> dict[str, set[str]]:
-        """Adapter name -> the ids the swarm's nodes announce under it (records.AdapterInfo)."""
-        named: dict[str, set[str]] = {}
-        for record in await self.swarm.node_records():
-            for info in record.info.adapters:
-                named.setdefault(info.name, set()).add(info.adapter_id)
-        return named
-
-    async def adapter_by_name(self, name: str) -> str:
-        """The id of the adapter the swarm's nodes announce as `name`. Raises AdapterMissingError when none does or
-        two different adapters share the name."""
-        ids = (await self.announced_adapters()).get(name, set())
-        if len(ids) != 1:
-            found = "no node announces it" if not ids else f"{len(ids)} different adapters have this name"
-            raise AdapterMissingError(
-                f"adapter {name!r}: {found}; name it by its folder or its id (nesa-node status lists adapters)"
-            )
-        return next(iter(ids))
+    def with_edges(self, session: InferenceSession) -> InferenceSession | EdgeSession | MajoritySession:
+        """`session` with this client's edge blocks around its steps (itself without private edges)."""
+        return session if self.edge_blocks is None else EdgeSession(session, self.edge_blocks)
 
     async def open_session(
         self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | None = None
-    ) -> InferenceSession:
+    ) -> InferenceSession | EdgeSession | MajoritySession:
         """An open session on a chosen chain; a node that fails to open, or refuses because its record no longer
         holds, is banned and another chain chosen (up to max_open_attempts). `prompt_tokens`, when known, tells
         routing how large the first pass is (eq. 18's transfer term). `adapter`: the LoRA adapter every node runs
@@ -341,6 +312,19 @@ class AsyncDistributedModel:
                 adapter_block_bytes=block_bytes,
                 exclude_more=frozenset(passed_over),
             )
+            if self.config.verify.mode == "majority":
+                return self.with_edges(
+                    await open_majority_session(
+                        self,
+                        chain,
+                        replicas=self.config.verify.replicas,
+                        voted_blocks=self.config.verify.blocks,
+                        batch=batch,
+                        max_length=max_length,
+                        adapter=adapter_id,
+                        adapter_block_bytes=block_bytes,
+                    )
+                )
             session = InferenceSession(
                 self.swarm,
                 chain,
@@ -351,9 +335,10 @@ class AsyncDistributedModel:
                 adapter=adapter_id,
                 own_adapter=self.own_adapters.get(adapter_id) if adapter_id is not None else None,
                 adapter_block_bytes=block_bytes,
+                commit=self.auditor is not None,
             )
             try:
-                return await session.open()
+                return self.with_edges(await session.open())
             except LinkFailed as failure:
                 if failure.link is None or attempt + 1 == attempts:
                     raise
@@ -422,6 +407,8 @@ class AsyncDistributedModel:
                 "a forward without an inference session runs the base model, not this model's adapter: open an "
                 "inference session (generate does) to run it"
             )
+        if self.edge_blocks is not None:
+            hidden = self.edge_blocks.run_front(hidden)
         chain = await self.choose_chain(batch=hidden.shape[0])
         preferred = self.config.compression
         for hop in chain.hops:
@@ -433,6 +420,8 @@ class AsyncDistributedModel:
                 hop, None, preferred, elements=elements, bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, None)
             )
             hidden, _ = await self.swarm.forward(hop, hidden, codec, output_codec)
+        if self.edge_blocks is not None:
+            hidden = self.edge_blocks.run_back(hidden)
         return hidden
 
     # ---- generation --------------------------------------------------------------------------------------------------
@@ -494,11 +483,46 @@ class AsyncDistributedModel:
                 await session.close()
 
     async def generate(self, input_ids: torch.Tensor, *, max_new_tokens: int | None = None, **options) -> torch.Tensor:
-        """`input_ids` (batch, seq) followed by the generated tokens (batch, seq + new); options as for `stream`."""
+        """`input_ids` (batch, seq) followed by the generated tokens (batch, seq + new); options as for `stream`.
+
+        With verify="audit:P" and no `session` given, the generation's sampled windows are audited before it returns
+        (client/audit.py); when an audit blames a node (banned), the generation runs again on other nodes, up to
+        MAX_AUDITED_RUNS times; `last_verification` says what the audits found."""
+        if self.auditor is None or options.get("session") is not None:
+            return await self._generate(input_ids, max_new_tokens, options)
+        if max_new_tokens is None:
+            max_new_tokens = default_new_tokens(self.generation_config, input_ids.shape[1])
+        blamed: list[str] = []
+        for _ in range(MAX_AUDITED_RUNS):
+            async with self.inference_session(
+                max_length=input_ids.shape[1] + max_new_tokens,
+                batch=input_ids.shape[0],
+                prompt_tokens=input_ids.shape[1],
+                adapter=options.pop("adapter", None),
+            ) as session:
+                output = await self._generate(input_ids, max_new_tokens, {**options, "session": session})
+                outcome = await self.audit(session)
+            blamed.extend(blame.peer_id for blame in outcome.blamed)
+            self.last_verification = {**outcome.report(), "blamed": blamed}
+            if outcome.clean:
+                return output
+        raise PeerUnavailableError(f"every one of {MAX_AUDITED_RUNS} chains tried failed its audit (blamed: {blamed})")
+
+    async def _generate(self, input_ids: torch.Tensor, max_new_tokens: int | None, options: dict) -> torch.Tensor:
         tokens = [token async for token in self.stream(input_ids, max_new_tokens=max_new_tokens, **options)]
         if not tokens:
             return input_ids.clone()
         return torch.cat([input_ids, torch.stack(tokens, dim=1).to(input_ids.dtype)], dim=1)
+
+    async def audit(self, session) -> AuditOutcome:
+        """Audit an open session of this model (verify="audit:P"; client/audit.py), before closing it."""
+        if self.auditor is None:
+            raise SessionStateError('this model audits nothing: from_pretrained(..., verify="audit:P")')
+        while isinstance(session, EdgeSession):
+            session = session.session
+        outcome = await self.auditor.audit(session)
+        self.last_receipts = outcome.receipts
+        return outcome
 
     @staticmethod
     def _choose(
@@ -539,4 +563,10 @@ def _weights_manifest(given, model_path: str, model_config) -> WeightsManifest |
     return manifest
 
 
-__all__ = ["AsyncDistributedModel", "ROUTABLE_REFUSALS", "client_config"]
+__all__ = [
+    "AsyncDistributedModel",
+    "ROUTABLE_REFUSALS",
+    "adapter_id_of_folder",
+    "client_config",
+    "own_adapter_of_folder",
+]

@@ -19,6 +19,57 @@ def client_codec(name: str) -> WireCodec:
 
 
 @dataclass(frozen=True)
+class VerifyPolicy:
+    """What a client checks of the nodes' outputs: "off"; "audit:P" (nodes sign a commitment per window, a fraction
+    P of the windows is re-executed on other nodes: client/audit.py); or "majority:N[@A:B]" (the spans overlapping
+    blocks [A, B), default all, run by N disjoint replicas each, a strict majority deciding: client/majority.py)."""
+
+    mode: str = "off"
+    replicas: int = 1
+    blocks: tuple[int, int] | None = None
+    rate: float = 0.0  # audit: the fraction of windows re-executed
+
+    @classmethod
+    def parse(cls, text: str) -> VerifyPolicy:
+        """The policy `text` names; ValueError for anything but "off", "audit:P" with 0 < P <= 1, or
+        "majority:N[@A:B]" with N >= 3."""
+        text = str(text).strip()
+        if text == "off":
+            return cls()
+        kind, _, rest = text.partition(":")
+        if kind == "audit":
+            try:
+                rate = float(rest)
+            except ValueError:
+                rate = 0.0
+            if 0 < rate <= 1:
+                return cls("audit", rate=rate)
+        if kind == "majority":
+            count, _, blocks = rest.partition("@")
+            span = None
+            try:
+                replicas = int(count)
+                if blocks:
+                    first, end = (int(part) for part in blocks.split(":"))
+                    span = (first, end)
+            except ValueError:
+                replicas = 0
+            if replicas >= 3 and (span is None or 0 <= span[0] < span[1]):
+                return cls("majority", replicas, span)
+        raise ValueError(
+            f'verify must be "off", "audit:P" (a fraction 0 < P <= 1 of windows re-executed) or "majority:N" (N >= 3 '
+            f'replicas, optionally "@A:B" for the spans of blocks A:B), got {text!r}'
+        )
+
+    def __str__(self) -> str:
+        if self.mode == "off":
+            return "off"
+        if self.mode == "audit":
+            return f"audit:{self.rate:g}"
+        return f"majority:{self.replicas}" + (f"@{self.blocks[0]}:{self.blocks[1]}" if self.blocks else "")
+
+
+@dataclass(frozen=True)
 class ClientConfig:
     # direct: each node pushes to the next (fig. 2 of the Nesa paper); relay: the client forwards between nodes
     mode: str = "direct"
@@ -45,15 +96,25 @@ class ClientConfig:
     # 20-40 ms on loopback, a few 100 ms on a WAN)
     records_wait_s: float = 0.5
     step_timeout_s: float | None = None  # a step's deadline; None: adaptive (see InferenceSession.deadline)
+    # sec. 3.1: share of the gap to full reliability a node's stability over the client's recent snapshots closes
+    # (client/stability.py; 0: off), and the seconds between the snapshots kept for it
+    stability_weight: float = 0.5
+    stability_period_s: float = 10.0
+    # what the client checks of the nodes' outputs: "off" or "majority:N[@A:B]" (VerifyPolicy; client/majority.py)
+    verify: VerifyPolicy = field(default_factory=VerifyPolicy)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if not isinstance(self.compression, WireCodec):
             object.__setattr__(self, "compression", client_codec(str(self.compression)))
+        if not isinstance(self.verify, VerifyPolicy):
+            object.__setattr__(self, "verify", VerifyPolicy.parse(self.verify))
         for name in ("request_timeout_s", "probe_timeout_s", "records_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0")
+        if not 0.0 <= self.stability_weight <= 1.0 or not self.stability_period_s > 0:
+            raise ValueError("stability_weight must be in [0, 1] and stability_period_s above 0")
         if self.max_failovers < 0 or self.max_open_attempts < 1 or self.max_pinged_candidates < 0:
             raise ValueError("max_failovers and max_pinged_candidates must be >= 0, max_open_attempts >= 1")
 
@@ -61,4 +122,4 @@ class ClientConfig:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["MODES", "ClientConfig", "client_codec"]
+__all__ = ["MODES", "ClientConfig", "VerifyPolicy", "client_codec"]

@@ -73,21 +73,10 @@ from nesa_node.protocol.messages import (
     TrainState,
     TrainStateRequest,
 )
-from nesa_node.protocol.tensors import (
-    NO_CODEC,
-    WireCodec,
-    bytes_to_proto,
-    tensor_to_proto,
-)
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto, tensor_to_proto
 from nesa_node.routing.snapshot import Hop
 from nesa_node.sharding.lora import AdapterSlice, load_adapter_slice, merge_slices
-from nesa_node.sharding.lora_train import (
-    LoraSpec,
-    OptimizerState,
-    init_adapter,
-    save_peft_adapter,
-    spec_of_folder,
-)
+from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, init_adapter, save_peft_adapter, spec_of_folder
 
 logger = logging.getLogger(__name__)
 
@@ -607,10 +596,4 @@ class FineTuningSession:
         self.close()
 
 
-__all__ = [
-    "IGNORE_INDEX",
-    "AsyncFineTuningSession",
-    "FineTuningSession",
-    "OptimizerSettings",
-    "causal_lm_loss",
-]
+__all__ = ["IGNORE_INDEX", "AsyncFineTuningSession", "FineTuningSession", "OptimizerSettings", "causal_lm_loss"]

@@ -21,7 +21,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nesa_node import event_loop
-from nesa_node.client.async_model import DEFAULT_NEW_TOKENS, AsyncDistributedModel, client_config
+from nesa_node.client.async_model import DEFAULT_NEW_TOKENS, MAX_AUDITED_RUNS, AsyncDistributedModel, client_config
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.session import InferenceSession
 from nesa_node.compression.names import DEFAULT_CODEC
@@ -123,6 +123,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         lanes: bool = True,
         adapter: str | Path | None = None,
         weights_manifest: str | Path | None = None,
+        private_edges: tuple[int, int] | None = None,
+        boundary_noise: float = 0.0,
+        verify: str = "off",
         config: ClientConfig | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
@@ -141,6 +144,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         name the nodes announce, a PEFT adapter folder, or an adapter id (AsyncDistributedModel.resolve_adapter).
         `weights_manifest`: the model's per-block weight hashes (`nesa-node model manifest`; default the folder's
         weights-manifest.json when present): nodes announcing other weights are not routed to.
+        `private_edges` (a, b): the client runs decoder blocks [0, a) and [L-b, L) itself, nodes only the middle;
+        `boundary_noise`: Gaussian noise (sigma relative to each token's RMS) on what leaves the client. See
+        client/private_edges.py and `nesa-node privacy-check` for what each hides.
+        `verify`: "off", or "majority:N[@A:B]": the spans of blocks A:B (default all) run on N disjoint replicas
+        and a strict majority decides each output (client/majority.py; NoConsensusError when none has one).
         `config`: a ClientConfig for the other settings (the keywords above override its fields).
         An unknown keyword raises TypeError.
         """
@@ -151,6 +159,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             request_timeout_s=request_timeout_s,
             routing_params=routing_params,
             lanes=lanes,
+            verify=verify,
         )
         runner = LoopThread()
         try:
@@ -163,6 +172,8 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                     device=device,
                     adapter=None if adapter is None else str(adapter),
                     weights_manifest=weights_manifest,
+                    private_edges=private_edges,
+                    boundary_noise=boundary_noise,
                     config=settings,
                 ),
                 timeout=120,
@@ -236,7 +247,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         session = InferenceSession(
             self.client.swarm, chain, self.client.config, batch=batch, max_length=max_length, reroute=reroute
         )
-        return SyncSession(self.call(session.open()), self.runner)
+        return SyncSession(self.client.with_edges(self.call(session.open())), self.runner)
 
     @contextlib.contextmanager
     def inference_session(
@@ -260,7 +271,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
         Outside `inference_session` a session sized for this call is opened and closed, with LoRA `adapter=` when
         given (default the model's); inside one, the session's adapter applies. `inputs` may repeat the session's
-        tokens or hold only new ones: the session's tokens are then put in front.
+        tokens or hold only new ones: the session's tokens are then put in front. With verify="audit:P", a call
+        outside a session is audited before it returns and run again on other nodes when an audit blames one (see
+        AsyncDistributedModel.generate; `client.last_verification` has the outcome).
         """
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         adapter = kwargs.pop("adapter", None)
@@ -278,10 +291,20 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         if input_ids is None:
             raise SessionStateError("generate needs input_ids outside an inference session")
         max_length = self._session_length(input_ids.shape[1], kwargs)
-        with self.inference_session(
-            max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1], adapter=adapter
-        ):
-            return super().generate(input_ids, *args, **kwargs)
+        blamed: list[str] = []
+        for _ in range(MAX_AUDITED_RUNS if self.client.auditor is not None else 1):
+            with self.inference_session(
+                max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1], adapter=adapter
+            ) as session:
+                output = super().generate(input_ids, *args, **kwargs)
+                if self.client.auditor is None:
+                    return output
+                outcome = self.call(self.client.audit(session.session))  # before the nodes drop the session
+            blamed.extend(blame.peer_id for blame in outcome.blamed)
+            self.client.last_verification = {**outcome.report(), "blamed": blamed}
+            if outcome.clean:
+                return output
+        raise PeerUnavailableError(f"every one of {MAX_AUDITED_RUNS} chains tried failed its audit (blamed: {blamed})")
 
     def _session_length(self, prompt: int, kwargs: dict) -> int:
         """The tokens a session for one generate call must hold, read as transformers reads its length settings:

@@ -29,6 +29,7 @@ from nesa_node.compression.names import AUTO
 from nesa_node.errors import (
     BadRequestError,
     CacheBudgetError,
+    NesaError,
     PeerUnavailableError,
     QuotaExceededError,
     SessionPreemptedError,
@@ -38,6 +39,7 @@ from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import ErrorReply, Step, StepResult
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.routing.chain import Chain
+from nesa_node.verification.receipts import HopRecord, ReceiptsBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +74,7 @@ class InferenceSession:
         adapter: str | None = None,
         own_adapter: OwnAdapter | None = None,
         adapter_block_bytes: float = 0.0,
+        commit: bool = False,
     ):
         self.swarm = swarm
         self.config = config
@@ -89,7 +92,12 @@ class InferenceSession:
             adapter=adapter,
             own_adapter=own_adapter,
             adapter_block_bytes=adapter_block_bytes,
+            commit=commit,
         )
+        self.commit = commit  # nodes sign hop records of each window; `fetch_records` collects them (client/audit.py)
+        self.records: list[HopRecord] = []  # every record fetched, checked, in arrival order
+        self.receipts = ReceiptsBuilder()
+        self.step_codecs: list[str] = []  # per step, the codec the client sent it with (what the first node decoded)
         self.failover = Failover(
             self.links,
             swarm,
@@ -146,9 +154,31 @@ class InferenceSession:
             self.swarm.measure_bandwidths_soon([self.links.links[0].peer_id, self.links.links[-1].peer_id])
         return self
 
+    async def fetch_records(self, final: bool = False) -> list[HopRecord]:
+        """Fetch the chain's new signed hop records (`final`: the windows under way closed first), keep them in
+        `records` and `receipts`, and return them. Between steps only. ReceiptError (its `peer_id` set) for a node
+        whose records are not its own or not of this session."""
+        if not self.commit:
+            raise SessionStateError('this session was opened without hop records (verify="audit:...")')
+        if self._stepping:
+            raise SessionStateError("records are fetched between steps")
+        fetched = []
+        for link in self.links.links:
+            der, records = await self.links.records(link, final=final)
+            for record in records:
+                self.receipts.add(record, der)
+            fetched.extend(records)
+        self.records.extend(fetched)
+        return fetched
+
     async def close(self) -> None:
         if self._closed:
             return
+        if self.commit and self._opened and not self._stepping:
+            try:  # the last windows' records, while the nodes still hold the session
+                await self.fetch_records(final=True)
+            except (NesaError, LinkFailed) as error:
+                logger.info("session %s: final hop records not fetched: %s", self.session_id, error)
         self._closed = True
         self.swarm.open_sessions.discard(self)
         await self.links.close()
@@ -208,7 +238,8 @@ class InferenceSession:
                 codec=self._sent_codec,
             )
         )
-        if self.reroute is not None:  # replayed into a replacement of a span that fails
+        self.step_codecs.append(self._sent_codec)
+        if self.reroute is not None or self.commit:  # replayed into a replacement of a span that fails; audits
             if not self._inputs:
                 self._inputs = [[] for _ in inputs]
             for kept, sent_input in zip(self._inputs, inputs, strict=True):

@@ -21,7 +21,7 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.auto import compression_pays
 from nesa_node.compression.names import AUTO, AUTO_CODEC
-from nesa_node.errors import NesaError, PeerUnavailableError, RequestError
+from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, ReceiptError, RequestError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
@@ -37,14 +37,24 @@ from nesa_node.protocol.messages import (
     Message,
     Opened,
     OpenSession,
+    Records,
+    RecordsRequest,
     Retarget,
     Retargeted,
     Step,
     StepResult,
 )
-from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto, tensor_from_proto, tensor_to_proto
+from nesa_node.protocol.tensors import (
+    NO_CODEC,
+    WireCodec,
+    bytes_from_proto,
+    bytes_to_proto,
+    tensor_from_proto,
+    tensor_to_proto,
+)
 from nesa_node.routing.chain import Hop
 from nesa_node.sharding.lora import AdapterManifest
+from nesa_node.verification.receipts import MAX_RECORD_BYTES, HopRecord, key_peer_id, verify_record
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +65,7 @@ ANSWER_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # the message and protobuf fr
 # steps go one at a time, so an honest node has a few answers outstanding (a result, an error report); a node past
 # this sends what nobody asked for
 MAX_QUEUED_ANSWERS = 64
+MAX_KEY_BYTES = 2048  # a node's DER public key (RSA up to 8192 bits is ~1.1 KB)
 
 
 def answer_frame_bytes(batch: int, max_length: int, hidden_size: int) -> int:
@@ -120,9 +131,11 @@ class SessionChain:
         adapter: str | None = None,
         own_adapter: OwnAdapter | None = None,
         adapter_block_bytes: float = 0.0,
+        commit: bool = False,
     ):
         self.swarm = swarm
         self.config = config
+        self.commit = commit  # nodes sign a hop record per window (server/window_log.py), fetched with `records`
         self.session_id = session_id
         self.batch = batch
         self.max_length = max_length
@@ -176,7 +189,12 @@ class SessionChain:
             output_codec=output_codec,
             lane=lane_settings,
             adapter=self.adapter,
+            # the hop's place in the whole chain: the links before this segment's first block, then its index
+            commit_hop=self._hops_before(hops[0]) + index if self.commit else None,
         )
+
+    def _hops_before(self, hop: Hop) -> int:
+        return sum(1 for link in self.links if link.hop.end_block <= hop.start_block)
 
     def _lane_settings(self, links: list[ChainLink], downstream: ChainLink | None) -> list[LaneSettings | None]:
         """Each link's lane settings for its open message: keys of the links into and out of the node, the next
@@ -368,6 +386,34 @@ class SessionChain:
         link.send(frame(HistoryRequest(position=position)))
         _, answer = await self._control_answer(link, History)
         return self.read_hidden(link, answer, NO_CODEC, position * self.batch * MAX_HIDDEN)
+
+    async def records(self, link: ChainLink, final: bool = False) -> tuple[bytes, list[HopRecord]]:
+        """The node's public key (DER) and its signed hop records of this session not fetched yet (`final`: the window
+        under way closed first). ReceiptError (its `peer_id` set) for a key that is not the node's, or a record that is
+        malformed, not signed by it, or not of this session and the node's blocks."""
+        link.send(frame(RecordsRequest(final=final)))
+        message, answer = await self._control_answer(link, Records)
+        try:
+            if len(answer.tensors) != message.count + 1:
+                raise ReceiptError(f"{message.count} records announced, {len(answer.tensors) - 1} sent")
+            der = bytes_from_proto(answer.tensors[0], max_bytes=MAX_KEY_BYTES)
+            if key_peer_id(der) != link.peer_id:
+                raise ReceiptError("the public key sent is not the node's own")
+            records = []
+            for tensor in answer.tensors[1:]:
+                record = HopRecord.from_bytes(bytes_from_proto(tensor, max_bytes=MAX_RECORD_BYTES))
+                failed = verify_record(record, der)
+                if failed is not None:
+                    raise ReceiptError(f"a record fails its {failed[0]} check: {failed[1]}")
+                blocks = (record.span_start, record.span_end)
+                if record.session_id != self.session_id or blocks != (link.hop.start_block, link.hop.end_block):
+                    raise ReceiptError(f"a record of session {record.session_id} blocks {blocks}, not this hop's")
+                records.append(record)
+        except (ReceiptError, BadRequestError) as error:
+            refusal = ReceiptError(f"{link.peer_id}: {error.message}")
+            refusal.peer_id = link.peer_id
+            raise refusal from None
+        return der, records
 
     async def retarget(self, link: ChainLink, message: Retarget) -> None:
         link.send(frame(message))

@@ -18,6 +18,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import Tensor
 from hivemind.utils import get_dht_time
 
+from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.timings import NodeTimings
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.peer import Peer, start_peer
@@ -87,6 +88,10 @@ class Swarm:
         self._bandwidth: dict[str, float] = {}  # peer id -> Mbit/s from this client ("auto" codec choice)
         self._bandwidth_measured: dict[str, float] = {}  # peer id -> monotonic s of the last measurement started
         self._background: set[asyncio.Task] = set()
+        # peer id -> factor on eq. 18's reliability term: nodes an audit caught cheating (`blame`)
+        self.distrust: dict[str, float] = {}
+        # stability of the nodes over this client's recent snapshots, raising R_A of stable ones (sec. 3.1)
+        self.stability = StabilityTracker()
 
     @classmethod
     async def create(
@@ -143,6 +148,12 @@ class Swarm:
         length = min(max_s, last * 2) if until > now - max_s and last else base_s
         self._bans[peer_id] = (now + length, length)
         return length
+
+    def blame(self, peer_id: str, *, ban_s: float = 3600.0) -> None:
+        """A node caught computing something else than it committed to (client/audit.py): banned for `ban_s`, and
+        its reliability in routing quartered for as long as this client runs."""
+        self.ban(peer_id, base_s=ban_s, max_s=ban_s)
+        self.distrust[peer_id] = self.distrust.get(peer_id, 1.0) * 0.25
 
     def banned(self) -> frozenset[str]:
         now = time.monotonic()
@@ -280,7 +291,10 @@ class Swarm:
             measured=self.timings.measured(),
             seen_s={peer: now - seen for peer, seen in self._first_seen.items()},
             own_sessions=self.sessions_per_node(),
+            distrust=self.distrust,
         )
+        self.stability.observe(snapshot, now)
+        snapshot = self.stability.apply(snapshot)
         for node in snapshot.nodes:
             blocks = node.end_block - node.start_block
             if node.inference_tps > 0 and blocks > 0:

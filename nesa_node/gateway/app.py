@@ -113,6 +113,7 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
+    verification: dict | None = None  # what the session's checks found (client/majority.py); None: no checks
 
 
 class Gateway:
@@ -271,6 +272,8 @@ class Gateway:
                         break
                     if piece:
                         yield generation, piece
+            if self.model.auditor is not None:  # verify="audit:P": checked before the nodes drop the session
+                generation.verification = (await self.model.audit(session)).report()
         finally:  # no await here: a request whose client went away is cancelled again at each one
             self.slots.release()
             metrics.requests_running.dec()
@@ -278,6 +281,7 @@ class Gateway:
             metrics.request_duration_seconds.observe(time.perf_counter() - arrived)
             if session is not None:
                 self._count_failovers(session, failovers)
+                self._count_checks(session, generation)
                 closing = asyncio.ensure_future(session.close())  # the nodes free its cache now, in a task of its own
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
@@ -293,6 +297,16 @@ class Gateway:
             self.metrics.failovers_total.inc()
             self.metrics.failover_recovery_seconds.observe(recovery["seconds"])
         return len(recoveries)
+
+    def _count_checks(self, session, generation: Generation) -> None:
+        """Keep the session's verification report on the generation and count its checks by result."""
+        report = generation.verification or getattr(session, "verification", None)
+        if report is None:
+            return
+        generation.verification = report
+        for result, count in report["checks"].items():
+            if count:
+                self.metrics.verification_checks_total.labels(result).inc(count)
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -317,6 +331,7 @@ class Gateway:
             "model": request.model,
             "choices": [choice],
             "usage": _usage(generation),
+            "nesa": {"verification": generation.verification or {"mode": "off"}},
         }
 
     async def events(self, request: CompletionRequest | ChatRequest, prepared: Prepared) -> AsyncIterator[bytes]:

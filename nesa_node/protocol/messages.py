@@ -8,11 +8,13 @@ metadata holds one message, msgpack-encoded, whose `kind` names its model:
     step        Step            hidden states of new tokens at a position (also pushed node -> node, and on lanes)
     history     HistoryRequest  this node's outputs for the first `position` tokens (failover of the next node)
     retarget    Retarget        new next node and/or upstream node (failover of a neighbour)
+    records_request  RecordsRequest  the node's signed hop records of this session not yet sent (verification)
   session stream, node -> client
     opened      Opened          cache reserved
     result      StepResult      a step's output (or a replayed step's, to the client)
     history     History         the outputs asked for, lossless
     retargeted  Retargeted
+    records     Records         its public key and signed hop records, as byte tensors
     error       ErrorReply      a typed error (code, message), with the refused step's id when there is one
   unary and lane calls
     forward     ForwardRequest  run blocks on a whole sequence, no cache  -> ForwardResult
@@ -54,6 +56,7 @@ from pydantic import (
 
 from nesa_node.errors import BadRequestError, NesaError, error_from_code
 from nesa_node.protocol import lane
+from nesa_node.protocol.metadata import describe, read_map
 from nesa_node.protocol.records import MAX_RECORD_BYTES, NodeInfo
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
 
@@ -171,6 +174,8 @@ class OpenSession(BlockRange):
     output_codec: Codec = NO_CODEC
     lane: LaneSettings | None = None
     adapter: AdapterId | None = None  # the LoRA adapter every step of the session runs with (records.AdapterInfo)
+    # sign a hop record per 32-token window of this session (nesa_node/verification), as hop `commit_hop` of the chain
+    commit_hop: int | None = Field(None, ge=0, le=1 << 10)
 
 
 class AdapterBlocks(BlockRange):
@@ -244,6 +249,22 @@ class History(Message):
 
 class Retargeted(Message):
     kind: Literal["retargeted"] = "retargeted"
+
+
+class RecordsRequest(Message):
+    """The node's signed hop records of the session that it has not sent yet; `final` closes the window under way
+    first (the session is ending)."""
+
+    kind: Literal["records_request"] = "records_request"
+    final: bool = False
+
+
+class Records(Message):
+    """Answer to RecordsRequest: the frame's first tensor is the node's public key (DER), then `count` records
+    (verification/receipts.py HopRecord encodings), each a byte tensor."""
+
+    kind: Literal["records"] = "records"
+    count: int = Field(ge=0, le=1 << 16)
 
 
 class ErrorReply(Message):
@@ -449,8 +470,8 @@ def _union(*models: type[Message]) -> TypeAdapter:
 # what each receiver accepts, by direction
 ADAPTER_REQUESTS = _union(AdapterRequest)  # on an adapter stream, from the fetching node
 ADAPTER_ANSWERS = _union(AdapterBlocks, ErrorReply)
-TO_SESSION = _union(OpenSession, AdapterBlocks, Step, HistoryRequest, Retarget)  # from a session's client
-FROM_SESSION = _union(Opened, StepResult, History, Retargeted, ErrorReply)  # a node's answers on a session stream
+TO_SESSION = _union(OpenSession, AdapterBlocks, Step, HistoryRequest, Retarget, RecordsRequest)  # from its client
+FROM_SESSION = _union(Opened, StepResult, History, Retargeted, Records, ErrorReply)  # a node's answers on its stream
 PUSHED = _union(Step)  # pushed node -> node, or sent on a data lane
 PUSH_ANSWERS = _union(ErrorReply)  # a next node answers a push stream only to refuse a step
 FORWARD = _union(ForwardRequest)
@@ -467,59 +488,17 @@ GRAPH = _union(GraphForward)
 GRAPH_ANSWERS = _union(GraphResult, ErrorReply)
 
 
-def _no_extensions(code: int, data: bytes) -> None:
-    raise ValueError(f"msgpack extension type {code} is not accepted")
-
-
-def _nested_within(value: dict, limit: int) -> bool:
-    """Whether a decoded map nests containers at most `limit` levels deep (counted without recursion; map keys are
-    strings, as msgpack was told to require)."""
-    pending = [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if depth > limit:
-            return False
-        for child in item.values() if isinstance(item, dict) else item:
-            if isinstance(child, dict | tuple | list):
-                pending.append((child, depth + 1))
-    return True
-
-
-def _describe(error: ValidationError, kind: object) -> str:
-    parts = []
-    for item in error.errors(include_url=False)[:3]:
-        location = item["loc"][1:] if item["loc"][:1] == (kind,) else item["loc"]  # the union's tag: said already
-        where = ".".join(str(part) for part in location)
-        parts.append(f"{where}: {item['msg']}" if where else item["msg"])
-    return "; ".join(parts)
-
-
 def decode(raw: bytes, kinds: TypeAdapter, *, max_bytes: int = MAX_METADATA_BYTES) -> Message:
     """The message in a peer's metadata bytes, as one of the models `kinds` accepts; BadRequestError otherwise (see
     the module docstring for every check, all made before anything is built from the bytes). `max_bytes`: a larger
     bound for the few answers that carry a whole record (MAX_INFO_BYTES)."""
-    if len(raw) > max_bytes:
-        raise BadRequestError(f"message of {len(raw)} bytes exceeds {max_bytes}")
-    try:
-        value = msgpack.unpackb(
-            raw,
-            raw=False,
-            strict_map_key=True,
-            use_list=False,  # arrays as tuples: the models' sequences are tuples (strict types)
-            ext_hook=_no_extensions,
-        )
-    except Exception as exc:  # msgpack raises several types for malformed input
-        raise BadRequestError(f"message is not valid msgpack: {str(exc)[:200]}") from None
-    if not isinstance(value, dict):
-        raise BadRequestError(f"a message is a map with a 'kind', got {type(value).__name__}")
-    if not _nested_within(value, MAX_DEPTH):
-        raise BadRequestError(f"message nested deeper than {MAX_DEPTH} levels")
+    value = read_map(raw, max_bytes=max_bytes, max_depth=MAX_DEPTH)
     try:
         return kinds.validate_python(value)
     except ValidationError as exc:
         kind = value.get("kind")
         label = f"{kind[:32]} message" if isinstance(kind, str) else "message"
-        raise BadRequestError(f"{label}: {_describe(exc, kind)}") from None
+        raise BadRequestError(f"{label}: {describe(exc, kind)}") from None
     except (TypeError, ValueError) as exc:  # a value no validator expected (say, bytes where text belongs)
         raise BadRequestError(f"malformed message: {str(exc)[:200]}") from None
 
@@ -573,6 +552,8 @@ __all__ = [
     "OpenTraining",
     "Opened",
     "Retarget",
+    "Records",
+    "RecordsRequest",
     "Retargeted",
     "TrainApplied",
     "TrainApply",

@@ -13,7 +13,8 @@ A session (one client stream, `serve_session`):
      step is not computed and handed on within `step_timeout_s` (a stuck next node, or this node stalled), or when
      the node preempts it, idle, to admit another (server/sessions.py).
 A step whose step_id equals the previous one is a duplicate: its recorded output is the answer, not recomputed.
-HistoryRequest and Retarget are the client's failover controls, answered in order with the steps.
+HistoryRequest and Retarget are the client's failover controls, answered in order with the steps; RecordsRequest
+fetches the session's signed hop records (server/window_log.py), kept when the client opened it with `commit_hop`.
 """
 
 from __future__ import annotations
@@ -47,18 +48,22 @@ from nesa_node.protocol.messages import (
     HistoryRequest,
     Opened,
     OpenSession,
+    Records,
+    RecordsRequest,
     Retarget,
     Retargeted,
     Step,
     StepResult,
     expect,
 )
-from nesa_node.protocol.tensors import tensor_to_proto
+from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
 from nesa_node.server.push import PushSender
 from nesa_node.server.sessions import END_OF_SESSION, Inbound, ServerSession, SessionTable
+from nesa_node.server.window_log import WindowLog
+from nesa_node.verification.receipts import RecordSigner
 
 logger = logging.getLogger(__name__)
 
@@ -86,8 +91,10 @@ class InferenceService:
         *,
         adapters: NodeAdapters,
         metrics=None,
+        signer: RecordSigner | None = None,
     ):
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
+        self.signer = signer  # signs hop records with the node's identity key; None: sessions asking are refused
         self.adapters = adapters
         self.sessions = sessions
         self.compute = compute
@@ -181,6 +188,8 @@ class InferenceService:
         self, request: Frame, channel: Channel, client_peer: str, upload: Frame | None = None
     ) -> ServerSession:
         message = expect(read(request, TO_SESSION), OpenSession)
+        if message.commit_hop is not None and self.signer is None:
+            raise BadRequestError("this node signs no hop records (it has no identity key)")
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
         adapter, release = None, None
@@ -197,6 +206,17 @@ class InferenceService:
                 release()
             raise
         session.adapter, session.release_adapter = adapter, release
+        if message.commit_hop is not None:
+            session.window_log = WindowLog(
+                self.signer,
+                session_id=message.session_id,
+                hop=message.commit_hop,
+                blocks=blocks,
+                hidden_size=self.compute.span.hidden_size,
+                weights_hash=self.compute.span.weights_hash,
+                adapter_hash=message.adapter or "",
+                codec=session.output_codec.name,
+            )
         return session
 
     async def _read_stream(self, channel: StreamChannel, session: ServerSession) -> None:
@@ -238,7 +258,7 @@ class InferenceService:
             try:
                 if item.error is not None:
                     raise item.error
-                if isinstance(item.message, HistoryRequest | Retarget):
+                if isinstance(item.message, HistoryRequest | Retarget | RecordsRequest):
                     await self._answer(session.reply, self._control(session, item.message))
                     continue
                 if not await self._step(session, item.frame, expect(item.message, Step)):
@@ -371,12 +391,20 @@ class InferenceService:
             session.outputs.append(output)
         session.last_step_id, session.last_output, session.last_digest = step.step_id, output, digest
         session.last_upstream = session.upstream_peer
+        if session.window_log is not None:
+            session.window_log.add(step.position, hidden, output)
         return output, seconds
 
-    def _control(self, session: ServerSession, message: HistoryRequest | Retarget) -> Frame:
+    def _control(self, session: ServerSession, message: HistoryRequest | Retarget | RecordsRequest) -> Frame:
         """Session control from the client, in order with its steps (failover of a neighbouring node): a history
         request returns this node's outputs for the first `position` tokens (lossless), so a replacement for the next
         span can rebuild its cache; a retarget points the node at a new next node and/or upstream, each when given."""
+        if isinstance(message, RecordsRequest):
+            if session.window_log is None:
+                raise BadRequestError("this session was opened without hop records (commit_hop)")
+            records = session.window_log.take(final=message.final)
+            tensors = [bytes_to_proto(self.signer.public_key)] + [bytes_to_proto(r.to_bytes()) for r in records]
+            return frame(Records(count=len(records)), tensors)
         if isinstance(message, HistoryRequest):
             kept = sum(output.shape[1] for output in session.outputs)  # tokens; only nodes with a next node keep any
             if not message.position <= kept:

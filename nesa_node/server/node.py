@@ -58,6 +58,7 @@ from nesa_node.server.throughput import cached_measure
 from nesa_node.server.training import TrainingService
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
+from nesa_node.verification.receipts import RecordSigner
 from nesa_node.version import __version__
 
 logger = logging.getLogger(__name__)
@@ -192,10 +193,17 @@ class Node:
         )
         node.compute = BlockCompute(span, compute, config.limits)
         push = PushSender(peer.p2p, node.sessions, peer_timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes)
-        node.inference = InferenceService(
-            node.sessions, node.compute, push, config.limits, network, adapters=adapters, metrics=node.metrics
-        )
         signer = peer.signature_validator._private_key if peer.signature_validator is not None else None
+        node.inference = InferenceService(
+            node.sessions,
+            node.compute,
+            push,
+            config.limits,
+            network,
+            adapters=adapters,
+            metrics=node.metrics,
+            signer=RecordSigner(signer) if signer is not None else None,
+        )
         node.training = TrainingService(
             node.compute,
             config.limits,

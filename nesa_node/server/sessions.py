@@ -101,6 +101,7 @@ class ServerSession:
     busy: bool = False  # a step is being computed or handed on
     adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
     release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
+    window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
 
     @property
     def key(self) -> SessionKey:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import uvicorn
 
@@ -26,6 +28,21 @@ class Served:
     def close(self) -> None:
         self.server.should_exit = True
         self.task.result(timeout=30)
+
+
+def complete(served: Served, body: dict) -> dict:
+    """POST `body` to the gateway's /v1/completions; its JSON answer."""
+    request = urllib.request.Request(
+        served.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def metrics_text(served: Served) -> str:
+    """The gateway's /metrics page."""
+    with urllib.request.urlopen(served.url + "/metrics", timeout=10) as answer:
+        return answer.read().decode()
 
 
 class _nothing:

@@ -87,6 +87,23 @@ def test_completions_at_temperature_0_give_the_single_process_text(served, refer
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_a_gateway_with_private_edges_gives_the_same_text(served, reference, tiny_llama):
+    node, module_swarm = served[2], served[0].swarm  # the node serves 0:4; this client runs blocks 0 and 3 itself
+    model = module_swarm.run(
+        AsyncDistributedModel.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX, private_edges=(1, 1)
+        )
+    )
+    gateway = Served(module_swarm, Gateway(model, served[3], model_name=NAME))
+    try:
+        assert module_swarm.run(model.choose_chain(max_length=8)).hops[0].peer_id == node.peer_id
+        answer = client(gateway).completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=0)
+        assert answer.choices[0].text == reference[0]
+    finally:
+        gateway.close()
+        module_swarm.run(model.close())
+
+
 @pytest.mark.parametrize("include_usage", [None, False, True])
 def test_the_event_stream_framing_byte_for_byte(served, include_usage):
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True}

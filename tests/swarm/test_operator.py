@@ -279,6 +279,14 @@ def test_generate_without_a_length_gives_what_transformers_gives(operator, tiny_
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "UserWarning" not in result.stderr, result.stderr
 
+    # the client keeping one block at each edge prints the same text (the swarm then serves blocks 1:3 only)
+    edges = operator.run(
+        "generate", "--model", tiny_llama, "--initial-peers", address, "--prompt", "Beautiful is",
+        "--private-edges", "1,1",
+    )  # fmt: skip
+    assert edges.returncode == 0, edges.stderr
+    assert edges.stdout == result.stdout and result.stdout.strip()
+
 
 # ---- mistakes --------------------------------------------------------------------------------------------------------
 
