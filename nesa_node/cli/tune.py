@@ -62,7 +62,7 @@ def run_tune(args) -> int:
     import numpy as np
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from nesa_node.routing.ga import evolve, population_latency, save_params
+    from nesa_node.routing.ga import evolve, paired_comparison, request_latencies, save_params
     from nesa_node.routing.measured import snapshot_fitness, synthetic_requests
     from nesa_node.routing.simulate import Simulator
 
@@ -75,6 +75,7 @@ def run_tune(args) -> int:
         requests = synthetic_requests(args.requests, np.random.default_rng(args.seed))
         latency = snapshot_fitness(snapshot, requests)
         heldout = snapshot_fitness(snapshot, synthetic_requests(args.requests, np.random.default_rng(args.seed + 1)))
+        validate = None
     else:
         chosen = load_scenario(args.scenario)
         source = f"scenario {chosen.name}"
@@ -83,10 +84,14 @@ def run_tune(args) -> int:
         other = simulator.requests(args.requests, args.seed + 1)
 
         def latency(population):
-            return population_latency(simulator, training, population)
+            return request_latencies(simulator, training, population).mean(axis=1)
 
         def heldout(population):
-            return population_latency(simulator, other, population)
+            return request_latencies(simulator, other, population).mean(axis=1)
+
+        def validate(pair):  # the simulator gives per-request latencies: keep the untuned set unless tuned wins
+            untuned_each, tuned_each = request_latencies(simulator, other, pair)
+            return paired_comparison(untuned_each, tuned_each)
 
     started = time.perf_counter()
     columns = (TextColumn("tuning {task.description}"), BarColumn(), TextColumn("{task.fields[best]}"))
@@ -109,7 +114,18 @@ def run_tune(args) -> int:
             seed=args.seed,
             progress=report,
             template=template,
+            initial=(template,),  # the untuned exponents: the result is never worse on the training requests
         )
+    untuned = template  # all exponents 1: what clients use without a params file
+    verdict = validate([untuned, params]) if validate is not None and params != untuned else None
+    if verdict is not None and not verdict["accepted"]:
+        print(
+            f"tuned ({params.gamma:.3f}, {params.beta:.3f}, {params.alpha:.3f}) is not better than untuned on "
+            f"{verdict['requests']} held-out requests by 2 standard errors ({verdict['tuned_s']:.3f} vs "
+            f"{verdict['untuned_s']:.3f} s, standard error {verdict['paired_standard_error_s']:.3f} s): writing "
+            "the untuned exponents"
+        )
+        params = untuned
     save_params(params, args.out)
     first, last = history[0]["best_latency_s"], history[-1]["best_latency_s"]
     print(
@@ -117,7 +133,6 @@ def run_tune(args) -> int:
         f"{params.window}; best mean latency {first:.3f} s in generation 0, {last:.3f} s after {args.generations} "
         f"({time.perf_counter() - started:.1f} s, {source})"
     )
-    untuned = RoutingParams(window=args.window)  # all exponents 1: what clients use without a params file
     before_train, after_train = latency([untuned, params])
     before_held, after_held = heldout([untuned, params])
     print(
