@@ -29,7 +29,8 @@ def swarm_of_two(module_swarm, tiny_llama):
     ]
     yield module_swarm
     for node in nodes:
-        module_swarm.stop_node(node)
+        if node in module_swarm.nodes:  # a test may have stopped it already
+            module_swarm.stop_node(node)
 
 
 @pytest.fixture
