@@ -21,8 +21,17 @@ Prints ONE JSON line to stdout (progress goes to stderr):
   `classifier_s` (features -> class), `classify_apply_s` (classify + apply, the diagrams already made by the
   monitor), `diagrams_s` (snapshot -> features, if the monitor had not made them), `recompute_s`. Targets: accuracy
   and the worst ratio >= 0.95, classify + apply under a tenth of recomputing.
+- novelty: the book's radius (a snapshot beyond it is a state the book does not know, and nodes recompute), on
+  `--novelty-nodes` nodes of the same five states: each state left out of a book of the other four in turn.
+  `known_within_radius` is the share of held-out snapshots of the book's states within its radius,
+  `unknown_beyond_radius` that of the left-out state's snapshots beyond it; the distances are in units of each book's
+  widest own spread. Target: both 1.0.
+- book_in_life: six hours of `global-600-six-hours` under the homology trigger alone and following a schema book as
+  nodes given `--schema-book` do (topology/adoption.py), the book built from 3 remeasured snapshots at each of 10
+  other times of the scenario (its five states, 5 classes), at the book's default margin and at balancing's 5%:
+  mean and 10th-percentile throughput, moves, expected requests dropped. Reported as measured; no target.
 
-    python bench/topology.py [--repeats 5] [--skip-triggers] [--schema-nodes 1000]
+    python bench/topology.py [--repeats 5] [--skip-triggers] [--schema-nodes 1000] [--novelty-nodes 200]
 
 Timings on a shared machine are noisy; the JSON carries the load average at the start and the end.
 """
@@ -46,11 +55,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nesa_node.routing.scenarios import SCENARIOS, City, ClusterJoin, LinkDegradation, Outage  # noqa: E402
 from nesa_node.routing.simulate import Simulator  # noqa: E402
 from nesa_node.sharding.balancing import best_placement, placement_from_snapshot  # noqa: E402
+from nesa_node.topology.adoption import SCHEMA_MARGIN  # noqa: E402
 from nesa_node.topology.graph import swarm_graph  # noqa: E402
 from nesa_node.topology.homology import diagrams, features  # noqa: E402
-from nesa_node.topology.life import calibrate, simulate_life  # noqa: E402
+from nesa_node.topology.life import LifeConfig, calibrate, simulate_life  # noqa: E402
 from nesa_node.topology.monitor import snapshot_distances  # noqa: E402
-from nesa_node.topology.schemas import apply_schema, bottleneck_throughput, build_book, classify  # noqa: E402
+from nesa_node.topology.schemas import (  # noqa: E402
+    FAR_FACTOR,
+    apply_schema,
+    bottleneck_throughput,
+    build_book,
+    classify,
+)
 from nesa_node.topology.triggers import HomologyTrigger, LoadVariationTrigger, PeriodicTrigger  # noqa: E402
 
 
@@ -127,14 +143,7 @@ def trigger_table() -> dict:
 
 
 def schema_table(nodes: int, book_per_state: int = 6, held_out_per_state: int = 4) -> dict:
-    europe, america, asia = tuple(range(7)), tuple(range(7, 12)), tuple(range(12, 17))
-    states = {
-        "all up": {},
-        "asia down": {"outages": (Outage(asia, 0.0),)},
-        "europe down": {"outages": (Outage(europe, 0.0),)},
-        "cluster joined": {"joins": (ClusterJoin(City("Sao Paulo", -23.5, -46.6), nodes // 5, 0.0),)},
-        "transatlantic slow": {"degradations": (LinkDegradation(europe, america, 4.0, 0.0),)},
-    }
+    states = five_states(nodes)
     base = replace(SCENARIOS["global-1000"], name=f"global-{nodes}-states", num_nodes=nodes, duration_s=3 * 3600)
     simulators = [Simulator(replace(base, **events)) for events in states.values()]
     book_snapshots = [
@@ -245,11 +254,104 @@ def stability_under_churn(requests: int, seeds: tuple[int, ...] = (101, 102, 103
     return result
 
 
+def five_states(nodes: int) -> dict:
+    europe, america, asia = tuple(range(7)), tuple(range(7, 12)), tuple(range(12, 17))
+    return {
+        "all up": {},
+        "asia down": {"outages": (Outage(asia, 0.0),)},
+        "europe down": {"outages": (Outage(europe, 0.0),)},
+        "cluster joined": {"joins": (ClusterJoin(City("Sao Paulo", -23.5, -46.6), nodes // 5, 0.0),)},
+        "transatlantic slow": {"degradations": (LinkDegradation(europe, america, 4.0, 0.0),)},
+    }
+
+
+def novelty_table(nodes: int, book_per_state: int = 6, held_out_per_state: int = 4) -> dict:
+    states = five_states(nodes)
+    base = replace(SCENARIOS["global-1000"], name=f"global-{nodes}-states", num_nodes=nodes, duration_s=3 * 3600)
+    simulators = [Simulator(replace(base, **events)) for events in states.values()]
+    book_snapshots = [[sim.snapshot(300.0 + 600.0 * i, remeasure_seed=i) for i in range(book_per_state)]
+                      for sim in simulators]  # fmt: skip
+    book_diagrams = [[diagrams(swarm_graph(snapshot)) for snapshot in row] for row in book_snapshots]
+    held_out = [
+        [features(diagrams(swarm_graph(sim.snapshot(390.0 + 900.0 * i, remeasure_seed=1000 + i))))
+         for i in range(held_out_per_state)]
+        for sim in simulators
+    ]  # fmt: skip
+    known_in = known_total = unknown_out = unknown_total = 0
+    known_max = unknown_min = None
+    per_state = {}
+    for left, name in enumerate(states):
+        keep = [index for index in range(len(states)) if index != left]
+        book = build_book(
+            [snapshot for index in keep for snapshot in book_snapshots[index]],
+            rng=np.random.default_rng(0),
+            snapshot_diagrams=[entry for index in keep for entry in book_diagrams[index]],
+        )
+        spread = book.radius / FAR_FACTOR
+        known = [classify(book, vector)[1] / spread for index in keep for vector in held_out[index]]
+        unknown = [classify(book, vector)[1] / spread for vector in held_out[left]]
+        known_in += sum(value <= FAR_FACTOR for value in known)
+        unknown_out += sum(value > FAR_FACTOR for value in unknown)
+        known_total, unknown_total = known_total + len(known), unknown_total + len(unknown)
+        known_max = max(known + ([known_max] if known_max is not None else []))
+        unknown_min = min(unknown + ([unknown_min] if unknown_min is not None else []))
+        per_state[name] = {"classes": len(book.schemas), "known_max": max(known), "unknown_min": min(unknown)}
+        log(f"  {name} left out: {json.dumps(per_state[name])}")
+    return {
+        "nodes": nodes,
+        "far_factor": FAR_FACTOR,
+        "known_within_radius": known_in / known_total,
+        "unknown_beyond_radius": unknown_out / unknown_total,
+        "known_max_over_spread": known_max,
+        "unknown_min_over_spread": unknown_min,
+        "per_state_left_out": per_state,
+    }
+
+
+def book_in_life() -> dict:
+    hour = 3600.0
+    scenario = SCENARIOS["global-600-six-hours"]
+    times = [0.5, 1.0, 1.75, 2.25, 3.25, 3.75, 4.1, 4.4, 5.25, 5.75]  # hours: two in each of the five states
+    simulator = Simulator(scenario)
+    snapshots = [simulator.snapshot(hours * hour + 120 * k + 7, remeasure_seed=100 + k) for hours in times
+                 for k in range(3)]  # fmt: skip
+    started = time.perf_counter()
+    book = build_book(snapshots, rng=np.random.default_rng(0), classes=5)
+    log(f"  book of {len(snapshots)} snapshots, {len(book.schemas)} classes in {time.perf_counter() - started:.1f} s")
+    threshold = calibrate(simulator)
+    table = {}
+    for name, chosen, config in (
+        ("homology", None, LifeConfig()),
+        ("homology+book", book, LifeConfig()),
+        ("homology+book_margin_5pct", book, LifeConfig(schema_margin=0.05)),
+    ):
+        started = time.perf_counter()
+        result = simulate_life(simulator, HomologyTrigger(threshold), config, book=chosen)
+        table[name] = result.summary() | {"wall_s": time.perf_counter() - started}
+        log(f"  {name}: {json.dumps(table[name])}")
+    alone = table["homology"]
+    return {
+        "scenario": scenario.name,
+        "schema_margin": SCHEMA_MARGIN,
+        "table": table,
+        "book_vs_alone": {
+            name: {
+                "throughput_ratio": row["mean_throughput_tps"] / alone["mean_throughput_tps"],
+                "p10_ratio": row["p10_throughput_tps"] / alone["p10_throughput_tps"],
+                "moves_ratio": row["moves"] / max(alone["moves"], 1),
+            }
+            for name, row in table.items()
+            if name != "homology"
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--skip-triggers", action="store_true", help="timings only")
     parser.add_argument("--schema-nodes", type=int, default=1000, help="swarm size of the schema section")
+    parser.add_argument("--novelty-nodes", type=int, default=200, help="swarm size of the novelty section")
     parser.add_argument(
         "--stability-requests", type=int, default=200, help="requests per held-out seed, stability under churn"
     )
@@ -266,6 +368,11 @@ def main() -> None:
     log("precomputed schemas")
     result["schemas"] = schema_table(args.schema_nodes)
     result["classifier_time_s"] = result["schemas"]["classifier_s"]
+    log("schema book radius: states left out")
+    result["novelty"] = novelty_table(args.novelty_nodes)
+    if not args.skip_triggers:
+        log("six hours of swarm life following a schema book")
+        result["book_in_life"] = book_in_life()
     result["loadavg_end"] = os.getloadavg()
     targets = {
         "snapshot_1000_under_0_5s": result["snapshot_s"]["1000"]["total_s"] < 0.5,
@@ -277,6 +384,9 @@ def main() -> None:
     )
     targets["schema_classify_apply_under_a_tenth_of_recompute"] = (
         schemas["classify_apply_s"] < 0.1 * schemas["recompute_s"]
+    )
+    targets["novelty_known_within_and_unknown_beyond_the_radius"] = (
+        result["novelty"]["known_within_radius"] == 1.0 and result["novelty"]["unknown_beyond_radius"] == 1.0
     )
     if "triggers" in result:
         ratios = result["triggers"]["homology_vs_best"]

@@ -33,7 +33,9 @@
     ├── IdentityFileError           identity         an identity key file that is a link, not ours, or unreadable
     ├── InitialPeersError           initial_peers    --initial-peers malformed, or none of them answered
     ├── TrainingDataError           training_data    a fine-tuning data file missing, empty or malformed
-    └── ReceiptError                receipt          a hop record, commitment or receipts file that does not decode
+    ├── ReceiptError                receipt          a hop record, commitment or receipts file that does not decode
+    ├── WeightsManifestError        weights_manifest a weights manifest file that cannot be read or is not one
+    └── SchemaBookError             schema_book      a topology schema book or swarm recording that cannot be read
 
 Errors that cross the wire are sent as (code, message) and rebuilt on the other side by `error_from_code`.
 """
@@ -142,6 +144,13 @@ class WeightsManifestError(NesaError):
     not one."""
 
     code = "weights_manifest"
+
+
+class SchemaBookError(NesaError):
+    """A topology schema book (`nesa-node schema build`, topology/schemas.py) or a swarm recording (`nesa-node schema
+    record`) that cannot be read, is not one, or does not fit the model (another number of blocks)."""
+
+    code = "schema_book"
 
 
 class CheckpointError(NesaError):

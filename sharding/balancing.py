@@ -22,6 +22,9 @@ all ones when every request runs the whole model) the swarm's throughput is its 
   than the hysteresis `margin`. A swarm whose nodes decide alone and at once flip-flops: they all see the same weak
   block and all move to it. Here every node computes the same plan from the same snapshot (nodes sorted by peer
   id, deterministic ties) and only the nodes in the plan move, a few per round.
+- Toward a target (`plan_toward`): the moves that take the swarm to given spans (a topology class's precomputed
+  schema, topology/schemas.py) under the same rules: hysteresis, a few moves per round, and no block left without
+  a serving node, also while the planned movers drain and load at once.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ __all__ = [
     "placement_from_snapshot",
     "plan_hole_cover",
     "plan_moves",
+    "plan_toward",
     "served_throughput",
     "should_move",
     "swarm_throughput",
@@ -183,6 +187,135 @@ def plan_moves(placement: Placement, *, margin: float = MARGIN, max_moves: int |
     if best_value > initial * (1.0 + margin):
         return tuple(moves[:best_prefix])  # the shortest prefix reaching the best bottleneck
     return ()
+
+
+def _pressure(served: np.ndarray, demand: np.ndarray) -> float:
+    """Summed per-block load sum_b demand_b / served_b (inf while a block is unserved)."""
+    with np.errstate(divide="ignore"):
+        return float((demand / np.maximum(served, 0.0)).sum())
+
+
+def _interchanged(placement: Placement, target: np.ndarray, tolerance: float) -> np.ndarray:
+    """`target` with the starts traded among interchangeable nodes (one length, throughputs within `tolerance` of
+    the group's fastest) so that as many nodes as possible keep their current start: within each group a node whose
+    start is one of the group's target starts keeps it, the others take the rest in index order, starts ascending."""
+    matched = target.copy()
+    for length in np.unique(placement.length).tolist():
+        members = np.flatnonzero(placement.length == length)
+        members = members[np.argsort(-placement.throughput[members], kind="stable")]
+        groups: list[list[int]] = []
+        for node in members.tolist():
+            if groups and placement.throughput[node] >= placement.throughput[groups[-1][0]] * (1.0 - tolerance):
+                groups[-1].append(node)
+            else:
+                groups.append([node])
+        for group in groups:
+            group.sort()
+            pool = sorted(int(target[node]) for node in group)
+            waiting = []
+            for node in group:
+                current = int(placement.start[node])
+                if current in pool:
+                    pool.remove(current)
+                    matched[node] = current
+                else:
+                    waiting.append(node)
+            for node, start in zip(waiting, pool, strict=True):
+                matched[node] = start
+    return matched
+
+
+def plan_toward(
+    placement: Placement,
+    target: np.ndarray,
+    *,
+    serving: np.ndarray | None = None,
+    margin: float = MARGIN,
+    max_moves: int | None = None,
+    tolerance: float = MARGIN,
+) -> tuple[Move, ...]:
+    """The moves, in order, that take the swarm from `placement` toward the spans starting at `target` (n,), such as
+    a topology class's precomputed schema (topology/schemas.py), with rebalancing's safety rules:
+
+    - Fewest moves: nodes of one length whose throughputs lie within `tolerance` (relative) of each other are
+      interchangeable, so they trade target starts and as many as possible keep their span (`_interchanged`); the
+      served throughput per block is the target's up to that tolerance.
+    - Hysteresis: nothing moves unless the target's bottleneck T beats the current one by more than `margin`
+      (relative), or, with margin 0, equals it with a lower summed load. A daemon adopting a schema starts with
+      MARGIN and passes 0 once under way, so the swarm goes the whole way.
+    - No block left unserved: `serving` (n,) marks the nodes that serve their span now (online: not draining, not
+      still loading; default all). A node is planned only if every block serving nodes cover now keeps a serving
+      node that is not moving in this plan, so blocks stay served while every planned mover drains and loads, even
+      when they all move at once.
+    - No move lowers T (counting the moves planned before it at their new spans).
+    - Order: greedily the movable node whose move gives the highest T with the moves planned so far (ties: the least
+      summed load, then the lower index), at most once per node, up to `max_moves` (default MAX_MOVES_SHARE of the
+      nodes, at least one); then cut to the shortest prefix that reaches the best T of those moves, or to the first
+      move alone when none raises T (a move that makes room: the gain needs more moves than one round). A node that
+      cannot move yet waits for a later round; a target that only a dip in T or a bare block leads to is not
+      reached, and the swarm stays where the last safe move left it.
+
+    Raises ValueError for a target of another shape or outside the model, or a negative margin or tolerance."""
+    count, blocks = placement.start.size, placement.num_blocks
+    target = np.asarray(target, np.int64)
+    if target.shape != (count,):
+        raise ValueError(f"target must hold one start per node ({count}), got shape {target.shape}")
+    if np.any(target < 0) or np.any(target + placement.length > blocks):
+        raise ValueError("every target span must lie inside [0, num_blocks)")
+    if margin < 0 or tolerance < 0:
+        raise ValueError("margin and tolerance must be >= 0")
+    serving = np.ones(count, bool) if serving is None else np.asarray(serving, bool)
+    if serving.shape != (count,):
+        raise ValueError("serving must hold one flag per node")
+    limit = max(1, int(MAX_MOVES_SHARE * count)) if max_moves is None else max_moves
+    goal = _interchanged(placement, target, tolerance)
+    served_now, _ = served_throughput(blocks, placement.start, placement.length, placement.throughput)
+    served_goal, _ = served_throughput(blocks, goal, placement.length, placement.throughput)
+    now, best = swarm_throughput(served_now, placement.demand), swarm_throughput(served_goal, placement.demand)
+    if margin > 0:
+        worth = best > now * (1.0 + margin)
+    else:
+        worth = best > now or (
+            best >= now and _pressure(served_goal, placement.demand) < _pressure(served_now, placement.demand)
+        )
+    if not worth:
+        return ()
+    ones = np.ones(count)
+    _, covered = served_throughput(blocks, placement.start[serving], placement.length[serving], ones[serving])
+    covered = covered >= 1  # (blocks,) the blocks serving nodes hold now: each must keep one that stays
+    start, moved = placement.start.copy(), np.zeros(count, bool)
+    moves: list[Move] = []
+    for _ in range(limit):
+        served, _ = served_throughput(blocks, start, placement.length, placement.throughput)
+        before = swarm_throughput(served, placement.demand)
+        best_key, chosen = None, -1
+        for node in np.flatnonzero(placement.movable & ~moved & (start != goal)).tolist():
+            staying = serving & ~moved
+            staying[node] = False
+            _, kept = served_throughput(blocks, start[staying], placement.length[staying], ones[staying])
+            if np.any(covered & (kept < 1)):
+                continue
+            trial = start.copy()
+            trial[node] = goal[node]
+            served_after, _ = served_throughput(blocks, trial, placement.length, placement.throughput)
+            after = swarm_throughput(served_after, placement.demand)
+            if after < before * (1.0 - 1e-12):  # a move never lowers T
+                continue
+            key = (-after, _pressure(served_after, placement.demand), node)
+            if best_key is None or key < best_key:
+                best_key, chosen = key, node
+        if best_key is None:
+            break
+        moves.append(
+            Move(chosen, _peer(placement, chosen), int(start[chosen]), int(goal[chosen]), before, -best_key[0])
+        )
+        start[chosen], moved[chosen] = goal[chosen], True
+    if not moves:
+        return ()
+    reached = [move.throughput_after for move in moves]
+    if max(reached) > now:  # the shortest prefix that reaches the round's best T: later moves can wait
+        return tuple(moves[: int(np.argmax(reached)) + 1])
+    return tuple(moves[:1])  # no prefix raises T this round: one move that clears the way
 
 
 def apply_moves(placement: Placement, moves: tuple[Move, ...]) -> Placement:

@@ -4,7 +4,9 @@ At every announce tick: nodes that came back or joined pick their span with the 
 (sharding/balancing.join_span) and load it; the trigger under test looks at the snapshot the nodes announced (with
 the moved spans); once it fires, the swarm runs rebalancing rounds (balancing.plan_moves, a few nodes per round)
 until a round finds no move worth its margin. The same joining rule, planner and margins serve every trigger, so
-the comparison is of the triggers alone.
+the comparison is of the triggers alone. With a schema book the nodes also follow it (adoption.follow_book, as a
+node daemon given `--schema-book` does): a class change moves the swarm toward the class's stored assignment, and a
+snapshot far from every class starts the trigger's planning.
 
 Measured on the truth, not on the announced figures:
 - throughput: the swarm's bottleneck throughput (balancing.swarm_throughput) of the nodes that are online and not
@@ -30,9 +32,11 @@ from nesa_node.sharding.balancing import (
     served_throughput,
     swarm_throughput,
 )
+from nesa_node.topology.adoption import SCHEMA_MARGIN, BookState, follow_book
 from nesa_node.topology.graph import swarm_graph
-from nesa_node.topology.homology import diagrams
+from nesa_node.topology.homology import diagrams, features
 from nesa_node.topology.monitor import ChangeThreshold, learn_threshold
+from nesa_node.topology.schemas import SchemaBook, apply_schema
 from nesa_node.topology.triggers import TriggerInput
 
 LOAD_GBPS = 1.0  # GB/s a node reads weights from its local disk into the GPU (guess: NVMe, fp16 safetensors)
@@ -47,6 +51,7 @@ __all__ = ["LifeConfig", "LifeResult", "calibrate", "simulate_life"]
 @dataclass(frozen=True)
 class LifeConfig:
     margin: float = MARGIN  # hysteresis of the planner
+    schema_margin: float = SCHEMA_MARGIN  # hysteresis of adopting a schema book's assignment
     max_moves: int | None = None  # per rebalancing round; None: balancing.MAX_MOVES_SHARE of the nodes
     request_rate_per_s: float = REQUEST_RATE_PER_S
     session_s: float = SESSION_S
@@ -63,6 +68,8 @@ class LifeResult:
     failed_requests: float  # expected requests dropped by moving nodes
     firings: int  # times the trigger fired
     rounds: int  # rebalancing rounds run
+    schema_moves: int = 0  # of `moves`, those toward a schema book's assignment
+    class_changes: int = 0  # times the book's class of the snapshot changed (far from every class included)
 
     def summary(self) -> dict:
         return {
@@ -74,6 +81,8 @@ class LifeResult:
             "failed_requests": self.failed_requests,
             "firings": self.firings,
             "rounds": self.rounds,
+            "schema_moves": self.schema_moves,
+            "class_changes": self.class_changes,
         }
 
 
@@ -83,8 +92,15 @@ def calibrate(simulator: Simulator, time_s: float = 0.0, count: int = CALIBRATIO
     return learn_threshold(repeated)
 
 
-def simulate_life(simulator: Simulator, trigger, config: LifeConfig = LifeConfig()) -> LifeResult:
-    """Run the scenario's whole duration, one step per announce period, under `trigger` (triggers.py)."""
+def simulate_life(
+    simulator: Simulator, trigger, config: LifeConfig = LifeConfig(), *, book: SchemaBook | None = None
+) -> LifeResult:
+    """Run the scenario's whole duration, one step per announce period, under `trigger` (triggers.py), following
+    `book` too when given (the module docstring). Raises ValueError for a book of another model."""
+    if book is not None and book.num_blocks != simulator.scenario.model.num_blocks:
+        raise ValueError(
+            f"the book is for {book.num_blocks} blocks, the model has {simulator.scenario.model.num_blocks}"
+        )
     scenario = simulator.scenario
     period = scenario.announce_period_s
     ticks = int(scenario.duration_s // period)
@@ -96,8 +112,9 @@ def simulate_life(simulator: Simulator, trigger, config: LifeConfig = LifeConfig
     was_online = np.zeros(simulator.num_nodes, bool)
     demand = np.ones(scenario.model.num_blocks)
     state = trigger.start()
+    book_state = BookState()
     episode = False
-    moves = firings = rounds = 0
+    moves = firings = rounds = schema_moves = class_changes = 0
     failed = 0.0
     throughput = np.zeros(ticks)
     for tick in range(ticks):
@@ -129,13 +146,33 @@ def simulate_life(simulator: Simulator, trigger, config: LifeConfig = LifeConfig
         )
         state, fired = trigger.step(state, TriggerInput(now, snapshot, placement))
         firings += int(fired)
-        episode = episode or fired
-        if not episode:
-            continue
-        rounds += 1
-        planned = plan_moves(placement, margin=config.margin, max_moves=config.max_moves)
-        if not planned:
-            episode = False
+        planned = None
+        if book is not None:
+            assignment = apply_schema(snapshot, book, feature_vector=features(diagrams(swarm_graph(snapshot))))
+            book_state, step = follow_book(
+                book_state,
+                assignment,
+                placement,
+                serving=placement.movable,
+                fired=fired,
+                margin=config.schema_margin,
+                max_moves=config.max_moves,
+            )
+            class_changes += int(step.changed)
+            episode = episode or step.recompute
+            if step.moves is not None:  # the book decides
+                episode = False
+                planned = step.moves
+                rounds += int(bool(planned))
+                schema_moves += len(planned)
+        if planned is None:
+            episode = episode or fired
+            if not episode:
+                continue
+            rounds += 1
+            planned = plan_moves(placement, margin=config.margin, max_moves=config.max_moves)
+            if not planned:
+                episode = False
         for move in planned:
             node = int(index[move.node])
             if serving[node]:
@@ -145,4 +182,7 @@ def simulate_life(simulator: Simulator, trigger, config: LifeConfig = LifeConfig
             start[node] = move.to_start
             busy_until[node] = now + load_s[node]
             moves += 1
-    return LifeResult(trigger.name, np.arange(ticks) * period, throughput, moves, failed, firings, rounds)
+    name = trigger.name if book is None else f"{trigger.name}+book"
+    return LifeResult(
+        name, np.arange(ticks) * period, throughput, moves, failed, firings, rounds, schema_moves, class_changes
+    )

@@ -31,7 +31,16 @@ applied schema leaves any block without a server, it is dropped and `best_placem
 (`Assignment.recomputed`). Measured: the picked template's bottleneck throughput is 0.988 of recomputing on average,
 0.971 at worst (200 nodes; 0.996 and 0.992 at 1,000 nodes, bench/topology.py), in ~0.3 ms against ~30 ms (1 ms
 against 330 ms at 1,000 nodes); a wrong class's template as little as 0.62 (Asia's schema with Asia back up), so
-the classifier matters; after a misread class the worst seen was 0.89. Rejected: shares of throughput per start
+the classifier matters; after a misread class the worst seen was 0.89.
+
+Far from every class. The nearest centroid always names some class, also for a state the book never saw; then its
+template is a guess. The book keeps a radius, FAR_FACTOR times the largest distance of one of its own snapshots to
+its class's centroid, and a snapshot further than that from every centroid is far: `apply_schema` recomputes.
+Measured, leaving each of the five states out of a book of the other four (bench/topology.py `novelty`): held-out
+snapshots of the known states lay within 1.14x the largest member distance at 200 nodes and 1.18x at 1,000; those of
+the state left out at 1.28x and beyond at 200 nodes (all up or transatlantic slow left out: the two closest states),
+7x and beyond at 1,000. A false "far" only costs a recomputation, so the factor sits nearer the known side. (The
+scaled distance of a typical member is about sqrt(#coordinates), ~5.4, by construction of the scale.) Rejected: shares of throughput per start
 summed over the class (the best placements of different snapshots are shifted tilings, and their sum is no tiling:
 0.37-0.65 of recomputing). Recomputing is itself cheap here (balancing's objective is the bottleneck throughput
 alone, and the joining rule alone reaches ~0.997 of it); the schema's gain is the time, ~30x to ~300x.
@@ -41,7 +50,8 @@ Pure: numpy over frozen snapshots; gudhi only through homology.py.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -61,6 +71,9 @@ from nesa_node.topology.homology import FEATURE_GRID_MS, Diagrams, bottleneck_di
 CLASS_CANDIDATES = tuple(range(2, 9))  # numbers of classes tried when none is given (guess: a handful of states)
 RESTARTS = 8  # k-medoids restarts from seeded k-medoids++ starts (measured: 4 already found the best on 40 rows)
 SCALE_FLOOR = 1e-6  # a coordinate that never varies inside a class is compared unscaled, not divided by zero
+FAR_FACTOR = 1.2  # radius over the largest member distance (measured: known states <= 1.18x, unknown >= 1.28x)
+BOOK_FORMAT = "nesa-schema-book/1"
+MAX_CLASSES = 256  # a book file with more is refused (CLASS_CANDIDATES build at most 8)
 _GRID = len(FEATURE_GRID_MS)
 # homology.features layout: H0 Betti curve, H1 Betti curve, (total persistence, entropy) of H0 and H1, cap
 CLASSIFIER_COORDINATES = tuple(range(_GRID)) + tuple(range(2 * _GRID, 2 * _GRID + 5))
@@ -71,6 +84,8 @@ __all__ = [
     "Schema",
     "SchemaBook",
     "apply_schema",
+    "book_from_dict",
+    "book_to_dict",
     "bottleneck_throughput",
     "build_book",
     "classify",
@@ -109,6 +124,11 @@ class SchemaBook:
     demand: np.ndarray  # (num_blocks,) relative traffic per block
     scale: np.ndarray  # (c,) pooled spread inside the classes of each classifier coordinate, >= SCALE_FLOOR
     schemas: tuple[Schema, ...]
+    radius: float = math.inf  # scaled distance past which a snapshot is far from every class (inf: never far)
+
+    def knows(self, distance: float) -> bool:
+        """Whether a snapshot at this scaled distance from its nearest centroid is of a class the book holds."""
+        return distance <= self.radius
 
 
 @dataclass(frozen=True, eq=False)
@@ -118,7 +138,8 @@ class Assignment:
     label: int  # the class the classifier picked
     distance: float  # scaled feature distance from the snapshot to that class's centroid
     placement: Placement  # serving nodes sorted by peer id, with their new starts
-    recomputed: bool  # the schema would have left a block unserved, so best_placement ran instead
+    recomputed: bool  # far from every class, or the schema would have left a block unserved: best_placement ran
+    far: bool = False  # the snapshot is further than the book's radius from every class
 
     @property
     def starts(self) -> dict[str, int]:
@@ -282,12 +303,16 @@ def build_book(
     classes: int | None = None,
     demand: np.ndarray | None = None,
     snapshot_diagrams: Sequence[Diagrams] | None = None,
+    far_factor: float = FAR_FACTOR,
 ) -> SchemaBook:
     """Cluster past snapshots into topology classes and keep each class's best template (module docstring).
 
-    `snapshot_diagrams` are the snapshots' diagrams when the monitor already has them; computed otherwise.
-    Raises ValueError for fewer than 2 snapshots, snapshots of different models, or a diagram count that does not
-    match."""
+    `snapshot_diagrams` are the snapshots' diagrams when the monitor already has them; computed otherwise. The
+    book's radius is `far_factor` times the largest scaled distance of a snapshot to its class's centroid.
+    Raises ValueError for fewer than 2 snapshots, snapshots of different models, a diagram count that does not
+    match, or a far factor below 1."""
+    if not far_factor >= 1.0:
+        raise ValueError(f"far_factor must be >= 1, got {far_factor}")
     if len(snapshots) < 2:
         raise ValueError("build_book needs at least 2 snapshots")
     num_blocks = snapshots[0].num_blocks
@@ -321,7 +346,8 @@ def build_book(
         fit, lengths, starts = max(candidates, key=lambda item: item[0])  # first of equals: the earliest snapshot
         throughput = float(np.median(best_tps[members]))
         schemas.append(Schema(label, centroids[label], lengths, starts, throughput, fit, int(members.size)))
-    return SchemaBook(num_blocks, demand, scale, tuple(schemas))
+    spread = float(np.max(np.linalg.norm((rows - centroids[labels]) / scale, axis=1)))
+    return SchemaBook(num_blocks, demand, scale, tuple(schemas), radius=far_factor * spread)
 
 
 def _nearest(book: SchemaBook, feature_vector: np.ndarray) -> tuple[int, float]:
@@ -343,15 +369,124 @@ def classify(book: SchemaBook, feature_vector: np.ndarray) -> tuple[int, float]:
 def apply_schema(snapshot: SwarmSnapshot, book: SchemaBook, *, feature_vector: np.ndarray | None = None) -> Assignment:
     """The assignment of the schema the classifier picks for `snapshot`, or the recomputed best one if the schema
     would leave a block unserved (module docstring). `feature_vector` is the snapshot's `homology.features` when
-    the monitor already has its diagrams. Raises ValueError when the snapshot is of another model than the book."""
+    the monitor already has its diagrams. A snapshot further than the book's radius from every class gets the
+    recomputed assignment, marked `far`. Raises ValueError when the snapshot is of another model than the book."""
     if snapshot.num_blocks != book.num_blocks:
         raise ValueError(f"the book is for {book.num_blocks} blocks, the snapshot has {snapshot.num_blocks}")
     vector = features(diagrams(swarm_graph(snapshot))) if feature_vector is None else feature_vector
     position, distance = _nearest(book, vector)
     label = book.schemas[position].label
     placement, order = _node_table(snapshot, book.demand)
+    if not book.knows(distance):
+        return Assignment(label, distance, best_placement(placement), recomputed=True, far=True)
     applied = schema_placement(placement, order, book.schemas[position])
     _, servers = served_throughput(applied.num_blocks, applied.start, applied.length, applied.throughput)
     if placement.start.size and np.all(servers >= 1):
         return Assignment(label, distance, applied, recomputed=False)
     return Assignment(label, distance, best_placement(placement), recomputed=True)
+
+
+# ---- the book as JSON data (files are read and written by nesa_node.schema_book) -----------------------------------
+
+
+def book_to_dict(book: SchemaBook) -> dict:
+    """The book as JSON-ready data (`book_from_dict` reads it back exactly: floats are kept as Python floats)."""
+    return {
+        "format": BOOK_FORMAT,
+        "num_blocks": book.num_blocks,
+        "demand": [float(value) for value in book.demand],
+        "scale": [float(value) for value in book.scale],
+        "radius": None if math.isinf(book.radius) else float(book.radius),
+        "schemas": [
+            {
+                "label": schema.label,
+                "centroid": [float(value) for value in schema.centroid],
+                "template": [
+                    {"length": length, "starts": [int(value) for value in starts]}
+                    for length, starts in zip(schema.lengths, schema.starts, strict=True)
+                ],
+                "throughput_tps": float(schema.throughput_tps),
+                "fit": float(schema.fit),
+                "snapshots": schema.snapshots,
+            }
+            for schema in book.schemas
+        ],
+    }
+
+
+def _integer(value, name: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{name} must be an integer in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _number(value, name: str, low: float = 0.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < low:
+        raise ValueError(f"{name} must be a finite number >= {low}, got {value!r}")
+    return float(value)
+
+
+def _numbers(values, name: str, count: int, low: float) -> np.ndarray:
+    if not isinstance(values, list) or len(values) != count:
+        raise ValueError(f"{name} must be a list of {count} numbers")
+    return np.array([_number(value, f"{name}[{index}]", low) for index, value in enumerate(values)], np.float64)
+
+
+def _fields(data, name: str, required: tuple[str, ...]) -> Mapping:
+    if not isinstance(data, dict):
+        raise ValueError(f"{name} must be an object")
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise ValueError(f"{name} lacks {', '.join(missing)}")
+    return data
+
+
+def _schema_from_dict(data, index: int, num_blocks: int) -> Schema:
+    name = f"schemas[{index}]"
+    data = _fields(data, name, ("label", "centroid", "template", "throughput_tps", "fit", "snapshots"))
+    centroid = _numbers(data["centroid"], f"{name}.centroid", len(CLASSIFIER_COORDINATES), -math.inf)
+    template = data["template"]
+    if not isinstance(template, list) or not 1 <= len(template) <= num_blocks:
+        raise ValueError(f"{name}.template must be a list of 1 to {num_blocks} span lengths")
+    lengths, starts = [], []
+    for position, entry in enumerate(template):
+        entry = _fields(entry, f"{name}.template[{position}]", ("length", "starts"))
+        length = _integer(entry["length"], f"{name}.template[{position}].length", 1, num_blocks)
+        if lengths and length <= lengths[-1]:
+            raise ValueError(f"{name}.template lengths must be strictly ascending")
+        values = entry["starts"]
+        if not isinstance(values, list) or not 1 <= len(values) <= 1_000_000:
+            raise ValueError(f"{name}.template[{position}].starts must be a non-empty list")
+        top = num_blocks - length
+        lengths.append(length)
+        starts.append(np.array([_integer(value, f"{name} start", 0, top) for value in values], np.int64))
+    return Schema(
+        label=_integer(data["label"], f"{name}.label", 0, MAX_CLASSES - 1),
+        centroid=centroid,
+        lengths=tuple(lengths),
+        starts=tuple(starts),
+        throughput_tps=_number(data["throughput_tps"], f"{name}.throughput_tps"),
+        fit=_number(data["fit"], f"{name}.fit"),
+        snapshots=_integer(data["snapshots"], f"{name}.snapshots", 1, 10**9),
+    )
+
+
+def book_from_dict(data) -> SchemaBook:
+    """The book `book_to_dict` wrote. Every field is checked (types, finite numbers, spans inside the model, unique
+    labels); raises ValueError naming the first field that is wrong."""
+    data = _fields(data, "the book", ("format", "num_blocks", "demand", "scale", "radius", "schemas"))
+    if data["format"] != BOOK_FORMAT:
+        raise ValueError(f"format must be {BOOK_FORMAT!r}, got {data['format']!r}")
+    num_blocks = _integer(data["num_blocks"], "num_blocks", 1, 100_000)
+    demand = _numbers(data["demand"], "demand", num_blocks, 0.0)
+    if np.any(demand <= 0):
+        raise ValueError("demand must be positive for every block")
+    scale = _numbers(data["scale"], "scale", len(CLASSIFIER_COORDINATES), SCALE_FLOOR)
+    radius = math.inf if data["radius"] is None else _number(data["radius"], "radius")
+    entries = data["schemas"]
+    if not isinstance(entries, list) or not 1 <= len(entries) <= MAX_CLASSES:
+        raise ValueError(f"schemas must be a list of 1 to {MAX_CLASSES} classes")
+    schemas = tuple(_schema_from_dict(entry, index, num_blocks) for index, entry in enumerate(entries))
+    if len({schema.label for schema in schemas}) != len(schemas):
+        raise ValueError("two schemas share a label")
+    return SchemaBook(num_blocks, demand, scale, schemas, radius=radius)

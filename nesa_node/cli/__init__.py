@@ -277,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_privacy_parser(commands)
 
+    from nesa_node.cli.schema import add_parser as add_schema_parser
+
+    add_schema_parser(commands, _add_peer_args)
+
     from nesa_node.cli.graph import add_graph_commands
 
     add_graph_commands(commands)
@@ -548,6 +552,10 @@ def _dispatch(args) -> int:
 
         check_args(args)
         return run_tune(args)
+    if args.command == "schema":
+        from nesa_node.cli.schema import run_schema
+
+        return run_schema(args)
     if args.command == "privacy-check":
         from nesa_node.cli.privacy import run_privacy_check
 

@@ -228,6 +228,13 @@ class RebalanceConfig:
         flag="--rebalance-period",
         parse="positive",
     )
+    schema_book: str | None = option(
+        None,
+        "topology schema book (`nesa-node schema build`): when the swarm's topology class changes, the nodes move "
+        "toward the block assignment the book holds for the new class; far from every class they recompute. Give "
+        "every node the same book",
+        metavar="FILE",
+    )
     # a typical session is about a minute (topology/life.py SESSION_S); a hole move ends sessions at once
     drain_timeout_s: float = option(
         60.0,

@@ -51,7 +51,7 @@ from nesa_node.server.inference import InferenceService
 from nesa_node.server.lanes import LaneServer
 from nesa_node.server.link_probe import LinkProber
 from nesa_node.server.push import PushSender
-from nesa_node.server.rebalance import Rebalancer, make_trigger
+from nesa_node.server.rebalance import Rebalancer, load_schema_book, make_trigger
 from nesa_node.server.rpc import NodeRpc
 from nesa_node.server.sessions import MAX_ADMISSION_WAIT_S, SessionTable
 from nesa_node.server.throughput import cached_measure
@@ -144,6 +144,7 @@ class Node:
         if config.rebalance.trigger != "off":
             trigger = make_trigger(config.rebalance.trigger, period_s=config.rebalance.period_s)
         model_config = load_config(config.model_path)
+        book = load_schema_book(config.rebalance, model_config.num_hidden_layers)
         spec = SpanSpec(config.start_block, config.end_block, compute.dtype, compute.device, compute.quant)
         span = await asyncio.to_thread(load_block_span, config.model_path, spec, config=model_config)
         if compute.measure_throughput:
@@ -246,6 +247,7 @@ class Node:
                 num_blocks=model_config.num_hidden_layers,
                 period_s=config.rebalance.period_s,
                 drain_timeout_s=config.rebalance.drain_timeout_s,
+                book=book,
             )
         return node
 

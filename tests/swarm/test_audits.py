@@ -174,23 +174,31 @@ def test_the_gateway_audits_each_answer_and_counts_the_checks(module_swarm, tiny
         module_swarm.run(model.close())
 
 
-def claiming(node, tps: float) -> None:
-    """Make `node` announce `tps` tokens/s from now on (its record otherwise unchanged)."""
+def claiming(node, tps: float, uptime=None) -> None:
+    """Make `node` announce `tps` tokens/s from now on, and the uptime `uptime()` gives when given (its record
+    otherwise unchanged)."""
     honest = node.current_info
-    node.current_info = lambda: honest().model_copy(update={"inference_tps": tps})
+
+    def claimed():
+        info = honest()
+        return info.model_copy(update={"inference_tps": tps, "uptime_s": uptime() if uptime else info.uptime_s})
+
+    node.current_info = claimed
 
 
 def test_a_generation_whose_audit_blames_a_node_is_run_again_and_returns_the_reference(
     module_swarm, tiny_llama, audit_swarm, adapter, reference
 ):
-    """The cheater announces twice the speed of the honest middle nodes, so routing puts it on the first chain."""
+    """The cheater announces twice the speed of the honest middle nodes, so routing puts it on the first chain. It
+    also announces their uptime: a node started minutes after the others has a lower reliability term (eq. 18), which
+    on a slow machine, where the module's earlier tests take longer, outweighs the speed it claims."""
     cheat = module_swarm.start_node(tiny_llama, 1, 3, dht_prefix=PREFIX, adapters=(adapter,))
     make_malicious(cheat, "lazy")
     middle = [node for node in audit_swarm if node.current_info().start_block == 1]
     honest_infos = {node.peer_id: node.current_info for node in middle}
     for node in middle:
         claiming(node, 100.0)
-    claiming(cheat, 200.0)
+    claiming(cheat, 200.0, uptime=lambda: min(info().uptime_s for info in honest_infos.values()))
     try:
         with connect(module_swarm, tiny_llama, audit_swarm + [cheat], verify="audit:1.0", compression="none") as model:
             wait_until(lambda: cheat.peer_id in model.choose_chain(max_length=128).peer_ids, 30)

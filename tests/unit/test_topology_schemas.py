@@ -1,5 +1,7 @@
 """Precomputed sharding schemas (nesa_node.topology.schemas, balancing.best_placement): classes, classifier, apply."""
 
+import json
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -23,6 +25,8 @@ from nesa_node.topology.schemas import (
     Schema,
     SchemaBook,
     apply_schema,
+    book_from_dict,
+    book_to_dict,
     bottleneck_throughput,
     build_book,
     classify,
@@ -109,11 +113,15 @@ def test_a_wrong_states_schema_costs_throughput(swarm):
     """The classifier matters: Europe's nodes placed by the all-up schema leave Europe's share of the model thin."""
     book, labels = swarm["book"], np.array(swarm["book_labels"]).reshape(len(STATES), BOOK_PER_STATE)[:, 0]
     index = int(np.flatnonzero(swarm["state"] == list(STATES).index("europe down"))[0])
-    all_up = replace(book, schemas=(book.schemas[labels[0]],))  # a book holding only the all-up schema
+    # a book holding only the all-up schema, with no radius: it applies that schema to any snapshot
+    all_up = replace(book, schemas=(book.schemas[labels[0]],), radius=math.inf)
     vector = swarm["vectors"][index]
     wrong = apply_schema(swarm["held_out"][index], all_up, feature_vector=vector).throughput_tps
     right = apply_schema(swarm["held_out"][index], book, feature_vector=vector).throughput_tps
     assert wrong < 0.9 * swarm["best_tps"][index] < right
+    # with the book's radius, Europe down is far from the all-up class: recomputed, not the wrong schema
+    guarded = apply_schema(swarm["held_out"][index], replace(all_up, radius=book.radius), feature_vector=vector)
+    assert guarded.far and guarded.throughput_tps > 0.9 * swarm["best_tps"][index]
 
 
 def test_same_seed_same_book_and_assignment(swarm):
@@ -221,3 +229,115 @@ def test_a_schema_that_would_leave_a_gap_is_recomputed():
     assignment = apply_schema(SwarmSnapshot(4, nodes), book, feature_vector=np.zeros(max(CLASSIFIER_COORDINATES) + 1))
     assert assignment.recomputed and sorted(assignment.starts.values()) == [0, 2]
     assert assignment.throughput_tps == pytest.approx(1.0)
+
+
+def test_held_out_snapshots_of_the_books_states_are_within_its_radius(swarm):
+    book = swarm["book"]
+    distances = [classify(book, vector)[1] for vector in swarm["vectors"]]
+    print(f"held-out distances: max {max(distances):.2f}, radius {book.radius:.2f}")
+    assert all(book.knows(distance) for distance in distances)
+    assert book.radius == pytest.approx(
+        1.2 * max(classify(book, features(entry))[1] for entry in swarm["book_diagrams"])
+    )
+
+
+def test_a_state_the_book_never_saw_is_far_and_recomputed(swarm):
+    """A book of four states; the fifth (Europe down) is far from all of them: the assignment is recomputed."""
+    left_out = list(STATES).index("europe down")
+    keep = [index for index in range(len(swarm["book_snapshots"])) if index // BOOK_PER_STATE != left_out]
+    book = build_book(
+        [swarm["book_snapshots"][index] for index in keep],
+        rng=np.random.default_rng(0),
+        snapshot_diagrams=[swarm["book_diagrams"][index] for index in keep],
+    )
+    for index in np.flatnonzero(swarm["state"] == left_out).tolist():
+        snapshot, vector = swarm["held_out"][index], swarm["vectors"][index]
+        assignment = apply_schema(snapshot, book, feature_vector=vector)
+        assert assignment.far and assignment.recomputed and assignment.distance > book.radius
+        assert np.array_equal(
+            assignment.placement.start, best_placement(placement_from_snapshot(snapshot, book.demand)).start
+        )
+    for index in np.flatnonzero(swarm["state"] != left_out).tolist():  # the others still get their schema
+        assert not apply_schema(swarm["held_out"][index], book, feature_vector=swarm["vectors"][index]).far
+
+
+def test_a_book_survives_json_exactly(swarm):
+    book = swarm["book"]
+    again = book_from_dict(json.loads(json.dumps(book_to_dict(book))))
+    assert again.num_blocks == book.num_blocks and again.radius == book.radius
+    assert np.array_equal(again.demand, book.demand) and np.array_equal(again.scale, book.scale)
+    for first, second in zip(book.schemas, again.schemas, strict=True):
+        assert (first.label, first.lengths, first.snapshots) == (second.label, second.lengths, second.snapshots)
+        assert np.array_equal(first.centroid, second.centroid) and first.fit == second.fit
+        assert all(np.array_equal(a, b) for a, b in zip(first.starts, second.starts, strict=True))
+    for snapshot, vector in zip(swarm["held_out"], swarm["vectors"], strict=True):
+        assert apply_schema(snapshot, again, feature_vector=vector).starts == (
+            apply_schema(snapshot, book, feature_vector=vector).starts
+        )
+    unbounded = book_from_dict(book_to_dict(replace(book, radius=math.inf)))
+    assert unbounded.radius == math.inf and unbounded.knows(1e300)
+
+
+def _paths(value, prefix=()):
+    yield prefix
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _paths(item, (*prefix, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value[:3]):
+            yield from _paths(item, (*prefix, index))
+
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=10,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_damaged_book_is_refused_with_a_value_error_only(swarm, data):
+    book = book_to_dict(swarm["book"])
+    path = data.draw(st.sampled_from(list(_paths(book))[1:]))
+    parent = book
+    for key in path[:-1]:
+        parent = parent[key]
+    if data.draw(st.booleans()):
+        parent[path[-1]] = data.draw(JSON_VALUES)
+    elif isinstance(parent, dict):
+        del parent[path[-1]]
+    else:
+        parent.pop(path[-1])
+    try:
+        loaded = book_from_dict(json.loads(json.dumps(book)))
+    except ValueError as error:
+        assert str(error)
+        return
+    # what loads is a usable book: every template start lies inside the model
+    for schema in loaded.schemas:
+        for length, starts in zip(schema.lengths, schema.starts, strict=True):
+            assert np.all((starts >= 0) & (starts + length <= loaded.num_blocks))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda book: book.update(format="other/1"), "format"),
+        (lambda book: book.update(num_blocks=True), "num_blocks"),
+        (lambda book: book["demand"].append(1.0), "demand"),
+        (lambda book: book["demand"].__setitem__(0, 0.0), "positive"),
+        (lambda book: book["scale"].__setitem__(0, 0.0), "scale"),
+        (lambda book: book.update(radius=-1.0), "radius"),
+        (lambda book: book.update(schemas=[]), "schemas"),
+        (lambda book: book["schemas"].append(dict(book["schemas"][0])), "share a label"),
+        (lambda book: book["schemas"][0]["template"][0].update(starts=[10**6]), "start"),
+        (lambda book: book["schemas"][0]["template"].append(dict(book["schemas"][0]["template"][0])), "ascending"),
+        (lambda book: book["schemas"][0].pop("centroid"), "lacks centroid"),
+    ],
+)
+def test_each_kind_of_damage_is_named(swarm, change, message):
+    book = json.loads(json.dumps(book_to_dict(swarm["book"])))
+    change(book)
+    with pytest.raises(ValueError, match=message):
+        book_from_dict(book)
