@@ -54,6 +54,7 @@ demo: $(STAMP)
 
 # the import contracts of pyproject.toml, checked on a tree of links laid out as installed (nesa_node.routing is
 # routing/, ...): see tests/support/layout.py
+# ruff's S101 keeps `assert` out of the package (a check that `python -O` strips is no check)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -64,11 +65,14 @@ lint: $(STAMP)
 # constructor recursion depth mismatch" in whatever parses next, pytest's own reporting included.
 TEST_ENV := PYTHONNODEBUGRANGES=1
 
+HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py tests/swarm/test_hostile_lanes.py \
+	tests/swarm/test_hostile_decoding.py tests/swarm/test_hostile_training.py tests/unit/test_messages.py \
+	tests/unit/test_tensors.py tests/unit/test_dht_validation.py tests/unit/test_answer_bounds.py
+
 test: $(STAMP) sysdeps lint
 	$(TEST_ENV) $(PY) -m pytest -q tests
-	# the suite again with asserts stripped: no check may rely on them. The `cli` tests (nesa-node processes driven
-	# from outside, a third of the time) and the `once` ones (accuracy tables, pure data) run once, above.
-	$(TEST_ENV) $(PY) -O -m pytest -q -m "not slow and not cli and not once" tests
+	# bad input from peers (RELIABILITY.md D, G) again with asserts stripped; `make lint` keeps them out of the package
+	$(TEST_ENV) $(PY) -O -m pytest -q $(HOSTILE_TESTS)
 
 test-slow: $(STAMP) sysdeps
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests

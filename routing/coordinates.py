@@ -19,6 +19,7 @@ node publishes in its record. The fit:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import numpy as np
@@ -42,14 +43,22 @@ def fit_access_ms(measurements: Iterable[tuple[str, str, float]], *, ridge: floa
     """One-way last-mile latency of every endpoint that appears in `measurements`, ms (see the module docstring).
 
     `measurements`: (endpoint, endpoint, round trip ms) triples; endpoints are any hashable names (peer ids, and
-    one name for the client). Deterministic, and independent of the order of the triples.
+    one name for the client). Deterministic, and independent of the order of the triples. The last few fits are
+    remembered by their combined measurements: a client builds a snapshot per session it opens, mostly from the same
+    records and pings, and the solver takes milliseconds.
     """
-    from scipy.optimize import lsq_linear
-    from scipy.sparse import csr_matrix, identity, vstack
-
     pairs = combine_measurements(measurements)
     if not pairs:
         return {}
+    return dict(_fit(tuple(sorted(pairs.items())), ridge))
+
+
+@functools.lru_cache(maxsize=8)
+def _fit(pairs_items: tuple[tuple[tuple[str, str], float], ...], ridge: float) -> tuple[tuple[str, float], ...]:
+    from scipy.optimize import lsq_linear
+    from scipy.sparse import csr_matrix, identity, vstack
+
+    pairs = dict(pairs_items)
     names = sorted({name for pair in pairs for name in pair})
     index = {name: position for position, name in enumerate(names)}
     rows = len(pairs)
@@ -60,7 +69,7 @@ def fit_access_ms(measurements: Iterable[tuple[str, str, float]], *, ridge: floa
     target = np.concatenate([target, np.zeros(len(names))])
     scale = max(float(target.max()), 1.0)  # solve in units of the largest latency: the solver's tolerances are relative
     solution = lsq_linear(design, target / scale, bounds=(0.0, np.inf), method="trf", tol=1e-12, lsmr_tol="auto")
-    return {name: float(max(value, 0.0) * scale) for name, value in zip(names, solution.x, strict=True)}
+    return tuple((name, float(max(value, 0.0) * scale)) for name, value in zip(names, solution.x, strict=True))
 
 
 __all__ = ["DEFAULT_RIDGE", "combine_measurements", "fit_access_ms"]

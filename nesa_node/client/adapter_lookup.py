@@ -73,10 +73,11 @@ class AdapterLookup:
         ]
         return float(statistics.median(sizes)) if sizes else 0.0  # one peer's claim cannot set it alone
 
-    async def announced_adapters(self) -> dict[str, set[str]]:
-        """Adapter name -> the ids the swarm's nodes announce under it (records.AdapterInfo)."""
+    async def announced_adapters(self, *, max_age_s: float | None = None) -> dict[str, set[str]]:
+        """Adapter name -> the ids the swarm's nodes announce under it (records.AdapterInfo), from records at most
+        `max_age_s` old (default: the swarm's records_stale_s)."""
         named: dict[str, set[str]] = {}
-        for record in await self.swarm.node_records():
+        for record in await self.swarm.node_records(max_age_s=max_age_s):
             for info in record.info.adapters:
                 named.setdefault(info.name, set()).add(info.adapter_id)
         return named
@@ -85,6 +86,8 @@ class AdapterLookup:
         """The id of the adapter the swarm's nodes announce as `name`. Raises AdapterMissingError when none does or
         two different adapters share the name."""
         ids = (await self.announced_adapters()).get(name, set())
+        if len(ids) != 1:  # the records at hand may predate the adapter, or a node that left: read them now
+            ids = (await self.announced_adapters(max_age_s=0.0)).get(name, set())
         if len(ids) != 1:
             found = "no node announces it" if not ids else f"{len(ids)} different adapters have this name"
             raise AdapterMissingError(

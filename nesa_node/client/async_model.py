@@ -201,6 +201,8 @@ class AsyncDistributedModel(AdapterLookup):
             dht_prefix=dht_prefix or default_dht_prefix(model_path),
             request_timeout_s=config.request_timeout_s,
             records_wait_s=config.records_wait_s,
+            records_fresh_s=config.records_fresh_s,
+            records_stale_s=config.records_stale_s,
         )
         try:
             swarm.use_lanes = config.lanes
@@ -440,6 +442,7 @@ class AsyncDistributedModel(AdapterLookup):
         generator: torch.Generator | None = None,
         session: InferenceSession | None = None,
         adapter: str | None = None,
+        send_ahead: bool | None = None,
     ) -> AsyncIterator[torch.Tensor]:
         """Generate up to `max_new_tokens` after `input_ids` (batch, seq); yields each new token column (batch,).
         Without `max_new_tokens`, the model folder's generation config decides, else DEFAULT_NEW_TOKENS, as in
@@ -450,7 +453,15 @@ class AsyncDistributedModel(AdapterLookup):
         with `pad_token_id` (default: the eos token) until every row has; then the generation ends. `session`: an open
         session whose caches hold exactly the tokens before input_ids' new ones (default: one opened for this call).
         A consumer that stops early closes the stream (`contextlib.aclosing`), which closes a session it opened.
-        `adapter`: the LoRA adapter of a session opened here (see open_session)."""
+        `adapter`: the LoRA adapter of a session opened here (see open_session).
+
+        `send_ahead` (default: on a session opened here): from the second token on, each token's next step is sent
+        down the chain before the token is yielded, so what the consumer does with a token (detokenize it, write it
+        to an HTTP stream) overlaps the nodes' work on the next one instead of adding to it (the first token is
+        yielded at once: sending the next step first would delay it where the nodes share the consumer's cores). A
+        consumer that stops early then leaves the session a step past the last token it took, its output lost, so
+        on the caller's own `session` it is for a session closed afterwards (the gateway's); without it, the session
+        holds the tokens before the last one yielded, and a later stream goes on from there."""
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise SessionStateError("input_ids must be (batch, tokens) with at least one token")
         if max_new_tokens is None:
@@ -463,22 +474,36 @@ class AsyncDistributedModel(AdapterLookup):
             session = await self.open_session(
                 max_length=length + max_new_tokens, batch=batch, prompt_tokens=length, adapter=adapter
             )
+        ahead: asyncio.Task | None = None  # the next token's step, sent before this token is yielded
+        send_ahead = owned if send_ahead is None else send_ahead
         try:
             pad = eos_token_id if pad_token_id is None else pad_token_id
             finished = torch.zeros(batch, dtype=torch.bool)
             new = input_ids[:, session.position :]  # the tokens the session's caches have not seen
             for index in range(max_new_tokens):
-                hidden = await session.step(self.embed(new))
+                if ahead is None:
+                    hidden = await session.step(self.embed(new))
+                else:
+                    hidden, ahead = await ahead, None
                 scores = self.logits(hidden, keep=1)[:, -1].float()  # (batch, vocab)
                 token = self._choose(scores, do_sample, temperature, top_k, top_p, generator)  # (batch,)
                 if eos_token_id is not None:
                     token = torch.where(finished, torch.full_like(token, pad), token)
                     finished |= token == eos_token_id
+                last = index + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all()))
+                if send_ahead and not last and index > 0:
+                    ahead = asyncio.ensure_future(session.step(self.embed(token[:, None])))  # (batch, 1)
+                    await asyncio.sleep(0)  # let it send the step now, before the consumer takes the token
                 yield token
-                if index + 1 == max_new_tokens or (eos_token_id is not None and bool(finished.all())):
+                if last:
                     return
-                new = token[:, None]  # (batch, 1)
+                new = token[:, None]  # (batch, 1): the next step, unless it was sent ahead
         finally:
+            if ahead is not None:  # the consumer stopped early: the session is closed, by us or by the caller
+                ahead.cancel()
+                await asyncio.wait([ahead])  # raises only if this task itself is cancelled
+                if not ahead.cancelled() and ahead.exception() is not None:
+                    logger.debug("the step sent ahead failed after the stream stopped: %r", ahead.exception())
             if owned:
                 await session.close()
 

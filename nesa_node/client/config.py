@@ -95,6 +95,11 @@ class ClientConfig:
     # while unexpired records are at hand, a DHT read slower than this is not waited for (guess: a healthy read takes
     # 20-40 ms on loopback, a few 100 ms on a WAN)
     records_wait_s: float = 0.5
+    # records read less than records_stale_s ago serve routing without a new read; a session that closes reads them
+    # again in the background once they are records_fresh_s old (guess: nodes announce every 10 s, and a node gone
+    # since the read is caught by the ping before a session opens on it, or by failover)
+    records_fresh_s: float = 1.0
+    records_stale_s: float = 10.0
     step_timeout_s: float | None = None  # a step's deadline; None: adaptive (see InferenceSession.deadline)
     # sec. 3.1: share of the gap to full reliability a node's stability over the client's recent snapshots closes
     # (client/stability.py; 0: off), and the seconds between the snapshots kept for it
@@ -113,6 +118,8 @@ class ClientConfig:
         for name in ("request_timeout_s", "probe_timeout_s", "records_wait_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be above 0")
+        if not 0 <= self.records_fresh_s <= self.records_stale_s:
+            raise ValueError("need 0 <= records_fresh_s <= records_stale_s")
         if not 0.0 <= self.stability_weight <= 1.0 or not self.stability_period_s > 0:
             raise ValueError("stability_weight must be in [0, 1] and stability_period_s above 0")
         if self.max_failovers < 0 or self.max_open_attempts < 1 or self.max_pinged_candidates < 0:

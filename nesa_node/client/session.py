@@ -182,6 +182,7 @@ class InferenceSession:
         self._closed = True
         self.swarm.open_sessions.discard(self)
         await self.links.close()
+        self.swarm.refresh_soon()  # the next session's routing finds recent records without waiting for a read
 
     async def __aenter__(self) -> InferenceSession:
         return await self.open() if not self._opened else self

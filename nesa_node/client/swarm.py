@@ -62,15 +62,35 @@ def check_answer(message, model):
     return expect(message, model)
 
 
+def _log_failed_read(read: asyncio.Future) -> None:
+    """A background DHT read that failed: the records at hand stay; the next call that must wait reads again."""
+    if not read.cancelled() and read.exception() is not None:
+        logger.debug("background DHT read failed: %r", read.exception())
+
+
 class Swarm:
     """Owns the client's P2P host and DHT node. `await close()` (or `async with`) stops them."""
 
-    def __init__(self, peer: Peer, *, dht_prefix: str, request_timeout_s: float = 30.0, records_wait_s: float = 0.5):
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        dht_prefix: str,
+        request_timeout_s: float = 30.0,
+        records_wait_s: float = 0.5,
+        records_fresh_s: float = 1.0,
+        records_stale_s: float = 10.0,
+    ):
         self.peer = peer
         self.p2p, self.dht = peer.p2p, peer.dht
         self.dht_prefix = dht_prefix
         self.request_timeout_s = request_timeout_s
         self.records_wait_s = records_wait_s
+        # a read completed this recently serves non-fresh calls as it is; one up to records_stale_s old serves them
+        # too while a new read runs in the background (node_records)
+        self.records_fresh_s = records_fresh_s
+        self.records_stale_s = max(records_stale_s, records_fresh_s)
+        self._refreshed_at = -math.inf  # monotonic s the last DHT read completed
         self.use_lanes = True  # FORWARD lanes for forward calls (ClientConfig.lanes)
         self.rtt_ms: dict[str, float] = {}  # peer id -> least round trip of the client's last pings, ms
         self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
@@ -101,6 +121,8 @@ class Swarm:
         dht_prefix: str,
         request_timeout_s: float = 30.0,
         records_wait_s: float = 0.5,
+        records_fresh_s: float = 1.0,
+        records_stale_s: float = 10.0,
         start_timeout_s: float = 60.0,
     ) -> Swarm:
         """Start the client's P2P host and DHT node. ValueError without initial peers; PeerUnavailableError when the
@@ -114,7 +136,14 @@ class Swarm:
                 )
         except TimeoutError:
             raise PeerUnavailableError(f"could not join the swarm within {start_timeout_s} s") from None
-        return cls(peer, dht_prefix=dht_prefix, request_timeout_s=request_timeout_s, records_wait_s=records_wait_s)
+        return cls(
+            peer,
+            dht_prefix=dht_prefix,
+            request_timeout_s=request_timeout_s,
+            records_wait_s=records_wait_s,
+            records_fresh_s=records_fresh_s,
+            records_stale_s=records_stale_s,
+        )
 
     @property
     def peer_id(self) -> str:
@@ -161,14 +190,27 @@ class Swarm:
 
     # ---- records -----------------------------------------------------------------------------------------------------
 
-    async def node_records(self, fresh: bool = False) -> list[NodeRecord]:
+    async def node_records(self, fresh: bool = False, *, max_age_s: float | None = None) -> list[NodeRecord]:
         """The nodes' records: a fresh DHT read merged with earlier reads whose records have not expired yet.
 
         A DHT lookup can miss replicas now and then; a record stays valid until its own expiration, so a
         momentarily empty answer does not make live nodes vanish from routing. While unexpired records are at
         hand, a read slower than `records_wait_s` (a DHT peer that stopped answering costs hivemind 3 s) is not
         waited for: routing uses the records at hand and the read lands in them when it completes.
-        `fresh=True` waits for the read in any case (routing found no chain in the records at hand)."""
+        `fresh=True` waits for the read in any case (routing found no chain in the records at hand). Otherwise the
+        records of a read completed less than `records_stale_s` ago serve as they are, and a read starts in the
+        background once they are `records_fresh_s` old (`refresh_soon`, also called as a session closes, a moment no
+        first token waits for): opening a session reads the
+        records twice, and each read costs a DHT lookup and a signature check per record (12-20 ms measured on
+        loopback, a third of a small model's first token), which would otherwise fall on every first token. Nodes
+        announce every 10 s by default; one gone since the read is caught by the ping before a session opens on
+        it, or by failover. `max_age_s` replaces `records_stale_s` for this call (0: read, as a page showing the
+        swarm live does)."""
+        held = self._unexpired()
+        stale_s = self.records_stale_s if max_age_s is None else max_age_s
+        if not fresh and held and time.monotonic() - self._refreshed_at < stale_s:
+            self.refresh_soon()  # for the next call, in the background
+            return list(held.values())
         if self._refresh is None or self._refresh.done():
             self._refresh = asyncio.ensure_future(self._refresh_records())
         held = self._unexpired()
@@ -184,8 +226,18 @@ class Swarm:
             logger.debug("DHT read failed, routing with the records at hand: %r", exc)
         return list(self._unexpired().values())
 
+    def refresh_soon(self) -> None:
+        """Read the records again in the background if the last read is `records_fresh_s` old or more (and none is
+        running): at a moment no first token waits for, such as the end of a session."""
+        if time.monotonic() - self._refreshed_at < self.records_fresh_s:
+            return
+        if self._refresh is None or self._refresh.done():
+            self._refresh = asyncio.ensure_future(self._refresh_records())
+            self._refresh.add_done_callback(_log_failed_read)
+
     async def _refresh_records(self) -> None:
         self.hold(await fetch_node_infos(self.dht, self.dht_prefix))
+        self._refreshed_at = time.monotonic()
 
     def _unexpired(self) -> dict[str, NodeRecord]:
         now = get_dht_time()

@@ -66,7 +66,7 @@ class GatewayAdapters:
 
     async def listed(self) -> list[tuple[str, str]]:
         """(name, where from) of every adapter a request may name: "gateway" (loaded here) or "swarm"."""
-        announced = await self.model.announced_adapters()
+        announced = await self.model.announced_adapters(max_age_s=0.0)  # a listing shows the swarm as it is now
         names = {name: "swarm" for name, ids in announced.items() if len(ids) == 1}
         names.update({name: "gateway" for name in self.loaded})
         return sorted(names.items())

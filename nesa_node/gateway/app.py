@@ -248,7 +248,12 @@ class Gateway:
                 max_length=len(ids) + max_new, prompt_tokens=len(ids), adapter=prepared.adapter
             )
             stream = self.model.stream(
-                torch.tensor([ids]), max_new_tokens=max_new, eos_token_id=self.eos_token_id, session=session, **sampling
+                torch.tensor([ids]),
+                max_new_tokens=max_new,
+                eos_token_id=self.eos_token_id,
+                session=session,
+                send_ahead=self.model.auditor is None,  # closed below; an audit replays every step it sent
+                **sampling,
             )
             async with contextlib.aclosing(stream):
                 async for column in stream:

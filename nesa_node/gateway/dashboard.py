@@ -56,7 +56,7 @@ class DashboardState:
     async def document(self) -> dict:
         swarm = self.model.swarm
         num_blocks = self.model.model_config.num_hidden_layers
-        records = await swarm.node_records()
+        records = await swarm.node_records(max_age_s=0.0)  # live: a read per poll, waited for up to 0.5 s
         infos = sorted((record.info for record in records), key=lambda info: (info.start_block, info.peer_id))
         infos = [info for info in infos if info.end_block <= num_blocks]
         self._note_changes(infos)

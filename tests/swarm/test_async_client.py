@@ -120,6 +120,58 @@ def test_async_sampling_is_seeded_and_streams_token_by_token(local_swarm, tiny_l
     assert not node.sessions.sessions  # the stream stopped early closed its session
 
 
+def test_a_stream_sends_each_next_step_ahead_and_a_callers_session_goes_on_where_it_stopped(local_swarm, tiny_llama):
+    """With `send_ahead` (a stream's own session, the gateway's), the next token's step is on its way from the
+    second token on before the consumer gets a token. On the caller's own session it is off by default: a stream
+    stopped early leaves the session at the tokens before the last one yielded, and a later stream goes on to the
+    reference tokens."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="async-ahead")
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+            prompt, max_new_tokens=12, do_sample=False
+        )
+
+    async def stopped_at_five(model, session, **options) -> tuple[list[torch.Tensor], list[int]]:
+        """Five tokens, slowly (the step sent ahead completes meanwhile); the steps the session had at each."""
+        tokens, steps_seen = [], []
+        stream = model.stream(prompt, max_new_tokens=12, session=session, **options)
+        async for token in stream:
+            tokens.append(token)
+            await asyncio.sleep(0.2)
+            steps_seen.append(len(session.timings))
+            if len(tokens) == 5:
+                break
+        await stream.aclose()
+        return tokens, steps_seen
+
+    async def program():
+        model = await AsyncDistributedModel.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="async-ahead", compression="none"
+        )
+        try:
+            await wait_for_chain_async(model)
+            async with model.inference_session(max_length=16) as session:
+                ahead_tokens, ahead_steps = await stopped_at_five(model, session, send_ahead=True)
+            async with model.inference_session(max_length=16) as session:
+                tokens, steps_seen = await stopped_at_five(model, session)
+                position = session.position
+                ids = torch.cat([prompt, torch.stack(tokens, dim=1)], dim=1)  # everything the caller has seen
+                rest = [token async for token in model.stream(ids, max_new_tokens=7, session=session)]
+            return ahead_tokens, ahead_steps, tokens, steps_seen, position, rest
+        finally:
+            await model.close()
+
+    ahead_tokens, ahead_steps, tokens, steps_seen, position, rest = asyncio.run(program())
+    # at the first token, the prefill alone; from the second on, the step of the token in hand is already done
+    assert ahead_steps == [1, 3, 4, 5, 6], ahead_steps
+    assert steps_seen == [1, 2, 3, 4, 5], steps_seen
+    assert torch.equal(torch.stack(ahead_tokens, dim=1), reference[:, 4:9])
+    assert position == 4 + 4  # the prompt and the tokens before the fifth
+    assert torch.equal(torch.cat([prompt, torch.stack(tokens + rest, dim=1)], dim=1), reference)
+    assert not node.sessions.sessions
+
+
 def test_unknown_keywords_are_refused(tiny_llama):
     with pytest.raises(TypeError, match="unknown client settings"):
         asyncio.run(
