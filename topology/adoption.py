@@ -4,10 +4,11 @@ life simulator (life.py) step once per snapshot, so what the simulator measures 
 
 Per snapshot, given the book's assignment for it (schemas.apply_schema):
 - The class is the assignment's label, or FAR when the snapshot lies beyond the book's radius from every class. A new
-  class counts once CONFIRMATIONS snapshots in a row show it (the first snapshot's at once); until then nothing
-  moves. Measured: a swarm whose snapshots sit near the radius flips between a class and FAR from one snapshot to the
-  next, and every flip would start a round of planning (14 changes in six simulated hours without this, 109 moves
-  against 19).
+  class counts once CONFIRMATIONS snapshots in a row show it, the first one too; until then nothing moves. Measured:
+  a swarm whose snapshots sit near the radius flips between a class and FAR from one snapshot to the next, and every
+  flip would start a round of planning (14 changes in six simulated hours without this, 109 moves against 19). And
+  a node that has just joined first sees the swarm as it was while it joined (the nodes it replaces still listed),
+  a state far from every class, which taken at once started a recomputation the next snapshot no longer called for.
 - Far, or a schema that would leave a block unserved (the assignment was recomputed): the book defers, and the
   caller's own planning (a trigger's episode of balancing.plan_moves) decides. Becoming far counts as a change: it
   starts such an episode (`BookStep.recompute`).
@@ -19,7 +20,7 @@ Per snapshot, given the book's assignment for it (schemas.apply_schema):
 
 The margin is SCHEMA_MARGIN, twice balancing's. Measured in six simulated hours of 600 nodes (bench/topology.py
 `book_in_life`: the homology trigger alone made 19 moves; with a book of the scenario's five states): at a 5% margin
-the book took 163 moves for +0.7% mean and +0.8% 10th-percentile throughput, at 10% 55 moves for +0.2% and +1.2%.
+the book took 111 moves for +0.6% mean and +0.8% 10th-percentile throughput, at 10% 47 moves for +0.3% and +0.9%.
 The joining rule and balancing's own moves already hold such a swarm within about 1% of the best assignment, so a
 book earns its keep by deciding in a fraction of a millisecond, not by a better placement.
 
@@ -77,7 +78,7 @@ def follow_book(
         raise ValueError("the assignment is of other nodes than the placement")
     label = FAR if assignment.far else assignment.label
     changed = label != state.topology_class
-    if changed and state.topology_class is not None:
+    if changed:
         seen = state.seen + 1 if label == state.pending else 1
         if seen < CONFIRMATIONS:
             waiting = BookState(state.topology_class, state.adopting, label, seen)

@@ -24,8 +24,16 @@ LOPSIDED = [0, 0, 0, 2]  # T = min(6, 1) = 1
 SCHEMA = [0, 2, 0, 2]  # T = min(4, 3) = 3; a, b and c are equals, so c is the one to move
 
 
-def test_the_first_snapshot_sets_the_class_and_starts_adopting_its_schema():
-    state, step = follow_book(BookState(), assignment(3, SCHEMA), placement(LOPSIDED))
+def confirmed(state: BookState, assignment: Assignment, placement: Placement):
+    """The state and step once `assignment` has shown in CONFIRMATIONS snapshots in a row (nothing moves before)."""
+    for _ in range(CONFIRMATIONS - 1):
+        state, step = follow_book(state, assignment, placement)
+        assert step.moves == () and not step.changed and state.adopting is None
+    return follow_book(state, assignment, placement)
+
+
+def test_the_first_class_once_confirmed_starts_adopting_its_schema():
+    state, step = confirmed(BookState(), assignment(3, SCHEMA), placement(LOPSIDED))
     assert step.changed and step.started and not step.recompute
     assert [(move.peer_id, move.to_start) for move in step.moves] == [("c", 2)]
     assert state == BookState(3, 3)
@@ -69,6 +77,13 @@ def test_far_from_every_class_defers_to_the_trigger_and_starts_its_episode():
     assert step.moves is None and not step.recompute  # the episode was started once
 
 
+def test_a_joining_nodes_first_snapshot_far_from_every_class_starts_nothing_when_the_next_is_known():
+    state, step = follow_book(BookState(), assignment(3, SCHEMA, far=True), placement(LOPSIDED))
+    assert step.moves == () and not step.recompute and state.topology_class is None
+    state, step = confirmed(state, assignment(3, SCHEMA), placement(LOPSIDED))
+    assert step.changed and not step.recompute and step.moves and state.topology_class == 3
+
+
 def test_a_schema_that_would_leave_a_gap_defers_without_an_episode():
     state, step = follow_book(BookState(3), assignment(3, SCHEMA, recomputed=True), placement(LOPSIDED))
     assert step.moves is None and not step.recompute and state.topology_class == 3
@@ -78,10 +93,10 @@ def test_the_margin_holds_at_the_start_and_on_the_way():
     # d (0.05 tokens/s) at 0:2; the schema moves it to 2:4: T 2.0 -> 2.05, under the 5% margin
     before, after = placement([0, 0, 2, 0], 0.05), assignment(1, [0, 0, 2, 2], slowest=0.05)
     for state in (BookState(), BookState(1, 1)):
-        state, step = follow_book(state, after, before)
+        state, step = confirmed(state, after, before)
         assert step.moves == () and state.adopting is None
     # with d at 1.0 tokens/s the same move is worth it (T 2 -> 3)
-    _, step = follow_book(BookState(), assignment(1, [0, 0, 2, 2]), placement([0, 0, 2, 0]))
+    _, step = confirmed(BookState(), assignment(1, [0, 0, 2, 2]), placement([0, 0, 2, 0]))
     assert [(move.peer_id, move.to_start) for move in step.moves] == [("d", 2)]
 
 
