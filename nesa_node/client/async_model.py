@@ -484,7 +484,8 @@ class AsyncDistributedModel(AdapterLookup):
                 if ahead is None:
                     hidden = await session.step(self.embed(new))
                 else:
-                    hidden, ahead = await ahead, None
+                    sent, ahead = ahead, None  # its failure is this step's, not one left behind at the end
+                    hidden = await sent
                 scores = self.logits(hidden, keep=1)[:, -1].float()  # (batch, vocab)
                 token = self._choose(scores, do_sample, temperature, top_k, top_p, generator)  # (batch,)
                 if eos_token_id is not None:

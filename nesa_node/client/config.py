@@ -95,9 +95,9 @@ class ClientConfig:
     # while unexpired records are at hand, a DHT read slower than this is not waited for (guess: a healthy read takes
     # 20-40 ms on loopback, a few 100 ms on a WAN)
     records_wait_s: float = 0.5
-    # records read less than records_stale_s ago serve routing without a new read; a session that closes reads them
-    # again in the background once they are records_fresh_s old (guess: nodes announce every 10 s, and a node gone
-    # since the read is caught by the ping before a session opens on it, or by failover)
+    # records read less than records_stale_s ago serve routing without a new read; once they are records_fresh_s
+    # old, a call or a session's close reads them again in the background (guess: nodes announce every 10 s, and a
+    # node gone since the read is caught by the ping before a session opens on it, or by failover)
     records_fresh_s: float = 1.0
     records_stale_s: float = 10.0
     step_timeout_s: float | None = None  # a step's deadline; None: adaptive (see InferenceSession.deadline)
