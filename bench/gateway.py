@@ -1,19 +1,21 @@
 """Gateway benchmark: what the OpenAI-compatible gateway adds over the SDK, and concurrent streams.
 
 A bootstrap, `--nodes` nodes and a gateway run as processes on this machine; the same prompts go through the async
-SDK in this process, through the gateway with a plain HTTP client (httpx reading the server-sent events line by
-line: what the gateway itself adds), and through the gateway with the official `openai` client (what a Python
-application using it sees: the client library's own parsing included). Streaming, temperature 0, lossless wire.
+SDK in this process, through the gateway with a plain HTTP client (a socket read as the answer comes, the events
+parsed once it is complete: what the gateway itself adds), and through the gateway with the official `openai`
+client (what a Python application using it sees: the client library's own parsing included). Streaming,
+temperature 0, lossless wire.
 
 The machine's speed drifts by tens of percent from one second to the next (shared cores), so requests run in
 rounds of two, the SDK's and one through the gateway (the plain and the openai client in turn), each first in half
 of the rounds, `--requests` rounds; what the gateway adds is the median over the rounds of the paired difference
 (gateway minus SDK in the same round), with a bootstrap 95% interval. Time to first token, and time per later token.
 (One request each per round also keeps the two clients alike in how old their swarm records are when a request
-comes: a client reads them at most every `records_fresh_s`, in the background.) Then `--concurrent` streaming requests at once through the gateway, each checked against its
-own SDK tokens. One JSON line. Targets: the gateway adds at most 2 ms to the first token and 0.5 ms per token.
+comes: a client reads them at most every `records_fresh_s`, in the background.) Then `--concurrent` streaming
+requests at once through the gateway, each checked against its own SDK tokens. One JSON line. Targets: the gateway
+adds at most 2 ms to the first token and 0.5 ms per token.
 
-    python bench/gateway.py [--nodes 2] [--requests 100] [--new-tokens 32] [--concurrent 16]
+    python bench/gateway.py [--nodes 2] [--requests 200] [--new-tokens 32] [--concurrent 16]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -75,26 +78,42 @@ async def gateway_run(client, name: str, prompt: str, new_tokens: int) -> tuple[
     return first - started, (last - first) / max(tokens - 1, 1), "".join(pieces)
 
 
-async def raw_run(http, url: str, name: str, prompt: str, new_tokens: int) -> tuple[float, float, str]:
-    """As gateway_run, with a plain HTTP client reading the events line by line."""
-    body = {"model": name, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
+async def raw_run(url: str, name: str, prompt: str, new_tokens: int) -> tuple[float, float, str]:
+    """As gateway_run, with the least client work while the answer comes: one HTTP/1.1 request on a socket of its
+    own, each read kept with the time it returned, the events parsed once the answer is complete (a client on
+    another machine parses on its own cores; here its parsing would take the cores the nodes and the gateway use).
+    An event's time is that of the read holding its last byte."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": name, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()  # fmt: skip
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()  # fmt: skip
     started = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    reads: list[tuple[float, bytes]] = []
+    try:
+        writer.write(head + body)
+        while data := await reader.read(65536):
+            reads.append((time.perf_counter(), data))
+    finally:
+        writer.close()
+    ends, raw = [], b""
+    for when, data in reads:
+        raw += data
+        ends.append((len(raw), when))
     first = last = None
     pieces, tokens = [], 0
-    async with http.stream("POST", url + "/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[len("data: ") :])
-            choices = chunk.get("choices")
-            if choices and choices[0]["text"]:
-                first = first or time.perf_counter()
-                pieces.append(choices[0]["text"])
-            if choices and choices[0]["finish_reason"]:
-                last = time.perf_counter()
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
+    for match in re.finditer(rb"data: (\{.*?\})\n\n", raw):  # one event per chunk of the chunked body
+        when = next(when for end, when in ends if end >= match.end())
+        chunk = json.loads(match.group(1))
+        choices = chunk.get("choices")
+        if choices and choices[0]["text"]:
+            first = first or when
+            pieces.append(choices[0]["text"])
+        if choices and choices[0]["finish_reason"]:
+            last = when
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
     return first - started, (last - first) / max(tokens - 1, 1), "".join(pieces)
 
 
@@ -110,7 +129,6 @@ def paired(added: list[float], seed: int = 0) -> dict:
 
 
 async def measure(args, path: str, peers: list[str], url: str) -> dict:
-    import httpx2 as httpx  # what the openai client itself runs on here
     from openai import AsyncOpenAI
     from transformers import AutoTokenizer
 
@@ -119,12 +137,11 @@ async def measure(args, path: str, peers: list[str], url: str) -> dict:
         path, initial_peers=peers, dht_prefix="bench-gateway", compression="none"
     )
     client = AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    http = httpx.AsyncClient(timeout=120)
     name = Path(path).name
     try:
         await sdk_run(model, tokenizer, PROMPTS[0], 4)  # warm-up: connections, first-call costs
         await gateway_run(client, name, PROMPTS[0], 4)
-        await raw_run(http, url, name, PROMPTS[0], 4)
+        await raw_run(url, name, PROMPTS[0], 4)
         # timed prompts: those whose first new token is text of its own (a token ending inside a character sends no
         # text until the next one, which would shift the gateway's first-text time by a token)
         timed = []
@@ -147,7 +164,7 @@ async def measure(args, path: str, peers: list[str], url: str) -> dict:
                     text = tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
                     expected[prompt] = text
                 elif kind == "http":
-                    ttft, per_token, text = await raw_run(http, url, name, prompt, args.new_tokens)
+                    ttft, per_token, text = await raw_run(url, name, prompt, args.new_tokens)
                 else:
                     ttft, per_token, text = await gateway_run(client, name, prompt, args.new_tokens)
                 (sdk_rows[gateway_kind] if kind == "sdk" else rows[kind]).append((ttft, per_token))
@@ -160,7 +177,6 @@ async def measure(args, path: str, peers: list[str], url: str) -> dict:
         results = await asyncio.gather(*(gateway_run(client, name, prompt, args.new_tokens) for prompt in prompts))
         concurrent_s = time.perf_counter() - started
     finally:
-        await http.aclose()
         await client.close()
         await model.close()
 
@@ -194,7 +210,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--requests", type=int, default=100, help="rounds of one SDK and one gateway request")
+    parser.add_argument("--requests", type=int, default=200, help="rounds of one SDK and one gateway request")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--concurrent", type=int, default=16)
     args = parser.parse_args()
