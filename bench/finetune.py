@@ -13,9 +13,14 @@ trains. Reported, with their targets:
   the kill until training has caught up (replayed the steps since the checkpoint) and taken the next step; the
   killed node is restarted as a spare before the next kill (target: each <= 10 s).
 
+The nodes run as an operator runs several on one machine: each with its share of the cores (`--torch-threads`,
+here the cores over --nodes, at least one); peft in one process uses them all. Each batch goes down the chain as
+--micro-batches micro-batches, one behind the other, so the nodes compute at the same time.
+
 One JSON line. A GPU machine: --device cuda (nodes).
 
     python bench/finetune.py [--steps 80] [--rank 8] [--lr 3e-3] [--batch 8] [--seq 64] [--kills 10]
+                             [--micro-batches 2] [--node-threads N]
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 import signal
 import statistics
@@ -152,6 +158,7 @@ def kill_run(group, model_path, peers, spans, nodes, initial, data, args) -> lis
 def start_node(group, model_path, peers, span, name, args):
     node_args = ["run", "--model", model_path, "--blocks", f"{span[0]}:{span[1]}", "--initial-peers", *peers]
     node_args += ["--dht-prefix", PREFIX, "--device", args.device, "--no-measure", "--announce-period", "1"]
+    node_args += ["--torch-threads", str(args.node_threads)]
     process, address_file = group.start(name, node_args)
     address = group.wait_address(process, address_file, timeout_s=300)
     return process, address[0].rsplit("/p2p/", 1)[-1]
@@ -165,12 +172,20 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--micro-batches", type=int, default=1, help="per batch, pipelined down the chain")
+    parser.add_argument("--micro-batches", type=int, default=2, help="per batch, pipelined down the chain (default 2)")
+    parser.add_argument(
+        "--node-threads",
+        type=int,
+        default=0,
+        help="--torch-threads of each node (default: its share of this machine's cores, at least 1)",
+    )
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
+    if args.node_threads <= 0:  # the nodes that train at once share the cores, as an operator would set them
+        args.node_threads = max(1, (os.cpu_count() or 1) // args.nodes)
 
     model_path = str(train_tiny_model(progress=False).path)
     spec = LoraSpec(rank=args.rank, alpha=2.0 * args.rank)
@@ -194,6 +209,8 @@ def main() -> None:
         "bench": "finetune",
         "steps": args.steps,
         "micro_batches": args.micro_batches,
+        "node_threads": args.node_threads,
+        "peft_threads": torch.get_num_threads(),
         "tokens_per_step": args.batch * args.seq,
         "base_heldout_ppl": round(local["base_ppl"], 3),
         "peft_heldout_ppl": round(local["ppl"], 3),

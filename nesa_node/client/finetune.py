@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -39,7 +40,7 @@ from nesa_node.client.checkpoints import (
     span_state_of,
     write_checkpoint,
 )
-from nesa_node.client.model import LoopThread
+from nesa_node.client.model import LoopThread, on_caller
 from nesa_node.client.session_chain import codec_for
 from nesa_node.client.train_link import (
     IGNORE_INDEX,
@@ -64,8 +65,6 @@ from nesa_node.protocol.messages import (
     MAX_REPLICAS,
     OpenTraining,
     Replica,
-    TrainApplied,
-    TrainApply,
     TrainBackward,
     TrainForward,
     TrainGrad,
@@ -353,11 +352,15 @@ class AsyncFineTuningSession:
             inputs.append(hidden)
         return inputs
 
-    async def _backward(self, grad: torch.Tensor, step_id: str, links: list[TrainLink], *, apply: bool) -> int:
-        """The gradient of the last node's output up the chain; the optimizer steps the nodes report."""
-        steps = set()
+    async def _backward(
+        self, grad: torch.Tensor, step_id: str, links: list[TrainLink], applies: Callable[[TrainLink], bool]
+    ) -> list[int]:
+        """The gradient of the last node's output up the chain; `applies(link)`, asked as the request to a link is
+        built: whether that node takes its optimizer step after this backward pass. The steps those nodes report."""
+        steps = []
         for link in reversed(links):
             codec, output_codec = self._codecs(link, grad.numel())
+            apply = applies(link)
             request = TrainBackward(step_id=step_id, codec=codec, output_codec=output_codec, apply=apply)
             message, answer = await link.call(
                 frame(request, [tensor_to_proto(grad, codec)]),
@@ -368,13 +371,17 @@ class AsyncFineTuningSession:
             if message.step_id != step_id:
                 raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
             grad = link.read_tensor(answer, message.codec, grad).float()
-            steps.add(message.step)
-        return min(steps)
+            if apply:
+                steps.append(message.step)
+        return steps
 
     def _step_timeout_s(self, apply: bool) -> float:
         """A call that takes an optimizer step with replicas waits on them too (up to their own timeout)."""
         timeout_s = self.model.config.request_timeout_s
         return 2 * timeout_s if apply and len(self.chains) > 1 else timeout_s
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed(input_ids).float()
 
     def _loss_and_grad(
         self, output: torch.Tensor, labels: torch.Tensor, total: int | None
@@ -389,7 +396,8 @@ class AsyncFineTuningSession:
     async def _pass(self, item: Pass) -> float:
         """One forward and backward pass of the batch: its rows split over the chains (data parallel) and, in each
         chain, into micro_batches that follow each other down the chain (pipelined: while one is at the second node
-        the next is at the first); with item.apply, then one optimizer step on every node."""
+        the next is at the first); with item.apply, then one optimizer step on every node, taken with its last
+        backward pass."""
         self._passes += 1
         step_id = f"{self.session_id}:{self._passes}"
         parts = len(self.chains) * self.micro_batches
@@ -399,27 +407,26 @@ class AsyncFineTuningSession:
                 f"{self.micro_batches} micro-batches"
             )
         total = labelled_tokens(item.labels) if parts > 1 else None
-        staged = item.apply and self.micro_batches > 1  # the step after every micro-batch's backward: TrainApply
+        # With item.apply, each node steps after the last backward pass of the batch it is sent: a link's requests
+        # go out in the order they are built, and autograd has summed the earlier micro-batches' gradients by then.
+        sent: dict[int, int] = {}
 
-        async def run(links: list[TrainLink], part: int, input_ids, labels) -> tuple[float, int]:
-            hidden = self.model.embed(input_ids).float()
+        def applies(link: TrainLink) -> bool:
+            sent[id(link)] = sent.get(id(link), 0) + 1
+            return item.apply and sent[id(link)] == self.micro_batches
+
+        async def run(links: list[TrainLink], part: int, input_ids, labels) -> tuple[float, list[int]]:
+            hidden = await on_caller(self._embed, input_ids)
             outputs = await self._forward(hidden, f"{step_id}.{part}", links, keep=True)
-            loss, grad = self._loss_and_grad(outputs[-1], labels, total)
-            return loss, await self._backward(grad, f"{step_id}.{part}", links, apply=item.apply and not staged)
+            loss, grad = await on_caller(self._loss_and_grad, outputs[-1], labels, total)
+            return loss, await self._backward(grad, f"{step_id}.{part}", links, applies)
 
         ids, labels = item.input_ids.tensor_split(parts), item.labels.tensor_split(parts)
         results = await first_failure(
             run(self.chains[part // self.micro_batches], part, ids[part], labels[part]) for part in range(parts)
         )
-        if staged:
-            apply = frame(TrainApply(update=self.step + 1))
-            timeout_s = self._step_timeout_s(True)
-            answers = await first_failure(
-                link.call(apply, TrainApplied, timeout_s=timeout_s) for chain in self.chains for link in chain
-            )
-            self.step = min(message.step for message, _ in answers)
-        elif item.apply:
-            self.step = min(step for _, step in results)
+        if item.apply:
+            self.step = min(step for _, steps in results for step in steps)
         return sum(loss for loss, _ in results)
 
     async def train_step(
@@ -489,11 +496,14 @@ class AsyncFineTuningSession:
             parts = min(len(self.chains), input_ids.shape[0])
             total = labelled_tokens(labels)
 
-            async def part(links: list[TrainLink], ids: torch.Tensor, part_labels: torch.Tensor) -> float:
-                outputs = await self._forward(self.model.embed(ids).float(), step_id, links, keep=False)
+            def loss_of(output: torch.Tensor, part_labels: torch.Tensor) -> float:
                 with torch.inference_mode():
-                    edges, hidden = self.model.edges, outputs[-1].to(self.model.device, self.model.dtype)
+                    edges, hidden = self.model.edges, output.to(self.model.device, self.model.dtype)
                     return causal_lm_loss(edges.lm_head(edges.norm(hidden)), part_labels, total=total).item()
+
+            async def part(links: list[TrainLink], ids: torch.Tensor, part_labels: torch.Tensor) -> float:
+                outputs = await self._forward(await on_caller(self._embed, ids), step_id, links, keep=False)
+                return await on_caller(loss_of, outputs[-1], part_labels)
 
             split = zip(self.chains, input_ids.tensor_split(parts), labels.tensor_split(parts), strict=False)
             return sum(await first_failure(part(links, ids, lab) for links, ids, lab in split))
@@ -572,10 +582,10 @@ class FineTuningSession:
         return self.runner.call(self.inner.checkpoint())
 
     def train_step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *, apply: bool = True) -> float:
-        return self.runner.call(self.inner.train_step(input_ids, labels, apply=apply))
+        return self.runner.call(self.inner.train_step(input_ids, labels, apply=apply), lend_thread=True)
 
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
-        return self.runner.call(self.inner.evaluate(input_ids, labels))
+        return self.runner.call(self.inner.evaluate(input_ids, labels), lend_thread=True)
 
     def adapter(self, chain: int = 0) -> AdapterSlice:
         return self.runner.call(self.inner.adapter(chain))

@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
+import queue
 import threading
-from collections.abc import Coroutine, Iterator
+import time
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel
@@ -29,6 +32,75 @@ from nesa_node.errors import PeerUnavailableError, SessionStateError
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.chain import Chain, RoutingParams, SwarmSnapshot
 
+T = TypeVar("T")
+
+
+def _left(deadline: float | None) -> float | None:
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class _Caller:
+    """The thread blocked in LoopThread.call(..., lend_thread=True): the work its coroutine hands over with
+    `on_caller` runs there, in order."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()  # None: the coroutine is done
+        self._lock = threading.Lock()
+        self._open = True
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue `job` for the caller; False once the call has returned (the job is the submitter's to run)."""
+        with self._lock:
+            if self._open:
+                self.jobs.put(job)
+            return self._open
+
+    def close(self) -> None:
+        """No more jobs; those queued still run (their coroutines wait for them)."""
+        with self._lock:
+            self._open = False
+        with contextlib.suppress(queue.Empty):
+            while True:
+                if (job := self.jobs.get_nowait()) is not None:
+                    job()
+
+
+_CALLER: contextvars.ContextVar[_Caller | None] = contextvars.ContextVar("nesa_caller", default=None)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the waiting coroutine was cancelled
+        return
+    if error is None:
+        future.set_result(result)
+    else:
+        future.set_exception(error)
+
+
+async def on_caller(work: Callable[..., T], *args) -> T:
+    """`work(*args)` on the thread that waits for this coroutine in LoopThread.call(..., lend_thread=True), inline
+    otherwise. A synchronous client's own torch work (embeddings, the loss) then runs on the caller's thread, as it
+    would without the swarm, and not on the loop thread: each thread that runs parallel operators keeps a team of
+    OpenMP threads, and a process with more of them than cores runs every operator slower (server.compute
+    .compute_executor)."""
+    caller = _CALLER.get()
+    if caller is None:
+        return work(*args)
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def job() -> None:
+        try:
+            result, error = work(*args), None
+        except Exception as exc:
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop has stopped: nobody waits any more
+            loop.call_soon_threadsafe(_settle, done, result, error)
+
+    if not caller.submit(job):
+        return work(*args)
+    return await done
+
 
 class LoopThread:
     """An event loop on a daemon thread of its own; `call` runs a coroutine there from any other thread."""
@@ -38,14 +110,36 @@ class LoopThread:
         self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
         self._thread.start()
 
-    def call(self, coroutine: Coroutine, timeout: float | None = None) -> Any:
-        """The coroutine's result; PeerUnavailableError (the coroutine cancelled) after `timeout` seconds."""
-        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+    def call(self, coroutine: Coroutine, timeout: float | None = None, *, lend_thread: bool = False) -> Any:
+        """The coroutine's result; PeerUnavailableError (the coroutine cancelled) after `timeout` seconds. With
+        `lend_thread`, the calling thread runs what the coroutine hands it with `on_caller` while it waits."""
+        if not lend_thread:
+            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+            try:
+                return future.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                future.cancel()
+                raise PeerUnavailableError(f"no answer within {timeout} s") from None
+        caller = _Caller()
+        token = _CALLER.set(caller)
+        try:  # the coroutine's task starts in a copy of this context: it and its subtasks see `caller`
+            future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        finally:
+            _CALLER.reset(token)
+        future.add_done_callback(lambda _: caller.jobs.put(None))
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            return future.result(timeout=timeout)
-        except concurrent.futures.TimeoutError:
+            while (job := caller.jobs.get(timeout=_left(deadline))) is not None:
+                job()
+        except queue.Empty:
             future.cancel()
             raise PeerUnavailableError(f"no answer within {timeout} s") from None
+        except BaseException:  # KeyboardInterrupt while waiting or in a job: the coroutine stops too
+            future.cancel()
+            raise
+        finally:
+            caller.close()
+        return future.result()
 
     def stop(self) -> None:
         """Cancel what still runs on the loop (hivemind's background tasks), stop it and join the thread."""

@@ -198,9 +198,9 @@ def test_two_data_parallel_chains_keep_their_replicas_identical(swarm, trained_m
 
 
 def test_micro_batches_pipelined_down_the_chain_take_the_same_steps(swarm, trained_model, initial_adapter):
-    """Each batch as two micro-batches following each other down the chain, the step applied once both are back
-    (TrainApply): the same losses and adapter as peft's whole batches; a resent TrainApply is answered, not
-    applied again."""
+    """Each batch as two micro-batches following each other down the chain, each node's step taken with the second
+    one's backward pass there: the same losses and adapter as peft's whole batches; a TrainApply for the step taken
+    already is answered, not applied again."""
     data = batches(2048, 10, seed=9)
     losses, model = local_run(trained_model, initial_adapter, data)
     with swarm_session(swarm, trained_model, initial_adapter, micro_batches=2) as session:
