@@ -25,7 +25,6 @@ import asyncio
 import dataclasses
 import logging
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,16 +47,17 @@ from nesa_node.client.train_link import (
     OptimizerSettings,
     Pass,
     TrainLink,
+    backward_pass,
     causal_lm_loss,
     check_labels,
     close_chains,
     first_failure,
+    forward_pass,
     labelled_tokens,
     open_link,
     replica_chains,
     state_answer_bytes,
     state_tensor_bytes,
-    tensor_answer_bytes,
 )
 from nesa_node.errors import BadRequestError, CheckpointError, NoRouteError, RequestError
 from nesa_node.protocol.channel import Frame, frame
@@ -65,14 +65,10 @@ from nesa_node.protocol.messages import (
     MAX_REPLICAS,
     OpenTraining,
     Replica,
-    TrainBackward,
-    TrainForward,
-    TrainGrad,
-    TrainOutput,
     TrainState,
     TrainStateRequest,
 )
-from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto, tensor_to_proto
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto
 from nesa_node.routing.snapshot import Hop
 from nesa_node.sharding.lora import AdapterSlice, load_adapter_slice, merge_slices
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, init_adapter, save_peft_adapter, spec_of_folder
@@ -329,51 +325,8 @@ class AsyncFineTuningSession:
 
     # ---- passes ----------------------------------------------------------------------------------------------------
 
-    def _codecs(self, link: TrainLink, elements: int) -> tuple[WireCodec, WireCodec]:
-        codec = codec_for(None, link.hop, self.compression, elements=elements)
-        return codec, codec
-
-    async def _forward(
-        self, hidden: torch.Tensor, step_id: str, links: list[TrainLink], *, keep: bool
-    ) -> list[torch.Tensor]:
-        """Hidden states through every node; the input each node was given, then the last node's output."""
-        inputs = [hidden]
-        for link in links:
-            codec, output_codec = self._codecs(link, hidden.numel())
-            request = TrainForward(step_id=step_id, codec=codec, output_codec=output_codec, keep=keep)
-            message, answer = await link.call(
-                frame(request, [tensor_to_proto(hidden, codec)]),
-                TrainOutput,
-                max_answer_bytes=tensor_answer_bytes(hidden),
-            )
-            if message.step_id != step_id:
-                raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
-            hidden = link.read_tensor(answer, message.codec, hidden).float()
-            inputs.append(hidden)
-        return inputs
-
-    async def _backward(
-        self, grad: torch.Tensor, step_id: str, links: list[TrainLink], applies: Callable[[TrainLink], bool]
-    ) -> list[int]:
-        """The gradient of the last node's output up the chain; `applies(link)`, asked as the request to a link is
-        built: whether that node takes its optimizer step after this backward pass. The steps those nodes report."""
-        steps = []
-        for link in reversed(links):
-            codec, output_codec = self._codecs(link, grad.numel())
-            apply = applies(link)
-            request = TrainBackward(step_id=step_id, codec=codec, output_codec=output_codec, apply=apply)
-            message, answer = await link.call(
-                frame(request, [tensor_to_proto(grad, codec)]),
-                TrainGrad,
-                timeout_s=self._step_timeout_s(apply),
-                max_answer_bytes=tensor_answer_bytes(grad),
-            )
-            if message.step_id != step_id:
-                raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
-            grad = link.read_tensor(answer, message.codec, grad).float()
-            if apply:
-                steps.append(message.step)
-        return steps
+    def _codec(self, link: TrainLink, elements: int) -> WireCodec:
+        return codec_for(None, link.hop, self.compression, elements=elements)
 
     def _step_timeout_s(self, apply: bool) -> float:
         """A call that takes an optimizer step with replicas waits on them too (up to their own timeout)."""
@@ -417,9 +370,11 @@ class AsyncFineTuningSession:
 
         async def run(links: list[TrainLink], part: int, input_ids, labels) -> tuple[float, list[int]]:
             hidden = await on_caller(self._embed, input_ids)
-            outputs = await self._forward(hidden, f"{step_id}.{part}", links, keep=True)
+            outputs = await forward_pass(links, hidden, f"{step_id}.{part}", self._codec, keep=True)
             loss, grad = await on_caller(self._loss_and_grad, outputs[-1], labels, total)
-            return loss, await self._backward(grad, f"{step_id}.{part}", links, applies)
+            return loss, await backward_pass(
+                links, grad, f"{step_id}.{part}", self._codec, applies, timeout_of=self._step_timeout_s
+            )
 
         ids, labels = item.input_ids.tensor_split(parts), item.labels.tensor_split(parts)
         results = await first_failure(
@@ -502,7 +457,8 @@ class AsyncFineTuningSession:
                     return causal_lm_loss(edges.lm_head(edges.norm(hidden)), part_labels, total=total).item()
 
             async def part(links: list[TrainLink], ids: torch.Tensor, part_labels: torch.Tensor) -> float:
-                outputs = await self._forward(await on_caller(self._embed, ids), step_id, links, keep=False)
+                hidden = await on_caller(self._embed, ids)
+                outputs = await forward_pass(links, hidden, step_id, self._codec, keep=False)
                 return await on_caller(loss_of, outputs[-1], part_labels)
 
             split = zip(self.chains, input_ids.tensor_split(parts), labels.tensor_split(parts), strict=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,10 +15,21 @@ from torch import nn
 from nesa_node.client.session_chain import ANSWER_HEADROOM_BYTES
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, RequestError
 from nesa_node.protocol import lane, rpc
-from nesa_node.protocol.channel import Channel, Frame, LaneChannel, read
+from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
-from nesa_node.protocol.messages import FROM_TRAINING, TICKET_ANSWERS, ErrorReply, LaneTicket, Message, TrainOpened
-from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
+from nesa_node.protocol.messages import (
+    FROM_TRAINING,
+    TICKET_ANSWERS,
+    ErrorReply,
+    LaneTicket,
+    Message,
+    TrainBackward,
+    TrainForward,
+    TrainGrad,
+    TrainOpened,
+    TrainOutput,
+)
+from nesa_node.protocol.tensors import WireCodec, tensor_from_proto, tensor_to_proto
 from nesa_node.routing.snapshot import Hop
 from nesa_node.sharding.lora import AdapterSlice
 
@@ -27,6 +39,9 @@ WIRE_DTYPES = ("float32", "bfloat16", "float16", "uint8", "int8")  # what a node
 IGNORE_INDEX = -100  # labels that take no part in the loss (transformers' convention)
 # one tensor's entry in a safetensors header (name, dtype, shape, offsets): about 100 bytes measured, with margin
 STATE_ENTRY_BYTES = 256
+
+
+CodecOf = Callable[["TrainLink", int], WireCodec]  # (link, elements) -> the codec of that hop, both ways
 
 
 def tensor_answer_bytes(like: torch.Tensor) -> int:
@@ -239,6 +254,56 @@ class TrainLink:
         self.channel.close()
 
 
+async def forward_pass(
+    links: list[TrainLink], hidden: torch.Tensor, step_id: str, codec_of: CodecOf, *, keep: bool
+) -> list[torch.Tensor]:
+    """Hidden states through every node of a chain (`codec_of(link, elements)`: the codec both ways on that hop; `keep`:
+    the nodes save what the backward pass needs); the input each node was given, then the last node's output."""
+    inputs = [hidden]
+    for link in links:
+        codec = codec_of(link, hidden.numel())
+        request = TrainForward(step_id=step_id, codec=codec, output_codec=codec, keep=keep)
+        message, answer = await link.call(
+            frame(request, [tensor_to_proto(hidden, codec)]), TrainOutput, max_answer_bytes=tensor_answer_bytes(hidden)
+        )
+        if message.step_id != step_id:
+            raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
+        hidden = link.read_tensor(answer, message.codec, hidden).float()
+        inputs.append(hidden)
+    return inputs
+
+
+async def backward_pass(
+    links: list[TrainLink],
+    grad: torch.Tensor,
+    step_id: str,
+    codec_of: CodecOf,
+    applies: Callable[[TrainLink], bool],
+    *,
+    timeout_of: Callable[[bool], float],
+) -> list[int]:
+    """The gradient of the last node's output up the chain. `applies(link)`, asked as the request to a link is built:
+    whether that node takes its optimizer step after this backward pass (`timeout_of(apply)`: how long the call may
+    take). The steps those nodes report."""
+    steps = []
+    for link in reversed(links):
+        codec = codec_of(link, grad.numel())
+        apply = applies(link)
+        request = TrainBackward(step_id=step_id, codec=codec, output_codec=codec, apply=apply)
+        message, answer = await link.call(
+            frame(request, [tensor_to_proto(grad, codec)]),
+            TrainGrad,
+            timeout_s=timeout_of(apply),
+            max_answer_bytes=tensor_answer_bytes(grad),
+        )
+        if message.step_id != step_id:
+            raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
+        grad = link.read_tensor(answer, message.codec, grad).float()
+        if apply:
+            steps.append(message.step)
+    return steps
+
+
 def replica_chains(hops: list[Hop], nodes, count: int, left_out: set[str] | frozenset[str]) -> list[list[Hop]]:
     """`count` more chains with the blocks of `hops`, hop for hop (data-parallel replicas): each hop on the node among
     `nodes` (routing NodeViews) serving those blocks that the chains use least, another node where the swarm has one
@@ -290,10 +355,12 @@ __all__ = [
     "OptimizerSettings",
     "Pass",
     "TrainLink",
+    "backward_pass",
     "causal_lm_loss",
     "check_labels",
     "close_chains",
     "first_failure",
+    "forward_pass",
     "labelled_tokens",
     "open_link",
     "replica_chains",

@@ -3,6 +3,8 @@ tiny Llama, float32, no compression, against peft training the same adapter in o
 
 from __future__ import annotations
 
+import threading
+
 import peft
 import pytest
 import torch
@@ -204,7 +206,16 @@ def test_micro_batches_pipelined_down_the_chain_take_the_same_steps(swarm, train
     data = batches(2048, 10, seed=9)
     losses, model = local_run(trained_model, initial_adapter, data)
     with swarm_session(swarm, trained_model, initial_adapter, micro_batches=2) as session:
+        threads = []
+        loss_and_grad = session.inner._loss_and_grad
+
+        def recorded(*args):
+            threads.append(threading.get_ident())
+            return loss_and_grad(*args)
+
+        session.inner._loss_and_grad = recorded
         remote = [session.train_step(input_ids) for input_ids in data]
+        assert threads == [threading.get_ident()] * 20  # the loss ran on this (the calling) thread, per micro-batch
         link = session.inner.links[0]
         message, _ = session.runner.call(link.call(frame(TrainApply(update=10)), TrainApplied))
         assert message.step == 10  # the step it took already
