@@ -463,7 +463,8 @@ def _chosen_names(
     if outside and not ignore_outside_blocks:
         raise UnsupportedAdapterError(
             f"{path}: the adapter changes modules outside the transformer blocks ({', '.join(sorted(outside)[:4])}), "
-            "which the client holds, not the nodes; pass ignore_outside_blocks=True only where the client applies them"
+            "which the client holds, not the nodes: a client serves such an adapter (its edge layers trained whole) "
+            "by naming the folder as its model's adapter (generate --adapter DIR, from_pretrained(adapter=DIR))"
         )
     return chosen
 

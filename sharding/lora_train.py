@@ -10,13 +10,15 @@ same loss end where one process updating the whole adapter ends: no node needs a
 - `init_adapter(model_config, spec, seed)`: an AdapterSlice of every block, initialised as peft initialises a new
   adapter (A Kaiming-uniform with a = sqrt(5), B zero: the adapter starts as the base model).
 - `spec_of_folder(folder)`: the LoraSpec of a PEFT adapter folder a session starts from (one rank and alpha for
-  every module: rank_pattern and alpha_pattern are refused with UnsupportedAdapterError).
+  every module: rank_pattern and alpha_pattern are refused with UnsupportedAdapterError; modules_to_save only of the
+  client's edge layers, LoraSpec.edges, sharding/lora_edges.py).
 - `TrainableSlice(piece, device)`: the slice's factors as float32 parameters on `device`; `factors` is what
   sharding/lora_rows.py `trainable_adapter` runs; `snapshot()` the AdapterSlice of their current values.
 - `OptimizerState`: AdamW's moments of a slice's parameters and its step count, with canonical bytes (a
   checkpoint, or what a replacement node restores); `TrainableSlice.optimizer_state` / `restore_optimizer`.
-- `save_peft_adapter(whole, spec, folder, base_model=...)`: `adapter_model.safetensors` and `adapter_config.json`,
-  as `PeftModel.save_pretrained` writes them, so `PeftModel.from_pretrained` loads it and nodes serve it.
+- `save_peft_adapter(whole, spec, folder, base_model=..., edges=...)`: `adapter_model.safetensors` and
+  `adapter_config.json`, as `PeftModel.save_pretrained` writes them, so `PeftModel.from_pretrained` loads it and
+  nodes serve it (with trained edge layers: a client that names the folder serves it, applying them itself).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -42,6 +45,7 @@ from nesa_node.sharding.lora import (
     projection_shapes,
     read_adapter_config,
 )
+from nesa_node.sharding.lora_edges import EDGE_MODULES, check_edge_names, edges_of_modules_to_save, peft_edge_key
 
 OPTIMIZER_FORMAT = "nesa-lora-adamw/1"
 _MOMENT_KEY = re.compile(r"\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.exp_avg(_sq)?")
@@ -56,6 +60,7 @@ class LoraSpec:
     alpha: float = 16.0
     targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     use_rslora: bool = False
+    edges: tuple[str, ...] = ()  # client edge layers trained whole (sharding/lora_edges.py): peft's modules_to_save
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank <= 1 << 16:
@@ -68,6 +73,7 @@ class LoraSpec:
                 f"targets must be some of {', '.join(SHORT_NAMES)}; got {', '.join(self.targets) or 'none'}"
             )
         object.__setattr__(self, "targets", tuple(name for name in SHORT_NAMES if name in self.targets))
+        object.__setattr__(self, "edges", check_edge_names(self.edges))
 
     @property
     def scale(self) -> float:
@@ -83,6 +89,7 @@ class LoraSpec:
             lora_dropout=0.0,
             bias="none",
             use_rslora=self.use_rslora,
+            modules_to_save=[EDGE_MODULES[name] for name in self.edges] or None,
             task_type="CAUSAL_LM",
             base_model_name_or_path=base_model,
         )
@@ -120,7 +127,10 @@ def spec_of_folder(folder: str | Path) -> LoraSpec:
     targets = tuple(name.split(".")[-1] for name in names if name.split(".")[-1] in SHORT_NAMES)
     if not targets:
         raise UnsupportedAdapterError(f"{folder}: target_modules {modules!r} name none of {', '.join(SHORT_NAMES)}")
-    return LoraSpec(rank=config.r, alpha=float(config.lora_alpha), targets=targets, use_rslora=config.use_rslora)
+    edges = edges_of_modules_to_save(config.modules_to_save, folder)
+    return LoraSpec(
+        rank=config.r, alpha=float(config.lora_alpha), targets=targets, use_rslora=config.use_rslora, edges=edges
+    )
 
 
 class TrainableSlice:
@@ -283,11 +293,20 @@ def merge_optimizer_states(states: list[OptimizerState]) -> OptimizerState:
 
 
 def save_peft_adapter(
-    whole: AdapterSlice, spec: LoraSpec, folder: str | Path, *, base_model: str | None = None
+    whole: AdapterSlice,
+    spec: LoraSpec,
+    folder: str | Path,
+    *,
+    base_model: str | None = None,
+    edges: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write `whole` (every block of the model) as a PEFT LoRA folder: `adapter_model.safetensors` with peft's key
-    names and `adapter_config.json` from `spec`. Returns the folder."""
+    names and `adapter_config.json` from `spec`; `edges`: the weights of the edge layers the spec trains (its
+    modules_to_save, sharding/lora_edges.py). Returns the folder."""
     from safetensors.torch import save_file
+
+    if set(edges or {}) != set(spec.edges):
+        raise AdapterError(f"edge weights {sorted(edges or {})} for an adapter that trains {list(spec.edges)}")
 
     for (block, projection), factor in whole.factors.items():
         if projection.split(".")[-1] not in spec.targets or not math.isclose(factor.scale, spec.scale):
@@ -299,6 +318,8 @@ def save_peft_adapter(
         name = f"{_PEFT_PREFIX}model.layers.{block}.{projection}"
         tensors[f"{name}.lora_A.weight"] = factor.lora_a.detach().cpu().contiguous()
         tensors[f"{name}.lora_B.weight"] = factor.lora_b.detach().cpu().contiguous()
+    for name, weight in (edges or {}).items():
+        tensors[peft_edge_key(name)] = weight.detach().cpu().contiguous()
     save_file(tensors, folder / "adapter_model.safetensors", metadata={"format": "pt"})
     spec.peft_config(base_model).save_pretrained(str(folder))
     return folder

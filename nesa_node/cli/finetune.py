@@ -40,6 +40,15 @@ def _targets(text: str) -> tuple[str, ...]:
     return names
 
 
+def _edges(text: str) -> tuple[str, ...]:
+    from nesa_node.sharding.lora_edges import EDGE_NAMES, check_edge_names
+
+    try:
+        return check_edge_names(name.strip() for name in text.split(",") if name.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected some of {','.join(EDGE_NAMES)}, got {text!r}") from None
+
+
 def _eval_fraction(text: str) -> float:
     try:
         value = float(text)
@@ -104,6 +113,14 @@ def add_parser(commands, add_peer_args) -> None:
         metavar="NAMES",
         help="comma-separated projections to adapt, peft's short names (q_proj, k_proj, v_proj, o_proj, gate_proj, "
         "up_proj, down_proj), e.g. q_proj,v_proj",
+    )
+    adapter.add_argument(
+        "--train-edges",
+        type=_edges,
+        default=None,
+        metavar="NAMES",
+        help="also train these client layers whole, comma-separated: embed_tokens, norm, lm_head (peft's "
+        "modules_to_save; they stay on this machine, and a client serves the adapter by naming its folder)",
     )
     adapter.add_argument(
         "--adapter",
@@ -186,8 +203,11 @@ def check_args(args) -> None:
     """ValueError for options that do not go together; before anything is read."""
     if not args.initial_peers:
         raise ValueError("--initial-peers: give the address of at least one peer of the swarm")
-    if args.adapter and (args.rank, args.alpha, args.targets) != (None, None, None):
-        raise ValueError("--adapter gives the rank, alpha and targets: leave out --rank, --alpha and --targets")
+    if args.adapter and (args.rank, args.alpha, args.targets, args.train_edges) != (None, None, None, None):
+        raise ValueError(
+            "--adapter gives the rank, alpha, targets and trained edges: leave out --rank, --alpha, --targets and "
+            "--train-edges"
+        )
     if args.seq_len < 2:
         raise ValueError(f"--seq-len must be 2 or more (a token and the next to predict), got {args.seq_len}")
     if not 1 <= args.micro_batches <= 8:
@@ -215,6 +235,7 @@ def run_finetune(args) -> int:
             rank=args.rank or defaults.rank,
             alpha=args.alpha or defaults.alpha,
             targets=args.targets or defaults.targets,
+            edges=args.train_edges or (),
         )
     records = read_records(args.data)
     held_records = []
@@ -315,6 +336,8 @@ def _run_settings(args, spec) -> dict:
     """What decides the batches and the adapter's updates: a resumed run must have the same."""
     eval_source = {"file": _sha256(args.eval_data)} if args.eval_data else {"fraction": args.eval_fraction}
     lora = None if spec is None else {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)}
+    if spec is not None and spec.edges:  # a run.json of a run without them reads as before
+        lora["edges"] = list(spec.edges)
     return {
         "data_sha256": _sha256(args.data),
         "eval": eval_source,
@@ -455,7 +478,7 @@ def _metrics(args, spec, run: dict, train, held_out, adapter_path: Path, wall_s:
     return {
         "model": args.model,
         "adapter": str(adapter_path),
-        "lora": {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets)},
+        "lora": {"rank": spec.rank, "alpha": spec.alpha, "targets": list(spec.targets), "edges": list(spec.edges)},
         "settings": {
             "lr": args.lr,
             "weight_decay": args.weight_decay,
@@ -497,7 +520,10 @@ def _print_summary(args, spec, metrics: dict, adapter_path: Path) -> None:
             f"held-out loss {before['loss']:.4f} -> {after['loss']:.4f}, perplexity {before['perplexity']:.2f} -> "
             f"{after['perplexity']:.2f} (steps {before['step']} -> {after['step']})"
         )
-    print(f"adapter: {adapter_path} (PEFT LoRA, rank {spec.rank}, alpha {spec.alpha:g}, {','.join(spec.targets)})")
+    edges = f"; trained whole: {','.join(spec.edges)}" if spec.edges else ""
+    print(
+        f"adapter: {adapter_path} (PEFT LoRA, rank {spec.rank}, alpha {spec.alpha:g}, {','.join(spec.targets)}{edges})"
+    )
     print(f"metrics: {Path(args.out) / 'metrics.json'}")
     print(
         f"serve it: nesa-node run --model {args.model} --blocks START:END ... --adapters {adapter_path}\n"

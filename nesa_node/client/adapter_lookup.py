@@ -9,14 +9,24 @@ import statistics
 from pathlib import Path
 
 from nesa_node.client.session_chain import OwnAdapter
-from nesa_node.errors import AdapterMissingError
-from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, slice_blobs
+from nesa_node.client.train_edges import with_edge_weights
+from nesa_node.errors import AdapterError, AdapterMissingError
+from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, read_adapter_config, slice_blobs
+from nesa_node.sharding.lora_edges import edges_of_modules_to_save, read_edge_weights
 
 
-def own_adapter_of_folder(folder: str, model_config) -> OwnAdapter:
-    """The PEFT LoRA adapter in `folder`, whole, as the client sends it to nodes (sharding/lora.py)."""
-    whole = load_adapter_slice(folder, model_config, 0, None)
+def own_adapter_of_folder(folder: str, model_config, *, with_edges: bool = False) -> OwnAdapter:
+    """The PEFT LoRA adapter in `folder`, whole, as the client sends it to nodes (sharding/lora.py); `with_edges`:
+    its edge layers (modules_to_save) are left out, for a client that applies them itself."""
+    whole = load_adapter_slice(folder, model_config, 0, None, ignore_outside_blocks=with_edges)
     return OwnAdapter(adapter_manifest(whole, model_config.num_hidden_layers), tuple(slice_blobs(whole)))
+
+
+def edges_of_folder(text: str) -> tuple[str, ...]:
+    """The edge layers the adapter in folder `text` trains whole (none for an id, a name or a plain LoRA)."""
+    if re.fullmatch(r"[0-9a-f]{64}", text) or not Path(text).is_dir():
+        return ()
+    return edges_of_modules_to_save(read_adapter_config(text).modules_to_save, text)
 
 
 def adapter_id_of_folder(folder: str, model_config) -> str:
@@ -26,6 +36,31 @@ def adapter_id_of_folder(folder: str, model_config) -> str:
 
 class AdapterLookup:
     """Adapter lookups over `self.swarm`, `self.own_adapters` and `self.model_config` (AsyncDistributedModel's)."""
+
+    edge_adapter: str | None = None  # the adapter whose trained edge layers this client's own layers carry
+
+    async def resolve_model_adapter(self, adapter: str | Path) -> str:
+        """resolve_adapter for the model's own adapter (`from_pretrained(adapter=...)`): a folder whose adapter also
+        trained the embeddings, the final norm or the LM head whole (peft's modules_to_save, a fine-tuning session's
+        LoraSpec.edges) has them put into this client's layers; nodes get only its blocks."""
+        text = str(adapter)
+        names = await asyncio.to_thread(edges_of_folder, text)
+        if not names:
+            return await self.resolve_adapter(adapter)
+        weights = await asyncio.to_thread(read_edge_weights, text, names, self.model_config)
+        own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config, with_edges=True)
+        self.edges = with_edge_weights(self.edges, weights)
+        self.own_adapters[own.adapter_id] = own
+        self.edge_adapter = own.adapter_id
+        return own.adapter_id
+
+    def check_session_adapter(self, adapter_id: str | None) -> None:
+        """AdapterError when this client's layers carry an adapter's edge layers and a session would run another."""
+        if self.edge_adapter is not None and adapter_id != self.edge_adapter:
+            raise AdapterError(
+                f"this client's embeddings, norm and LM head are those of adapter {self.edge_adapter[:12]}… (trained "
+                "with the blocks): a session with another adapter, or none, needs a client of its own"
+            )
 
     async def resolve_adapter(self, adapter: str | Path) -> str:
         """The id of the LoRA adapter `adapter` names: an id (64 hex characters) as it is; a folder holding a PEFT

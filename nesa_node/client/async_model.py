@@ -227,7 +227,7 @@ class AsyncDistributedModel(AdapterLookup):
                 model_config, edges, swarm, config, generation_config=generation_config, edge_blocks=edge_blocks
             )
             model.router.weights_manifest = manifest
-            model.adapter = await model.resolve_adapter(adapter) if adapter is not None else None
+            model.adapter = await model.resolve_model_adapter(adapter) if adapter is not None else None
         except BaseException:
             await swarm.close()
             raise
@@ -301,6 +301,7 @@ class AsyncDistributedModel(AdapterLookup):
         Close it when done."""
         prompt_tokens = min(max(prompt_tokens, 0), max_length)
         adapter_id = await self.resolve_adapter(adapter) if adapter is not None else self.adapter
+        self.check_session_adapter(adapter_id)
         block_bytes = await self.adapter_block_bytes(adapter_id) if adapter_id is not None else 0.0
         attempts = self.config.max_open_attempts
         passed_over: set[str] = set()  # nodes that refused this session's adapter: left out of this open only

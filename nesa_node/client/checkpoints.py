@@ -12,6 +12,9 @@ A checkpoint folder holds one subfolder per kept checkpoint and a pointer to the
                                           sha256 of both files, the signing node's peer id, public key, signature
     DIR/step-0000000N/blocks-S-E.slice.safetensors       the slice's canonical bytes (sharding/lora.py)
     DIR/step-0000000N/blocks-S-E.adamw.safetensors       AdamW's state (sharding/lora_train.py OptimizerState)
+    DIR/step-0000000N/client-edges.safetensors   the edge layers the client trains, with their AdamW state
+                                          (sharding/lora_edges.py EdgeState; only when the adapter trains some; the
+                                          client's own, so unsigned, named in the manifest by its sha256)
     DIR/step-0000000N/adapter/            the whole adapter as a PEFT folder (PeftModel and nodes load it as it is)
 
 A checkpoint is written into a temporary folder, renamed into place, and only then named by latest.json: a crash at
@@ -39,6 +42,7 @@ from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.messages import TrainState
 from nesa_node.protocol.tensors import bytes_from_proto
 from nesa_node.sharding.lora import AdapterSlice, merge_slices
+from nesa_node.sharding.lora_edges import EdgeState
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states, save_peft_adapter
 
 FORMAT = "nesa-finetune-checkpoint/1"
@@ -112,17 +116,33 @@ class Checkpoint:
     adapter: AdapterSlice
     adam: OptimizerState
     spans: tuple[SpanState, ...] = ()
+    edges: EdgeState | None = None  # the client's trained edge layers (spec.edges), at the same step
 
 
-def assemble(step: int, session_id: str, spec: LoraSpec, optimizer: dict, spans: list[SpanState]) -> Checkpoint:
+EDGES_FILE = "client-edges.safetensors"
+
+
+def assemble(
+    step: int,
+    session_id: str,
+    spec: LoraSpec,
+    optimizer: dict,
+    spans: list[SpanState],
+    edges: EdgeState | None = None,
+) -> Checkpoint:
     if any(span.step != step for span in spans):
         raise CheckpointError(f"span states of steps {sorted({span.step for span in spans})}, not all {step}")
+    expected_edges = (step, set(spec.edges)) if spec.edges else None
+    if expected_edges != ((edges.step, set(edges.weights)) if edges is not None else None):
+        raise CheckpointError(
+            f"the client's edge state does not match an adapter training {list(spec.edges)} at {step}"
+        )
     try:
         adapter = merge_slices([span.slice for span in spans])
         adam = merge_optimizer_states([span.optimizer for span in spans])
     except AdapterError as exc:
         raise CheckpointError(f"span states do not make one adapter: {exc.message}") from None
-    return Checkpoint(step, session_id, spec, dict(optimizer), adapter, adam, tuple(spans))
+    return Checkpoint(step, session_id, spec, dict(optimizer), adapter, adam, tuple(spans), edges)
 
 
 def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
@@ -166,8 +186,15 @@ def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
         "optimizer": checkpoint.optimizer,
         "spans": spans,
     }
+    edges = checkpoint.edges
+    if edges is not None:
+        edge_bytes = edges.to_bytes()
+        _write(staging / EDGES_FILE, edge_bytes)
+        manifest["edges_sha256"] = hashlib.sha256(edge_bytes).hexdigest()
     _write(staging / "manifest.json", json.dumps(manifest, indent=1, sort_keys=True).encode())
-    save_peft_adapter(checkpoint.adapter, checkpoint.spec, staging / "adapter")  # servable as it is
+    save_peft_adapter(  # servable as it is
+        checkpoint.adapter, checkpoint.spec, staging / "adapter", edges=edges.weights if edges is not None else None
+    )
     final = root / name
     shutil.rmtree(final, ignore_errors=True)  # not the current one (above): what an earlier run or crash left
     os.replace(staging, final)
@@ -233,13 +260,19 @@ def read_checkpoint(folder: str | Path, num_blocks: int) -> Checkpoint:
         raise CheckpointError(f"{where / 'manifest.json'} is not a {FORMAT} manifest")
     try:
         step, session_id = int(manifest["step"]), str(manifest["session_id"])
-        spec = LoraSpec(**{**manifest["spec"], "targets": tuple(manifest["spec"]["targets"])})
+        described = manifest["spec"]
+        spec = LoraSpec(
+            **{**described, "targets": tuple(described["targets"]), "edges": tuple(described.get("edges", ()))}
+        )
         spans = [_read_span(where, entry, session_id) for entry in manifest["spans"]]
+        edges = None
+        if spec.edges:
+            edges = EdgeState.from_bytes((where / EDGES_FILE).read_bytes(), str(manifest["edges_sha256"]))
     except CheckpointError:
         raise
     except (OSError, ValueError, KeyError, TypeError, AdapterError) as exc:
         raise CheckpointError(f"checkpoint {where} is damaged ({type(exc).__name__}: {exc})") from None
-    checkpoint = assemble(step, session_id, spec, manifest.get("optimizer", {}), spans)
+    checkpoint = assemble(step, session_id, spec, manifest.get("optimizer", {}), spans, edges)
     if (checkpoint.adapter.start, checkpoint.adapter.end) != (0, num_blocks):
         raise CheckpointError(f"checkpoint {where} covers blocks {checkpoint.adapter.start}:{checkpoint.adapter.end}")
     return checkpoint

@@ -1,6 +1,7 @@
 """LoRA fine-tuning over a swarm: the adapter lives on the nodes that hold its blocks and learns there.
 
-The client holds the embeddings, the final norm and the LM head (frozen); it embeds a batch, sends the hidden states
+The client holds the embeddings, the final norm and the LM head (frozen, or some trained whole: LoraSpec.edges,
+client/train_edges.py); it embeds a batch, sends the hidden states
 through a chain of nodes (each runs its blocks with its own slice of the adapter, server/training.py), computes the
 loss on the last node's output, and sends the loss's gradient back up the chain: each node backpropagates through
 its blocks, returns the gradient of its input to the client for the node before it, and takes its own AdamW step.
@@ -41,6 +42,7 @@ from nesa_node.client.checkpoints import (
 )
 from nesa_node.client.model import LoopThread, on_caller
 from nesa_node.client.session_chain import codec_for
+from nesa_node.client.train_edges import EdgeLayers, edge_weights_of
 from nesa_node.client.train_link import (
     IGNORE_INDEX,
     LinkLost,
@@ -59,7 +61,7 @@ from nesa_node.client.train_link import (
     state_answer_bytes,
     state_tensor_bytes,
 )
-from nesa_node.errors import BadRequestError, CheckpointError, NoRouteError, RequestError
+from nesa_node.errors import BadRequestError, CheckpointError, NoRouteError, RequestError, UnsupportedAdapterError
 from nesa_node.protocol.channel import Frame, frame
 from nesa_node.protocol.messages import (
     MAX_REPLICAS,
@@ -71,6 +73,7 @@ from nesa_node.protocol.messages import (
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto
 from nesa_node.routing.snapshot import Hop
 from nesa_node.sharding.lora import AdapterSlice, load_adapter_slice, merge_slices
+from nesa_node.sharding.lora_edges import EdgeState, read_edge_weights
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, init_adapter, save_peft_adapter, spec_of_folder
 
 logger = logging.getLogger(__name__)
@@ -95,6 +98,7 @@ class AsyncFineTuningSession:
         restore: Checkpoint | None = None,
         data_parallel: int = 1,
         micro_batches: int = 1,
+        edge_weights: dict[str, torch.Tensor] | None = None,
     ):
         if checkpoint_every < 1:
             raise ValueError(f"checkpoint_every must be at least 1, got {checkpoint_every}")
@@ -115,8 +119,16 @@ class AsyncFineTuningSession:
         num_blocks = model.model_config.num_hidden_layers
         # where a failover goes back to: the last checkpoint (in memory; on disk too with checkpoint_dir)
         self.restore = restore or Checkpoint(
-            0, self.session_id, spec, dataclasses.asdict(optimizer), adapter, OptimizerState(0, num_blocks, 0, {})
+            0,
+            self.session_id,
+            spec,
+            dataclasses.asdict(optimizer),
+            adapter,
+            OptimizerState(0, num_blocks, 0, {}),
+            edges=EdgeState(0, dict(edge_weights or {}), {}) if spec.edges else None,
         )
+        # the embeddings, final norm and LM head: the spec's edges trained here, with their own AdamW
+        self.layers = EdgeLayers(model.edges, model.model_config, spec.edges, optimizer, self._edge_restore_point)
         self.replay: list[Pass] = []  # passes since the restore point, replayed after a failover
         self.chains: list[list[TrainLink]] = []  # one chain per data-parallel part; their hops match block for block
         self.step = self.restore.step  # optimizer steps taken
@@ -174,16 +186,25 @@ class AsyncFineTuningSession:
         )
         try:
             restore = None
+            edge_weights, model_config = None, model.model_config
             if resume and checkpoint_dir is not None and latest_step(checkpoint_dir) is not None:
                 num_blocks = model.model_config.num_hidden_layers
                 restore = await asyncio.to_thread(read_checkpoint, checkpoint_dir, num_blocks)
                 spec, whole = restore.spec, restore.adapter
             elif adapter is not None:
                 spec = await asyncio.to_thread(spec_of_folder, adapter)
-                whole = await asyncio.to_thread(load_adapter_slice, adapter, model.model_config, 0, None)
+                whole = await asyncio.to_thread(
+                    load_adapter_slice, adapter, model_config, 0, None, ignore_outside_blocks=bool(spec.edges)
+                )
+                edge_weights = await asyncio.to_thread(read_edge_weights, adapter, spec.edges, model_config)
             else:
                 spec = spec or LoraSpec()
-                whole = await asyncio.to_thread(init_adapter, model.model_config, spec, seed)
+                whole = await asyncio.to_thread(init_adapter, model_config, spec, seed)
+                edge_weights = edge_weights_of(model.edges, spec.edges)
+            if getattr(model_config, "tie_word_embeddings", False) and {"embed_tokens", "lm_head"} & set(spec.edges):
+                raise UnsupportedAdapterError(
+                    "this model ties its LM head to its embeddings: train neither whole (the norm alone can be)"
+                )
             settings = OptimizerSettings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
             session = cls(
                 model,
@@ -197,6 +218,7 @@ class AsyncFineTuningSession:
                 restore=restore,
                 data_parallel=data_parallel,
                 micro_batches=micro_batches,
+                edge_weights=edge_weights,
             )
             await session.open()
         except BaseException:
@@ -291,6 +313,7 @@ class AsyncFineTuningSession:
         self.failovers += 1
         self.replayed_steps += sum(item.apply for item in self.replay)
         self.step = self.restore.step
+        self.layers.restore(self._edge_restore_point)
         self._rolled_back = True
         await self.open()
 
@@ -333,18 +356,9 @@ class AsyncFineTuningSession:
         timeout_s = self.model.config.request_timeout_s
         return 2 * timeout_s if apply and len(self.chains) > 1 else timeout_s
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed(input_ids).float()
-
-    def _loss_and_grad(
-        self, output: torch.Tensor, labels: torch.Tensor, total: int | None
-    ) -> tuple[float, torch.Tensor]:
-        edges = self.model.edges
-        with torch.enable_grad():
-            hidden = output.to(self.model.device, self.model.dtype).detach().requires_grad_(True)
-            loss = causal_lm_loss(edges.lm_head(edges.norm(hidden)), labels, total=total)
-            loss.backward()
-        return loss.item(), hidden.grad.cpu()
+    @property
+    def _edge_restore_point(self) -> EdgeState:
+        return self.restore.edges or EdgeState(self.restore.step, {}, {})
 
     async def _pass(self, item: Pass) -> float:
         """One forward and backward pass of the batch: its rows split over the chains (data parallel) and, in each
@@ -369,18 +383,21 @@ class AsyncFineTuningSession:
             return item.apply and sent[id(link)] == self.micro_batches
 
         async def run(links: list[TrainLink], part: int, input_ids, labels) -> tuple[float, list[int]]:
-            hidden = await on_caller(self._embed, input_ids)
-            outputs = await forward_pass(links, hidden, f"{step_id}.{part}", self._codec, keep=True)
-            loss, grad = await on_caller(self._loss_and_grad, outputs[-1], labels, total)
-            return loss, await backward_pass(
+            embedded = await on_caller(self.layers.embed, input_ids)
+            outputs = await forward_pass(links, embedded.detach().cpu(), f"{step_id}.{part}", self._codec, keep=True)
+            loss, grad = await on_caller(self.layers.loss_and_grad, outputs[-1], labels, total)
+            steps, grad = await backward_pass(
                 links, grad, f"{step_id}.{part}", self._codec, applies, timeout_of=self._step_timeout_s
             )
+            await on_caller(self.layers.embed_backward, embedded, grad)
+            return loss, steps
 
         ids, labels = item.input_ids.tensor_split(parts), item.labels.tensor_split(parts)
         results = await first_failure(
             run(self.chains[part // self.micro_batches], part, ids[part], labels[part]) for part in range(parts)
         )
         if item.apply:
+            await on_caller(self.layers.step)
             self.step = min(step for _, steps in results for step in steps)
         return sum(loss for loss, _ in results)
 
@@ -416,7 +433,8 @@ class AsyncFineTuningSession:
             )
             spans.append(await self._span_state(link, message, answer))
         session_id = self.links[0].session_id
-        checkpoint = assemble(self.step, session_id, self.spec, dataclasses.asdict(self.optimizer), spans)
+        edges = self.layers.state(self.step) if self.layers.trains else None
+        checkpoint = assemble(self.step, session_id, self.spec, dataclasses.asdict(self.optimizer), spans, edges)
         if self.checkpoint_dir is not None:
             await asyncio.to_thread(write_checkpoint, self.checkpoint_dir, checkpoint)
         self.restore = checkpoint
@@ -451,15 +469,10 @@ class AsyncFineTuningSession:
             parts = min(len(self.chains), input_ids.shape[0])
             total = labelled_tokens(labels)
 
-            def loss_of(output: torch.Tensor, part_labels: torch.Tensor) -> float:
-                with torch.inference_mode():
-                    edges, hidden = self.model.edges, output.to(self.model.device, self.model.dtype)
-                    return causal_lm_loss(edges.lm_head(edges.norm(hidden)), part_labels, total=total).item()
-
             async def part(links: list[TrainLink], ids: torch.Tensor, part_labels: torch.Tensor) -> float:
-                hidden = await on_caller(self._embed, ids)
-                outputs = await forward_pass(links, hidden, step_id, self._codec, keep=False)
-                return await on_caller(loss_of, outputs[-1], part_labels)
+                hidden = await on_caller(self.layers.embed, ids, False)
+                outputs = await forward_pass(links, hidden.cpu(), step_id, self._codec, keep=False)
+                return await on_caller(self.layers.loss, outputs[-1], part_labels, total)
 
             split = zip(self.chains, input_ids.tensor_split(parts), labels.tensor_split(parts), strict=False)
             return sum(await first_failure(part(links, ids, lab) for links, ids, lab in split))
@@ -487,7 +500,10 @@ class AsyncFineTuningSession:
         """Write the adapter as it is now as a PEFT LoRA folder (`PeftModel.from_pretrained` loads it; nodes serve
         it with `--adapters`, clients name it with `adapter=`)."""
         whole = await self.adapter()
-        return await asyncio.to_thread(save_peft_adapter, whole, self.spec, folder, base_model=self.model_path)
+        edges = self.layers.weights() if self.layers.trains else None
+        return await asyncio.to_thread(
+            save_peft_adapter, whole, self.spec, folder, base_model=self.model_path, edges=edges
+        )
 
     async def close(self) -> None:
         close_chains(self.chains)

@@ -281,10 +281,10 @@ async def backward_pass(
     applies: Callable[[TrainLink], bool],
     *,
     timeout_of: Callable[[bool], float],
-) -> list[int]:
+) -> tuple[list[int], torch.Tensor]:
     """The gradient of the last node's output up the chain. `applies(link)`, asked as the request to a link is built:
     whether that node takes its optimizer step after this backward pass (`timeout_of(apply)`: how long the call may
-    take). The steps those nodes report."""
+    take). The steps those nodes report, and the gradient of the chain's input (for the embeddings)."""
     steps = []
     for link in reversed(links):
         codec = codec_of(link, grad.numel())
@@ -301,7 +301,7 @@ async def backward_pass(
         grad = link.read_tensor(answer, message.codec, grad).float()
         if apply:
             steps.append(message.step)
-    return steps
+    return steps, grad
 
 
 def replica_chains(hops: list[Hop], nodes, count: int, left_out: set[str] | frozenset[str]) -> list[list[Hop]]:

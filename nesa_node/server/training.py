@@ -5,8 +5,9 @@ One training stream (protocol.rpc.TRAIN) is one session. The client sends, in or
 
   OpenTraining   + the slice's canonical bytes   -> TrainOpened   the node keeps a float32 trainable copy
   TrainForward   + hidden states (positions 0..)  -> TrainOutput   the input is saved for the backward pass
-  TrainBackward  + gradient of the outputs        -> TrainGrad     gradient of the inputs, then an AdamW step
-                                                                   (or, apply=False, gathered for a TrainApply)
+  TrainBackward  + gradient of the outputs        -> TrainGrad     gradient of the inputs, then an AdamW step once
+                                                                   the answer is sent (or, apply=False, gathered
+                                                                   for a TrainApply)
   TrainApply                                      -> TrainApplied  the AdamW step on the gathered micro-batches
   TrainStateRequest                               -> TrainState    the slice and AdamW's state, signed by the node
 
@@ -125,6 +126,7 @@ class TrainingSession:
     saved: OrderedDict[str, Saved] = field(default_factory=OrderedDict)  # step id -> what its backward needs
     answered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids of the last backward passes
     pending_grads: bool = False  # gradients gathered since the last optimizer step
+    step_after_answer: object = None  # the optimizer step of the backward pass just answered, run once it is sent
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
     channel: Channel | None = None
     busy: bool = False  # a request of the session is being answered
@@ -202,6 +204,10 @@ class TrainingService:
                 session.busy = True
                 try:
                     channel.send(await self._answer(session, request))
+                    if session.step_after_answer is not None:  # the step, off the client's critical path
+                        step, session.step_after_answer = session.step_after_answer, None
+                        if not await self._step_after_answer(session, step):
+                            return
                     async with asyncio.timeout(self.limits.step_timeout_s):
                         await channel.drain()
                 except TimeoutError:  # a client that stops reading: the session ends
@@ -213,6 +219,20 @@ class TrainingService:
         finally:
             if self.sessions.get((peer, session.session_id)) is session:
                 del self.sessions[(peer, session.session_id)]
+
+    async def _step_after_answer(self, session: TrainingSession, step) -> bool:
+        """Take the optimizer step of the backward pass whose answer was just sent: the gradient of the input is on
+        its way to the previous node while this one updates its slice, and the session's next request is read only
+        after the step. Whether it was taken; a step that fails ends the session (its slice may be half updated),
+        and the client fails over to its last checkpoint."""
+        try:
+            await self._compute(step)
+        except Exception as exc:  # noqa: BLE001 - any failure leaves the slice unusable: typed, then the end
+            logger.warning("training session %s: optimizer step failed: %r", session.session_id, exc)
+            error = exc if isinstance(exc, RequestError) else AdapterError(f"optimizer step failed on the node: {exc}")
+            self._end(session, error)
+            return False
+        return True
 
     async def _next(self, channel: Channel, timeout_s: float) -> Frame | None:
         try:
@@ -415,9 +435,6 @@ class TrainingService:
                 with torch.enable_grad(), trainable_adapter(span, trainable.factors):
                     output = span(inputs, None, 0, session.blocks)
             torch.autograd.backward(output, grad.to(output.device, output.dtype))
-            if message.apply and not synced:
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
             return inputs.grad
 
         grad_input, seconds = await self._compute(run)
@@ -429,6 +446,13 @@ class TrainingService:
             seconds += await self.sync.sync_and_step(session)
         session.pending_grads = session.pending_grads or not message.apply
         if message.apply:
+            if not synced:  # taken once the answer is sent (serve_session), before the next request is read
+
+                def step() -> None:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+                session.step_after_answer = step
             session.pending_grads = False
             session.drop_graphs()  # graphs of other forwards saw the parameters before this step
             session.step += 1

@@ -207,13 +207,13 @@ def test_micro_batches_pipelined_down_the_chain_take_the_same_steps(swarm, train
     losses, model = local_run(trained_model, initial_adapter, data)
     with swarm_session(swarm, trained_model, initial_adapter, micro_batches=2) as session:
         threads = []
-        loss_and_grad = session.inner._loss_and_grad
+        loss_and_grad = session.inner.layers.loss_and_grad
 
         def recorded(*args):
             threads.append(threading.get_ident())
             return loss_and_grad(*args)
 
-        session.inner._loss_and_grad = recorded
+        session.inner.layers.loss_and_grad = recorded
         remote = [session.train_step(input_ids) for input_ids in data]
         assert threads == [threading.get_ident()] * 20  # the loss ran on this (the calling) thread, per micro-batch
         link = session.inner.links[0]
@@ -280,3 +280,92 @@ def test_a_damaged_checkpoint_is_refused(swarm, trained_model, initial_adapter, 
     next(tmp_path.glob("step-00000002/blocks-0-1.slice.safetensors")).write_bytes(b"\0" * 64)
     with pytest.raises(CheckpointError):
         swarm_session(swarm, trained_model, initial_adapter, checkpoint_dir=tmp_path, resume=True)
+
+
+# ---- edge layers trained whole (peft's modules_to_save) ---------------------------------------------------------------
+
+EDGES = ["lm_head", "model.norm", "model.embed_tokens"]
+EDGE_KEYS = {"lm_head": "lm_head", "model.norm": "norm", "model.embed_tokens": "embed_tokens"}
+
+
+@pytest.fixture(scope="module")
+def edges_adapter(trained_model, tmp_path_factory):
+    """A fresh peft adapter that also trains the embeddings, the final norm and the LM head whole."""
+    base = AutoModelForCausalLM.from_pretrained(trained_model)
+    torch.manual_seed(11)
+    model = peft.get_peft_model(base, peft.LoraConfig(**LORA, modules_to_save=EDGES))
+    folder = tmp_path_factory.mktemp("edges-adapter")
+    model.save_pretrained(folder)
+    return folder
+
+
+def edge_parameters(model) -> dict[str, torch.Tensor]:
+    """{"embed_tokens" | "norm" | "lm_head": weight} of a PeftModel's modules_to_save."""
+    out = {}
+    for name, parameter in model.named_parameters():
+        if ".modules_to_save.default." in name:
+            module = name.removeprefix("base_model.model.").split(".modules_to_save")[0]
+            out[EDGE_KEYS[module]] = parameter.detach()
+    return out
+
+
+def test_trained_edge_layers_follow_peft_modules_to_save_through_a_failover_and_serve(
+    swarm, trained_model, edges_adapter, initial_adapter, tmp_path
+):
+    """The adapter trains the embeddings, norm and LM head whole on the client, in micro-batches, with checkpoints
+    every 3 steps; after step 4 the chain is reopened at the checkpoint (the client's edges go back to step 3 with the
+    nodes' slices) and step 4 runs again. Every loss, every LoRA factor and every edge weight ends where peft's
+    uninterrupted run with modules_to_save ends; the saved folder loads in PeftModel as that run, and a client naming
+    it gives PeftModel's greedy tokens."""
+    data = batches(2048, 8, seed=5)
+    losses, model = local_run(trained_model, edges_adapter, data)
+    checkpoints = tmp_path / "checkpoints"
+    with swarm_session(
+        swarm, trained_model, edges_adapter, micro_batches=2, checkpoint_dir=checkpoints, checkpoint_every=3
+    ) as session:
+        assert session.inner.spec.edges == ("embed_tokens", "norm", "lm_head")
+        remote = []
+        for input_ids in data:
+            if session.step == 4:
+                session.inner.links[0].broken = True  # as after a pass cut short: back to the checkpoint
+            remote.append(session.train_step(input_ids))
+        assert session.failovers == 1 and session.replayed_steps == 1
+        whole, edges = session.adapter(), session.inner.layers.weights()
+        folder = session.save_pretrained(tmp_path / "trained")
+    for step, (ours, theirs) in enumerate(zip(remote, losses, strict=True)):
+        assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
+    for name, expected in lora_parameters(model).items():
+        assert torch.allclose(slice_parameters(whole)[name], expected, atol=1e-5, rtol=0), name
+    local = edge_parameters(model)
+    assert local.keys() == edges.keys() == {"embed_tokens", "norm", "lm_head"}
+    start = edge_parameters(peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_model),
+                                                           edges_adapter))  # fmt: skip
+    for name, expected in local.items():
+        assert torch.allclose(edges[name], expected, atol=1e-5, rtol=0), name
+        assert not torch.equal(expected, start[name])  # trained
+
+    checkpoint = read_checkpoint(checkpoints, num_blocks=4)
+    assert (
+        checkpoint.step == 6
+        and checkpoint.edges.step == 6
+        and set(checkpoint.edges.moments)
+        == {f"{name}.{moment}" for name in local for moment in ("exp_avg", "exp_avg_sq")}
+    )
+    loaded = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(trained_model), folder)
+    for name in local:
+        assert torch.equal(edge_parameters(loaded)[name], edges[name]), name
+    with torch.inference_mode():
+        assert torch.allclose(loaded(data[0]).logits, model(data[0]).logits, atol=1e-4, rtol=0)
+
+    # served: a client that names the folder puts the trained edges into its own layers; nodes run the blocks
+    prompt = data[0][:1, :6]
+    expected = peft_generate(trained_model, folder, prompt, 8)
+    assert not torch.equal(expected, peft_generate(trained_model, None, prompt, 8))
+    with DistributedModelForCausalLM.from_pretrained(
+        trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none", adapter=str(folder)
+    ) as client:
+        wait_for_chain(client)
+        tokens = client.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None)
+        assert torch.equal(tokens, expected)
+        with pytest.raises(AdapterError, match="needs a client of its own"):
+            client.generate(prompt, max_new_tokens=2, adapter=str(initial_adapter))

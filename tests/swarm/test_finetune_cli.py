@@ -108,7 +108,7 @@ def test_finetune_trains_an_adapter_peft_loads_and_resumes(swarm, trained_model,
     assert (before["step"], after["step"]) == (0, 4)
     assert after["loss"] < before["loss"] - 0.1, metrics["eval"]  # it learnt the pattern, on text it never saw
     assert metrics["tokens_per_s"] > 0 and metrics["train_tokens"] == 4 * 4 * SEQ_LEN
-    assert metrics["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj"]}
+    assert metrics["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q_proj", "v_proj", "o_proj"], "edges": []}
     latest = json.loads((tmp_path / "run" / "checkpoints" / "latest.json").read_text())
     assert latest["step"] == 4  # the session's at step 3, then the command's own at the end
 
@@ -144,11 +144,12 @@ def test_finetune_trains_an_adapter_peft_loads_and_resumes(swarm, trained_model,
         (["--data", "missing.jsonl"], None, "error: [training_data] --data missing.jsonl: no such file"),
         (["--targets", "q_proj,qq_proj"], [{"text": "a"}], "error: [usage] argument --targets: unknown projection 'qq_proj'"),
         (["--steps", "0"], [{"text": "a"}], "error: [usage] argument --steps: expected a whole number above 0"),
+        (["--train-edges", "norm,head"], [{"text": "a"}], "error: [usage] argument --train-edges: expected some of embed_tokens,norm,lm_head, got 'norm,head'"),
         ([], [], "error: [training_data] --data train.jsonl is empty"),
         ([], '{"text": "fine"}\n{"text": \n', "error: [training_data] --data train.jsonl line 2: not JSON"),
         (["--batch-size", "2", "--data-parallel", "2", "--micro-batches", "2"], [{"text": "a"}], "error: [bad_value] --batch-size 2 cannot be split into 2 chains of 2 micro-batches"),
     ],
-    ids=["missing-data", "unknown-target", "zero-steps", "empty-data", "malformed-line", "unsplittable-batch"],
+    ids=["missing-data", "unknown-target", "zero-steps", "unknown-edge", "empty-data", "malformed-line", "unsplittable-batch"],
 )  # fmt: skip
 def test_mistakes_print_one_error_line(trained_model, operator, tmp_path, extra, data, expected):
     if data is not None:
