@@ -31,7 +31,7 @@ that rewrite the base weights unless converted to plain LoRA at save time (PiSSA
 bias != "none", lora_bias, fan_in_fan_out, target_parameters, layer_replication, QA-LoRA, and any tensor inside the
 blocks that is not a LoRA A or B weight of one of the seven projections (modules_to_save there, DoRA magnitudes).
 Tensors outside the blocks (LoRA on lm_head or embed_tokens, modules_to_save of the head, trainable tokens) belong to
-the client's edge layers: refused unless `ignore_outside_blocks=True`, for a caller that applies them itself.
+the client's edge layers: refused unless named in `outside_allowed`, for a caller that applies them itself.
 AdapterError (code "adapter"): a missing or unreadable folder, weights that disagree with the config, factors whose
 shapes do not fit the model, a slice that does not cover the blocks a step runs. AdapterHashError (code
 "adapter_hash"): bytes whose sha256 is not the expected name.
@@ -52,13 +52,14 @@ import json
 import math
 import re
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 
 import torch
 
 from nesa_node.errors import AdapterError, AdapterHashError, UnsupportedAdapterError
+from nesa_node.sharding.lora_edges import EDGE_MODULES
 from nesa_node.sharding.lora_identity import (
     AdapterManifest,
     adapter_manifest,
@@ -296,10 +297,18 @@ def _check_supported(config, path: Path) -> None:
 
 
 def load_adapter_slice(
-    folder: str | Path, model_config, start: int = 0, end: int | None = None, *, ignore_outside_blocks: bool = False
+    folder: str | Path,
+    model_config,
+    start: int = 0,
+    end: int | None = None,
+    *,
+    outside_allowed: Collection[str] = (),
 ) -> AdapterSlice:
     """The factors of blocks [start, end) (end None: the model's last block + 1) of the LoRA adapter in `folder`,
     checked against `model_config` (the base model's transformers config).
+
+    `outside_allowed`: saved names of tensors outside the blocks that the caller applies itself (the client's trained
+    edge layers, sharding/lora_edges.py); any other tensor outside them is refused.
 
     Reads only these blocks' tensors from adapter_model.safetensors (a folder with only adapter_model.bin is read
     whole by peft's `load_peft_weights`, which unpickles with weights_only). Raises AdapterError,
@@ -310,7 +319,7 @@ def load_adapter_slice(
     path = Path(folder)
     config = read_adapter_config(path)
     targets = _targets(config, model_config, start, end)
-    tensors = _read_block_tensors(path, start, end, ignore_outside_blocks=ignore_outside_blocks)
+    tensors = _read_block_tensors(path, start, end, outside_allowed=frozenset(outside_allowed))
     complete = {target for target, pair in tensors.items() if set(pair) == {"A", "B"}}
     if set(targets) != set(tensors) or complete != set(tensors):
         missing = sorted(set(targets) - complete)[:3]
@@ -406,7 +415,7 @@ def _targets(config, model_config, start: int, end: int) -> dict[Target, tuple[i
 
 
 def _read_block_tensors(
-    path: Path, start: int, end: int, *, ignore_outside_blocks: bool
+    path: Path, start: int, end: int, *, outside_allowed: frozenset[str]
 ) -> dict[Target, dict[str, torch.Tensor]]:
     """{(block, projection): {"A": tensor, "B": tensor}} of blocks [start, end), after checking every name in the
     file (any block): only LoRA A/B weights of the projections inside the blocks, and outside only if allowed."""
@@ -419,7 +428,7 @@ def _read_block_tensors(
         try:
             with safe_open(weights_file, framework="pt") as handle:
                 names = list(handle.keys())
-                chosen = _chosen_names(path, names, start, end, ignore_outside_blocks)
+                chosen = _chosen_names(path, names, start, end, outside_allowed)
                 read = {name: handle.get_tensor(name) for name in chosen}
         except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
             raise AdapterError(f"{weights_file} cannot be read ({type(exc).__name__}: {exc})") from None
@@ -428,7 +437,7 @@ def _read_block_tensors(
             everything = load_peft_weights(str(path), device="cpu")
         except Exception as exc:  # a bad pickle or a refused object: torch raises several kinds
             raise AdapterError(f"{path / WEIGHTS_NAME} cannot be read ({type(exc).__name__}: {exc})") from None
-        chosen = _chosen_names(path, list(everything), start, end, ignore_outside_blocks)
+        chosen = _chosen_names(path, list(everything), start, end, outside_allowed)
         read = {name: everything[name] for name in chosen}
     else:
         raise AdapterError(f"{path} has no {SAFETENSORS_WEIGHTS_NAME} (or {WEIGHTS_NAME})")
@@ -439,7 +448,7 @@ def _read_block_tensors(
 
 
 def _chosen_names(
-    path: Path, names: list[str], start: int, end: int, ignore_outside_blocks: bool
+    path: Path, names: list[str], start: int, end: int, outside_allowed: frozenset[str]
 ) -> dict[str, tuple[int, str, str]]:
     chosen, outside = {}, []
     for name in names:
@@ -448,7 +457,8 @@ def _chosen_names(
         inner = name[len(_PEFT_PREFIX) :]
         in_block = _BLOCK_KEY.fullmatch(inner)
         if in_block is None:
-            outside.append(inner)
+            if name not in outside_allowed:
+                outside.append(inner)
             continue
         factor = _FACTOR_KEY.fullmatch(in_block.group(2))
         if factor is None:
@@ -460,11 +470,18 @@ def _chosen_names(
         block = int(in_block.group(1))
         if start <= block < end:
             chosen[name] = (block, factor.group(1), factor.group(2))
-    if outside and not ignore_outside_blocks:
+    whole_edges = {f"{module}.weight" for module in EDGE_MODULES.values()}
+    if outside and set(outside) <= whole_edges:
         raise UnsupportedAdapterError(
             f"{path}: the adapter changes modules outside the transformer blocks ({', '.join(sorted(outside)[:4])}), "
             "which the client holds, not the nodes: a client serves such an adapter (its edge layers trained whole) "
             "by naming the folder as its model's adapter (generate --adapter DIR, from_pretrained(adapter=DIR))"
+        )
+    if outside:
+        raise UnsupportedAdapterError(
+            f"{path}: the adapter changes {', '.join(sorted(set(outside) - whole_edges)[:4])} outside the transformer "
+            "blocks; nesa-node serves LoRA inside the blocks and, trained whole on the client, the embeddings, the "
+            "final norm and the LM head (modules_to_save), nothing else"
         )
     return chosen
 

@@ -77,6 +77,20 @@ def check_edge_weights(weights: Mapping[str, torch.Tensor], names: tuple[str, ..
             )
 
 
+def check_edge_state(state: EdgeState, names: tuple[str, ...], model_config, where: str) -> None:
+    """AdapterError unless `state` holds exactly the edges `names`, finite and of this model's shapes, with AdamW's
+    two moments of each (or none: no step taken yet) finite, of their weight's shape, the second never negative."""
+    check_edge_weights(state.weights, names, model_config, where)
+    expected = {f"{name}.{moment}" for name in names for moment in ("exp_avg", "exp_avg_sq")}
+    if state.moments and set(state.moments) != expected:
+        raise AdapterError(f"{where}: the moments do not name exactly the trained edges")
+    for key, moment in state.moments.items():
+        if moment.shape != state.weights[key.partition(".")[0]].shape or not torch.isfinite(moment).all():
+            raise AdapterError(f"{where}: {key} is not of its weight's shape or not finite")
+        if key.endswith("exp_avg_sq") and (moment < 0).any():
+            raise AdapterError(f"{where}: {key} has a negative value")
+
+
 def peft_edge_key(name: str) -> str:
     return f"{_PEFT_PREFIX}{EDGE_MODULES[name]}.weight"
 
@@ -158,6 +172,7 @@ __all__ = [
     "EDGE_NAMES",
     "EdgeState",
     "check_edge_names",
+    "check_edge_state",
     "check_edge_weights",
     "edge_shapes",
     "edges_of_modules_to_save",

@@ -125,6 +125,12 @@ def spec_of_folder(folder: str | Path) -> LoraSpec:
     modules = config.target_modules
     names = [modules] if isinstance(modules, str) else sorted(modules or ())
     targets = tuple(name.split(".")[-1] for name in names if name.split(".")[-1] in SHORT_NAMES)
+    other = [name for name in names if name.split(".")[-1] not in SHORT_NAMES]
+    if other and not isinstance(modules, str):
+        raise UnsupportedAdapterError(
+            f"{folder}: target_modules {other!r} are not projections inside the blocks; a session trains LoRA on "
+            f"{', '.join(SHORT_NAMES)} and the edge layers whole (modules_to_save)"
+        )
     if not targets:
         raise UnsupportedAdapterError(f"{folder}: target_modules {modules!r} name none of {', '.join(SHORT_NAMES)}")
     edges = edges_of_modules_to_save(config.modules_to_save, folder)

@@ -525,11 +525,14 @@ def _print_summary(args, spec, metrics: dict, adapter_path: Path) -> None:
         f"adapter: {adapter_path} (PEFT LoRA, rank {spec.rank}, alpha {spec.alpha:g}, {','.join(spec.targets)}{edges})"
     )
     print(f"metrics: {Path(args.out) / 'metrics.json'}")
-    print(
-        f"serve it: nesa-node run --model {args.model} --blocks START:END ... --adapters {adapter_path}\n"
-        f"  or per request: nesa-node generate --model {args.model} --initial-peers ... --adapter {adapter_path} "
-        "--prompt ..."
-    )
+    per_request = f"nesa-node generate --model {args.model} --initial-peers ... --adapter {adapter_path} --prompt ..."
+    if spec.edges:  # the trained edge layers are the client's: nodes get the blocks' slices from it
+        print(f"serve it: {per_request}")
+    else:
+        print(
+            f"serve it: nesa-node run --model {args.model} --blocks START:END ... --adapters {adapter_path}\n"
+            f"  or per request: {per_request}"
+        )
 
 
 __all__ = ["add_parser", "check_args", "held_out_loss", "run_finetune"]

@@ -12,13 +12,15 @@ from nesa_node.client.session_chain import OwnAdapter
 from nesa_node.client.train_edges import with_edge_weights
 from nesa_node.errors import AdapterError, AdapterMissingError
 from nesa_node.sharding.lora import adapter_manifest, load_adapter_slice, read_adapter_config, slice_blobs
-from nesa_node.sharding.lora_edges import edges_of_modules_to_save, read_edge_weights
+from nesa_node.sharding.lora_edges import edges_of_modules_to_save, peft_edge_key, read_edge_weights
 
 
-def own_adapter_of_folder(folder: str, model_config, *, with_edges: bool = False) -> OwnAdapter:
-    """The PEFT LoRA adapter in `folder`, whole, as the client sends it to nodes (sharding/lora.py); `with_edges`:
-    its edge layers (modules_to_save) are left out, for a client that applies them itself."""
-    whole = load_adapter_slice(folder, model_config, 0, None, ignore_outside_blocks=with_edges)
+def own_adapter_of_folder(folder: str, model_config, *, edges: tuple[str, ...] = ()) -> OwnAdapter:
+    """The PEFT LoRA adapter in `folder`, whole, as the client sends it to nodes (sharding/lora.py); `edges`: its
+    edge layers (modules_to_save) left out, for a client that applies them itself (any other tensor outside the
+    blocks is refused)."""
+    allowed = {peft_edge_key(name) for name in edges}
+    whole = load_adapter_slice(folder, model_config, 0, None, outside_allowed=allowed)
     return OwnAdapter(adapter_manifest(whole, model_config.num_hidden_layers), tuple(slice_blobs(whole)))
 
 
@@ -48,7 +50,7 @@ class AdapterLookup:
         if not names:
             return await self.resolve_adapter(adapter)
         weights = await asyncio.to_thread(read_edge_weights, text, names, self.model_config)
-        own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config, with_edges=True)
+        own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config, edges=names)
         self.edges = with_edge_weights(self.edges, weights)
         self.own_adapters[own.adapter_id] = own
         self.edge_adapter = own.adapter_id

@@ -42,7 +42,7 @@ from nesa_node.protocol.identity import peer_id_of_public_key
 from nesa_node.protocol.messages import TrainState
 from nesa_node.protocol.tensors import bytes_from_proto
 from nesa_node.sharding.lora import AdapterSlice, merge_slices
-from nesa_node.sharding.lora_edges import EdgeState
+from nesa_node.sharding.lora_edges import EdgeState, check_edge_state
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, merge_optimizer_states, save_peft_adapter
 
 FORMAT = "nesa-finetune-checkpoint/1"
@@ -143,6 +143,16 @@ def assemble(
     except AdapterError as exc:
         raise CheckpointError(f"span states do not make one adapter: {exc.message}") from None
     return Checkpoint(step, session_id, spec, dict(optimizer), adapter, adam, tuple(spans), edges)
+
+
+def check_checkpoint_edges(checkpoint: Checkpoint, model_config, where: str) -> None:
+    """CheckpointError unless the checkpoint's edge state (when its spec trains edges) is finite and of this model."""
+    if checkpoint.edges is None:
+        return
+    try:
+        check_edge_state(checkpoint.edges, checkpoint.spec.edges, model_config, where)
+    except AdapterError as exc:
+        raise CheckpointError(exc.message) from None
 
 
 def write_checkpoint(folder: str | Path, checkpoint: Checkpoint) -> Path:
@@ -298,6 +308,7 @@ def _read_span(where: Path, entry: dict, session_id: str) -> SpanState:
 
 
 __all__ = [
+    "check_checkpoint_edges",
     "Checkpoint",
     "SpanState",
     "assemble",

@@ -35,6 +35,7 @@ from nesa_node.client.checkpoints import (
     Checkpoint,
     SpanState,
     assemble,
+    check_checkpoint_edges,
     latest_step,
     read_checkpoint,
     span_state_of,
@@ -73,7 +74,7 @@ from nesa_node.protocol.messages import (
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec, bytes_to_proto
 from nesa_node.routing.snapshot import Hop
 from nesa_node.sharding.lora import AdapterSlice, load_adapter_slice, merge_slices
-from nesa_node.sharding.lora_edges import EdgeState, read_edge_weights
+from nesa_node.sharding.lora_edges import EdgeState, peft_edge_key, read_edge_weights
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, init_adapter, save_peft_adapter, spec_of_folder
 
 logger = logging.getLogger(__name__)
@@ -190,11 +191,13 @@ class AsyncFineTuningSession:
             if resume and checkpoint_dir is not None and latest_step(checkpoint_dir) is not None:
                 num_blocks = model.model_config.num_hidden_layers
                 restore = await asyncio.to_thread(read_checkpoint, checkpoint_dir, num_blocks)
+                check_checkpoint_edges(restore, model_config, f"the edge state of {checkpoint_dir}")
                 spec, whole = restore.spec, restore.adapter
             elif adapter is not None:
                 spec = await asyncio.to_thread(spec_of_folder, adapter)
+                allowed = {peft_edge_key(name) for name in spec.edges}  # the client's; anything else is refused
                 whole = await asyncio.to_thread(
-                    load_adapter_slice, adapter, model_config, 0, None, ignore_outside_blocks=bool(spec.edges)
+                    load_adapter_slice, adapter, model_config, 0, None, outside_allowed=allowed
                 )
                 edge_weights = await asyncio.to_thread(read_edge_weights, adapter, spec.edges, model_config)
             else:
@@ -313,7 +316,8 @@ class AsyncFineTuningSession:
         self.failovers += 1
         self.replayed_steps += sum(item.apply for item in self.replay)
         self.step = self.restore.step
-        self.layers.restore(self._edge_restore_point)
+        # on the caller's thread, behind any of its jobs from the pass cut short (their gradients are dropped)
+        await on_caller(self.layers.restore, self._edge_restore_point)
         self._rolled_back = True
         await self.open()
 
@@ -335,6 +339,8 @@ class AsyncFineTuningSession:
             except LinkLost as exc:
                 failures += 1
                 if failures > self.model.config.max_failovers:
+                    close_chains(self.chains)  # the next call starts from the restore point
+                    self.chains = []
                     raise
                 await self._recover(exc)
             except BadRequestError:
@@ -435,6 +441,8 @@ class AsyncFineTuningSession:
         session_id = self.links[0].session_id
         edges = self.layers.state(self.step) if self.layers.trains else None
         checkpoint = assemble(self.step, session_id, self.spec, dataclasses.asdict(self.optimizer), spans, edges)
+        # trained weights that have diverged are not saved: the restore point stays the last good checkpoint
+        check_checkpoint_edges(checkpoint, self.model.model_config, f"the client's edge layers at step {self.step}")
         if self.checkpoint_dir is not None:
             await asyncio.to_thread(write_checkpoint, self.checkpoint_dir, checkpoint)
         self.restore = checkpoint

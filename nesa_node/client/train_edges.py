@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 from nesa_node.client.train_link import OptimizerSettings, causal_lm_loss
-from nesa_node.errors import AdapterError
 from nesa_node.sharding.blocks import ClientEdges
-from nesa_node.sharding.lora_edges import EdgeState, check_edge_weights
+from nesa_node.sharding.lora_edges import EdgeState, check_edge_state, check_edge_weights
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -59,7 +58,8 @@ class EdgeLayers:
         self.frozen = edges
         self.model_config = model_config
         self.names = names
-        self.padding_idx = getattr(model_config, "pad_token_id", None)
+        pad = getattr(model_config, "pad_token_id", None)  # its row gets no gradient, as in nn.Embedding
+        self.padding_idx = pad if isinstance(pad, int) and 0 <= pad < model_config.vocab_size else None
         check_edge_weights(state.weights, names, model_config, "edge state")
         device = edges.embed_tokens.weight.device
         with torch.inference_mode(False):
@@ -157,15 +157,7 @@ class EdgeLayers:
     def restore(self, state: EdgeState) -> None:
         """Go back to `state` (weights and moments; gathered gradients dropped); AdapterError when it is not of these
         edges and this model."""
-        check_edge_weights(state.weights, self.names, self.model_config, "edge state")
-        expected = {f"{name}.{moment}" for name in self.names for moment in MOMENTS}
-        if state.moments and set(state.moments) != expected:
-            raise AdapterError("edge state's moments do not name exactly the trained edges")
-        for key, moment in state.moments.items():
-            if moment.shape != state.weights[key.partition(".")[0]].shape or not torch.isfinite(moment).all():
-                raise AdapterError(f"edge state's {key} is not of its weight's shape or not finite")
-            if key.endswith("exp_avg_sq") and (moment < 0).any():
-                raise AdapterError(f"edge state's {key} has a negative value")
+        check_edge_state(state, self.names, self.model_config, "edge state")
         if self.optimizer is None:
             return
         self.optimizer.zero_grad(set_to_none=True)

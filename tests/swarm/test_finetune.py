@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.checkpoints import latest_step, read_checkpoint
 from nesa_node.client.finetune import FineTuningSession, causal_lm_loss
+from nesa_node.client.train_link import LinkLost
 from nesa_node.errors import AdapterError, BadRequestError, CheckpointError
 from nesa_node.protocol.channel import LaneChannel, frame
 from nesa_node.protocol.messages import TrainApplied, TrainApply, TrainBackward, TrainGrad
@@ -224,6 +225,32 @@ def test_micro_batches_pipelined_down_the_chain_take_the_same_steps(swarm, train
         assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
     for name, expected in lora_parameters(model).items():
         assert torch.allclose(slice_parameters(whole)[name], expected, atol=1e-5, rtol=0), name
+
+
+def test_a_step_that_runs_out_of_failovers_leaves_the_next_one_at_the_restore_point(
+    swarm, trained_model, initial_adapter
+):
+    """A step whose failures exceed max_failovers raises; the forward pass the nodes hold from it is dropped: the
+    next step reopens the chain at the restore point, replays the steps since, and follows peft."""
+    data = batches(2048, 4, seed=5)
+    losses, _ = local_run(trained_model, initial_adapter, data)
+    with swarm_session(swarm, trained_model, initial_adapter) as session:
+        session.inner.model.config = session.inner.model.config.replace(max_failovers=0)
+        remote = [session.train_step(data[0]), session.train_step(data[1])]
+        loss_and_grad = session.inner.layers.loss_and_grad
+
+        def lost(*args):  # after the nodes ran the forward pass, before any gradient goes back
+            session.inner.layers.loss_and_grad = loss_and_grad
+            raise LinkLost(session.chain[-1].peer_id, "went silent", blame=False)
+
+        session.inner.layers.loss_and_grad = lost
+        with pytest.raises(LinkLost):
+            session.train_step(data[2])
+        assert session.step == 2 and session.failovers == 0
+        remote += [session.train_step(data[2]), session.train_step(data[3])]
+        assert session.failovers == 1 and session.replayed_steps == 2  # back to step 0, its two steps taken again
+    for step, (ours, theirs) in enumerate(zip(remote, losses, strict=True)):
+        assert abs(ours - theirs) < 1e-4, f"step {step}: {ours} vs {theirs}"
 
 
 def test_a_node_lost_mid_training_is_replaced_and_the_run_resumes_from_its_checkpoint(

@@ -138,6 +138,26 @@ def test_finetune_trains_an_adapter_peft_loads_and_resumes(swarm, trained_model,
     assert metrics["eval_before"]["loss"] == pytest.approx(after["loss"], abs=1e-5)  # the adapter it stopped with
 
 
+def test_finetune_with_trained_edges_writes_modules_to_save_peft_evaluates_alike(
+    swarm, trained_model, operator, tmp_path
+):
+    write_jsonl(tmp_path / "train.jsonl", pattern_records(30))
+    held_out = write_jsonl(tmp_path / "eval.jsonl", pattern_records(8, offset=100))
+    result = operator.run(*finetune_args(trained_model, swarm, "--steps", "2", "--train-edges", "norm,lm_head",
+                                         "--eval-data", "eval.jsonl"), timeout_s=120)  # fmt: skip
+    assert result.returncode == 0, (result.stdout, result.stderr)
+    assert "--adapter run/adapter" in result.stdout and "--adapters" not in result.stdout, result.stdout
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["lora"]["edges"] == ["norm", "lm_head"]
+    tokenizer = AutoTokenizer.from_pretrained(trained_model)
+    model = peft.PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(trained_model), tmp_path / "run" / "adapter"
+    )
+    head = model.base_model.model.lm_head
+    assert not torch.equal(head.modules_to_save["default"].weight, head.original_module.weight)  # trained
+    assert peft_held_out_loss(model, tokenizer, held_out) == pytest.approx(metrics["eval_after"]["loss"], abs=1e-4)
+
+
 @pytest.mark.parametrize(
     ("extra", "data", "expected"),
     [

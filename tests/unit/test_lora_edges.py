@@ -8,13 +8,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from nesa_node.client.checkpoints import assemble
+from nesa_node.client.checkpoints import Checkpoint, assemble, check_checkpoint_edges
 from nesa_node.client.train_edges import EdgeLayers, edge_weights_of, with_edge_weights
 from nesa_node.client.train_link import OptimizerSettings, causal_lm_loss
 from nesa_node.errors import AdapterError, AdapterHashError, CheckpointError, UnsupportedAdapterError
 from nesa_node.sharding.blocks import load_client_edges, load_config
 from nesa_node.sharding.lora import load_adapter_slice
-from nesa_node.sharding.lora_edges import EdgeState, edges_of_modules_to_save, read_edge_weights
+from nesa_node.sharding.lora_edges import EdgeState, edges_of_modules_to_save, peft_edge_key, read_edge_weights
 from nesa_node.sharding.lora_train import LoraSpec, init_adapter, save_peft_adapter, spec_of_folder
 
 
@@ -72,7 +72,10 @@ def test_a_folder_with_trained_edges_is_peft_s_and_nodes_refuse_it(tiny_llama, t
     assert torch.equal(loaded.base_model.model.lm_head.modules_to_save["default"].weight, weights["lm_head"])
     with pytest.raises(UnsupportedAdapterError, match="the client holds"):
         load_adapter_slice(folder, config)  # what a node reads: the edges are not its to run
-    assert load_adapter_slice(folder, config, ignore_outside_blocks=True).sha256 == whole.sha256
+    assert (
+        load_adapter_slice(folder, config, outside_allowed={peft_edge_key(n) for n in spec.edges}).sha256
+        == whole.sha256
+    )
     with pytest.raises(AdapterError, match="not a finite"):
         read_edge_weights(folder, spec.edges, _wider(config))  # the weights of another model
 
@@ -158,3 +161,24 @@ def test_a_checkpoint_holds_the_edges_of_its_spec_at_its_step():
         assemble(0, "s", spec, {}, [], EdgeState(1, {"norm": torch.ones(4)}, {}))
     with pytest.raises(CheckpointError, match="edge state"):
         assemble(0, "s", LoraSpec(rank=2, targets=("q_proj",)), {}, [], EdgeState(0, {"norm": torch.ones(4)}, {}))
+
+
+def test_edge_state_that_is_not_finite_or_not_of_the_model_is_a_checkpoint_error(tiny_llama):
+    config = load_config(tiny_llama)
+    spec = LoraSpec(rank=2, targets=("q_proj",), edges=("norm",))
+    fine = torch.ones(config.hidden_size)
+
+    def checkpoint(edges: EdgeState) -> Checkpoint:
+        return Checkpoint(0, "s", spec, {}, None, None, (), edges)
+
+    check_checkpoint_edges(checkpoint(EdgeState(0, {"norm": fine}, {})), config, "resumed")
+    diverged = fine.clone()
+    diverged[3] = float("nan")
+    for edges in (
+        EdgeState(0, {"norm": diverged}, {}),
+        EdgeState(0, {"norm": torch.ones(config.hidden_size + 1)}, {}),
+        EdgeState(0, {"norm": fine}, {"norm.exp_avg": fine, "norm.exp_avg_sq": -fine}),
+        EdgeState(0, {"norm": fine}, {"norm.exp_avg": fine}),
+    ):
+        with pytest.raises(CheckpointError, match="resumed"):
+            check_checkpoint_edges(checkpoint(edges), config, "resumed")

@@ -36,6 +36,7 @@ from nesa_node.sharding.lora import (
     merge_slices,
     read_adapter_config,
 )
+from nesa_node.sharding.lora_train import spec_of_folder
 from tests.support.adapters import save_random_adapter
 from tests.support.models import ARCHES
 
@@ -463,8 +464,13 @@ def test_saved_modules_inside_the_blocks_are_refused_and_outside_need_consent(ti
     )
     with pytest.raises(UnsupportedAdapterError, match="outside the transformer blocks"):
         load_adapter_slice(outside, config, 0, 1)
-    kept = load_adapter_slice(outside, config, 0, 1, ignore_outside_blocks=True)
+    kept = load_adapter_slice(outside, config, 0, 1, outside_allowed={"base_model.model.lm_head.weight"})
     assert set(kept.factors) == {(0, "self_attn.q_proj")}
+    lora_head = save_random_adapter(tiny_llama, tmp_path / "lora-head", 4, r=2, target_modules=["q_proj", "lm_head"])
+    with pytest.raises(UnsupportedAdapterError, match=r"lm_head\.lora_A.*nothing else"):  # allowing whole edges only
+        load_adapter_slice(lora_head, config, 0, 1, outside_allowed={"base_model.model.lm_head.weight"})
+    with pytest.raises(UnsupportedAdapterError, match="not projections inside the blocks"):
+        spec_of_folder(lora_head)
 
 
 def test_folders_that_do_not_fit_the_model_are_refused(tiny_llama, adapter, tmp_path):
