@@ -69,10 +69,15 @@ HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py t
 	tests/swarm/test_hostile_decoding.py tests/swarm/test_hostile_training.py tests/unit/test_messages.py \
 	tests/unit/test_tensors.py tests/unit/test_dht_validation.py tests/unit/test_answer_bounds.py
 
+# pytest-xdist workers, each given whole test files (their module-scoped swarms stay in one worker); most tests wait
+# on processes and sockets, so two workers keep two cores busy
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP) sysdeps lint
-	$(TEST_ENV) $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q $(PYTEST_WORKERS) tests
 	# bad input from peers (RELIABILITY.md D, G) again with asserts stripped; `make lint` keeps them out of the package
-	$(TEST_ENV) $(PY) -O -m pytest -q $(HOSTILE_TESTS)
+	$(TEST_ENV) $(PY) -O -m pytest -q $(PYTEST_WORKERS) $(HOSTILE_TESTS)
 
 test-slow: $(STAMP) sysdeps
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests

@@ -14,13 +14,14 @@ trains. Reported, with their targets:
   killed node is restarted as a spare before the next kill (target: each <= 10 s).
 
 The nodes run as an operator runs several on one machine: each with its share of the cores (`--torch-threads`,
-here the cores over --nodes, at least one); peft in one process uses them all. Each batch goes down the chain as
+here the cores over --nodes, at least one), and the client's own compute (embeddings, loss, LM head) runs on
+--client-threads threads (default 1); peft in one process uses all the cores. Each batch goes down the chain as
 --micro-batches micro-batches, one behind the other, so the nodes compute at the same time.
 
 One JSON line. A GPU machine: --device cuda (nodes).
 
     python bench/finetune.py [--steps 80] [--rank 8] [--lr 3e-3] [--batch 8] [--seq 64] [--kills 10]
-                             [--micro-batches 2] [--node-threads N]
+                             [--micro-batches 2] [--node-threads N] [--client-threads 1]
 """
 
 from __future__ import annotations
@@ -179,6 +180,12 @@ def main() -> None:
         default=0,
         help="--torch-threads of each node (default: its share of this machine's cores, at least 1)",
     )
+    parser.add_argument(
+        "--client-threads",
+        type=int,
+        default=1,
+        help="torch threads of the training client, set once peft has run (default 1: the nodes have the rest)",
+    )
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--checkpoint-every", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
@@ -194,6 +201,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="nesa-bench-") as workdir, ProcessGroup(workdir) as group:
         initial = Path(workdir) / "initial-adapter"
         local = local_peft(model_path, spec, data, eval_windows, initial, args)
+        peft_threads = torch.get_num_threads()
+        torch.set_num_threads(args.client_threads)
         bootstrap, address_file = group.start("dht", ["dht"])
         peers = group.wait_address(bootstrap, address_file)
         nodes, spans = {}, {}
@@ -210,7 +219,8 @@ def main() -> None:
         "steps": args.steps,
         "micro_batches": args.micro_batches,
         "node_threads": args.node_threads,
-        "peft_threads": torch.get_num_threads(),
+        "peft_threads": peft_threads,
+        "client_threads": args.client_threads,
         "tokens_per_step": args.batch * args.seq,
         "base_heldout_ppl": round(local["base_ppl"], 3),
         "peft_heldout_ppl": round(local["ppl"], 3),

@@ -24,6 +24,13 @@ def tiny_llama(tiny_models) -> str:
 def trained_model() -> str:
     """The trained tiny Llama of `nesa-node model train-tiny` (4 blocks, hidden 128), trained once per machine and
     cached under ~/.cache/nesa-node/trained: honest activations for accuracy tests."""
-    from nesa_node.devtools.tiny_train import train_tiny_model
+    import fcntl
 
-    return str(train_tiny_model(progress=False).path)
+    from nesa_node.devtools.tiny_train import default_cache_dir, train_tiny_model
+
+    # `make test` runs pytest in several workers: the first to need the model trains it, the others wait for it
+    # instead of training the same weights at once
+    default_cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(default_cache_dir() / ".tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(train_tiny_model(progress=False).path)

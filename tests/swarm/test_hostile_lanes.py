@@ -146,11 +146,14 @@ def test_g6_a_lane_flood_is_capped_while_the_node_serves_announces_and_answers_p
         finally:
             flood.stop()
     assert torch.equal(output, reference_tokens(tiny_llama))
+    # hivemind's control connection to a p2pd that an earlier test stopped may report its reset whenever its task is
+    # collected: that is no trace of the flood
     noisy = [
         record
         for record in caplog.records
         if record.name.startswith(("nesa_node.server", "asyncio"))
         and (record.exc_info or "accept" in record.getMessage())
+        and "p2p_daemon_bindings" not in record.getMessage()
     ]
     assert noisy == []
 

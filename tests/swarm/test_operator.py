@@ -101,9 +101,10 @@ def one_error_line(result, code: str) -> str:
 # ---- signals ---------------------------------------------------------------------------------------------------------
 
 
-def test_dht_stops_on_every_signal_twenty_times_in_a_row(operator):
+@pytest.mark.parametrize("rounds", [pytest.param(4, id="4"), pytest.param(20, id="20", marks=pytest.mark.slow)])
+def test_dht_stops_on_every_signal_many_times_in_a_row(operator, rounds):
     seconds = []
-    for round_ in range(20):
+    for round_ in range(rounds):
         sig = signal.SIGINT if round_ % 2 == 0 else signal.SIGTERM
         bootstrap, _ = start_bootstrap(operator, name=f"boot{round_}")
         seconds.append(assert_stopped_cleanly(operator, bootstrap, sig))
