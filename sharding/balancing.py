@@ -159,8 +159,7 @@ def plan_moves(placement: Placement, *, margin: float = MARGIN, max_moves: int |
     moves: list[Move] = []
     served, servers = served_throughput(placement.num_blocks, start, placement.length, placement.throughput)
     initial = swarm_throughput(served, placement.demand)
-    with np.errstate(divide="ignore"):
-        pressure_now = float((placement.demand / np.maximum(served, 0.0)).sum())
+    pressure_now = _pressure(served, placement.demand)
     best_prefix, best_value = 0, initial
     for _ in range(limit):
         current = Placement(
@@ -174,16 +173,27 @@ def plan_moves(placement: Placement, *, margin: float = MARGIN, max_moves: int |
         node = int(order[0]) if order.size else 0
         if order.size == 0 or not np.isfinite(after[node]):
             break
-        if after[node] < before or (after[node] == before and not pressure[node] < pressure_now):
+        # the chosen move judged on sums taken afresh, as the swarm will measure them: the vectorised figures
+        # above subtract and add throughputs, and their rounding must not make a move that changes nothing look
+        # like a gain
+        moved = start.copy()
+        moved[node] = target[node]
+        served_next, servers_next = served_throughput(
+            placement.num_blocks, moved, placement.length, placement.throughput
+        )
+        reached, pressure_next = (
+            swarm_throughput(served_next, placement.demand),
+            _pressure(served_next, placement.demand),
+        )
+        if reached < before or (reached == before and not pressure_next < pressure_now):
             break
         peer_id = placement.peer_ids[node] if placement.peer_ids else str(node)
-        moves.append(Move(node, peer_id, int(start[node]), int(target[node]), before, float(after[node])))
-        start[node] = target[node]
+        moves.append(Move(node, peer_id, int(start[node]), int(target[node]), before, reached))
+        start = moved
         movable[node] = False  # a node moves at most once per decision
-        served, servers = served_throughput(placement.num_blocks, start, placement.length, placement.throughput)
-        pressure_now = float(pressure[node])
-        if after[node] > best_value:
-            best_prefix, best_value = len(moves), float(after[node])
+        served, servers, pressure_now = served_next, servers_next, pressure_next
+        if reached > best_value:
+            best_prefix, best_value = len(moves), reached
     if best_value > initial * (1.0 + margin):
         return tuple(moves[:best_prefix])  # the shortest prefix reaching the best bottleneck
     return ()

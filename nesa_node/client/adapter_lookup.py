@@ -73,7 +73,13 @@ class AdapterLookup:
         if re.fullmatch(r"[0-9a-f]{64}", text):
             return text
         if await asyncio.to_thread(Path(text).is_dir):
-            own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config)
+            names = await asyncio.to_thread(edges_of_folder, text)
+            own = await asyncio.to_thread(own_adapter_of_folder, text, self.model_config, edges=names)
+            if names and own.adapter_id != self.edge_adapter:
+                raise AdapterError(
+                    f"the adapter in {text} also trained {', '.join(names)} whole: they live in the client, so load "
+                    "it with from_pretrained(..., adapter=FOLDER) (`nesa-node generate --adapter FOLDER`)"
+                )
             self.own_adapters[own.adapter_id] = own
             return own.adapter_id
         return await self.adapter_by_name(text)

@@ -394,5 +394,16 @@ def test_trained_edge_layers_follow_peft_modules_to_save_through_a_failover_and_
         wait_for_chain(client)
         tokens = client.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None)
         assert torch.equal(tokens, expected)
+        # naming the same folder per call is the same adapter
+        again = client.generate(
+            prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, adapter=str(folder)
+        )
+        assert torch.equal(again, expected)
         with pytest.raises(AdapterError, match="needs a client of its own"):
             client.generate(prompt, max_new_tokens=2, adapter=str(initial_adapter))
+    # a client whose layers are the base model's cannot serve those edges per call: it is told how to
+    with DistributedModelForCausalLM.from_pretrained(
+        trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none"
+    ) as plain:
+        with pytest.raises(AdapterError, match=r"adapter=FOLDER"):
+            plain.generate(prompt, max_new_tokens=2, adapter=str(folder))
