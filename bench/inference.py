@@ -4,11 +4,14 @@ Prints one JSON line. Speeds are also given as ratios to the single-process base
 since absolute timings on a shared machine are noisy.
 
     python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
-                              [--clients 8] [--nodes 1 2 3]
+                              [--clients 8] [--nodes 1 2 3] [--client-threads 1]
 
 `--clients N` adds the many-clients figure: aggregate decode tokens/s of N concurrent sessions (one client process,
 one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
 through nodes started with --no-batch-decode.
+
+The single-process baseline runs on torch's default threads (all cores); the swarm's client then computes on
+--client-threads threads (default 1), since its nodes need the same cores.
 """
 
 from __future__ import annotations
@@ -132,6 +135,13 @@ def main() -> None:
     # by `nesa-node run`), so nodes sharing this machine do not spin against the one computing
     parser.add_argument("--node-threads", type=int, default=0, help="torch threads per node process (0: default)")
     parser.add_argument("--clients", type=int, default=0, help="concurrent sessions for the aggregate figure (0: none)")
+    parser.add_argument(
+        "--client-threads",
+        type=int,
+        default=1,
+        help="torch threads of this process once the single-process baseline is measured: the swarm's client "
+        "(embeddings, LM head) shares the cores with the nodes (default 1; 0: leave torch's default)",
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
 
@@ -159,6 +169,9 @@ def main() -> None:
             "forward_8x128_tps": timed_forward(baseline_model, batch_ids, args.forward_repeats),
         }
         reference_tokens = runs[0]["tokens"]
+        baseline_threads = torch.get_num_threads()
+        if args.client_threads:
+            torch.set_num_threads(args.client_threads)
 
         bootstrap, address_file = group.start("dht", ["dht"])
         peers = group.wait_address(bootstrap, address_file)
@@ -248,6 +261,8 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "compression": args.compression,
         "node_threads": args.node_threads,
+        "baseline_threads": baseline_threads,
+        "client_threads": torch.get_num_threads(),
         "baseline": {key: round(value, 2) for key, value in baseline.items()},
         "swarm": swarm_results,
         "clients": clients_results,
