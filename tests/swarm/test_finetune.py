@@ -89,6 +89,19 @@ def swarm_session(swarm, model_path, folder, **options) -> FineTuningSession:
     return session
 
 
+def serving_client(swarm, model_path, folder=None) -> DistributedModelForCausalLM:
+    """An inference client of the swarm, lossless, with the adapter in `folder` as its model's (None: the base)."""
+    adapter = None if folder is None else str(folder)
+    return DistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none", adapter=adapter
+    )
+
+
+def greedy(client, prompt: torch.Tensor, **options) -> torch.Tensor:
+    """Eight greedy tokens after `prompt`, however soon an end-of-text token comes."""
+    return client.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, **options)
+
+
 def lora_parameters(model) -> dict[str, torch.Tensor]:
     """{"<block>.<projection>.lora_A|B": tensor} of a PeftModel's adapter."""
     out = {}
@@ -146,11 +159,9 @@ def test_thirty_steps_follow_peft_and_the_adapter_serves(swarm, trained_model, i
     # served: the swarm's greedy tokens with the trained adapter equal PeftModel's in one process
     prompt = data[0][:1, :6]
     expected = peft_generate(trained_model, folder, prompt, 8)
-    with DistributedModelForCausalLM.from_pretrained(
-        trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none", adapter=str(folder)
-    ) as client:
+    with serving_client(swarm, trained_model, folder) as client:
         wait_for_chain(client)
-        tokens = client.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None)
+        tokens = greedy(client, prompt)
     assert torch.equal(tokens, expected)
 
 
@@ -388,22 +399,13 @@ def test_trained_edge_layers_follow_peft_modules_to_save_through_a_failover_and_
     prompt = data[0][:1, :6]
     expected = peft_generate(trained_model, folder, prompt, 8)
     assert not torch.equal(expected, peft_generate(trained_model, None, prompt, 8))
-    with DistributedModelForCausalLM.from_pretrained(
-        trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none", adapter=str(folder)
-    ) as client:
+    with serving_client(swarm, trained_model, folder) as client:
         wait_for_chain(client)
-        tokens = client.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None)
-        assert torch.equal(tokens, expected)
-        # naming the same folder per call is the same adapter
-        again = client.generate(
-            prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False, eos_token_id=None, adapter=str(folder)
-        )
-        assert torch.equal(again, expected)
+        assert torch.equal(greedy(client, prompt), expected)
+        assert torch.equal(greedy(client, prompt, adapter=str(folder)), expected)  # the same folder per call
         with pytest.raises(AdapterError, match="needs a client of its own"):
             client.generate(prompt, max_new_tokens=2, adapter=str(initial_adapter))
     # a client whose layers are the base model's cannot serve those edges per call: it is told how to
-    with DistributedModelForCausalLM.from_pretrained(
-        trained_model, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none"
-    ) as plain:
+    with serving_client(swarm, trained_model) as plain:
         with pytest.raises(AdapterError, match=r"adapter=FOLDER"):
             plain.generate(prompt, max_new_tokens=2, adapter=str(folder))
