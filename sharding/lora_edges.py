@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from nesa_node.errors import AdapterError, AdapterHashError, UnsupportedAdapterError
+from nesa_node.errors import AdapterError, UnsupportedAdapterError
+from nesa_node.sharding.state_bytes import decode_state, encode_state
 
 EDGE_MODULES = {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
 EDGE_NAMES = tuple(EDGE_MODULES)
@@ -124,12 +123,8 @@ class EdgeState:
     moments: dict[str, torch.Tensor]
 
     def to_bytes(self) -> bytes:
-        from safetensors.torch import save
-
-        metadata = json.dumps({"format": STATE_FORMAT, "step": self.step}, sort_keys=True, separators=(",", ":"))
         tensors = {f"{name}.weight": tensor for name, tensor in self.weights.items()} | dict(self.moments)
-        tensors = {name: tensor.detach().cpu().float().contiguous() for name, tensor in tensors.items()}
-        return save(tensors, metadata={"nesa_edges": metadata})
+        return encode_state(tensors, "nesa_edges", {"format": STATE_FORMAT, "step": self.step})
 
     @property
     def sha256(self) -> str:
@@ -139,32 +134,22 @@ class EdgeState:
     def from_bytes(cls, data: bytes, expected_sha256: str) -> EdgeState:
         """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
         or AdapterError otherwise."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load
+        return decode_state(data, expected_sha256, "nesa_edges", "edge state", cls._build)
 
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected_sha256.lower():
-            raise AdapterHashError(f"edge state bytes hash to {actual[:16]}…, not {expected_sha256[:16]}…")
-        try:
-            (header_length,) = struct.unpack("<Q", data[:8])
-            described = json.loads(json.loads(data[8 : 8 + header_length])["__metadata__"]["nesa_edges"])
-            step = described["step"]
-            if described["format"] != STATE_FORMAT or type(step) is not int or step < 0:
-                raise ValueError(f"format {described['format']!r}, step {step!r}")
-            weights, moments = {}, {}
-            for key, tensor in load(data).items():
-                name, _, kind = key.partition(".")
-                if name not in EDGE_MODULES or kind not in _STATE_KEY or tensor.dtype != torch.float32:
-                    raise ValueError(f"tensor {key!r} is not a float32 edge weight or moment")
-                (weights if kind == "weight" else moments)[name if kind == "weight" else key] = tensor
-            if moments and {key.partition(".")[0] for key in moments} != set(weights):
-                raise ValueError("moments of other edges than the weights")
-            state = cls(step, weights, moments)
-        except (ValueError, KeyError, TypeError, RecursionError, struct.error, SafetensorError) as exc:
-            raise AdapterError(f"bytes are not an edge state ({type(exc).__name__}: {exc})") from None
-        if state.sha256 != actual:
-            raise AdapterError("edge state not in canonical form")
-        return state
+    @classmethod
+    def _build(cls, described: dict, tensors: dict[str, torch.Tensor]) -> EdgeState:
+        step = described["step"]
+        if described["format"] != STATE_FORMAT or type(step) is not int or step < 0:
+            raise ValueError(f"format {described['format']!r}, step {step!r}")
+        weights, moments = {}, {}
+        for key, tensor in tensors.items():
+            name, _, kind = key.partition(".")
+            if name not in EDGE_MODULES or kind not in _STATE_KEY or tensor.dtype != torch.float32:
+                raise ValueError(f"tensor {key!r} is not a float32 edge weight or moment")
+            (weights if kind == "weight" else moments)[name if kind == "weight" else key] = tensor
+        if moments and {key.partition(".")[0] for key in moments} != set(weights):
+            raise ValueError("moments of other edges than the weights")
+        return cls(step, weights, moments)
 
 
 __all__ = [

@@ -25,17 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import re
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from nesa_node.errors import AdapterError, AdapterHashError, UnsupportedAdapterError
+from nesa_node.errors import AdapterError, UnsupportedAdapterError
 from nesa_node.sharding.lora import (
     _PEFT_PREFIX,
     PROJECTIONS,
@@ -46,6 +44,7 @@ from nesa_node.sharding.lora import (
     read_adapter_config,
 )
 from nesa_node.sharding.lora_edges import EDGE_MODULES, check_edge_names, edges_of_modules_to_save, peft_edge_key
+from nesa_node.sharding.state_bytes import decode_state, encode_state
 
 OPTIMIZER_FORMAT = "nesa-lora-adamw/1"
 _MOMENT_KEY = re.compile(r"\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.exp_avg(_sq)?")
@@ -240,12 +239,8 @@ class OptimizerState:
     tensors: dict[str, torch.Tensor]
 
     def to_bytes(self) -> bytes:
-        from safetensors.torch import save
-
         header = {"format": OPTIMIZER_FORMAT, "start": self.start, "end": self.end, "step": self.step}
-        metadata = json.dumps(header, sort_keys=True, separators=(",", ":"))
-        tensors = {name: tensor.detach().cpu().float().contiguous() for name, tensor in self.tensors.items()}
-        return save(tensors, metadata={"nesa_optimizer": metadata})
+        return encode_state(self.tensors, "nesa_optimizer", header)
 
     @property
     def sha256(self) -> str:
@@ -255,28 +250,18 @@ class OptimizerState:
     def from_bytes(cls, data: bytes, expected_sha256: str) -> OptimizerState:
         """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
         or AdapterError otherwise."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load
+        return decode_state(data, expected_sha256, "nesa_optimizer", "optimizer state", cls._build)
 
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != expected_sha256.lower():
-            raise AdapterHashError(f"optimizer state bytes hash to {actual[:16]}…, not {expected_sha256[:16]}…")
-        try:
-            (header_length,) = struct.unpack("<Q", data[:8])
-            header = json.loads(data[8 : 8 + header_length])
-            described = json.loads(header["__metadata__"]["nesa_optimizer"])
-            start, end, step = described["start"], described["end"], described["step"]
-            if described["format"] != OPTIMIZER_FORMAT or not all(type(v) is int for v in (start, end, step)):
-                raise ValueError(f"format {described['format']!r}, blocks {start!r}:{end!r}, step {step!r}")
-            tensors = load(data)
-            if not all(_MOMENT_KEY.fullmatch(name) and t.dtype == torch.float32 for name, t in tensors.items()):
-                raise ValueError("a tensor that is not a float32 moment of a LoRA factor")
-            state = cls(start, end, step, dict(tensors))
-        except (ValueError, KeyError, TypeError, RecursionError, struct.error, SafetensorError) as exc:
-            raise AdapterError(f"bytes are not an optimizer state ({type(exc).__name__}: {exc})") from None
-        if not 0 <= start < end or step < 0 or state.sha256 != actual:
-            raise AdapterError("optimizer state of a bad range or step, or not in canonical form")
-        return state
+    @classmethod
+    def _build(cls, described: dict, tensors: dict[str, torch.Tensor]) -> OptimizerState:
+        start, end, step = described["start"], described["end"], described["step"]
+        if described["format"] != OPTIMIZER_FORMAT or not all(type(v) is int for v in (start, end, step)):
+            raise ValueError(f"format {described['format']!r}, blocks {start!r}:{end!r}, step {step!r}")
+        if not 0 <= start < end or step < 0:
+            raise ValueError(f"blocks {start}:{end}, step {step}")
+        if not all(_MOMENT_KEY.fullmatch(name) and t.dtype == torch.float32 for name, t in tensors.items()):
+            raise ValueError("a tensor that is not a float32 moment of a LoRA factor")
+        return cls(start, end, step, dict(tensors))
 
     def narrow(self, start: int, end: int) -> OptimizerState:
         """The state of blocks [start, end), a part of these."""

@@ -22,10 +22,13 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from nesa_node.cli.options import PARSERS
 from nesa_node.errors import ModelLoadError, NoRouteError, PeerUnavailableError
-from nesa_node.graph.plan import MAX_STAGES, GraphPlan
+
+if TYPE_CHECKING:  # the plan module imports torch: `nesa-node --help` and the other commands do without it
+    from nesa_node.graph.plan import GraphPlan
 
 SOLVERS = ("dp", "brkga", "uniform")
 DEFAULT_BANDWIDTH_MBIT = 1000.0  # NodeProfile's default link, 1 Gbit/s
@@ -108,6 +111,8 @@ def _import_from_cwd() -> None:
 
 def load_plan(path: str) -> GraphPlan:
     """The plan in file `path`; ModelLoadError for a missing or malformed file."""
+    from nesa_node.graph.plan import GraphPlan
+
     file = Path(path)
     if not file.is_file():
         raise ModelLoadError(f"no plan file {path!r}: make one with `nesa-node graph plan`")
@@ -138,6 +143,7 @@ def load_model(spec: str):
 def run_graph_stage(args: argparse.Namespace) -> int:
     """Serve one stage until SIGINT/SIGTERM (arguments checked by check_arguments)."""
     from nesa_node import event_loop
+    from nesa_node.graph.plan import GraphPlan
     from nesa_node.graph.stage import GraphStageConfig, GraphStageNode
     from nesa_node.peer import write_address_file
 
@@ -179,6 +185,8 @@ _positive_float = PARSERS["positive"]
 
 
 def _stage_count(text: str) -> int:
+    from nesa_node.graph.plan import MAX_STAGES
+
     value = _positive_int(text)
     if value > MAX_STAGES:
         raise argparse.ArgumentTypeError(f"at most {MAX_STAGES} stages, got {value}")
@@ -332,7 +340,7 @@ def stage_summary(graph, partition) -> list[dict[str, float]]:
 
 def make_plan(args: argparse.Namespace) -> int:
     """`nesa-node graph plan`: trace, partition, write the plan file, print the summary."""
-    from nesa_node.graph.plan import plan_from_partition
+    from nesa_node.graph.plan import GraphPlan, plan_from_partition
     from nesa_node.sharding.graph import FALLBACK_FLOPS_PER_SECOND, trace_graph
     from nesa_node.sharding.partition import NodeProfile
 
