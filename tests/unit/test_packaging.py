@@ -17,6 +17,24 @@ def test_import_is_light():
     )
 
 
+HEAVY = ("torch", "hivemind", "transformers", "bitsandbytes", "gudhi", "peft")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["run", "--help"], ["graph", "plan", "--help"], ["finetune", "--help"], ["run", "--blocks", "0:x"]],
+)
+def test_help_and_argument_errors_import_nothing_heavy(argv):
+    """An operator's `--help` or typo is answered before torch, transformers or hivemind load (seconds each)."""
+    code = (
+        "import sys\nfrom nesa_node.cli import build_parser\n"
+        f"try:\n    build_parser().parse_args({argv!r})\nexcept SystemExit:\n    pass\n"
+        f"print([m for m in {HEAVY!r} if m in sys.modules], file=sys.stderr)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stderr.strip().splitlines()[-1] == "[]"
+
+
 def test_every_command_has_help(capsys):
     parser = build_parser()
     for command in (["run"], ["dht"], ["generate"], ["status"], ["demo"], ["model", "init-tiny"]):
