@@ -20,14 +20,13 @@ sha256 (what a checkpoint keeps, sharding/lora_train.py's OptimizerState for the
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
 from nesa_node.errors import AdapterError, UnsupportedAdapterError
-from nesa_node.sharding.state_bytes import decode_state, encode_state
+from nesa_node.sharding.state_bytes import CanonicalState, encode_state
 
 EDGE_MODULES = {"embed_tokens": "model.embed_tokens", "norm": "model.norm", "lm_head": "lm_head"}
 EDGE_NAMES = tuple(EDGE_MODULES)
@@ -114,7 +113,7 @@ def read_edge_weights(folder: str | Path, names: tuple[str, ...], model_config) 
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class EdgeState:
+class EdgeState(CanonicalState):
     """Trained edge weights {name: tensor}, AdamW's moments {"<name>.exp_avg" | "<name>.exp_avg_sq": tensor} (empty
     before the first step) and the step count, float32."""
 
@@ -122,19 +121,12 @@ class EdgeState:
     weights: dict[str, torch.Tensor]
     moments: dict[str, torch.Tensor]
 
+    METADATA_KEY = "nesa_edges"
+    WHAT = "edge state"
+
     def to_bytes(self) -> bytes:
         tensors = {f"{name}.weight": tensor for name, tensor in self.weights.items()} | dict(self.moments)
-        return encode_state(tensors, "nesa_edges", {"format": STATE_FORMAT, "step": self.step})
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, expected_sha256: str) -> EdgeState:
-        """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
-        or AdapterError otherwise."""
-        return decode_state(data, expected_sha256, "nesa_edges", "edge state", cls._build)
+        return encode_state(tensors, self.METADATA_KEY, {"format": STATE_FORMAT, "step": self.step})
 
     @classmethod
     def _build(cls, described: dict, tensors: dict[str, torch.Tensor]) -> EdgeState:

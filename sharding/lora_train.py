@@ -24,7 +24,6 @@ same loss end where one process updating the whole adapter ends: no node needs a
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import math
 import re
 from collections.abc import Mapping
@@ -44,7 +43,7 @@ from nesa_node.sharding.lora import (
     read_adapter_config,
 )
 from nesa_node.sharding.lora_edges import EDGE_MODULES, check_edge_names, edges_of_modules_to_save, peft_edge_key
-from nesa_node.sharding.state_bytes import decode_state, encode_state
+from nesa_node.sharding.state_bytes import CanonicalState, encode_state
 
 OPTIMIZER_FORMAT = "nesa-lora-adamw/1"
 _MOMENT_KEY = re.compile(r"\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.lora_[AB]\.exp_avg(_sq)?")
@@ -228,10 +227,13 @@ class TrainableSlice:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class OptimizerState:
+class OptimizerState(CanonicalState):
     """AdamW's moments of the LoRA parameters of blocks [start, end) ("<block>.<projection>.lora_A|lora_B.exp_avg"
     and ".exp_avg_sq", float32; empty before the first step) and its step count. Canonical bytes as an AdapterSlice's:
     safetensors plus one sorted JSON metadata entry, named by their sha256."""
+
+    METADATA_KEY = "nesa_optimizer"
+    WHAT = "optimizer state"
 
     start: int
     end: int
@@ -240,17 +242,7 @@ class OptimizerState:
 
     def to_bytes(self) -> bytes:
         header = {"format": OPTIMIZER_FORMAT, "start": self.start, "end": self.end, "step": self.step}
-        return encode_state(self.tensors, "nesa_optimizer", header)
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()
-
-    @classmethod
-    def from_bytes(cls, data: bytes, expected_sha256: str) -> OptimizerState:
-        """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
-        or AdapterError otherwise."""
-        return decode_state(data, expected_sha256, "nesa_optimizer", "optimizer state", cls._build)
+        return encode_state(self.tensors, self.METADATA_KEY, header)
 
     @classmethod
     def _build(cls, described: dict, tensors: dict[str, torch.Tensor]) -> OptimizerState:

@@ -2,6 +2,8 @@
 sha256 (a node's AdamW moments, sharding/lora_train.py OptimizerState; the client's edge layers,
 sharding/lora_edges.py EdgeState).
 
+- `CanonicalState`: the base of such a state class: its `METADATA_KEY` and `WHAT` (for messages), `to_bytes()` and
+  `_build(header, tensors)` of its own; `sha256` and `from_bytes(data, expected_sha256)` come from here.
 - `encode_state(tensors, key, header)`: the tensors contiguous on the CPU in float32, `header` as sorted compact JSON
   under metadata `key`. Equal states give equal bytes, so the hash names the state.
 - `decode_state(data, expected_sha256, key, what, build)`: AdapterHashError when `data` does not hash to the name
@@ -16,7 +18,7 @@ import hashlib
 import json
 import struct
 from collections.abc import Callable, Mapping
-from typing import Protocol, TypeVar
+from typing import ClassVar, Protocol, Self, TypeVar
 
 import torch
 
@@ -29,6 +31,28 @@ class _Named(Protocol):
 
 
 State = TypeVar("State", bound=_Named)
+
+
+class CanonicalState:
+    METADATA_KEY: ClassVar[str]
+    WHAT: ClassVar[str]
+
+    def to_bytes(self) -> bytes:
+        raise NotImplementedError
+
+    @classmethod
+    def _build(cls, header: dict, tensors: dict[str, torch.Tensor]) -> Self:
+        raise NotImplementedError
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, expected_sha256: str) -> Self:
+        """The state `data` holds once its sha256 is `expected_sha256` and it is in canonical form; AdapterHashError
+        or AdapterError otherwise."""
+        return decode_state(data, expected_sha256, cls.METADATA_KEY, cls.WHAT, cls._build)
 
 
 def encode_state(tensors: Mapping[str, torch.Tensor], key: str, header: Mapping[str, object]) -> bytes:
@@ -63,4 +87,4 @@ def decode_state(
     return state
 
 
-__all__ = ["decode_state", "encode_state"]
+__all__ = ["CanonicalState", "decode_state", "encode_state"]
