@@ -5,13 +5,20 @@ since absolute timings on a shared machine are noisy.
 
     python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
                               [--clients 8] [--nodes 1 2 3] [--client-threads 1]
+    python bench/inference.py --shape 1.1b --device cuda --dtype bfloat16 --nodes 2 4 --clients 16
+
+`--shape 1.1b` is a random Llama of 1.1B parameters (16 blocks, hidden 2048, 32 heads, 8 KV heads, MLP 5632) with a
+16-token prompt and 128 new tokens; `--device cuda --dtype bfloat16` puts the single-process baseline, every node and
+the client's layers on the GPU in that dtype (all nodes on the same GPU). Each chain figure also gives the first
+generation through the fresh nodes against the later ones (`first_vs_later`).
 
 `--clients N` adds the many-clients figure: aggregate decode tokens/s of N concurrent sessions (one client process,
 one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
 through nodes started with --no-batch-decode.
 
 The single-process baseline runs on torch's default threads (all cores); the swarm's client then computes on
---client-threads threads (default 1), since its nodes need the same cores.
+--client-threads threads (default 1), since its nodes need the same cores. Each swarm (one per --nodes count, and its
+--no-batch-decode twin with --clients) runs alone: it is started, measured and stopped before the next starts.
 """
 
 from __future__ import annotations
@@ -34,6 +41,12 @@ from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
 from nesa_node.devtools.launcher import ProcessGroup, split_blocks  # noqa: E402
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model  # noqa: E402
 from nesa_node.errors import NoRouteError  # noqa: E402
+
+# model shapes: the CPU bench model, and the 1.1B Llama of GPU nodes (TinyLlama's shape, random weights)
+SHAPES = {
+    "bench": {"layers": 8, "hidden": 512, "heads": 8, "kv_heads": 8, "intermediate": 1408, "new_tokens": 64},
+    "1.1b": {"layers": 16, "hidden": 2048, "heads": 32, "kv_heads": 8, "intermediate": 5632, "new_tokens": 128},
+}
 
 
 class TokenClock:
@@ -76,14 +89,14 @@ def timed_forward(model, input_ids, repeats: int) -> float:
 
 
 async def aggregate_decode(
-    path: str, peers: list[str], prefix: str, hops: int, clients: int, input_ids, new_tokens: int
+    path: str, peers: list[str], prefix: str, hops: int, clients: int, input_ids, new_tokens: int, args
 ) -> dict:
     """Decode tokens/s of one session, then the aggregate of `clients` concurrent ones (prompts of the same length,
     each its own tokens), with one async client; whether every session's tokens match its own run alone."""
     from nesa_node.client.async_model import AsyncDistributedModel
 
     model = await AsyncDistributedModel.from_pretrained(
-        path, initial_peers=peers, dht_prefix=prefix, compression="none"
+        path, initial_peers=peers, dht_prefix=prefix, compression="none", device=args.device, dtype=args.dtype
     )
     try:
         deadline = time.monotonic() + 120
@@ -110,7 +123,9 @@ async def aggregate_decode(
         "one_session_tps": round(one_tps, 2),
         "aggregate_tps": round(aggregate_tps, 2),
         "aggregate_vs_one": round(aggregate_tps / one_tps, 3),
-        "tokens_match": all(torch.equal(first, second) for first, second in zip(alone, together[:2], strict=True)),
+        "tokens_match": all(
+            torch.equal(first.cpu(), second.cpu()) for first, second in zip(alone, together[:2], strict=True)
+        ),
     }
 
 
@@ -119,13 +134,90 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, count: int, extra: list[str], args):
+    """`count` node processes serving the model's blocks in equal spans under `prefix`; their processes."""
+    launched = []
+    for index, (start, end) in enumerate(split_blocks(args.layers, count)):
+        node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
+        node_args += ["--dht-prefix", prefix, "--announce-period", "5", "--no-measure", "--rebalance", "off", *extra]
+        node_args += ["--device", args.device, "--dtype", args.dtype]
+        node_args += ["--torch-threads", str(args.node_threads)] if args.node_threads else []
+        launched.append(group.start(f"{prefix}-{index}", node_args))
+    for process, node_address in launched:
+        group.wait_address(process, node_address, timeout_s=300)
+    return [process for process, _ in launched]
+
+
+def chain_figures(path, peers, prefix, count, input_ids, batch_ids, baseline, reference_tokens, args) -> dict:
+    """Decode, time to first token and forward figures through the swarm `prefix` of `count` nodes, per mode."""
+    figures = {}
+    # direct: hidden states on data lanes (nesa_node.protocol.lane); direct-libp2p: the same chain with every message
+    # on libp2p (lanes off, as against nodes without them); relay: the client forwards between nodes
+    for label, mode, lanes in (
+        ("direct", "direct", True),
+        ("direct-libp2p", "direct", False),
+        ("relay", "relay", True),
+    ):
+        with DistributedModelForCausalLM.from_pretrained(
+            path,
+            initial_peers=peers,
+            dht_prefix=prefix,
+            mode=mode,
+            compression=args.compression,
+            lanes=lanes,
+            device=args.device,
+            dtype=args.dtype,
+        ) as model:
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if len(model.choose_chain(max_length=128).hops) == count:
+                        break
+                except NoRouteError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"swarm of {count} nodes did not come up")
+                time.sleep(0.5)
+            # the first generation through these nodes (fresh, for the first mode): connections, first-call costs,
+            # and on a GPU every cache length seen for the first time
+            first = timed_generate(model, input_ids, args.new_tokens)
+            runs, overheads = [], []
+            for _ in range(args.repeats):
+                with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
+                    runs.append(timed_generate(model, input_ids, args.new_tokens))
+                    overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
+            hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
+            decode = statistics.median(run["decode_tps"] for run in runs)
+            forward_tps = timed_forward(model, batch_ids, args.forward_repeats)
+            figures[f"{label}_{count}"] = {
+                "nodes": count,
+                "mode": label,
+                "tokens_match": all(torch.equal(run["tokens"].cpu(), reference_tokens) for run in runs),
+                "decode_tps": round(decode, 2),
+                "decode_vs_baseline": round(decode / baseline["decode_tps"], 3),
+                "first_decode_tps": round(first["decode_tps"], 2),
+                "first_vs_later": round(first["decode_tps"] / decode, 3),
+                "ttft_ms": round(1000 * statistics.median(run["ttft_s"] for run in runs), 2),
+                "forward_8x128_tps": round(forward_tps, 1),
+                "forward_vs_baseline": round(forward_tps / baseline["forward_8x128_tps"], 3),
+                "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
+                "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
+                "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
+                "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
+            }
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="bench", help="model shape (default: bench)")
+    parser.add_argument("--layers", type=int, default=None, help="blocks (default: the shape's)")
+    parser.add_argument("--hidden", type=int, default=None, help="hidden size (default: the shape's)")
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--prompt-tokens", type=int, default=16)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=None, help="default: the shape's (64, 128 for 1.1b)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where everything computes")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--repeats", type=int, default=3)
     # a forward of 8 x 128 tokens takes about 0.5 s of compute: its median needs more samples on a noisy machine
     parser.add_argument("--forward-repeats", type=int, default=5)
@@ -143,120 +235,86 @@ def main() -> None:
         "(embeddings, LM head) shares the cores with the nodes (default 1; 0: leave torch's default)",
     )
     args = parser.parse_args()
+    shape = SHAPES[args.shape]
+    args.layers = args.layers or shape["layers"]
+    args.hidden = args.hidden or shape["hidden"]
+    args.new_tokens = args.new_tokens or shape["new_tokens"]
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch sees no CUDA device here")
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory(prefix="nesa-bench-") as workdir, ProcessGroup(workdir) as group:
+        heads = shape["heads"]
         spec = TinyModelSpec(
             layers=args.layers,
             hidden=args.hidden,
-            heads=8,
-            kv_heads=8,
-            intermediate=int(args.hidden * 2.75),
+            heads=heads,
+            kv_heads=shape["kv_heads"],
+            intermediate=shape["intermediate"] if args.hidden == shape["hidden"] else int(args.hidden * 2.75),
             vocab=args.vocab,
             seed=0,
         )
         path = str(init_tiny_model(Path(workdir) / "bench-llama", spec))
         from transformers import AutoModelForCausalLM
 
-        baseline_model = AutoModelForCausalLM.from_pretrained(path)
+        dtype = getattr(torch, args.dtype)
+        baseline_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
+        baseline_model.eval()
         input_ids = torch.randint(3, 1000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
         batch_ids = torch.randint(3, 1000, (8, 128), generator=torch.Generator().manual_seed(1))
 
-        runs = [timed_generate(baseline_model, input_ids, args.new_tokens) for _ in range(args.repeats)]
+        on_device = input_ids.to(args.device)
+        timed_generate(baseline_model, on_device, 8)  # warm-up: the swarm's figures are taken warm too
+        runs = [timed_generate(baseline_model, on_device, args.new_tokens) for _ in range(args.repeats)]
         baseline = {
             "decode_tps": statistics.median(run["decode_tps"] for run in runs),
             "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
-            "forward_8x128_tps": timed_forward(baseline_model, batch_ids, args.forward_repeats),
+            "forward_8x128_tps": timed_forward(baseline_model, batch_ids.to(args.device), args.forward_repeats),
         }
-        reference_tokens = runs[0]["tokens"]
+        reference_tokens = runs[0]["tokens"].cpu()
+        del baseline_model  # its memory goes back to the device before the nodes load
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
         baseline_threads = torch.get_num_threads()
         if args.client_threads:
             torch.set_num_threads(args.client_threads)
 
         bootstrap, address_file = group.start("dht", ["dht"])
         peers = group.wait_address(bootstrap, address_file)
-        launched = []
         swarms = [(count, f"bench-{count}", []) for count in args.nodes]
         if args.clients:
             swarms += [(count, f"bench-{count}-nobatch", ["--no-batch-decode"]) for count in args.nodes]
-        for count, prefix, extra in swarms:
-            for index, (start, end) in enumerate(split_blocks(args.layers, count)):
-                node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
-                node_args += [
-                    "--dht-prefix",
-                    prefix,
-                    "--announce-period",
-                    "5",
-                    "--no-measure",
-                    "--rebalance",
-                    "off",
-                    *extra,
-                ]
-                node_args += ["--torch-threads", str(args.node_threads)] if args.node_threads else []
-                launched.append(group.start(f"{prefix}-{index}", node_args))
-        for process, node_address in launched:
-            group.wait_address(process, node_address, timeout_s=300)
-
-        swarm_results = {}
-        for count in args.nodes:
-            # direct: hidden states on data lanes (nesa_node.protocol.lane); direct-libp2p: the same chain with every message on
-            # libp2p (lanes off, as against nodes without them); relay: the client forwards between nodes
-            for label, mode, lanes in (
-                ("direct", "direct", True),
-                ("direct-libp2p", "direct", False),
-                ("relay", "relay", True),
-            ):
-                with DistributedModelForCausalLM.from_pretrained(
-                    path,
-                    initial_peers=peers,
-                    dht_prefix=f"bench-{count}",
-                    mode=mode,
-                    compression=args.compression,
-                    lanes=lanes,
-                ) as model:
-                    deadline = time.monotonic() + 120
-                    while True:
-                        try:
-                            if len(model.choose_chain(max_length=128).hops) == count:
-                                break
-                        except NoRouteError:
-                            pass
-                        if time.monotonic() > deadline:
-                            raise RuntimeError(f"swarm of {count} nodes did not come up")
-                        time.sleep(0.5)
-                    timed_generate(model, input_ids, 8)  # warm-up: connections, first-call costs
-                    runs, overheads = [], []
-                    for _ in range(args.repeats):
-                        with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
-                            runs.append(timed_generate(model, input_ids, args.new_tokens))
-                            overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
-                    hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
-                    decode = statistics.median(run["decode_tps"] for run in runs)
-                    forward_tps = timed_forward(model, batch_ids, args.forward_repeats)
-                    swarm_results[f"{label}_{count}"] = {
-                        "nodes": count,
-                        "mode": label,
-                        "tokens_match": all(torch.equal(run["tokens"], reference_tokens) for run in runs),
-                        "decode_tps": round(decode, 2),
-                        "decode_vs_baseline": round(decode / baseline["decode_tps"], 3),
-                        "ttft_ms": round(1000 * statistics.median(run["ttft_s"] for run in runs), 2),
-                        "forward_8x128_tps": round(forward_tps, 1),
-                        "forward_vs_baseline": round(forward_tps / baseline["forward_8x128_tps"], 3),
-                        "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
-                        "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
-                        "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
-                        "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
-                    }
-        clients_results = {}
-        if args.clients:
-            for count, prefix, extra in swarms:
-                figures = asyncio.run(
-                    aggregate_decode(path, peers, prefix, count, args.clients, input_ids, args.new_tokens)
-                )
-                clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = figures
+        swarm_results, clients_results = {}, {}
+        for count, prefix, extra in swarms:  # one swarm at a time: no idle node shares the cores with the measured
+            nodes = start_swarm(group, path, peers, prefix, count, extra, args)
+            try:
+                if not extra:
+                    swarm_results.update(
+                        chain_figures(
+                            path, peers, prefix, count, input_ids, batch_ids, baseline, reference_tokens, args
+                        )
+                    )
+                if args.clients:
+                    figures = asyncio.run(
+                        aggregate_decode(path, peers, prefix, count, args.clients, input_ids, args.new_tokens, args)
+                    )
+                    clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = figures
+            finally:
+                for process in nodes:
+                    group.stop(process)
     result = {
         "bench": "inference",
-        "model": {"arch": "llama", "layers": args.layers, "hidden": args.hidden, "vocab": args.vocab},
+        "model": {
+            "arch": "llama",
+            "shape": args.shape,
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": spec.heads,
+            "kv_heads": spec.kv_heads,
+            "vocab": args.vocab,
+        },
+        "device": args.device,
+        "dtype": args.dtype,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "compression": args.compression,

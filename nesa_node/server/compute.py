@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import statistics
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,11 +24,32 @@ from nesa_node.errors import BadRequestError, TooManySessionsError, WrongBlocksE
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.server.config import ComputeConfig, LimitsConfig
+from nesa_node.server.throughput import synchronize
 from nesa_node.sharding.lora import adapters_for_rows
 
 _BASE = contextlib.nullcontext()  # a pass without LoRA rows: nothing to set (reusable, it holds no state)
 T = TypeVar("T")
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
+RECENT_STEPS = 9  # small steps whose median decides where the next one runs
+
+
+class StepPlacement:
+    """Where a small step runs: on the event loop while the median of the last RECENT_STEPS small steps' compute
+    times (synchronized with the device) is below `inline_s`, else on the compute thread. A median, not a moving
+    average: the first step of each new cache length on a GPU, or a step slowed by a busy host, costs several times
+    a warm one, and an average pushed over the limit by one of them would send the next few steps to the thread and
+    back, giving the steps a heavy tail; a median moves only when most recent steps did."""
+
+    def __init__(self, inline_s: float, recent: int = RECENT_STEPS):
+        self.inline_s = inline_s
+        self.recent: deque[float] = deque(maxlen=recent)
+
+    def inline(self) -> bool:
+        """Whether the next small step runs on the event loop (never before a first step has been timed)."""
+        return bool(self.recent) and statistics.median(self.recent) < self.inline_s
+
+    def record(self, seconds: float) -> None:
+        self.recent.append(seconds)
 
 
 @dataclass
@@ -50,7 +73,7 @@ class BlockCompute:
         self.accepted_codecs = tuple(dict.fromkeys(("none", *compute.codecs)))  # "none" always works
         self.compute_seconds = 0.0  # total time spent in the blocks
         self.steps_served = 0
-        self._small_step_s: float | None = None  # moving average compute time of small steps, seconds
+        self.placement = StepPlacement(compute.inline_compute_ms / 1000)
         # one-token steps waiting to run together (decode batching): each (hidden, cache, position, blocks, future)
         self._decode_queue: list[_DecodeStep] = []
         self._decoder: asyncio.Task | None = None  # the task taking the queue (held: the loop keeps only weak refs)
@@ -129,17 +152,16 @@ class BlockCompute:
             rows = adapters_for_rows(span, [adapter] * hidden.shape[0], blocks=blocks) if adapter is not None else _BASE
             with torch.inference_mode(), rows:
                 output = span(hidden, cache, position, blocks)
+            synchronize(span)  # the time of the computation, not of its launch (a GPU runs it asynchronously)
             return output, time.perf_counter() - started
 
         small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
-        inline_s = self.config.inline_compute_ms / 1000
-        if small and self._small_step_s is not None and self._small_step_s < inline_s:
+        if small and self.placement.inline():
             output, seconds = run()
         else:
             output, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
-        if small:  # moving average of recent small steps: what the next one will likely cost
-            previous = self._small_step_s
-            self._small_step_s = seconds if previous is None else 0.8 * previous + 0.2 * seconds
+        if small:
+            self.placement.record(seconds)
         self.compute_seconds += seconds
         self.steps_served += 1
         return output, seconds
@@ -219,6 +241,7 @@ class BlockCompute:
                 outputs = span.decode_batch(
                     [(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks
                 )
+            synchronize(span)
             return outputs, time.perf_counter() - started
 
         outputs, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
@@ -247,4 +270,4 @@ class BlockCompute:
             self.executor.shutdown(wait=False, cancel_futures=True)
 
 
-__all__ = ["BlockCompute", "SMALL_STEP_TOKENS"]
+__all__ = ["BlockCompute", "SMALL_STEP_TOKENS", "StepPlacement"]

@@ -175,11 +175,12 @@ class ComputeConfig:
     )
     # A step expected to compute for less than this runs on the event loop itself: handing it to the compute
     # thread and back costs two thread wake-ups (0.2-0.6 ms measured on a loaded 2-core host), more than a short
-    # stall of the loop costs. 0 sends every step to the compute thread.
+    # stall of the loop costs. "Expected": the median of the last small steps, timed synchronized with the device
+    # (server/compute.py StepPlacement). 0 sends every step to the compute thread.
     inline_compute_ms: float = option(
         15.0,
-        "decode steps expected to take less than this run on the event loop, saving two thread hand-offs "
-        "(0: always use the compute thread)",
+        "decode steps expected to take less than this (the median of recent ones, device-synchronized) run on the "
+        "event loop, saving two thread hand-offs (0: always use the compute thread)",
         parse="non_negative",
     )
     batch_decode: bool = option(
@@ -195,6 +196,15 @@ class ComputeConfig:
         True, "measure the span's throughput at start", none_flag=("--no-measure", "skip the throughput measurement")
     )
     throughput_cache: str | None = option(None, "file caching measured throughput (default ~/.cache/nesa-node)")
+    # on a GPU the first step at each new cache length is slow (the caching allocator's first blocks of that size,
+    # the kernels' first choice), so a node's first generation ran at a fraction of later ones
+    warmup_tokens: int | None = option(
+        None,
+        "one-token steps run once at start (and after a move), from an empty cache up to N cached tokens, so the "
+        "first sessions run warm (default: 512 on a GPU, 0 on the CPU, where a new length costs nothing extra)",
+        parse="non_negative_int",
+        metavar="N",
+    )
     adapters: tuple[str, ...] = option(
         (),
         "PEFT LoRA adapter folders (adapter_config.json + adapter_model.safetensors) to serve: the node keeps the "

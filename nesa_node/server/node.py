@@ -54,7 +54,7 @@ from nesa_node.server.push import PushSender
 from nesa_node.server.rebalance import Rebalancer, load_schema_book, make_trigger
 from nesa_node.server.rpc import NodeRpc
 from nesa_node.server.sessions import MAX_ADMISSION_WAIT_S, SessionTable
-from nesa_node.server.throughput import cached_measure
+from nesa_node.server.throughput import cached_measure, warm_up, warmup_tokens
 from nesa_node.server.training import TrainingService
 from nesa_node.sharding.blocks import DTYPES, SpanSpec, load_block_span, load_config
 from nesa_node.sharding.kv_cache import CacheBudget, kv_bytes_per_token_for
@@ -152,6 +152,7 @@ class Node:
             throughput = await asyncio.to_thread(cached_measure, span, cache_path)
         else:
             throughput = {"forward_tps": 0.0, "inference_tps": 0.0}
+        await asyncio.to_thread(warm_up, span, warmup_tokens(compute.warmup_tokens, compute.device))
         adapters = NodeAdapters(
             model_config, compute.adapters, budget_bytes=int(compute.adapter_budget_mb * 2**20), device=compute.device
         )
@@ -496,6 +497,7 @@ class Node:
         compute = self.config.compute
         spec = SpanSpec(start, end, compute.dtype, compute.device, compute.quant)
         span = await asyncio.to_thread(load_block_span, self.config.model_path, spec, config=self.model_config)
+        await asyncio.to_thread(warm_up, span, warmup_tokens(compute.warmup_tokens, compute.device))
         await self.adapters.load_span(start, end)
         self.sessions.use_budget(cache_budget(self.config, self.model_config, end - start))
         self.compute.use_span(span)

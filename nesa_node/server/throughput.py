@@ -23,17 +23,17 @@ def default_cache_path() -> Path:
     return Path.home() / ".cache" / "nesa-node" / "throughput.json"
 
 
-def _synchronize(span) -> None:
+def synchronize(span) -> None:
     """Wait for the device's queued work, so a timing covers the computation and not only its launch."""
     if str(span.spec.device).startswith("cuda"):
         torch.cuda.synchronize(span.spec.device)
 
 
 def _timed(span, run) -> float:
-    _synchronize(span)
+    synchronize(span)
     started = time.perf_counter()
     run()
-    _synchronize(span)
+    synchronize(span)
     return time.perf_counter() - started
 
 
@@ -73,6 +73,31 @@ def _step_s(span, token: torch.Tensor, cache, blocks: tuple[int, int]) -> float:
 
     steps(WARM_STEPS)
     return statistics.median(_timed(span, lambda: steps(INFERENCE_STEPS)) for _ in range(ROUNDS)) / INFERENCE_STEPS
+
+
+GPU_WARMUP_TOKENS = 512  # ComputeConfig.warmup_tokens on a GPU: a 16-token prompt and 128 new tokens fit many times
+
+
+def warmup_tokens(configured: int | None, device: str) -> int:
+    """Cache lengths a node runs through at start: `configured`, else GPU_WARMUP_TOKENS on a GPU and none on the
+    CPU."""
+    if configured is not None:
+        return configured
+    return GPU_WARMUP_TOKENS if str(device).startswith("cuda") else 0
+
+
+@torch.inference_mode()
+def warm_up(span, tokens: int) -> int:
+    """Run one-token steps through the whole span from an empty cache until it holds `tokens` tokens (then drop it),
+    so that the first session's steps at each cache length run warm; the steps run."""
+    if tokens <= 0:
+        return 0
+    token = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(0)).to(span.spec.device)
+    cache = span.new_cache()
+    for position in range(tokens):
+        span(token, cache, position)
+    synchronize(span)
+    return tokens
 
 
 def cached_measure(span, cache_path: Path | None = None) -> dict[str, float]:

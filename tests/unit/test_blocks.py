@@ -146,3 +146,22 @@ def test_throughput_is_measured_warm_and_per_block(tmp_path):
     assert one["forward_tps"] > 1.5 * four["forward_tps"]
     assert 0.2 < four["block_ms"] / one["block_ms"] < 5.0
     assert all(value > 0 for value in (*one.values(), *four.values()))
+
+
+def test_warm_up_runs_steps_up_to_its_length_and_leaves_the_span_as_it_was(tiny_llama):
+    """The start-up warm-up (GPU nodes by default) runs one-token steps up to the cache length asked for, through
+    a cache of its own: the span's answers afterwards are the ones a fresh span gives."""
+    from nesa_node.server.throughput import GPU_WARMUP_TOKENS, warm_up, warmup_tokens
+
+    assert warmup_tokens(None, "cpu") == 0 and warmup_tokens(None, "cuda") == warmup_tokens(None, "cuda:1") > 0
+    assert warmup_tokens(None, "cuda") == GPU_WARMUP_TOKENS and warmup_tokens(7, "cuda") == 7
+    span = load_block_span(tiny_llama, SpanSpec(0, 2))
+    hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        before = span(hidden, span.new_cache(), 0)
+    calls = []
+    span.register_forward_hook(lambda module, args, output: calls.append(args[2]))
+    assert warm_up(span, 12) == 12 and warm_up(span, 0) == 0
+    assert calls == list(range(12))  # positions 0..11: every cache length up to 12 once
+    with torch.inference_mode():
+        assert torch.equal(span(hidden, span.new_cache(), 0), before)
