@@ -16,9 +16,11 @@ generation through the fresh nodes against the later ones (`first_vs_later`).
 one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
 through nodes started with --no-batch-decode.
 
-The single-process baseline runs on torch's default threads (all cores); the swarm's client then computes on
---client-threads threads (default 1), since its nodes need the same cores. Each swarm (one per --nodes count, and its
---no-batch-decode twin with --clients) runs alone: it is started, measured and stopped before the next starts.
+The single-process baseline runs on torch's default threads (all cores). The nodes run as an operator runs several on
+one machine: each with its share of the cores (`--node-threads`, by default the cores over the nodes of the swarm
+measured, at least one), and the swarm's client computes on --client-threads threads (default 1), since the nodes need
+the same cores. Each swarm (one per --nodes count, and its --no-batch-decode twin with --clients) runs alone: it is
+started, measured and stopped before the next starts.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -134,6 +137,14 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def node_threads(args, count: int) -> int:
+    """Torch threads of each of `count` nodes: --node-threads when given (0: torch's default), else their share of
+    this machine's cores."""
+    if args.node_threads is not None:
+        return args.node_threads
+    return max(1, (os.cpu_count() or 1) // count)
+
+
 def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, count: int, extra: list[str], args):
     """`count` node processes serving the model's blocks in equal spans under `prefix`; their processes."""
     launched = []
@@ -141,7 +152,7 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
         node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
         node_args += ["--dht-prefix", prefix, "--announce-period", "5", "--no-measure", "--rebalance", "off", *extra]
         node_args += ["--device", args.device, "--dtype", args.dtype]
-        node_args += ["--torch-threads", str(args.node_threads)] if args.node_threads else []
+        node_args += ["--torch-threads", str(node_threads(args, count))] if node_threads(args, count) else []
         launched.append(group.start(f"{prefix}-{index}", node_args))
     for process, node_address in launched:
         group.wait_address(process, node_address, timeout_s=300)
@@ -223,9 +234,14 @@ def main() -> None:
     parser.add_argument("--forward-repeats", type=int, default=5)
     parser.add_argument("--compression", default="none", help="hidden-state codec (default none: a lossless wire)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
-    # 0: torch's default (all cores) per node; nodes sleep their idle OpenMP threads (OMP_WAIT_POLICY=PASSIVE, set
-    # by `nesa-node run`), so nodes sharing this machine do not spin against the one computing
-    parser.add_argument("--node-threads", type=int, default=0, help="torch threads per node process (0: default)")
+    # nodes sharing one machine each get their share of its cores, as an operator would set them; 0: torch's default
+    # (all cores) per node, whose idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, set by `nesa-node run`)
+    parser.add_argument(
+        "--node-threads",
+        type=int,
+        default=None,
+        help="torch threads per node process (default: the cores over the nodes; 0: torch's default)",
+    )
     parser.add_argument("--clients", type=int, default=0, help="concurrent sessions for the aggregate figure (0: none)")
     parser.add_argument(
         "--client-threads",
@@ -318,7 +334,7 @@ def main() -> None:
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "compression": args.compression,
-        "node_threads": args.node_threads,
+        "node_threads": {count: node_threads(args, count) for count in args.nodes},
         "baseline_threads": baseline_threads,
         "client_threads": torch.get_num_threads(),
         "baseline": {key: round(value, 2) for key, value in baseline.items()},

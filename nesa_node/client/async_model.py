@@ -10,7 +10,8 @@ concurrent sessions and generations:
     await model.close()
 
 The client's own compute (embedding a token, the LM head of one position) runs on the event loop: it is small next
-to a step through the chain.
+to a step through the chain. With several sessions open, the LM head scores the sessions waiting together in one pass
+on a thread of its own (client/head_batch.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from nesa_node.client.adapter_lookup import AdapterLookup, adapter_id_of_folder,
 from nesa_node.client.audit import Auditor, AuditOutcome
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig, client_codec
+from nesa_node.client.head_batch import HeadBatcher, choose_tokens
 from nesa_node.client.majority import MajoritySession, open_majority_session
 from nesa_node.client.private_edges import EdgeBlocks, EdgeSession, check_private_edges
 from nesa_node.client.routing import ChainSelector, Router
@@ -148,6 +150,12 @@ class AsyncDistributedModel(AdapterLookup):
         self.auditor = Auditor(self, verify.rate) if verify.mode == "audit" else None
         self.last_verification: dict | None = None  # what the last generation's checks found (audit or majority)
         self.last_receipts = None  # the last audited session's SessionReceipts (verification/receipts.py)
+        # next-token scores of concurrent sessions in shared LM head passes
+        self.head = HeadBatcher(
+            self._last_scores,
+            concurrent=lambda: len(swarm.open_sessions) > 1,
+            window_s=config.head_batch_window_ms / 1000,
+        )
 
     @classmethod
     async def from_pretrained(
@@ -234,6 +242,7 @@ class AsyncDistributedModel(AdapterLookup):
         return model
 
     async def close(self) -> None:
+        await self.head.close()
         await self.swarm.close()
 
     async def __aenter__(self) -> AsyncDistributedModel:
@@ -398,6 +407,10 @@ class AsyncDistributedModel(AdapterLookup):
             hidden = hidden.to(self.device, self.dtype)
             return self.edges.lm_head(self.edges.norm(hidden)).cpu()  # (batch, kept, vocab)
 
+    def _last_scores(self, last: torch.Tensor) -> torch.Tensor:
+        """Next-token scores (rows, vocab), float32 on the CPU, of the last hidden states `last` (rows, hidden)."""
+        return self.logits(last[:, None], keep=1)[:, -1].float()
+
     async def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits (batch, seq, vocab) of a whole sequence, through a chain without caches (client-relayed)."""
         return self.logits(await self.remote_forward(self.embed(input_ids)))
@@ -487,8 +500,8 @@ class AsyncDistributedModel(AdapterLookup):
                 else:
                     sent, ahead = ahead, None  # its failure is this step's, not one left behind at the end
                     hidden = await sent
-                scores = self.logits(hidden, keep=1)[:, -1].float()  # (batch, vocab)
-                token = self._choose(scores, do_sample, temperature, top_k, top_p, generator)  # (batch,)
+                scores = await self.head.scores(hidden[:, -1], session)  # (batch, vocab)
+                token = choose_tokens(scores, do_sample, temperature, top_k, top_p, generator)  # (batch,)
                 if eos_token_id is not None:
                     token = torch.where(finished, torch.full_like(token, pad), token)
                     finished |= token == eos_token_id
@@ -506,6 +519,7 @@ class AsyncDistributedModel(AdapterLookup):
                 await asyncio.wait([ahead])  # raises only if this task itself is cancelled
                 if not ahead.cancelled() and ahead.exception() is not None:
                     logger.debug("the step sent ahead failed after the stream stopped: %r", ahead.exception())
+            self.head.forget(session)  # its next scores are no longer waited for
             if owned:
                 await session.close()
 
@@ -550,27 +564,6 @@ class AsyncDistributedModel(AdapterLookup):
         outcome = await self.auditor.audit(session)
         self.last_receipts = outcome.receipts
         return outcome
-
-    @staticmethod
-    def _choose(
-        scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float, generator
-    ) -> torch.Tensor:
-        """The next token per row of `scores` (batch, vocab): the argmax, or a sample after temperature, top-k and
-        top-p (nucleus) filtering."""
-        if not do_sample:
-            return scores.argmax(dim=-1)
-        if not temperature > 0:
-            raise ValueError(f"temperature must be above 0, got {temperature}")
-        scores = scores / temperature
-        if top_k > 0:
-            kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (batch, 1)
-            scores = scores.masked_fill(scores < kth, -torch.inf)
-        if top_p < 1.0:
-            ordered, order = torch.sort(scores, descending=True, dim=-1)
-            cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-            drop = cumulative - ordered.softmax(dim=-1) >= top_p  # keep the smallest prefix reaching top_p
-            scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
-        return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
 
 
 def _weights_manifest(given, model_path: str, model_config) -> WeightsManifest | None:

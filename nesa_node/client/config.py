@@ -107,6 +107,10 @@ class ClientConfig:
     stability_period_s: float = 10.0
     # what the client checks of the nodes' outputs: "off" or "majority:N[@A:B]" (VerifyPolicy; client/majority.py)
     verify: VerifyPolicy = field(default_factory=VerifyPolicy)
+    # with several sessions open, the LM head waits up to this (and at most half a session's round) for the other
+    # sessions' answers expected by then, to score them in one pass (client/head_batch.py, nesa_node/batching.py;
+    # the nodes' --batch-window-ms is the same rule); 0: never
+    head_batch_window_ms: float = 25.0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -122,6 +126,8 @@ class ClientConfig:
             raise ValueError("need 0 <= records_fresh_s <= records_stale_s")
         if not 0.0 <= self.stability_weight <= 1.0 or not self.stability_period_s > 0:
             raise ValueError("stability_weight must be in [0, 1] and stability_period_s above 0")
+        if not self.head_batch_window_ms >= 0:
+            raise ValueError("head_batch_window_ms must be 0 or more")
         if self.max_failovers < 0 or self.max_open_attempts < 1 or self.max_pinged_candidates < 0:
             raise ValueError("max_failovers and max_pinged_candidates must be >= 0, max_open_attempts >= 1")
 

@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import torch
 
+from nesa_node.batching import Gathering
 from nesa_node.compression.codec import WIRE_DTYPES, all_finite
 from nesa_node.errors import BadRequestError, TooManySessionsError, WrongBlocksError
 from nesa_node.protocol.channel import Frame
@@ -60,6 +61,8 @@ class _DecodeStep:
     blocks: tuple[int, int]
     future: asyncio.Future
     adapter: object = None  # the session's AdapterSlice (LoRA), or None
+    member: object = None  # the session it belongs to (gathering), or None
+    arrived_s: float = 0.0  # time.monotonic() when it was queued
 
 
 class BlockCompute:
@@ -77,6 +80,9 @@ class BlockCompute:
         # one-token steps waiting to run together (decode batching): each (hidden, cache, position, blocks, future)
         self._decode_queue: list[_DecodeStep] = []
         self._decoder: asyncio.Task | None = None  # the task taking the queue (held: the loop keeps only weak refs)
+        self._arrival: asyncio.Future | None = None  # resolved when a step joins the queue (a gathering waits on it)
+        self.gatherings: dict[tuple[int, int], Gathering] = {}  # per blocks: when its sessions' next steps are due
+        self.recent_passes: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds of the last decode passes
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
 
     def use_span(self, span) -> None:
@@ -183,28 +189,62 @@ class BlockCompute:
         return result, seconds
 
     async def run_decode(
-        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int], adapter=None
+        self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int], adapter=None, *, member=None
     ) -> tuple[torch.Tensor, float]:
         """A one-token step, run together with the other sessions' one-token steps on the same blocks that are
-        waiting at the same time (each with its own cache and position): one pass instead of one per session. A
-        step alone runs at once, as `run` would; steps that arrive while a pass runs form the next one, so batching
-        adds no wait; sessions with different LoRA adapters (or none) share a pass, each row with its own. (output,
-        seconds of the pass it was in)."""
+        waiting at the same time (each with its own cache and position): one pass instead of one per session.
+        Steps that arrive while a pass runs form the next one; when nothing runs, a pass starts at once unless other
+        sessions' steps are expected within the gathering window (nesa_node/batching.py: `member` is the step's
+        session, whose steps are timed); sessions with different LoRA adapters (or none) share a pass, each row with
+        its own. (output, seconds of the pass it was in)."""
         span = self.span
         if not self.config.batch_decode or span is None or not span.batches_decode or hidden.shape[1] != 1:
             return await self.run(hidden, cache, position, blocks, adapter)
-        future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter))
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        if member is not None:
+            window_s = self.config.batch_window_ms / 1000
+            self.gatherings.setdefault(blocks, Gathering(window_s=window_s)).arrived(member, now)
+        future = loop.create_future()
+        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter, member, now))
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
         if self._decoder is None or self._decoder.done():
             self._decoder = asyncio.create_task(self._take_decode_queue())
         return await future
 
+    def forget(self, member) -> None:
+        """A session that closed: no step of it is expected any more."""
+        for gathering in self.gatherings.values():
+            gathering.forget(member)
+
     async def _take_decode_queue(self) -> None:
         await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
         while self._decode_queue:
+            await self._gather()
             batch = self._next_decode_batch()
             if batch:  # empty when every waiting step was given up (its session timed out)
                 await self._settle(batch, self._run_alone(batch[0]) if len(batch) == 1 else self._run_batch(batch))
+
+    async def _gather(self) -> None:
+        """Wait, within the window, until the sessions whose next steps are due soon have sent them (batching.py)."""
+        late_s = statistics.median(self.recent_passes) if self.recent_passes else 0.0
+        loop = asyncio.get_running_loop()
+        while self._decode_queue:
+            first = self._decode_queue[0]
+            gathering = self.gatherings.get(first.blocks)
+            if gathering is None:
+                return
+            queued = {step.member for step in self._decode_queue if step.blocks == first.blocks}
+            delay = gathering.wait_s(queued, first.arrived_s, time.monotonic(), late_s)
+            if delay <= 0:
+                return
+            self._arrival = loop.create_future()
+            try:
+                async with asyncio.timeout(delay):
+                    await self._arrival
+            except TimeoutError:
+                return
 
     def _next_decode_batch(self) -> list[_DecodeStep]:
         """The waiting steps on the first waiting step's blocks, within the step limit (rows); the rest wait."""
@@ -250,8 +290,7 @@ class BlockCompute:
         self.batches_run += 1
         return outputs, seconds
 
-    @staticmethod
-    async def _settle(batch: list[_DecodeStep], work) -> None:
+    async def _settle(self, batch: list[_DecodeStep], work) -> None:
         """Give each step of `batch` its output (or the error of the pass)."""
         try:
             outputs, seconds = await work
@@ -260,6 +299,7 @@ class BlockCompute:
                 if not step.future.done():
                     step.future.set_exception(exc)
             return
+        self.recent_passes.append(seconds)
         for step, output in zip(batch, outputs, strict=True):
             if not step.future.done():
                 step.future.set_result((output, seconds))

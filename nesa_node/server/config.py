@@ -192,6 +192,15 @@ class ComputeConfig:
             "blocks that are waiting together run as one batch)",
         ),
     )
+    # sessions half a round apart merge only if a pass may wait that long: CPU rounds of the bench model through two
+    # or three nodes take 30-100 ms (measured); the wait is also at most half of the waiting sessions' own round
+    # (nesa_node/batching.py), so on a GPU's shorter rounds the bound is that
+    batch_window_ms: float = option(
+        25.0,
+        "a one-token step waits up to this (and at most half its session's round) for the steps of other sessions "
+        "expected by then, so they run in one pass; a lone session never waits (0: never wait)",
+        parse="non_negative",
+    )
     measure_throughput: bool = option(
         True, "measure the span's throughput at start", none_flag=("--no-measure", "skip the throughput measurement")
     )

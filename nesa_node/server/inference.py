@@ -151,6 +151,7 @@ class InferenceService:
         finally:
             reader.cancel()
             self.sessions.close(session)
+            self.compute.forget(session.key)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
 
     async def _hold_adapter(self, message: OpenSession, blocks, upload: Frame | None, client_peer: str):
@@ -383,7 +384,7 @@ class InferenceService:
             )
         self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
         output, seconds = await self.compute.run_decode(
-            hidden, session.cache, step.position, session.blocks, session.adapter
+            hidden, session.cache, step.position, session.blocks, session.adapter, member=session.key
         )
         session.last_position = step.position
         session.position += hidden.shape[1]

@@ -1,6 +1,7 @@
 """Decode batching across sessions: a node runs the one-token steps of concurrent sessions on the same blocks in one
-pass, each with its own KV cache and position. Every session's tokens equal its own single-process run
-(compression "none", float32, CPU), and the node did batch."""
+pass, each with its own KV cache and position, and the client scores their next tokens in shared LM head passes.
+Every session's tokens equal its own single-process run (compression "none", float32, CPU), and the nodes and the
+client did batch."""
 
 from __future__ import annotations
 
@@ -49,9 +50,11 @@ def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny
         ) as model:
             wait_for_chain(model)
             outputs = generate_concurrently(model)
+            head_passes = model.client.head.batched_passes
         for output, reference in zip(outputs, references, strict=True):
             assert torch.equal(output, reference)
         assert all(node.compute.batches_run > 0 for node in nodes), [node.compute.batches_run for node in nodes]
+        assert head_passes > 0
     finally:
         for node in nodes:
             module_swarm.stop_node(node)

@@ -1,0 +1,165 @@
+"""The next token of each session: the scores of the client's LM head, batched over concurrent sessions, and the
+choice among them (greedy or sampled).
+
+`HeadBatcher`: the last hidden states of the sessions waiting for their next token's scores at the same time go
+through the final norm and the LM head in one pass. With many sessions in one client process (a gateway), the
+client's own layers become the swarm's bottleneck: the LM head reads its whole (vocab, hidden) matrix in every pass,
+whatever the number of rows (65 MB in float32 for a 32000 x 512 head, so a pass of 16 rows costs about what one row
+costs). Scoring the sessions one after the other would also space their next steps a head pass apart, and the nodes
+would then get them one at a time and not batch them either.
+
+With one session open a pass runs at once on the event loop, as without batching (a thread hand-off costs more than
+it saves). With several, passes run on a thread of their own, so the loop keeps reading the other sessions' answers
+meanwhile: answers that arrive while a pass runs form the next pass, and a pass about to start waits, within a window
+(at most half a session's round), for the sessions whose answers are due by then (nesa_node/batching.py, the nodes'
+rule too), so sessions that started apart end up scored together. The head is row-wise: a row's scores do not depend on the other rows of its pass.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from nesa_node.batching import Gathering
+
+Head = Callable[[torch.Tensor], torch.Tensor]  # last hidden states (rows, hidden) -> scores (rows, vocab)
+RECENT_PASSES = 9  # passes whose median time bounds the gathering window
+
+
+@dataclass
+class _Request:
+    hidden: torch.Tensor  # (rows, hidden)
+    member: Hashable
+    arrived_s: float  # time.monotonic()
+    future: asyncio.Future
+
+
+class HeadBatcher:
+    """Scores of the rows asked for by concurrent sessions, computed by `head` in shared passes (module docstring).
+    `concurrent()` tells whether other sessions are open (otherwise a request runs inline); `window_s` caps the
+    gathering window."""
+
+    def __init__(self, head: Head, *, concurrent: Callable[[], bool], window_s: float = 0.025):
+        self.head = head
+        self.concurrent = concurrent
+        self.window_s = window_s
+        self.passes = 0  # passes run
+        self.batched_passes = 0  # passes that scored the rows of more than one session
+        self.gathering = Gathering(window_s=window_s)
+        self.recent_passes: deque[float] = deque(maxlen=RECENT_PASSES)  # seconds of the last passes
+        self._waiting: list[_Request] = []
+        self._arrival: asyncio.Future | None = None  # resolved when a request joins the queue (a gathering waits)
+        self._runner: asyncio.Task | None = None  # the task taking the queue (held: the loop keeps weak refs only)
+        self._executor: ThreadPoolExecutor | None = None  # made on the first concurrent pass
+
+    async def scores(self, hidden: torch.Tensor, member: Hashable) -> torch.Tensor:
+        """Scores (rows, vocab) of the last hidden states `hidden` (rows, hidden) of session `member`."""
+        now = time.monotonic()
+        self.gathering.arrived(member, now)
+        idle = not self._waiting and (self._runner is None or self._runner.done())
+        if idle and not self.concurrent():
+            return self._timed(hidden)
+        future = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Request(hidden, member, now, future))
+        if self._arrival is not None and not self._arrival.done():
+            self._arrival.set_result(None)
+        if self._runner is None or self._runner.done():
+            self._runner = asyncio.create_task(self._take_queue())
+        return await future
+
+    def forget(self, member: Hashable) -> None:
+        """Session `member` closed: none of its answers is expected any more."""
+        self.gathering.forget(member)
+
+    def _timed(self, hidden: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        scores = self.head(hidden)
+        self.recent_passes.append(time.perf_counter() - started)
+        self.passes += 1
+        return scores
+
+    async def _take_queue(self) -> None:
+        loop = asyncio.get_running_loop()
+        batch: list[_Request] = []
+        try:
+            await asyncio.sleep(0)  # requests of this turn of the loop join the first pass
+            while self._waiting:
+                await self._gather()
+                batch = [request for request in self._waiting if not request.future.done()]  # not given up
+                self._waiting = []
+                if not batch:
+                    continue
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nesa-client-head")
+                rows = torch.cat([request.hidden for request in batch])  # (all rows, hidden)
+                try:
+                    scores = await loop.run_in_executor(self._executor, self._timed, rows)
+                except Exception as exc:  # every caller of the pass gets its error
+                    for request in batch:
+                        if not request.future.done():
+                            request.future.set_exception(exc)
+                    continue
+                self.batched_passes += len(batch) > 1
+                parts = scores.split([request.hidden.shape[0] for request in batch])  # each request's rows
+                for request, part in zip(batch, parts, strict=True):
+                    if not request.future.done():
+                        request.future.set_result(part)
+                batch = []
+        finally:  # cancelled (the client closes): nobody is left waiting on a pass that will not come
+            for request in batch + self._waiting:
+                request.future.cancel()
+            self._waiting = []
+
+    async def _gather(self) -> None:
+        late_s = statistics.median(self.recent_passes) if self.recent_passes else 0.0
+        loop = asyncio.get_running_loop()
+        while self._waiting:
+            queued = {request.member for request in self._waiting}
+            delay = self.gathering.wait_s(queued, self._waiting[0].arrived_s, time.monotonic(), late_s)
+            if delay <= 0:
+                return
+            self._arrival = loop.create_future()
+            try:
+                async with asyncio.timeout(delay):
+                    await self._arrival
+            except TimeoutError:
+                return
+
+    async def close(self) -> None:
+        """Stop taking requests; waiting callers are cancelled."""
+        if self._runner is not None and not self._runner.done():
+            self._runner.cancel()
+            await asyncio.wait([self._runner])  # raises only if this task itself is cancelled
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def choose_tokens(
+    scores: torch.Tensor, do_sample: bool, temperature: float, top_k: int, top_p: float, generator
+) -> torch.Tensor:
+    """The next token per row of `scores` (batch, vocab): the argmax, or a sample after temperature, top-k and top-p
+    (nucleus) filtering; ValueError for a temperature that is not above 0."""
+    if not do_sample:
+        return scores.argmax(dim=-1)
+    if not temperature > 0:
+        raise ValueError(f"temperature must be above 0, got {temperature}")
+    scores = scores / temperature
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (batch, 1)
+        scores = scores.masked_fill(scores < kth, -torch.inf)
+    if top_p < 1.0:
+        ordered, order = torch.sort(scores, descending=True, dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative - ordered.softmax(dim=-1) >= top_p  # keep the smallest prefix reaching top_p
+        scores = scores.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), -torch.inf)
+    return torch.multinomial(scores.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+__all__ = ["HeadBatcher", "choose_tokens"]

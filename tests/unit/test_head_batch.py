@@ -1,0 +1,115 @@
+"""The client's LM head over concurrent sessions (client/head_batch.py): a lone session is scored inline; concurrent
+ones share passes on the head's thread, each getting the scores of its own rows; a failing pass fails its callers
+only; closing cancels the waiting ones."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from nesa_node.client.head_batch import HeadBatcher, choose_tokens
+
+WEIGHT = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))  # (vocab, hidden)
+
+
+def linear_head(record: list | None = None, seconds: float = 0.0):
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        if record is not None:
+            record.append((rows.shape[0], threading.get_ident()))
+        time.sleep(seconds)  # what a pass of a real head takes
+        return rows @ WEIGHT.T  # (rows, vocab)
+
+    return head
+
+
+async def test_a_lone_session_is_scored_inline():
+    calls = []
+    batcher = HeadBatcher(linear_head(calls), concurrent=lambda: False)
+    hidden = torch.randn(2, 16)
+    scores = await batcher.scores(hidden, "a")
+    torch.testing.assert_close(scores, hidden @ WEIGHT.T)
+    assert calls == [(2, threading.get_ident())]  # on the caller's (the loop's) thread
+    assert batcher.passes == 1 and batcher.batched_passes == 0
+    await batcher.close()
+
+
+async def test_concurrent_sessions_share_passes_and_each_gets_its_own_rows():
+    calls = []
+    batcher = HeadBatcher(linear_head(calls), concurrent=lambda: True)
+    rows = [torch.randn(1 + index % 3, 16) for index in range(8)]
+    scores = await asyncio.gather(*(batcher.scores(hidden, index) for index, hidden in enumerate(rows)))
+    for hidden, score in zip(rows, scores, strict=True):
+        torch.testing.assert_close(score, hidden @ WEIGHT.T)
+    assert sum(size for size, _ in calls) == sum(hidden.shape[0] for hidden in rows)
+    assert len(calls) < len(rows) and batcher.batched_passes >= 1
+    assert all(thread != threading.get_ident() for _, thread in calls)  # on the head's own thread
+    await batcher.close()
+
+
+async def test_sessions_of_a_round_wait_for_each_other():
+    """After two rounds of answers from two sessions, a third round's first answer waits (within the window) for
+    the second, expected a period after its last and late by less than a pass: both are scored in one pass."""
+    calls = []
+    batcher = HeadBatcher(linear_head(calls, seconds=0.02), concurrent=lambda: True, window_s=1.0)
+    for _ in range(2):
+        await asyncio.gather(batcher.scores(torch.randn(1, 16), "a"), batcher.scores(torch.randn(1, 16), "b"))
+        await asyncio.sleep(0.05)
+    calls.clear()
+
+    async def late_b():
+        await asyncio.sleep(0.01)
+        return await batcher.scores(torch.randn(1, 16), "b")
+
+    await asyncio.gather(batcher.scores(torch.randn(1, 16), "a"), late_b())
+    assert [size for size, _ in calls] == [2]
+    await batcher.close()
+
+
+async def test_a_failing_pass_fails_its_callers_and_the_next_pass_runs():
+    failing = {"on": True}
+
+    def head(rows: torch.Tensor) -> torch.Tensor:
+        if failing["on"]:
+            raise RuntimeError("device lost")
+        return rows @ WEIGHT.T
+
+    batcher = HeadBatcher(head, concurrent=lambda: True)
+    results = await asyncio.gather(
+        *(batcher.scores(torch.randn(1, 16), index) for index in range(3)), return_exceptions=True
+    )
+    assert all(isinstance(result, RuntimeError) for result in results)
+    failing["on"] = False
+    hidden = torch.randn(1, 16)
+    torch.testing.assert_close(await batcher.scores(hidden, 0), hidden @ WEIGHT.T)
+    await batcher.close()
+
+
+async def test_closing_cancels_the_waiting_callers():
+    started, release = threading.Event(), threading.Event()
+
+    def slow_head(rows: torch.Tensor) -> torch.Tensor:
+        started.set()
+        release.wait(5)
+        return rows @ WEIGHT.T
+
+    batcher = HeadBatcher(slow_head, concurrent=lambda: True)
+    waiting = [asyncio.ensure_future(batcher.scores(torch.randn(1, 16), index)) for index in range(3)]
+    await asyncio.to_thread(started.wait, 5)
+    await batcher.close()
+    release.set()
+    await asyncio.wait(waiting)
+    assert all(task.cancelled() for task in waiting)
+
+
+def test_greedy_choice_is_the_argmax_and_sampling_checks_its_temperature():
+    scores = torch.tensor([[0.1, 2.0, -1.0], [3.0, 0.0, 2.9]])
+    assert choose_tokens(scores, False, 1.0, 0, 1.0, None).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="temperature"):
+        choose_tokens(scores, True, 0.0, 0, 1.0, None)
+    generator = torch.Generator().manual_seed(0)
+    sampled = choose_tokens(scores, True, 1.0, 1, 1.0, generator)  # top-1 sampling is the argmax
+    assert sampled.tolist() == [1, 0]
