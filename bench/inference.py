@@ -1,7 +1,8 @@
 """Inference benchmark: single-process transformers vs the swarm with 1, 2 and 3 nodes (direct and relayed).
 
 Prints one JSON line. Speeds are also given as ratios to the single-process baseline measured in the same run,
-since absolute timings on a shared machine are noisy.
+since absolute timings on a shared machine are noisy: the single process is measured before the first swarm and again
+after each one, and each swarm's ratios use the two measurements around it.
 
     python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
                               [--clients 8] [--nodes 1 2 3] [--client-threads 1]
@@ -159,8 +160,9 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
     return [process for process, _ in launched]
 
 
-def chain_figures(path, peers, prefix, count, input_ids, batch_ids, baseline, reference_tokens, args) -> dict:
-    """Decode, time to first token and forward figures through the swarm `prefix` of `count` nodes, per mode."""
+def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args) -> dict:
+    """Decode, time to first token and forward figures through the swarm `prefix` of `count` nodes, per mode (the
+    ratios to the baseline are added by `against`)."""
     figures = {}
     # direct: hidden states on data lanes (nesa_node.protocol.lane); direct-libp2p: the same chain with every message
     # on libp2p (lanes off, as against nodes without them); relay: the client forwards between nodes
@@ -205,18 +207,48 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, baseline, re
                 "mode": label,
                 "tokens_match": all(torch.equal(run["tokens"].cpu(), reference_tokens) for run in runs),
                 "decode_tps": round(decode, 2),
-                "decode_vs_baseline": round(decode / baseline["decode_tps"], 3),
                 "first_decode_tps": round(first["decode_tps"], 2),
                 "first_vs_later": round(first["decode_tps"] / decode, 3),
                 "ttft_ms": round(1000 * statistics.median(run["ttft_s"] for run in runs), 2),
                 "forward_8x128_tps": round(forward_tps, 1),
-                "forward_vs_baseline": round(forward_tps / baseline["forward_8x128_tps"], 3),
                 "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
                 "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
                 "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
                 "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
             }
     return figures
+
+
+def measure_baseline(model, on_device, batch_ids, threads: int, args) -> dict:
+    """Single-process decode tokens/s, time to first token and forward tokens/s on `threads` torch threads (the
+    caller's thread count is restored afterwards)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        timed_generate(model, on_device, 8)  # warm-up: the swarm's figures are taken warm too
+        runs = [timed_generate(model, on_device, args.new_tokens) for _ in range(args.repeats)]
+        return {
+            "decode_tps": statistics.median(run["decode_tps"] for run in runs),
+            "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
+            "forward_8x128_tps": timed_forward(model, batch_ids.to(args.device), args.forward_repeats),
+            "tokens": runs[0]["tokens"].cpu(),
+        }
+    finally:
+        torch.set_num_threads(previous)
+
+
+def against(figures: dict, before: dict, after: dict) -> dict:
+    """`figures` of one swarm with their ratios to the single process measured just before and just after it (the
+    mean of the two), so a machine that speeds up or slows down during the run moves both sides alike."""
+    decode = (before["decode_tps"] + after["decode_tps"]) / 2
+    forward = (before["forward_8x128_tps"] + after["forward_8x128_tps"]) / 2
+    ttft = (before["ttft_ms"] + after["ttft_ms"]) / 2
+    return {
+        **figures,
+        "decode_vs_baseline": round(figures["decode_tps"] / decode, 3),
+        "forward_vs_baseline": round(figures["forward_8x128_tps"] / forward, 3),
+        "ttft_over_baseline_ms": round(figures["ttft_ms"] - ttft, 2),
+    }
 
 
 def main() -> None:
@@ -280,18 +312,9 @@ def main() -> None:
         batch_ids = torch.randint(3, 1000, (8, 128), generator=torch.Generator().manual_seed(1))
 
         on_device = input_ids.to(args.device)
-        timed_generate(baseline_model, on_device, 8)  # warm-up: the swarm's figures are taken warm too
-        runs = [timed_generate(baseline_model, on_device, args.new_tokens) for _ in range(args.repeats)]
-        baseline = {
-            "decode_tps": statistics.median(run["decode_tps"] for run in runs),
-            "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
-            "forward_8x128_tps": timed_forward(baseline_model, batch_ids.to(args.device), args.forward_repeats),
-        }
-        reference_tokens = runs[0]["tokens"].cpu()
-        del baseline_model  # its memory goes back to the device before the nodes load
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
         baseline_threads = torch.get_num_threads()
+        baselines = [measure_baseline(baseline_model, on_device, batch_ids, baseline_threads, args)]
+        reference_tokens = baselines[0]["tokens"]
         if args.client_threads:
             torch.set_num_threads(args.client_threads)
 
@@ -303,21 +326,21 @@ def main() -> None:
         swarm_results, clients_results = {}, {}
         for count, prefix, extra in swarms:  # one swarm at a time: no idle node shares the cores with the measured
             nodes = start_swarm(group, path, peers, prefix, count, extra, args)
+            figures = {}
             try:
                 if not extra:
-                    swarm_results.update(
-                        chain_figures(
-                            path, peers, prefix, count, input_ids, batch_ids, baseline, reference_tokens, args
-                        )
-                    )
+                    figures = chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args)
                 if args.clients:
-                    figures = asyncio.run(
+                    clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = asyncio.run(
                         aggregate_decode(path, peers, prefix, count, args.clients, input_ids, args.new_tokens, args)
                     )
-                    clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = figures
             finally:
                 for process in nodes:
                     group.stop(process)
+            if figures:  # the single process again, now that the nodes are gone, for the ratios of this swarm
+                baselines.append(measure_baseline(baseline_model, on_device, batch_ids, baseline_threads, args))
+                for key, value in figures.items():
+                    swarm_results[key] = against(value, baselines[-2], baselines[-1])
     result = {
         "bench": "inference",
         "model": {
@@ -337,7 +360,12 @@ def main() -> None:
         "node_threads": {count: node_threads(args, count) for count in args.nodes},
         "baseline_threads": baseline_threads,
         "client_threads": torch.get_num_threads(),
-        "baseline": {key: round(value, 2) for key, value in baseline.items()},
+        # the single process, measured before the first swarm and after each one (ratios use the two around a swarm)
+        "baseline": {
+            key: round(statistics.median(measured[key] for measured in baselines), 2)
+            for key in ("decode_tps", "ttft_ms", "forward_8x128_tps")
+        },
+        "baseline_decode_tps_runs": [round(measured["decode_tps"], 2) for measured in baselines],
         "swarm": swarm_results,
         "clients": clients_results,
     }
