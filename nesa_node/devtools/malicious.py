@@ -112,8 +112,8 @@ def _swap_adapters(compute, other_adapter, misbehaviour: Misbehaviour) -> None:
     async def run_swapped(hidden, cache, position, blocks, adapter=None):
         return await run(hidden, cache, position, blocks, swap(adapter))
 
-    async def run_decode_swapped(hidden, cache, position, blocks, adapter=None):
-        return await run_decode(hidden, cache, position, blocks, swap(adapter))
+    async def run_decode_swapped(hidden, cache, position, blocks, adapter=None, *, member=None):
+        return await run_decode(hidden, cache, position, blocks, swap(adapter), member=member)
 
     compute.run, compute.run_decode = run_swapped, run_decode_swapped
 
