@@ -111,14 +111,14 @@ def local_peft(
     return {"base_ppl": base_ppl, "ppl": perplexity(tuned_loss, eval_windows), "tps": tokens(data) / seconds}
 
 
-def peft_speed(model_path: str, spec, data: list[torch.Tensor], initial: Path, args) -> float:
-    """Training tokens/s of single-process peft on `data` from the `initial` adapter, on torch's default threads
+def peft_speed(model_path: str, data: list[torch.Tensor], initial: Path, args, *, threads: int) -> float:
+    """Training tokens/s of single-process peft on `data` from the `initial` adapter, on `threads` torch threads
     (measured again after the swarm's run, so a machine that slows down or speeds up moves both sides alike)."""
     import peft
     from transformers import AutoModelForCausalLM
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(args.peft_threads)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         model = peft.PeftModel.from_pretrained(
             AutoModelForCausalLM.from_pretrained(model_path), initial, is_trainable=True
@@ -134,7 +134,7 @@ def peft_speed(model_path: str, spec, data: list[torch.Tensor], initial: Path, a
             optimizer.zero_grad()
         return tokens(data) / (time.perf_counter() - started)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(previous)
 
 
 def tokens(data: list[torch.Tensor]) -> int:
@@ -245,8 +245,7 @@ def main() -> None:
         lossless = swarm_run(model_path, peers, initial, data, eval_windows, args, compression="none")
         for process in list(nodes):  # peft again with the cores to itself, right after the swarm's run
             group.stop(process)
-        args.peft_threads = peft_threads
-        peft_after = peft_speed(model_path, spec, data, initial, args)
+        peft_after = peft_speed(model_path, data, initial, args, threads=peft_threads)
         nodes.clear()
         spans.clear()
         start_nodes(0)

@@ -18,7 +18,8 @@ expected soon:
   half a round apart or closer merge within a round and then stay merged (the wait is paid once), a fast member waits
   for a slower one at most half its own round, and a member that falls behind stops being waited for once it is
   late by more than `late_s` (the caller's: about one pass) or a quarter of its period, whichever is more;
-- members that close are forgotten; one silent for `forget_s` is forgotten too.
+- members that close are forgotten; one silent for `forget_s` is no longer waited for, and is dropped when a new
+  member comes.
 
 Pure logic over times the caller passes in (seconds of one monotonic clock).
 """
@@ -42,6 +43,8 @@ class _Member:
 class Gathering:
     """The members seen and when each is expected next (module docstring)."""
 
+    # forget_s: a session silent this long has stopped (a decode round is 10-100 ms; a consumer pausing a stream
+    # for longer is not worth waiting for: guess)
     def __init__(self, *, window_s: float, forget_s: float = 2.0):
         self.window_s = window_s
         self.forget_s = forget_s
@@ -64,6 +67,15 @@ class Gathering:
     def forget(self, member: Hashable) -> None:
         """`member` sends no more requests (its session closed)."""
         self._members.pop(member, None)
+
+    def others_active(self, member: Hashable, now: float) -> bool:
+        """Whether a member other than `member` is stepping now: its last request came less than two of its periods
+        ago (less than `forget_s` while its period is unknown)."""
+        for key, other in self._members.items():
+            recent_s = self.forget_s if other.period_s is None else min(self.forget_s, 2 * other.period_s)
+            if key != member and now - other.last_s < recent_s:
+                return True
+        return False
 
     def wait_s(self, queued: Collection[Hashable], oldest_s: float, now: float, late_s: float) -> float:
         """Seconds a pass should still wait before taking the `queued` members' requests (0: start now); the caller

@@ -10,7 +10,7 @@ concurrent sessions and generations:
     await model.close()
 
 The client's own compute (embedding a token, the LM head of one position) runs on the event loop: it is small next
-to a step through the chain. With several sessions open, the LM head scores the sessions waiting together in one pass
+to a step through the chain. With several sessions stepping, the LM head scores the sessions waiting together in one pass
 on a thread of its own (client/head_batch.py).
 """
 
@@ -151,11 +151,7 @@ class AsyncDistributedModel(AdapterLookup):
         self.last_verification: dict | None = None  # what the last generation's checks found (audit or majority)
         self.last_receipts = None  # the last audited session's SessionReceipts (verification/receipts.py)
         # next-token scores of concurrent sessions in shared LM head passes
-        self.head = HeadBatcher(
-            self._last_scores,
-            concurrent=lambda: len(swarm.open_sessions) > 1,
-            window_s=config.head_batch_window_ms / 1000,
-        )
+        self.head = HeadBatcher(self._last_scores, window_s=config.head_batch_window_ms / 1000)
 
     @classmethod
     async def from_pretrained(
@@ -500,7 +496,7 @@ class AsyncDistributedModel(AdapterLookup):
                 else:
                     sent, ahead = ahead, None  # its failure is this step's, not one left behind at the end
                     hidden = await sent
-                scores = await self.head.scores(hidden[:, -1], session)  # (batch, vocab)
+                scores = await self.head.scores(hidden[:, -1], id(session))  # (batch, vocab)
                 token = choose_tokens(scores, do_sample, temperature, top_k, top_p, generator)  # (batch,)
                 if eos_token_id is not None:
                     token = torch.where(finished, torch.full_like(token, pad), token)
@@ -519,7 +515,7 @@ class AsyncDistributedModel(AdapterLookup):
                 await asyncio.wait([ahead])  # raises only if this task itself is cancelled
                 if not ahead.cancelled() and ahead.exception() is not None:
                     logger.debug("the step sent ahead failed after the stream stopped: %r", ahead.exception())
-            self.head.forget(session)  # its next scores are no longer waited for
+            self.head.forget(id(session))  # its next scores are no longer waited for
             if owned:
                 await session.close()
 

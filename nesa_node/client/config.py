@@ -107,7 +107,7 @@ class ClientConfig:
     stability_period_s: float = 10.0
     # what the client checks of the nodes' outputs: "off" or "majority:N[@A:B]" (VerifyPolicy; client/majority.py)
     verify: VerifyPolicy = field(default_factory=VerifyPolicy)
-    # with several sessions open, the LM head waits up to this (and at most half a session's round) for the other
+    # with several sessions stepping, the LM head waits up to this (and at most half a session's round) for the other
     # sessions' answers expected by then, to score them in one pass (client/head_batch.py, nesa_node/batching.py;
     # the nodes' --batch-window-ms is the same rule); 0: never
     head_batch_window_ms: float = 25.0

@@ -4,15 +4,17 @@ choice among them (greedy or sampled).
 `HeadBatcher`: the last hidden states of the sessions waiting for their next token's scores at the same time go
 through the final norm and the LM head in one pass. With many sessions in one client process (a gateway), the
 client's own layers become the swarm's bottleneck: the LM head reads its whole (vocab, hidden) matrix in every pass,
-whatever the number of rows (65 MB in float32 for a 32000 x 512 head, so a pass of 16 rows costs about what one row
-costs). Scoring the sessions one after the other would also space their next steps a head pass apart, and the nodes
-would then get them one at a time and not batch them either.
+whatever the number of rows (65 MB in float32 for a 32000 x 512 head), so a pass of 8 rows costs 2-4x one row on a
+CPU, not 8x. Scoring the sessions one after the other would also space their next steps a head pass apart, and the
+nodes would then get them one at a time and not batch them either.
 
-With one session open a pass runs at once on the event loop, as without batching (a thread hand-off costs more than
-it saves). With several, passes run on a thread of their own, so the loop keeps reading the other sessions' answers
-meanwhile: answers that arrive while a pass runs form the next pass, and a pass about to start waits, within a window
-(at most half a session's round), for the sessions whose answers are due by then (nesa_node/batching.py, the nodes'
-rule too), so sessions that started apart end up scored together. The head is row-wise: a row's scores do not depend on the other rows of its pass.
+While no other session is stepping, a pass runs at once on the event loop, as without batching (a thread hand-off
+costs more than it saves). Otherwise passes run on a thread of their own, so the loop keeps reading the other
+sessions' answers meanwhile: answers that arrive while a pass runs form the next pass, and a pass about to start
+waits, within a window (at most half a session's round), for the sessions whose answers are due by then
+(nesa_node/batching.py, the nodes' rule too), so sessions that started apart end up scored together. A row's scores
+in a pass equal its scores alone up to rounding (a matrix product of several rows may sum in another order), as in a
+node's batched pass. The head reads the client's layers off the event loop: they are fixed once the model is loaded.
 """
 
 from __future__ import annotations
@@ -28,9 +30,12 @@ from dataclasses import dataclass
 import torch
 
 from nesa_node.batching import Gathering
+from nesa_node.errors import SessionStateError
 
 Head = Callable[[torch.Tensor], torch.Tensor]  # last hidden states (rows, hidden) -> scores (rows, vocab)
-RECENT_PASSES = 9  # passes whose median time bounds the gathering window
+# passes whose median time is how late a session's answer may be and still be waited for (as many as the node's
+# StepPlacement keeps: a median of nine ignores a few slow passes)
+RECENT_PASSES = 9
 
 
 @dataclass
@@ -43,13 +48,12 @@ class _Request:
 
 class HeadBatcher:
     """Scores of the rows asked for by concurrent sessions, computed by `head` in shared passes (module docstring).
-    `concurrent()` tells whether other sessions are open (otherwise a request runs inline); `window_s` caps the
-    gathering window."""
+    `window_s` caps the gathering window."""
 
-    def __init__(self, head: Head, *, concurrent: Callable[[], bool], window_s: float = 0.025):
+    def __init__(self, head: Head, *, window_s: float = 0.025):
         self.head = head
-        self.concurrent = concurrent
         self.window_s = window_s
+        self.closed = False
         self.passes = 0  # passes run
         self.batched_passes = 0  # passes that scored the rows of more than one session
         self.gathering = Gathering(window_s=window_s)
@@ -60,12 +64,17 @@ class HeadBatcher:
         self._executor: ThreadPoolExecutor | None = None  # made on the first concurrent pass
 
     async def scores(self, hidden: torch.Tensor, member: Hashable) -> torch.Tensor:
-        """Scores (rows, vocab) of the last hidden states `hidden` (rows, hidden) of session `member`."""
+        """Scores (rows, vocab) of the last hidden states `hidden` (rows, hidden) of session `member` (a key of it).
+        SessionStateError once closed."""
+        if self.closed:
+            raise SessionStateError("the model is closed")
         now = time.monotonic()
         self.gathering.arrived(member, now)
         idle = not self._waiting and (self._runner is None or self._runner.done())
-        if idle and not self.concurrent():
-            return self._timed(hidden)
+        if idle and not self.gathering.others_active(member, now):
+            scores, seconds = self._timed(hidden)
+            self.recent_passes.append(seconds)
+            return scores
         future = asyncio.get_running_loop().create_future()
         self._waiting.append(_Request(hidden, member, now, future))
         if self._arrival is not None and not self._arrival.done():
@@ -78,12 +87,11 @@ class HeadBatcher:
         """Session `member` closed: none of its answers is expected any more."""
         self.gathering.forget(member)
 
-    def _timed(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _timed(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
         scores = self.head(hidden)
-        self.recent_passes.append(time.perf_counter() - started)
         self.passes += 1
-        return scores
+        return scores, time.perf_counter() - started
 
     async def _take_queue(self) -> None:
         loop = asyncio.get_running_loop()
@@ -98,20 +106,27 @@ class HeadBatcher:
                     continue
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nesa-client-head")
-                rows = torch.cat([request.hidden for request in batch])  # (all rows, hidden)
                 try:
-                    scores = await loop.run_in_executor(self._executor, self._timed, rows)
-                except Exception as exc:  # every caller of the pass gets its error
+                    rows = torch.cat([request.hidden for request in batch])  # (all rows, hidden)
+                    scores, seconds = await loop.run_in_executor(self._executor, self._timed, rows)
+                except Exception as exc:  # every caller of the pass gets its error; the next pass still runs
                     for request in batch:
                         if not request.future.done():
                             request.future.set_exception(exc)
+                    batch = []
                     continue
+                self.recent_passes.append(seconds)
                 self.batched_passes += len(batch) > 1
                 parts = scores.split([request.hidden.shape[0] for request in batch])  # each request's rows
                 for request, part in zip(batch, parts, strict=True):
                     if not request.future.done():
                         request.future.set_result(part)
                 batch = []
+        except Exception as exc:  # a fault of the queue itself: its callers get it, not a cancellation
+            for request in batch + self._waiting:
+                if not request.future.done():
+                    request.future.set_exception(exc)
+            self._waiting = []
         finally:  # cancelled (the client closes): nobody is left waiting on a pass that will not come
             for request in batch + self._waiting:
                 request.future.cancel()
@@ -134,6 +149,7 @@ class HeadBatcher:
 
     async def close(self) -> None:
         """Stop taking requests; waiting callers are cancelled."""
+        self.closed = True
         if self._runner is not None and not self._runner.done():
             self._runner.cancel()
             await asyncio.wait([self._runner])  # raises only if this task itself is cancelled

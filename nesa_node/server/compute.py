@@ -12,7 +12,7 @@ import contextlib
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -61,7 +61,7 @@ class _DecodeStep:
     blocks: tuple[int, int]
     future: asyncio.Future
     adapter: object = None  # the session's AdapterSlice (LoRA), or None
-    member: object = None  # the session it belongs to (gathering), or None
+    member: Hashable = None  # the session it belongs to (its SessionKey: gathering), or None
     arrived_s: float = 0.0  # time.monotonic() when it was queued
 
 
@@ -77,13 +77,13 @@ class BlockCompute:
         self.compute_seconds = 0.0  # total time spent in the blocks
         self.steps_served = 0
         self.placement = StepPlacement(compute.inline_compute_ms / 1000)
-        # one-token steps waiting to run together (decode batching): each (hidden, cache, position, blocks, future)
-        self._decode_queue: list[_DecodeStep] = []
+        self._decode_queue: list[_DecodeStep] = []  # one-token steps waiting to run together (decode batching)
         self._decoder: asyncio.Task | None = None  # the task taking the queue (held: the loop keeps only weak refs)
         self._arrival: asyncio.Future | None = None  # resolved when a step joins the queue (a gathering waits on it)
         self.gatherings: dict[tuple[int, int], Gathering] = {}  # per blocks: when its sessions' next steps are due
         self.recent_passes: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds of the last decode passes
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
+        self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
 
     def use_span(self, span) -> None:
         """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
@@ -203,8 +203,10 @@ class BlockCompute:
         loop = asyncio.get_running_loop()
         now = time.monotonic()
         if member is not None:
-            window_s = self.config.batch_window_ms / 1000
-            self.gatherings.setdefault(blocks, Gathering(window_s=window_s)).arrived(member, now)
+            gathering = self.gatherings.get(blocks)
+            if gathering is None:
+                gathering = self.gatherings[blocks] = Gathering(window_s=self.config.batch_window_ms / 1000)
+            gathering.arrived(member, now)
         future = loop.create_future()
         self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter, member, now))
         if self._arrival is not None and not self._arrival.done():
@@ -219,39 +221,52 @@ class BlockCompute:
             gathering.forget(member)
 
     async def _take_decode_queue(self) -> None:
-        await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
-        while self._decode_queue:
-            await self._gather()
-            batch = self._next_decode_batch()
-            if batch:  # empty when every waiting step was given up (its session timed out)
-                await self._settle(batch, self._run_alone(batch[0]) if len(batch) == 1 else self._run_batch(batch))
+        batch: list[_DecodeStep] = []
+        try:
+            await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
+            while self._decode_queue:
+                blocks = await self._gather()
+                batch = self._next_decode_batch(blocks)
+                if batch:  # empty when every waiting step was given up (its session timed out)
+                    work = self._run_alone(batch[0]) if len(batch) == 1 else self._run_batch(batch)
+                    await self._settle(batch, work)
+                batch = []
+        finally:  # cancelled (the node stops): no step is left waiting for a pass that will not come
+            for step in batch + self._decode_queue:
+                if not step.future.done():
+                    step.future.cancel()
 
-    async def _gather(self) -> None:
-        """Wait, within the window, until the sessions whose next steps are due soon have sent them (batching.py)."""
+    async def _gather(self) -> tuple[int, int]:
+        """The blocks of the next pass: the first range (in queue order) whose pass need not wait for other sessions'
+        steps, waiting (within the window: batching.py) while every queued range expects some soon. Each range is
+        judged by its own sessions, so a range's expected steps never hold back a step on another."""
         late_s = statistics.median(self.recent_passes) if self.recent_passes else 0.0
         loop = asyncio.get_running_loop()
-        while self._decode_queue:
-            first = self._decode_queue[0]
-            gathering = self.gatherings.get(first.blocks)
-            if gathering is None:
-                return
-            queued = {step.member for step in self._decode_queue if step.blocks == first.blocks}
-            delay = gathering.wait_s(queued, first.arrived_s, time.monotonic(), late_s)
-            if delay <= 0:
-                return
+        while True:
+            ranges: dict[tuple[int, int], list[_DecodeStep]] = {}
+            for step in self._decode_queue:
+                ranges.setdefault(step.blocks, []).append(step)
+            delays = {}
+            now = time.monotonic()
+            for blocks, steps in ranges.items():
+                gathering = self.gatherings.get(blocks)
+                queued = {step.member for step in steps}
+                delays[blocks] = 0.0 if gathering is None else gathering.wait_s(queued, steps[0].arrived_s, now, late_s)
+                if delays[blocks] <= 0:
+                    return blocks
+            self.gather_waits += 1
             self._arrival = loop.create_future()
             try:
-                async with asyncio.timeout(delay):
+                async with asyncio.timeout(min(delays.values())):
                     await self._arrival
             except TimeoutError:
-                return
+                pass  # judged again: a range whose window is over runs now
 
-    def _next_decode_batch(self) -> list[_DecodeStep]:
-        """The waiting steps on the first waiting step's blocks, within the step limit (rows); the rest wait."""
-        first = self._decode_queue[0]
+    def _next_decode_batch(self, blocks: tuple[int, int]) -> list[_DecodeStep]:
+        """The waiting steps on `blocks`, within the step limit (rows); the rest wait."""
         batch, rest, rows = [], [], 0
         for step in self._decode_queue:
-            fits = step.blocks == first.blocks and rows + step.hidden.shape[0] <= self.limits.max_tokens_per_step
+            fits = step.blocks == blocks and rows + step.hidden.shape[0] <= self.limits.max_tokens_per_step
             if fits and not step.future.done():
                 batch.append(step)
                 rows += step.hidden.shape[0]
@@ -305,7 +320,10 @@ class BlockCompute:
                 step.future.set_result((output, seconds))
 
     def close(self) -> None:
-        """Stop the compute thread; steps still waiting for it are cancelled."""
+        """Stop the compute thread and the decode queue (called on the node's loop); steps still waiting are
+        cancelled."""
+        if self._decoder is not None:
+            self._decoder.cancel()
         with contextlib.suppress(Exception):
             self.executor.shutdown(wait=False, cancel_futures=True)
 

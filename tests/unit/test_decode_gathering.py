@@ -1,11 +1,11 @@
 """A node's decode batching with the gathering rule (server/compute.py, nesa_node/batching.py): once two sessions have
 stepped together, a step of one waits for the other's, expected soon, and both run in one pass; a lone session's steps
-never wait; a session that closed is not waited for."""
+never wait; a closed session is not waited for; sessions expected on one range of blocks never hold back a step on
+another."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 import torch
 
@@ -13,62 +13,96 @@ from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
+ROUND_S = 0.08  # between rounds: a session's period, so it may be up to a quarter of it (20 ms) late and waited for
+
 
 def compute_of(tiny_llama, **settings) -> tuple[BlockCompute, object]:
     span = load_block_span(tiny_llama, SpanSpec(0, 4))
     return BlockCompute(span, ComputeConfig(**settings), LimitsConfig()), span
 
 
-async def step(compute: BlockCompute, span, cache, position: int, member, delay_s: float = 0.0):
+async def step(compute: BlockCompute, cache, position: int, member, delay_s: float = 0.0, blocks=(0, 4)):
     await asyncio.sleep(delay_s)
-    hidden = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(position))
-    output, _ = await compute.run_decode(hidden, cache, position, (0, 4), member=member)
+    hidden = torch.randn(1, 1, compute.span.hidden_size, generator=torch.Generator().manual_seed(position))
+    output, _ = await compute.run_decode(hidden, cache, position, blocks, member=member)
     return output
 
 
-async def batched_when_late(compute: BlockCompute, span, late_s: float) -> int:
-    """Rounds 30 ms apart of one step per session: three with both sessions at once (each gets its period), then
-    three with "b" `late_s` after "a"; the batched passes of the last three."""
-    caches = {"a": span.new_cache(), "b": span.new_cache()}
+async def batched_when_late(compute: BlockCompute, late_s: float) -> int:
+    """Rounds of one step per session: three with both sessions at once (each gets its period), then three with "b"
+    `late_s` after "a"; the batched passes of the last three."""
+    caches = {"a": compute.span.new_cache(), "b": compute.span.new_cache()}
     before = 0
     for position in range(6):
         if position == 3:
             before = compute.batches_run
         delay_s = late_s if position >= 3 else 0.0
         await asyncio.gather(
-            step(compute, span, caches["a"], position, "a"), step(compute, span, caches["b"], position, "b", delay_s)
+            step(compute, caches["a"], position, "a"), step(compute, caches["b"], position, "b", delay_s)
         )
-        await asyncio.sleep(0.03)
+        await asyncio.sleep(ROUND_S)
     compute.close()
     return compute.batches_run - before
 
 
 def test_a_step_waits_for_the_other_sessions_step_expected_soon(tiny_llama):
-    compute, span = compute_of(tiny_llama, batch_window_ms=200.0)
-    assert asyncio.run(batched_when_late(compute, span, 0.004)) == 3  # b 4 ms after a: gathered into a's pass
+    compute, _ = compute_of(tiny_llama, batch_window_ms=200.0)
+    assert asyncio.run(batched_when_late(compute, 0.004)) == 3  # b 4 ms after a: gathered into a's pass
+    assert compute.gather_waits >= 3
 
 
 def test_without_a_window_a_late_step_runs_in_a_pass_of_its_own(tiny_llama):
-    compute, span = compute_of(tiny_llama, batch_window_ms=0.0)
-    assert asyncio.run(batched_when_late(compute, span, 0.004)) == 0
+    compute, _ = compute_of(tiny_llama, batch_window_ms=0.0)
+    assert asyncio.run(batched_when_late(compute, 0.004)) == 0
+    assert compute.gather_waits == 0
 
 
-def test_a_lone_session_and_a_closed_one_are_not_waited_for(tiny_llama):
-    compute, span = compute_of(tiny_llama, batch_window_ms=200.0)
-    cache = span.new_cache()
+def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for(tiny_llama):
+    compute, _ = compute_of(tiny_llama, batch_window_ms=200.0)
 
-    async def alone() -> None:
-        for position in range(5):
-            await step(compute, span, cache, position, "a")
-            await asyncio.sleep(0.03)
+    async def rounds(members: list[str], count: int, start: int) -> None:
+        caches = {member: compute.span.new_cache() for member in members}
+        for position in range(count):
+            await asyncio.gather(*(step(compute, caches[member], start + position, member) for member in members))
+            await asyncio.sleep(ROUND_S)
 
-    asyncio.run(alone())
-    gathering = compute.gatherings[(0, 4)]
-    assert gathering.wait_s({"a"}, time.monotonic(), time.monotonic(), late_s=0.01) == 0.0
-    now = time.monotonic()
-    gathering.arrived("b", now - 0.04)
-    gathering.arrived("b", now - 0.01)  # b's next step is due at now + 0.02
-    assert gathering.wait_s({"a"}, now + 0.015, now + 0.015, late_s=0.001) > 0  # a would wait for it
-    compute.forget("b")
-    assert gathering.wait_s({"a"}, now + 0.015, now + 0.015, late_s=0.001) == 0.0
-    compute.close()
+    async def program() -> tuple[int, int]:
+        await rounds(["a"], 5, 0)
+        alone = compute.gather_waits
+        await rounds(["b", "c"], 3, 0)  # b and c step together, then c's session closes
+        compute.forget("c")
+        before = compute.gather_waits
+        await rounds(["b"], 3, 3)  # b alone now: c is not waited for
+        compute.close()
+        return alone, compute.gather_waits - before
+
+    assert asyncio.run(program()) == (0, 0)
+
+
+def test_sessions_expected_on_one_range_do_not_hold_back_a_step_on_another(tiny_llama):
+    """Two sessions step on blocks 0:2 every round; then one of them stops while the other's step waits for it. A
+    step on blocks 2:4 that comes meanwhile runs at once, not after 0:2's wait."""
+    compute, _ = compute_of(tiny_llama, batch_window_ms=200.0)
+
+    async def program() -> list[str]:
+        caches = {name: compute.span.new_cache() for name in ("a", "b", "lone")}
+        for position in range(3):
+            await asyncio.gather(
+                step(compute, caches["a"], position, "a", blocks=(0, 2)),
+                step(compute, caches["b"], position, "b", blocks=(0, 2)),
+            )
+            await asyncio.sleep(ROUND_S)
+        done = []
+
+        async def tracked(name, coroutine):
+            await coroutine
+            done.append(name)
+
+        await asyncio.gather(
+            tracked("a", step(compute, caches["a"], 3, "a", blocks=(0, 2))),  # waits for b, which never comes
+            tracked("lone", step(compute, caches["lone"], 0, "lone", 0.002, blocks=(2, 4))),
+        )
+        compute.close()
+        return done
+
+    assert asyncio.run(program()) == ["lone", "a"]

@@ -1,6 +1,6 @@
 """The client's LM head over concurrent sessions (client/head_batch.py): a lone session is scored inline; concurrent
 ones share passes on the head's thread, each getting the scores of its own rows; a failing pass fails its callers
-only; closing cancels the waiting ones."""
+with its error and the next pass runs; closing cancels the waiting ones and refuses new ones."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
+from nesa_node.errors import SessionStateError
 
 WEIGHT = torch.randn(50, 16, generator=torch.Generator().manual_seed(0))  # (vocab, hidden)
 
@@ -26,21 +27,29 @@ def linear_head(record: list | None = None, seconds: float = 0.0):
     return head
 
 
+def another_session_stepping(batcher: HeadBatcher) -> None:
+    """Make the batcher see another session that is stepping now."""
+    batcher.gathering.arrived("other", time.monotonic())
+
+
 async def test_a_lone_session_is_scored_inline():
     calls = []
-    batcher = HeadBatcher(linear_head(calls), concurrent=lambda: False)
-    hidden = torch.randn(2, 16)
-    scores = await batcher.scores(hidden, "a")
-    torch.testing.assert_close(scores, hidden @ WEIGHT.T)
-    assert calls == [(2, threading.get_ident())]  # on the caller's (the loop's) thread
-    assert batcher.passes == 1 and batcher.batched_passes == 0
+    batcher = HeadBatcher(linear_head(calls))
+    batcher.gathering.arrived("stopped", time.monotonic() - 10)  # a session silent for long does not count
+    for _ in range(3):
+        hidden = torch.randn(2, 16)
+        torch.testing.assert_close(await batcher.scores(hidden, "a"), hidden @ WEIGHT.T)
+    assert calls == [(2, threading.get_ident())] * 3  # on the caller's (the loop's) thread
+    assert batcher.passes == 3 and batcher.batched_passes == 0
     await batcher.close()
 
 
 async def test_concurrent_sessions_share_passes_and_each_gets_its_own_rows():
     calls = []
-    batcher = HeadBatcher(linear_head(calls), concurrent=lambda: True)
+    batcher = HeadBatcher(linear_head(calls))
     rows = [torch.randn(1 + index % 3, 16) for index in range(8)]
+    await asyncio.gather(*(batcher.scores(hidden, index) for index, hidden in enumerate(rows)))  # all now stepping
+    calls.clear()
     scores = await asyncio.gather(*(batcher.scores(hidden, index) for index, hidden in enumerate(rows)))
     for hidden, score in zip(rows, scores, strict=True):
         torch.testing.assert_close(score, hidden @ WEIGHT.T)
@@ -51,11 +60,12 @@ async def test_concurrent_sessions_share_passes_and_each_gets_its_own_rows():
 
 
 async def test_sessions_of_a_round_wait_for_each_other():
-    """After two rounds of answers from two sessions, a third round's first answer waits (within the window) for
-    the second, expected a period after its last and late by less than a pass: both are scored in one pass."""
+    """After rounds of answers from two sessions, the next round's first answer waits (within the window) for the
+    second, expected a period after its last and late by less than a pass (50 ms here): both are scored in one
+    pass."""
     calls = []
-    batcher = HeadBatcher(linear_head(calls, seconds=0.02), concurrent=lambda: True, window_s=1.0)
-    for _ in range(2):
+    batcher = HeadBatcher(linear_head(calls, seconds=0.05), window_s=1.0)
+    for _ in range(3):
         await asyncio.gather(batcher.scores(torch.randn(1, 16), "a"), batcher.scores(torch.randn(1, 16), "b"))
         await asyncio.sleep(0.05)
     calls.clear()
@@ -77,12 +87,18 @@ async def test_a_failing_pass_fails_its_callers_and_the_next_pass_runs():
             raise RuntimeError("device lost")
         return rows @ WEIGHT.T
 
-    batcher = HeadBatcher(head, concurrent=lambda: True)
+    batcher = HeadBatcher(head)
+    another_session_stepping(batcher)
     results = await asyncio.gather(
         *(batcher.scores(torch.randn(1, 16), index) for index in range(3)), return_exceptions=True
     )
-    assert all(isinstance(result, RuntimeError) for result in results)
+    assert all(isinstance(result, RuntimeError) and "device lost" in str(result) for result in results)
     failing["on"] = False
+    # rows that cannot be stacked (a fault of the pass, not of the head) reach their callers as that error too
+    results = await asyncio.gather(
+        batcher.scores(torch.randn(1, 16), 0), batcher.scores(torch.randn(1, 8), 1), return_exceptions=True
+    )
+    assert all(isinstance(result, RuntimeError) for result in results), results
     hidden = torch.randn(1, 16)
     torch.testing.assert_close(await batcher.scores(hidden, 0), hidden @ WEIGHT.T)
     await batcher.close()
@@ -96,13 +112,16 @@ async def test_closing_cancels_the_waiting_callers():
         release.wait(5)
         return rows @ WEIGHT.T
 
-    batcher = HeadBatcher(slow_head, concurrent=lambda: True)
+    batcher = HeadBatcher(slow_head)
+    another_session_stepping(batcher)
     waiting = [asyncio.ensure_future(batcher.scores(torch.randn(1, 16), index)) for index in range(3)]
     await asyncio.to_thread(started.wait, 5)
     await batcher.close()
     release.set()
     await asyncio.wait(waiting)
     assert all(task.cancelled() for task in waiting)
+    with pytest.raises(SessionStateError):
+        await batcher.scores(torch.randn(1, 16), 0)
 
 
 def test_greedy_choice_is_the_argmax_and_sampling_checks_its_temperature():
