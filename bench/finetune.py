@@ -93,8 +93,19 @@ def local_peft(
     torch.manual_seed(args.seed)
     model = peft.get_peft_model(base, spec.peft_config(model_path))
     model.save_pretrained(initial)  # the swarm starts from the same adapter
+    tps = train_timed(model, data, args.lr)
+
+    def tuned_loss(ids):
+        with torch.no_grad():
+            return causal_lm_loss(model(ids).logits, ids).item()
+
+    return {"base_ppl": base_ppl, "ppl": perplexity(tuned_loss, eval_windows), "tps": tps}
+
+
+def train_timed(model, data: list[torch.Tensor], lr: float) -> float:
+    """AdamW steps of `model`'s trainable parameters on every batch of `data` after one warm-up pass; tokens/s."""
     parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(parameters, lr=lr, weight_decay=0.0)
     causal_lm_loss(model(data[0]).logits, data[0]).backward()  # warm-up, not a step
     optimizer.zero_grad()
     started = time.perf_counter()
@@ -102,13 +113,7 @@ def local_peft(
         causal_lm_loss(model(input_ids).logits, input_ids).backward()
         optimizer.step()
         optimizer.zero_grad()
-    seconds = time.perf_counter() - started
-
-    def tuned_loss(ids):
-        with torch.no_grad():
-            return causal_lm_loss(model(ids).logits, ids).item()
-
-    return {"base_ppl": base_ppl, "ppl": perplexity(tuned_loss, eval_windows), "tps": tokens(data) / seconds}
+    return tokens(data) / (time.perf_counter() - started)
 
 
 def peft_speed(model_path: str, data: list[torch.Tensor], initial: Path, args, *, threads: int) -> float:
@@ -120,19 +125,8 @@ def peft_speed(model_path: str, data: list[torch.Tensor], initial: Path, args, *
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        model = peft.PeftModel.from_pretrained(
-            AutoModelForCausalLM.from_pretrained(model_path), initial, is_trainable=True
-        )
-        parameters = [parameter for parameter in model.parameters() if parameter.requires_grad]
-        optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.0)
-        causal_lm_loss(model(data[0]).logits, data[0]).backward()  # warm-up, not a step
-        optimizer.zero_grad()
-        started = time.perf_counter()
-        for input_ids in data:
-            causal_lm_loss(model(input_ids).logits, input_ids).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        return tokens(data) / (time.perf_counter() - started)
+        base = AutoModelForCausalLM.from_pretrained(model_path)
+        return train_timed(peft.PeftModel.from_pretrained(base, initial, is_trainable=True), data, args.lr)
     finally:
         torch.set_num_threads(previous)
 
