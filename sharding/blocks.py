@@ -36,6 +36,9 @@ FAMILIES: dict[str, tuple[str, str]] = {
 EMBED_WEIGHT, NORM_WEIGHT, HEAD_WEIGHT = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 LAYER_PREFIX = "model.layers.{index}."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# rotary types whose frequencies depend on the sequence's length, not on the position alone: no table of positions
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")  # parts of the type's name (transformers: "dynamic" in it)
+ROPE_TABLE_MIN = 256  # positions in the first rotary table (it doubles as sequences grow past it)
 
 
 def load_config(model_path: str | Path):
@@ -165,6 +168,11 @@ class BlockSpan(nn.Module):
         self.source_hash = source_hash if source_hash is not None else weights_hash  # the checkpoint's, unquantized
         self.quantization = quantization
         self.dtype_ = DTYPES[spec.dtype]
+        # cos and sin of positions 0..n-1 (1, n, head_dim), on the device in the span's dtype: a step reads its
+        # positions' rows instead of building them (several small operations a call); None where not tabulated
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
+        rope_type = getattr(self.rotary, "rope_type", None)
+        self._rope_tabulated = isinstance(rope_type, str) and not any(k in rope_type for k in SEQUENCE_DEPENDENT_ROPE)
 
     @property
     def hidden_size(self) -> int:
@@ -181,6 +189,41 @@ class BlockSpan(nn.Module):
         would need a window mask per row, so such spans step one session at a time)."""
         return all(kind == "full_attention" for kind in self.types)
 
+    def rope(self, hidden: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary embedding (cos, sin), each (1, stop - start, head_dim), of positions start..stop-1, as
+        `self.rotary` computes them (the same values: each position's row depends on that position alone)."""
+        table = self._table(stop)
+        if table is None:
+            position_ids = torch.arange(start, stop, device=hidden.device).unsqueeze(0)
+            return self.rotary(hidden, position_ids=position_ids)
+        cos, sin = table
+        return cos[:, start:stop], sin[:, start:stop]
+
+    def rope_rows(self, hidden: torch.Tensor, position_ids: torch.Tensor, longest: int):
+        """(cos, sin), each (rows, 1, head_dim), of one position per row (`position_ids` (rows, 1), all below
+        `longest`)."""
+        table = self._table(longest)
+        if table is None:
+            return self.rotary(hidden, position_ids=position_ids)
+        cos, sin = table
+        return cos[0, position_ids], sin[0, position_ids]
+
+    def _table(self, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The rotary table holding at least positions 0..stop-1 (grown by doubling), or None when not tabulated."""
+        if not self._rope_tabulated:
+            return None
+        table = self._rope_table
+        if table is None or table[0].shape[1] < stop:
+            size = max(stop, ROPE_TABLE_MIN, 2 * table[0].shape[1] if table is not None else 0)
+            longest = getattr(self.config, "max_position_embeddings", None)
+            if longest:  # the model's length at most, unless asked for more: then it goes on doubling
+                size = min(size, longest) if stop <= longest else max(size, 2 * longest)
+            probe = torch.empty(0, device=self.rotary.inv_freq.device, dtype=self.dtype_)  # gives the dtype only
+            position_ids = torch.arange(size, device=probe.device).unsqueeze(0)
+            with torch.inference_mode(False), torch.no_grad():  # a table made in inference mode is usable anywhere
+                table = self._rope_table = self.rotary(probe, position_ids=position_ids)
+        return table
+
     def decode_batch(self, steps: list[tuple[torch.Tensor, object, int]], blocks: tuple[int, int]) -> list:
         """One-token steps of several sessions through `blocks` in one pass: each (hidden (rows, 1, hidden), its
         cache, its position); returns each step's output, as its own `forward` would (same blocks, same cache
@@ -190,13 +233,13 @@ class BlockSpan(nn.Module):
             raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
         rows = [hidden.shape[0] for hidden, _, _ in steps]
         hidden = torch.cat([step.to(self.spec.device, self.dtype_) for step, _, _ in steps])  # (all rows, 1, hidden)
-        position_ids = torch.tensor(
-            [position for (step, _, position) in steps for _ in range(step.shape[0])], device=hidden.device
-        ).unsqueeze(1)  # (all rows, 1)
-        position_embeddings = self.rotary(hidden, position_ids=position_ids)
+        positions = [position for (step, _, position) in steps for _ in range(step.shape[0])]
+        position_ids = torch.tensor(positions, device=hidden.device).unsqueeze(1)  # (all rows, 1)
+        longest = max(positions) + 1
+        position_embeddings = self.rope_rows(hidden, position_ids, longest)
         # each row sees its own cache (position + 1 keys once this step is in); the rest of the padding is masked
         lengths = position_ids[:, 0] + 1
-        keys = torch.arange(int(lengths.max()), device=hidden.device)
+        keys = torch.arange(longest, device=hidden.device)  # from the host's figure: no wait on the device
         allowed = keys[None, :] < lengths[:, None]  # (all rows, longest)
         mask = torch.zeros(allowed.shape, dtype=self.dtype_, device=hidden.device)
         mask = mask.masked_fill(~allowed, torch.finfo(self.dtype_).min)[:, None, None, :]  # (rows, 1, 1, longest)
@@ -222,7 +265,7 @@ class BlockSpan(nn.Module):
         hidden = hidden.to(self.spec.device, self.dtype_)  # (batch, seq, hidden)
         seq = hidden.shape[1]
         position_ids = torch.arange(position, position + seq, device=hidden.device).unsqueeze(0)  # (1, seq)
-        position_embeddings = self.rotary(hidden, position_ids=position_ids)
+        position_embeddings = self.rope(hidden, position, position + seq)
         mask_kwargs = dict(
             config=self.sub_config,
             inputs_embeds=hidden,
@@ -236,7 +279,10 @@ class BlockSpan(nn.Module):
         types = self.types[first:end]
         masks = {}
         # each mask reads the cached length of the first run layer of its kind (the span's other layers may be empty)
-        if "full_attention" in types:
+        cached = 0 if cache is None else cache.get_seq_length(first)
+        if seq == 1 and position == cached and "sliding_attention" not in types:
+            masks["full_attention"] = None  # one new token after the cached ones sees every key: nothing to mask
+        elif "full_attention" in types:
             layer_idx = first + types.index("full_attention")
             masks["full_attention"] = create_causal_mask(**mask_kwargs, layer_idx=layer_idx)
         if "sliding_attention" in types:

@@ -84,6 +84,7 @@ class BlockCompute:
         self.recent_passes: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds of the last decode passes
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
         self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
+        self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
 
     def use_span(self, span) -> None:
         """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
@@ -195,19 +196,30 @@ class BlockCompute:
         waiting at the same time (each with its own cache and position): one pass instead of one per session.
         Steps that arrive while a pass runs form the next one; when nothing runs, a pass starts at once unless other
         sessions' steps are expected within the gathering window (nesa_node/batching.py: `member` is the step's
-        session, whose steps are timed); sessions with different LoRA adapters (or none) share a pass, each row with
+        session, whose steps are timed). A small step of a lone session (no other stepping, nothing queued or
+        running) that runs on the loop skips the queue and its task, whose extra turns of the loop every hop would pay.
+        Sessions with different LoRA adapters (or none) share a pass, each row with
         its own. (output, seconds of the pass it was in)."""
         span = self.span
         if not self.config.batch_decode or span is None or not span.batches_decode or hidden.shape[1] != 1:
             return await self.run(hidden, cache, position, blocks, adapter)
-        loop = asyncio.get_running_loop()
         now = time.monotonic()
+        gathering = None
         if member is not None:
             gathering = self.gatherings.get(blocks)
             if gathering is None:
                 gathering = self.gatherings[blocks] = Gathering(window_s=self.config.batch_window_ms / 1000)
             gathering.arrived(member, now)
-        future = loop.create_future()
+        idle = not self._decode_queue and (self._decoder is None or self._decoder.done())
+        lone = idle and (gathering is None or not gathering.others_active(member, now))
+        if lone and hidden.shape[0] <= SMALL_STEP_TOKENS and self.placement.inline():
+            # a lone session's step on the loop: nothing can join it while it runs (the loop is held), so the queue
+            # and its task are skipped
+            output, seconds = await self.run(hidden, cache, position, blocks, adapter)
+            self.recent_passes.append(seconds)
+            self.lone_steps += 1
+            return output, seconds
+        future = asyncio.get_running_loop().create_future()
         self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter, member, now))
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(None)

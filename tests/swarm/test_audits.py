@@ -189,19 +189,22 @@ def claiming(node, tps: float, uptime=None) -> None:
 def test_a_generation_whose_audit_blames_a_node_is_run_again_and_returns_the_reference(
     module_swarm, tiny_llama, audit_swarm, adapter, reference
 ):
-    """The cheater announces twice the speed of the honest middle nodes, so routing puts it on the first chain. It
-    also announces their uptime: a node started minutes after the others has a lower reliability term (eq. 18), which
-    on a slow machine, where the module's earlier tests take longer, outweighs the speed it claims."""
+    """The cheater announces ten times the speed of the honest middle nodes, so routing puts it on the first chain
+    (the client's own round trips to the nodes, also in the cost, vary from one choice to the next; a claim of only
+    twice the speed was sometimes outweighed). It also announces their uptime: a node started minutes after the others
+    has a lower reliability term (eq. 18), which on a slow machine, where the module's earlier tests take longer,
+    outweighs the speed it claims. The chain is awaited for the very request generate makes."""
     cheat = module_swarm.start_node(tiny_llama, 1, 3, dht_prefix=PREFIX, adapters=(adapter,))
     make_malicious(cheat, "lazy")
     middle = [node for node in audit_swarm if node.current_info().start_block == 1]
     honest_infos = {node.peer_id: node.current_info for node in middle}
     for node in middle:
         claiming(node, 100.0)
-    claiming(cheat, 200.0, uptime=lambda: min(info().uptime_s for info in honest_infos.values()))
+    claiming(cheat, 1000.0, uptime=lambda: min(info().uptime_s for info in honest_infos.values()))
     try:
         with connect(module_swarm, tiny_llama, audit_swarm + [cheat], verify="audit:1.0", compression="none") as model:
-            wait_until(lambda: cheat.peer_id in model.choose_chain(max_length=128).peer_ids, 30)
+            request = {"max_length": PROMPT.shape[1] + NEW_TOKENS, "prompt_tokens": PROMPT.shape[1]}
+            wait_until(lambda: cheat.peer_id in model.choose_chain(**request).peer_ids, 30)
             assert torch.equal(generate(model), reference)
             assert model.client.last_verification["blamed"] == [cheat.peer_id]
             assert cheat.peer_id in model.swarm.banned()

@@ -165,3 +165,46 @@ def test_warm_up_runs_steps_up_to_its_length_and_leaves_the_span_as_it_was(tiny_
     assert calls == list(range(12))  # positions 0..11: every cache length up to 12 once
     with torch.inference_mode():
         assert torch.equal(span(hidden, span.new_cache(), 0), before)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_the_rotary_table_holds_what_the_rotary_embedding_computes(tiny_models, arch, dtype):
+    """Steps read cos and sin from a table of positions (grown as sequences get longer): bit for bit what the
+    family's rotary embedding gives for the same positions, one at a time, in ranges, and one per row."""
+    span = load_block_span(tiny_models[arch], SpanSpec(0, 2, dtype=dtype))
+    longest = span.config.max_position_embeddings
+    hidden = torch.zeros(1, 1, span.hidden_size, dtype=span.dtype_)
+    with torch.inference_mode():
+        for start, stop in [
+            (0, 1),
+            (5, 6),
+            (0, 17),
+            (250, 260),
+            (255, 256),
+            (1000, 1001),
+            (3, 700),
+            (longest, longest + 1),
+        ]:
+            expected = span.rotary(hidden, position_ids=torch.arange(start, stop).unsqueeze(0))
+            got = span.rope(hidden, start, stop)
+            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), (start, stop)
+        position_ids = torch.tensor([[7], [0], [999], [3]])
+        expected = span.rotary(hidden.expand(4, 1, -1), position_ids=position_ids)
+        got = span.rope_rows(hidden, position_ids, 1000)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+        table = span._rope_table
+        for position in range(longest + 1, longest + 40):  # past the model's length the table is not rebuilt per step
+            span.rope(hidden, position, position + 1)
+        assert span._rope_table is table and table[0].shape[1] >= longest + 40
+
+
+def test_a_rotary_type_that_depends_on_the_length_is_not_tabulated(tiny_llama):
+    config = load_config(tiny_llama)
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    span = load_block_span(tiny_llama, SpanSpec(0, 2), config=config)
+    hidden = torch.randn(1, 3, span.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        cos, _ = span.rope(hidden, 0, 3)
+        assert torch.equal(cos, span.rotary(hidden, position_ids=torch.arange(3).unsqueeze(0))[0])
+    assert span._rope_table is None

@@ -106,3 +106,32 @@ def test_sessions_expected_on_one_range_do_not_hold_back_a_step_on_another(tiny_
         return done
 
     assert asyncio.run(program()) == ["lone", "a"]
+
+
+def test_a_lone_sessions_small_steps_skip_the_queue_and_give_the_spans_output(tiny_llama):
+    """Alone, a session's one-token steps run at once on the loop once steps are known to be small (the first goes
+    to the compute thread); their outputs are the span's own. A second session stepping sends steps through the
+    queue again, where they are batched."""
+    compute, span = compute_of(tiny_llama, batch_window_ms=200.0, inline_compute_ms=1000.0)  # steps run inline
+    reference_cache, cache = span.new_cache(), span.new_cache()
+
+    async def program() -> int:
+        for position in range(6):
+            output = await step(compute, cache, position, "a")
+            hidden = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(position))
+            with torch.inference_mode():
+                expected = span(hidden, reference_cache, position)
+            assert torch.equal(output, expected)
+        lone = compute.lone_steps
+        compute.forget("a")
+        caches = {"b": span.new_cache(), "c": span.new_cache()}
+        after_first = compute.lone_steps
+        for position in range(4):  # in the first round b may run alone: c has not stepped yet
+            await asyncio.gather(*(step(compute, caches[member], position, member) for member in caches))
+            await asyncio.sleep(ROUND_S)
+            after_first = compute.lone_steps if position == 0 else after_first
+        compute.close()
+        return lone, compute.lone_steps - after_first
+
+    assert asyncio.run(program()) == (5, 0)
+    assert compute.batches_run >= 2
