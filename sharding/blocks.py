@@ -140,7 +140,7 @@ class BlockSpan(nn.Module):
     """Blocks [start, end) of a decoder-only model, with their rotary embedding.
 
     `forward(hidden, cache, position, blocks)` runs the blocks on `hidden` (batch, seq, hidden) whose first token sits
-    at absolute `position`, updating `cache` (a transformers DynamicCache sized for this span) when given. `blocks`
+    at absolute `position`, updating `cache` (a SpanCache from `new_cache`, or any transformers cache sized for this span) when given. `blocks`
     (first, end) runs only that contiguous part of the span (a chain may use a node for part of its range); the
     cache layers of the other blocks stay empty.
     `quantization` is what quantizing the blocks' weights saved (None when spec.quant is "none"). The blocks' weights
@@ -179,9 +179,10 @@ class BlockSpan(nn.Module):
         return self.config.hidden_size
 
     def new_cache(self):
-        from transformers import DynamicCache
+        """An empty KV cache for this span's blocks (keys and values written in place: sharding/span_cache.py)."""
+        from nesa_node.sharding.span_cache import SpanCache
 
-        return DynamicCache(config=self.sub_config)
+        return SpanCache(self.sub_config)
 
     @property
     def batches_decode(self) -> bool:

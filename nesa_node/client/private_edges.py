@@ -144,8 +144,8 @@ class EdgeSession:
         try:
             received = await self.session.step(sent)
         except BaseException:
-            if self.front_cache is not None:
-                self.front_cache.crop(position)  # the nodes did not take these tokens: neither do the front blocks
+            if self.front_cache is not None:  # the nodes did not take these tokens: neither do the front blocks
+                self.front_cache.crop(position - self.front_cache.get_seq_length())  # a count to remove, negative
             raise
         return self.blocks.run_back(received, self.back_cache, position)
 

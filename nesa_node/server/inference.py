@@ -383,6 +383,7 @@ class InferenceService:
                 f"{session.max_length}"
             )
         self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
+        session.cache.reserve(session.reserved_tokens)  # its buffers grow to what the budget holds for it
         output, seconds = await self.compute.run_decode(
             hidden, session.cache, step.position, session.blocks, session.adapter, member=session.key
         )

@@ -67,7 +67,7 @@ class ServerSession:
     batch: int  # rows, fixed for the session
     max_length: int  # tokens the session may reach
     reserved_bytes: int  # cache reserved in the budget: batch x reserved_tokens x bytes per token
-    cache: object  # transformers DynamicCache for this span
+    cache: object  # the span's KV cache (sharding/span_cache.py SpanCache)
     blocks: tuple[int, int]  # (first, end): the part of the span this session runs
     client_peer: str  # base58 peer id that opened the session
     upstream_peer: str  # the only peer allowed to push steps (the previous node, or the client)

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.protocol import rpc
 from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS
+from nesa_node.sharding.kv_cache import kv_bytes_per_token_for
 from tests.support.swarm import wait_for_chain, wait_until
 
 PREFIX = "starve"
@@ -207,6 +208,10 @@ def test_g3_sessions_reserve_cache_as_they_use_it_and_one_that_never_steps_is_cl
                 (session,) = node.sessions.sessions.values()
                 assert session.reserved_tokens == 2 * RESERVE_CHUNK_TOKENS
                 assert node.budget.used_bytes == node.budget.session_bytes(1, 2 * RESERVE_CHUNK_TOKENS)
+                # the cache's buffers are what the budget counted for them (the rest is the outputs kept per token)
+                span = node.compute.span
+                kv_bytes = kv_bytes_per_token_for(span.config, span.end - span.start, 4)
+                assert session.cache.held_bytes() == 2 * RESERVE_CHUNK_TOKENS * kv_bytes
         assert torch.equal(output, expected)
     finally:
         module_swarm.run(attackers.close(), timeout=60)

@@ -1,0 +1,144 @@
+"""The node's session cache (sharding/span_cache.py): the same outputs as transformers' DynamicCache, bit for bit,
+written in place into buffers that grow only to what the owner reserved."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from nesa_node.client.private_edges import EdgeBlocks, EdgeSession
+from nesa_node.errors import PeerUnavailableError
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
+from nesa_node.sharding.span_cache import MIN_CAPACITY, ReservedLayer, SpanCache
+from tests.support.models import ARCHES
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("arch", ARCHES)
+def test_outputs_equal_a_dynamic_cache_bit_for_bit(tiny_models, arch, dtype):
+    span = load_block_span(tiny_models[arch], SpanSpec(0, 4, dtype=dtype))
+    hidden = torch.randn(2, 40, span.hidden_size, generator=torch.Generator().manual_seed(3))
+    reference, cache = DynamicCache(config=span.sub_config), span.new_cache()
+    cache.reserve(24)  # the prefill fits; the decode steps then pass the reservation and the buffers double
+    with torch.inference_mode():
+        # a prefill, a 5-token step after cached tokens (a causal mask over the cache), then one-token steps
+        for start, end in [(0, 20), (20, 25), *((t, t + 1) for t in range(25, 40))]:
+            expected = span(hidden[:, start:end], reference, start)
+            got = span(hidden[:, start:end], cache, start)
+            assert torch.equal(got, expected), (start, end)
+    assert cache.get_seq_length() == reference.get_seq_length() == 40
+    for ours, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+
+
+def test_sliding_window_layers_keep_transformers_layer(tiny_models):
+    span = load_block_span(tiny_models["mistral"], SpanSpec(0, 4))  # the tiny mistral's layers are all sliding
+    assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in span.new_cache().layers)
+    span = load_block_span(tiny_models["llama"], SpanSpec(1, 3))
+    assert [type(layer) for layer in span.new_cache().layers] == [ReservedLayer, ReservedLayer]
+
+
+def test_steps_write_in_place_and_buffers_grow_only_to_the_reservation(tiny_llama):
+    span = load_block_span(tiny_llama, SpanSpec(0, 2))
+    cache = span.new_cache()
+    cache.reserve(16)
+    hidden = torch.randn(1, 40, span.hidden_size, generator=torch.Generator().manual_seed(4))
+    layer = cache.layers[0]
+    with torch.inference_mode():
+        span(hidden[:, :3], cache, 0)
+        buffer = layer._keys.data_ptr()
+        assert layer.capacity == 16
+        for position in range(3, 16):
+            span(hidden[:, position : position + 1], cache, position)
+        assert layer._keys.data_ptr() == buffer and layer.capacity == 16  # 13 steps, no new buffer
+        per_token = 2 * layer._keys[0, :, 0].numel() * layer._keys.element_size() * len(cache.layers)
+        assert cache.held_bytes() == 16 * per_token  # what was reserved, and no more
+        cache.reserve(32)  # the owner reserved more: the next step that needs room grows to it
+        span(hidden[:, 16:17], cache, 16)
+        assert layer.capacity == 32 and layer._keys.data_ptr() != buffer
+        # nothing reserved past 32: the buffers double
+        span(hidden[:, 17:34], cache, 17)
+        assert layer.capacity == 64 and cache.get_seq_length() == 34
+
+
+def test_without_a_reservation_buffers_double_from_a_minimum():
+    layer = ReservedLayer()
+    keys = torch.randn(1, 2, 1, 4)
+    for step in range(MIN_CAPACITY + 1):
+        got_keys, got_values = layer.update(keys + step, keys - step)
+    assert layer.capacity == 2 * MIN_CAPACITY and layer.get_seq_length() == MIN_CAPACITY + 1
+    assert torch.equal(got_keys[0, 0, :, 0], keys[0, 0, 0, 0] + torch.arange(MIN_CAPACITY + 1.0))
+    assert torch.equal(got_values[0, 1, :, 3], keys[0, 1, 0, 3] - torch.arange(MIN_CAPACITY + 1.0))
+
+
+def test_crop_forgets_the_last_tokens_and_the_next_step_overwrites_them(tiny_llama):
+    """What a client's private front blocks do when the chain refuses a step: crop, then the step again."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    hidden = torch.randn(1, 12, span.hidden_size, generator=torch.Generator().manual_seed(5))
+    other = torch.randn(1, 2, span.hidden_size, generator=torch.Generator().manual_seed(6))
+    reference, cache = DynamicCache(config=span.sub_config), span.new_cache()
+    with torch.inference_mode():
+        for held in (reference, cache):
+            span(hidden[:, :8], held, 0)
+            span(other, held, 8)  # refused downstream: forgotten
+            held.crop(-2)
+        assert cache.get_seq_length() == 8
+        for start in range(8, 12):
+            assert torch.equal(span(hidden[:, start : start + 1], cache, start),
+                               span(hidden[:, start : start + 1], reference, start))  # fmt: skip
+    with pytest.raises(ValueError, match="negative"):
+        cache.layers[0].crop(3)
+
+
+def test_keys_of_another_batch_are_refused():
+    layer = ReservedLayer()
+    layer.update(torch.zeros(2, 2, 3, 4), torch.zeros(2, 2, 3, 4))
+    with pytest.raises(ValueError, match="do not match"):
+        layer.update(torch.zeros(1, 2, 1, 4), torch.zeros(1, 2, 1, 4))
+    assert layer.get_seq_length() == 3  # nothing written
+
+
+def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_llama):
+    """decode_batch pads every session's view to the longest: the zeroed buffers and the views give what separate
+    steps give."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    generator = torch.Generator().manual_seed(7)
+    lengths = [5, 11, 2]
+    prompts = [torch.randn(1, n, span.hidden_size, generator=generator) for n in lengths]
+    ours, alone = [span.new_cache() for _ in lengths], [SpanCache(span.sub_config) for _ in lengths]
+    with torch.inference_mode():
+        for prompt, a, b in zip(prompts, ours, alone, strict=True):
+            span(prompt, a, 0)
+            span(prompt, b, 0)
+        for _ in range(3):
+            steps = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in lengths]
+            batched = span.decode_batch(
+                [(step, cache, cache.get_seq_length()) for step, cache in zip(steps, ours, strict=True)], (0, 4)
+            )
+            for step, cache, got in zip(steps, alone, batched, strict=True):
+                torch.testing.assert_close(got, span(step, cache, cache.get_seq_length()), atol=1e-5, rtol=0)
+
+
+class _RefusingChain:
+    """The inner session of an EdgeSession whose chain takes the first step and refuses the second."""
+
+    max_length = 64
+
+    def __init__(self):
+        self.position = 0
+
+    async def step(self, hidden):
+        if self.position:
+            raise PeerUnavailableError("every replacement failed")
+        self.position += hidden.shape[1]
+        return hidden
+
+
+async def test_a_step_the_chain_refuses_leaves_the_private_front_blocks_cache_as_before(tiny_llama):
+    span = load_block_span(tiny_llama, SpanSpec(0, 1))
+    edges = EdgeSession(_RefusingChain(), EdgeBlocks(span, None, num_blocks=4))
+    hidden = torch.randn(1, 6, span.hidden_size, generator=torch.Generator().manual_seed(8))
+    await edges.step(hidden[:, :4])
+    with pytest.raises(PeerUnavailableError, match="every replacement"):  # the chain's own error, typed
+        await edges.step(hidden[:, 4:6])
+    assert edges.front_cache.get_seq_length() == 4
