@@ -6,11 +6,12 @@ after each one, and each swarm's ratios use the two measurements around it.
 
     python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
                               [--clients 8] [--nodes 1 2 3] [--client-threads 1]
-    python bench/inference.py --shape 1.1b --device cuda --dtype bfloat16 --nodes 2 4 --clients 16
+    python bench/inference.py --shape 1.1b --device cuda --dtype bfloat16 --nodes 2 4 --clients 16 [--cuda-graphs]
 
 `--shape 1.1b` is a random Llama of 1.1B parameters (16 blocks, hidden 2048, 32 heads, 8 KV heads, MLP 5632) with a
 16-token prompt and 128 new tokens; `--device cuda --dtype bfloat16` puts the single-process baseline, every node and
-the client's layers on the GPU in that dtype (all nodes on the same GPU). Each chain figure also gives the first
+the client's layers on the GPU in that dtype (all nodes on the same GPU); `--cuda-graphs` starts the nodes with
+`--cuda-graphs` (a session's one-token steps replayed as CUDA graphs). Each chain figure also gives the first
 generation through the fresh nodes against the later ones (`first_vs_later`).
 
 `--clients N` adds the many-clients figure: aggregate decode tokens/s of N concurrent sessions (one client process,
@@ -153,6 +154,7 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
         node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
         node_args += ["--dht-prefix", prefix, "--announce-period", "5", "--no-measure", "--rebalance", "off", *extra]
         node_args += ["--device", args.device, "--dtype", args.dtype]
+        node_args += ["--cuda-graphs"] if args.cuda_graphs else []
         node_args += ["--torch-threads", str(node_threads(args, count))] if node_threads(args, count) else []
         launched.append(group.start(f"{prefix}-{index}", node_args))
     for process, node_address in launched:
@@ -261,6 +263,9 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: the shape's (64, 128 for 1.1b)")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where everything computes")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--cuda-graphs", action="store_true", help="nodes replay one-token steps as CUDA graphs (--device cuda)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     # a forward of 8 x 128 tokens takes about 0.5 s of compute: its median needs more samples on a noisy machine
     parser.add_argument("--forward-repeats", type=int, default=5)
@@ -289,6 +294,8 @@ def main() -> None:
     args.new_tokens = args.new_tokens or shape["new_tokens"]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error("--cuda-graphs needs --device cuda")
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory(prefix="nesa-bench-") as workdir, ProcessGroup(workdir) as group:
@@ -356,6 +363,7 @@ def main() -> None:
         },
         "device": args.device,
         "dtype": args.dtype,
+        "cuda_graphs": args.cuda_graphs,
         "prompt_tokens": args.prompt_tokens,
         "new_tokens": args.new_tokens,
         "compression": args.compression,

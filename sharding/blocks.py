@@ -134,6 +134,9 @@ class SpanSpec:
     dtype: str = "float32"
     device: str = "cpu"
     quant: str = "none"  # weights of the blocks' linear layers: none, int8 (LLM.int8) or nf4; see compression.weights
+    # one-token steps of a session run as fixed-shape steps (sharding/decode_graph.py), captured as CUDA graphs on a
+    # CUDA device (`step`); spans it cannot serve (quantized, sliding-window or length-dependent rotary) run as usual
+    decode_graphs: bool = False
 
 
 class BlockSpan(nn.Module):
@@ -173,6 +176,12 @@ class BlockSpan(nn.Module):
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         rope_type = getattr(self.rotary, "rope_type", None)
         self._rope_tabulated = isinstance(rope_type, str) and not any(k in rope_type for k in SEQUENCE_DEPENDENT_ROPE)
+        attention = getattr(self.sub_config, "_attn_implementation", None) or "sdpa"
+        self.decode_graphs = (
+            spec.decode_graphs and spec.quant == "none" and self._rope_tabulated and self.batches_decode
+            and attention in ("sdpa", "eager")
+        )  # fmt: skip
+        self._graph_stream = None  # the stream the span's CUDA graph captures run on (sharding/decode_graph.py)
 
     @property
     def hidden_size(self) -> int:
@@ -224,6 +233,59 @@ class BlockSpan(nn.Module):
             with torch.inference_mode(False), torch.no_grad():  # a table made in inference mode is usable anywhere
                 table = self._rope_table = self.rotary(probe, position_ids=position_ids)
         return table
+
+    def step(self, hidden: torch.Tensor, cache=None, position: int = 0, blocks: tuple[int, int] | None = None):
+        """`forward` with the base weights, except that a one-token step of a SpanCache session, on a span loaded with
+        `decode_graphs`, runs as that session's fixed-shape step: replayed as a CUDA graph on a CUDA device
+        (sharding/decode_graph.py). The caller runs steps with LoRA rows through `forward` (a graph replays the base
+        weights only). A capture that fails turns the span's graphs off (logged) and the step runs as usual."""
+        fixed = self._fixed_step(hidden, cache, position, blocks) if self.decode_graphs else None
+        if fixed is not None:
+            try:
+                return fixed(hidden.to(self.spec.device, self.dtype_), position)
+            except RuntimeError as exc:  # torch's capture errors; the cache's length has not moved
+                if fixed.graph is not None:
+                    raise  # a replay that failed: not a capture matter
+                logger.warning(
+                    "CUDA graph capture failed (%s): blocks %d:%d run without graphs", exc, self.start, self.end
+                )
+                self.decode_graphs = False
+                cache.fixed_step = None
+        return self(hidden, cache, position, blocks)
+
+    def _fixed_step(self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int] | None):
+        """The session's fixed step for this call (made when the cache's buffers are new), or None where this call
+        runs as a plain forward."""
+        from nesa_node.sharding.decode_graph import FixedStep
+        from nesa_node.sharding.span_cache import SpanCache
+
+        if hidden.shape[1] != 1 or torch.is_grad_enabled() or not isinstance(cache, SpanCache):
+            return None
+        first, end = (0, len(self.layers)) if blocks is None else (blocks[0] - self.start, blocks[1] - self.start)
+        if not 0 <= first < end <= len(self.layers):
+            return None  # forward raises the error
+        layer = cache.layers[first]
+        if position != layer.get_seq_length() or position >= getattr(layer, "capacity", 0):
+            return None  # the buffers grow (or a first step fills them): a plain step, then a new fixed one
+        rows = hidden.shape[0]
+        held = cache.fixed_step
+        if held is not None and held.fits(cache, first, end, rows):
+            return held
+        try:
+            fixed = FixedStep(self, cache, first, end, rows, capture_stream=self._capture_stream())
+        except ValueError:
+            return None
+        cache.fixed_step = fixed
+        return fixed
+
+    def _capture_stream(self):
+        """The CUDA stream every capture of this span runs on (None off CUDA: fixed steps run eagerly)."""
+        device = torch.device(self.spec.device)
+        if device.type != "cuda":
+            return None
+        if self._graph_stream is None:
+            self._graph_stream = torch.cuda.Stream(device)
+        return self._graph_stream
 
     def decode_batch(self, steps: list[tuple[torch.Tensor, object, int]], blocks: tuple[int, int]) -> list:
         """One-token steps of several sessions through `blocks` in one pass: each (hidden (rows, 1, hidden), its

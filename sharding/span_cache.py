@@ -10,6 +10,8 @@ the memory a node's session holds is the memory the budget counted for it.
 
 Sliding-window layers keep transformers' own layer (they drop old keys, which a fixed buffer would not). Values are
 the same as DynamicCache's bit for bit: the same keys and values, in the same order, reach the same attention.
+The cache is for inference (`torch.inference_mode`, as every caller runs it): a step writes in place what an earlier
+step's autograd graph would have saved. Training passes run without a cache.
 """
 
 from __future__ import annotations
@@ -54,8 +56,8 @@ class ReservedLayer(DynamicLayer):
             )
         capacity = self.reserved if self.reserved >= end else max(end, 2 * self.capacity, MIN_CAPACITY)
         shape = (*key_states.shape[:-2], capacity, key_states.shape[-1])
-        # zeros, not empty: a batched step (sharding/blocks.py) pads every session's keys to the longest, and
-        # uninitialized memory may hold NaN, which a mask does not cancel
+        # zeros, not empty: a fixed-shape step (sharding/decode_graph.py) attends over the whole buffer, the rows
+        # after the held ones masked, and uninitialized memory may hold NaN, which a mask does not cancel
         keys = key_states.new_zeros(shape)
         values = value_states.new_zeros((*value_states.shape[:-2], capacity, value_states.shape[-1]))
         if self.length:
@@ -84,16 +86,22 @@ class ReservedLayer(DynamicLayer):
             return
         self._view(max(0, self.length + tokens_to_remove))
 
+    # the batch operations copy the held tokens only (the next step's growth makes room again)
+
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.length:
-            self._keys = self._keys.repeat_interleave(repeats, dim=0)
-            self._values = self._values.repeat_interleave(repeats, dim=0)
+            self._keys = self.keys.repeat_interleave(repeats, dim=0)
+            self._values = self.values.repeat_interleave(repeats, dim=0)
             self._view(self.length)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.length:
-            self._keys, self._values = self._keys[indices, ...], self._values[indices, ...]
+            self._keys, self._values = self.keys[indices, ...], self.values[indices, ...]
             self._view(self.length)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.length:
+            self.batch_select_indices(beam_idx.to(self._keys.device))
 
 
 class SpanCache(DynamicCache):
@@ -102,6 +110,7 @@ class SpanCache(DynamicCache):
     def __init__(self, config):
         super().__init__(config=config)
         self.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.fixed_step = None  # its one-token step of fixed shape (sharding/decode_graph.py), once it has one
 
     def reserve(self, tokens: int) -> None:
         """Let buffers that must grow grow to `tokens` (the capacity the owner has reserved) rather than by doubling;

@@ -116,6 +116,10 @@ class EdgeSession:
         self.session = session
         self.blocks = blocks
         self.front_cache, self.back_cache = blocks.new_caches()
+        if self.front_cache is not None:  # sliding-window layers keep what a refused step must be cropped back to
+            for layer in self.front_cache.layers:
+                if hasattr(layer, "activate_past_recording"):
+                    layer.activate_past_recording()
 
     async def open(self) -> EdgeSession:
         await self.session.open()
@@ -147,6 +151,8 @@ class EdgeSession:
             if self.front_cache is not None:  # the nodes did not take these tokens: neither do the front blocks
                 self.front_cache.crop(position - self.front_cache.get_seq_length())  # a count to remove, negative
             raise
+        if self.front_cache is not None:
+            self.front_cache.crop(0)  # taken: sliding-window layers drop what has left their window
         return self.blocks.run_back(received, self.back_cache, position)
 
 

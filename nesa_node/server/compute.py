@@ -157,8 +157,8 @@ class BlockCompute:
         def run() -> tuple[torch.Tensor, float]:
             started = time.perf_counter()
             rows = adapters_for_rows(span, [adapter] * hidden.shape[0], blocks=blocks) if adapter is not None else _BASE
-            with torch.inference_mode(), rows:
-                output = span(hidden, cache, position, blocks)
+            with torch.inference_mode(), rows:  # base-weight steps may replay a captured graph (span.step)
+                output = (span if adapter is not None else span.step)(hidden, cache, position, blocks)
             synchronize(span)  # the time of the computation, not of its launch (a GPU runs it asynchronously)
             return output, time.perf_counter() - started
 

@@ -214,6 +214,11 @@ class ComputeConfig:
         parse="non_negative_int",
         metavar="N",
     )
+    cuda_graphs: bool = option(
+        False,
+        "run a session's one-token steps as CUDA graphs (--device cuda; unquantized blocks of full attention): "
+        "captured at the session's first step on each cache buffer, then replayed with one launch",
+    )
     adapters: tuple[str, ...] = option(
         (),
         "PEFT LoRA adapter folders (adapter_config.json + adapter_model.safetensors) to serve: the node keeps the "

@@ -137,6 +137,8 @@ class Node:
         if not network.initial_peers and not network.new_swarm:
             raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
         check_initial_peers(network.initial_peers)  # before loading the model: mistakes show at once
+        if compute.cuda_graphs and not compute.device.startswith("cuda"):
+            raise ValueError(f"--cuda-graphs needs a CUDA device (--device cuda), not {compute.device}")
         check_port_free(network.host, network.port, "--port")
         if network.lane_port:
             check_port_free(network.host, network.lane_port, "--lane-port")
@@ -145,7 +147,9 @@ class Node:
             trigger = make_trigger(config.rebalance.trigger, period_s=config.rebalance.period_s)
         model_config = load_config(config.model_path)
         book = load_schema_book(config.rebalance, model_config.num_hidden_layers)
-        spec = SpanSpec(config.start_block, config.end_block, compute.dtype, compute.device, compute.quant)
+        spec = SpanSpec(
+            config.start_block, config.end_block, compute.dtype, compute.device, compute.quant, compute.cuda_graphs
+        )
         span = await asyncio.to_thread(load_block_span, config.model_path, spec, config=model_config)
         if compute.measure_throughput:
             cache_path = Path(compute.throughput_cache) if compute.throughput_cache else None
@@ -495,7 +499,7 @@ class Node:
 
     async def _load_span(self, start: int, end: int) -> None:
         compute = self.config.compute
-        spec = SpanSpec(start, end, compute.dtype, compute.device, compute.quant)
+        spec = SpanSpec(start, end, compute.dtype, compute.device, compute.quant, compute.cuda_graphs)
         span = await asyncio.to_thread(load_block_span, self.config.model_path, spec, config=self.model_config)
         await asyncio.to_thread(warm_up, span, warmup_tokens(compute.warmup_tokens, compute.device))
         await self.adapters.load_span(start, end)

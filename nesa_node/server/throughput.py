@@ -16,7 +16,7 @@ FORWARD_SHAPE = (1, 128)  # (batch, tokens) of the forward measurement
 WARM_STEPS = 4  # one-token steps run before any timing: the first calls of each shape are slow (allocation, kernels)
 ROUNDS = 5  # timed rounds; the median is announced, so one stall (GC, another process) does not set the figure
 INFERENCE_STEPS = 8  # one-token steps per timed round
-MEASUREMENT_VERSION = 2  # part of the cache key: figures taken by an older method are measured again
+MEASUREMENT_VERSION = 3  # part of the cache key: figures taken by an older method are measured again
 
 
 def default_cache_path() -> Path:
@@ -68,7 +68,7 @@ def _step_s(span, token: torch.Tensor, cache, blocks: tuple[int, int]) -> float:
     def steps(count: int) -> None:
         nonlocal position
         for _ in range(count):
-            span(token, cache, position, blocks)
+            span.step(token, cache, position, blocks)
             position += 1
 
     steps(WARM_STEPS)
@@ -95,7 +95,7 @@ def warm_up(span, tokens: int) -> int:
     token = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(0)).to(span.spec.device)
     cache = span.new_cache()
     for position in range(tokens):
-        span(token, cache, position)
+        span.step(token, cache, position)
     synchronize(span)
     return tokens
 
@@ -104,6 +104,7 @@ def cached_measure(span, cache_path: Path | None = None) -> dict[str, float]:
     """Measure once per (weights, span, device, dtype); later starts read the cached figures."""
     path = cache_path or default_cache_path()
     key = f"v{MEASUREMENT_VERSION}:{span.weights_hash}:{span.start}:{span.end}:{span.spec.device}:{span.spec.dtype}"
+    key += ":graphs" if span.decode_graphs else ""
     try:
         table = json.loads(path.read_text()) if path.is_file() else {}
     except (OSError, ValueError):

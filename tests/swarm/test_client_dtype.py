@@ -87,3 +87,25 @@ def test_a_client_on_cuda_with_bf16_cuda_nodes_gives_the_single_process_tokens(m
         assert model.client.device.type == "cuda" and model.client.dtype == torch.bfloat16
         wait_for_chain(model)
         assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_nodes_replaying_cuda_graphs_give_the_single_process_tokens(module_swarm, tmp_path_factory):
+    path = str(init_tiny_model(tmp_path_factory.mktemp("graphs-cuda") / "llama", SPEC))
+    nodes = [
+        module_swarm.start_node(path, start, end, dht_prefix="graphs-cuda", device="cuda", cuda_graphs=True)
+        for start, end in ((0, 2), (2, 4))
+    ]
+    reference = AutoModelForCausalLM.from_pretrained(path).to("cuda")
+    with torch.inference_mode():
+        expected = reference.generate(PROMPT.cuda(), max_new_tokens=NEW_TOKENS, do_sample=False).cpu()
+    with DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=module_swarm.initial_peers, dht_prefix="graphs-cuda", compression="none", device="cuda"
+    ) as model:
+        wait_for_chain(model)
+        with model.inference_session(max_length=PROMPT.shape[1] + NEW_TOKENS):
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), expected)
+            for node in nodes:  # each node replays a captured step for the session
+                (session,) = node.sessions.sessions.values()
+                assert session.cache.fixed_step is not None and session.cache.fixed_step.graph is not None

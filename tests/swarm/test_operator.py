@@ -305,6 +305,7 @@ def _mistakes(model: str) -> list[tuple[tuple[str, ...], str, str]]:
         (("run", "--model", model, "--blocks", "0:9", "--new-swarm"), "model_load", "outside"),
         (("run", "--model", model, "--blocks", "0:2"), "bad_value", "--new-swarm"),
         (("run", "--model", model, "--blocks", "5:2"), "usage", "START < END"),
+        (("run", "--model", model, "--blocks", "0:2", "--new-swarm", "--cuda-graphs"), "bad_value", "--device cuda"),
         (("run", "--model", model, "--blocks", "0:2", "--initial-peers", "garbage"), "initial_peers", "/p2p/"),
         (("tune", "--scenario", "nowhere", "--out", "p.json"), "bad_value", "nowhere"),
         (("launch",), "usage", "invalid choice"),

@@ -212,6 +212,7 @@ def test_g3_sessions_reserve_cache_as_they_use_it_and_one_that_never_steps_is_cl
                 span = node.compute.span
                 kv_bytes = kv_bytes_per_token_for(span.config, span.end - span.start, 4)
                 assert session.cache.held_bytes() == 2 * RESERVE_CHUNK_TOKENS * kv_bytes
+                assert {layer.reserved for layer in session.cache.layers} == {session.reserved_tokens}
         assert torch.equal(output, expected)
     finally:
         module_swarm.run(attackers.close(), timeout=60)

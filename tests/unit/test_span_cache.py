@@ -8,7 +8,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from nesa_node.client.private_edges import EdgeBlocks, EdgeSession
 from nesa_node.errors import PeerUnavailableError
-from nesa_node.sharding.blocks import SpanSpec, load_block_span
+from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_config
 from nesa_node.sharding.span_cache import MIN_CAPACITY, ReservedLayer, SpanCache
 from tests.support.models import ARCHES
 
@@ -120,15 +120,19 @@ def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_lla
 
 
 class _RefusingChain:
-    """The inner session of an EdgeSession whose chain takes the first step and refuses the second."""
+    """The inner session of an EdgeSession: its chain hands a step's hidden states back as they came, and refuses
+    the steps whose numbers (from 0) are in `refused`."""
 
     max_length = 64
 
-    def __init__(self):
+    def __init__(self, refused=(1,)):
         self.position = 0
+        self.steps = 0
+        self.refused = set(refused)
 
     async def step(self, hidden):
-        if self.position:
+        self.steps += 1
+        if self.steps - 1 in self.refused:
             raise PeerUnavailableError("every replacement failed")
         self.position += hidden.shape[1]
         return hidden
@@ -136,9 +140,32 @@ class _RefusingChain:
 
 async def test_a_step_the_chain_refuses_leaves_the_private_front_blocks_cache_as_before(tiny_llama):
     span = load_block_span(tiny_llama, SpanSpec(0, 1))
-    edges = EdgeSession(_RefusingChain(), EdgeBlocks(span, None, num_blocks=4))
+    edges = EdgeSession(_RefusingChain(refused=(1,)), EdgeBlocks(span, None, num_blocks=4))
     hidden = torch.randn(1, 6, span.hidden_size, generator=torch.Generator().manual_seed(8))
     await edges.step(hidden[:, :4])
     with pytest.raises(PeerUnavailableError, match="every replacement"):  # the chain's own error, typed
         await edges.step(hidden[:, 4:6])
     assert edges.front_cache.get_seq_length() == 4
+
+
+async def test_a_refused_step_past_a_sliding_window_is_rolled_back_too(tiny_models):
+    """Sliding-window front blocks (a window of 4 here) past their window: the refused step is cropped away, and the
+    next steps give what blocks that never saw it give."""
+    config = load_config(tiny_models["mistral"])
+    config.sliding_window = 4
+    span = load_block_span(tiny_models["mistral"], SpanSpec(0, 1), config=config)
+    edges = EdgeSession(_RefusingChain(refused=(2,)), EdgeBlocks(span, None, num_blocks=4))
+    hidden = torch.randn(1, 10, span.hidden_size, generator=torch.Generator().manual_seed(9))
+    refused = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(10))
+    reference = DynamicCache(config=span.sub_config)
+    with torch.inference_mode():
+        expected = [span(hidden[:, :6], reference, 0)]
+        expected += [span(hidden[:, t : t + 1], reference, t) for t in range(6, 10)]
+    got = [await edges.step(hidden[:, :6]), await edges.step(hidden[:, 6:7])]
+    with pytest.raises(PeerUnavailableError):
+        await edges.step(refused)
+    got += [await edges.step(hidden[:, t : t + 1]) for t in range(7, 10)]
+    for ours, theirs in zip(got, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=0)
+    assert edges.front_cache.get_seq_length() == 10
+    assert edges.front_cache.layers[0].keys.shape[-2] == 3  # trimmed to the window after each step
