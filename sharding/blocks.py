@@ -238,7 +238,9 @@ class BlockSpan(nn.Module):
         """`forward` with the base weights, except that a one-token step of a SpanCache session, on a span loaded with
         `decode_graphs`, runs as that session's fixed-shape step: replayed as a CUDA graph on a CUDA device
         (sharding/decode_graph.py). The caller runs steps with LoRA rows through `forward` (a graph replays the base
-        weights only). A capture that fails turns the span's graphs off (logged) and the step runs as usual."""
+        weights only). A capture that fails turns the span's graphs off (logged) and the step runs as usual; one that
+        runs out of device memory turns off only this session's (a graph's pool is memory the plain step does not
+        need, and memory may be short for a moment only)."""
         fixed = self._fixed_step(hidden, cache, position, blocks) if self.decode_graphs else None
         if fixed is not None:
             try:
@@ -246,11 +248,17 @@ class BlockSpan(nn.Module):
             except RuntimeError as exc:  # torch's capture errors; the cache's length has not moved
                 if fixed.graph is not None:
                     raise  # a replay that failed: not a capture matter
-                logger.warning(
-                    "CUDA graph capture failed (%s): blocks %d:%d run without graphs", exc, self.start, self.end
-                )
-                self.decode_graphs = False
                 cache.fixed_step = None
+                if isinstance(exc, torch.OutOfMemoryError):
+                    logger.info(
+                        "blocks %d:%d: no memory for a session's CUDA graph; it steps without", self.start, self.end
+                    )
+                    cache.fixed_step = False  # this session's steps run as usual from now on
+                else:
+                    logger.warning(
+                        "CUDA graph capture failed (%s): blocks %d:%d run without graphs", exc, self.start, self.end
+                    )
+                    self.decode_graphs = False
         return self(hidden, cache, position, blocks)
 
     def _fixed_step(self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int] | None):
@@ -269,6 +277,8 @@ class BlockSpan(nn.Module):
             return None  # the buffers grow (or a first step fills them): a plain step, then a new fixed one
         rows = hidden.shape[0]
         held = cache.fixed_step
+        if held is False:
+            return None  # this session's capture ran out of device memory (see `step`)
         if held is not None and held.fits(cache, first, end, rows):
             return held
         try:

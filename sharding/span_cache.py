@@ -110,7 +110,8 @@ class SpanCache(DynamicCache):
     def __init__(self, config):
         super().__init__(config=config)
         self.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
-        self.fixed_step = None  # its one-token step of fixed shape (sharding/decode_graph.py), once it has one
+        # its one-token step of fixed shape (sharding/decode_graph.py), once it has one; False: none for this session
+        self.fixed_step = None
 
     def reserve(self, tokens: int) -> None:
         """Let buffers that must grow grow to `tokens` (the capacity the owner has reserved) rather than by doubling;

@@ -23,7 +23,7 @@ def _run_both(span, plain, reserve: int, steps: int, batch: int = 1, device: str
         for position in range(6, 6 + steps):
             token = hidden[:, position : position + 1]
             pairs.append((span.step(token, ours, position), plain(token, theirs, position)))
-            if ours.fixed_step is not None and ours.fixed_step not in used:
+            if ours.fixed_step and ours.fixed_step not in used:
                 used.append(ours.fixed_step)
     assert ours.get_seq_length() == theirs.get_seq_length() == 6 + steps
     return pairs, used
@@ -73,6 +73,32 @@ def test_spans_and_calls_a_fixed_step_cannot_serve_run_as_usual(tiny_models):
     span.step(hidden[:, :2], cache, 0)  # autograd on (a training pass): always the plain forward
     span.step(hidden[:, 2:3], cache, 2)
     assert cache.fixed_step is None
+
+
+@pytest.mark.parametrize("out_of_memory", [False, True], ids=["capture-error", "out-of-memory"])
+def test_a_failed_capture_runs_the_step_as_usual_and_only_memory_spares_the_spans_graphs(
+    tiny_llama, monkeypatch, out_of_memory
+):
+    """A first run of a fixed step (a capture on CUDA) that raises leaves the cache's length where it was and the step
+    runs as a plain forward, with the same outputs; an error turns the span's graphs off, running out of device
+    memory only the session's (the next session gets its fixed step)."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4, decode_graphs=True))
+    plain = load_block_span(tiny_llama, SpanSpec(0, 4))
+    calls = []
+
+    def fail(self, hidden, position):
+        calls.append(position)
+        raise torch.OutOfMemoryError("out of memory") if out_of_memory else RuntimeError("operation not permitted")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(FixedStep, "__call__", fail)
+        pairs, used = _run_both(span, plain, reserve=16, steps=5)
+    for got, expected in pairs:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert calls == [6] and used == []  # tried once, at the first one-token step, never again for this session
+    assert span.decode_graphs is out_of_memory
+    _, used = _run_both(span, plain, reserve=16, steps=3)
+    assert len(used) == (1 if out_of_memory else 0)
 
 
 def test_a_fixed_step_refuses_a_position_past_its_buffers(tiny_llama):
