@@ -30,6 +30,7 @@ from functools import partial
 from types import MappingProxyType
 from typing import Any
 
+import numpy as np
 import torch
 
 from nesa_node.compression import quantize
@@ -349,14 +350,23 @@ def decode(
     return spec.decode(raw, elements, torch_dtype, params, target).reshape(shape)
 
 
+_FROMBUFFER_WARNED = False  # torch's one warning about views of immutable bytes has been given (and silenced)
+
+
 def _payload_view(payload: bytes) -> torch.Tensor:
     """A read-only uint8 tensor over the payload, without copying it: decoders only read it (and copy where their
     result would otherwise be a view of it). torch warns once per process that such a tensor could write into
-    immutable bytes; that one warning is silenced here, where nothing does."""
+    immutable bytes; that one warning is silenced here, where nothing does (on the first view only: entering
+    `catch_warnings` on every decode step costs more than the rest of a small tensor's decoding)."""
+    global _FROMBUFFER_WARNED
     if isinstance(payload, bytes | bytearray) and len(payload) > 0:
+        if _FROMBUFFER_WARNED:
+            return torch.frombuffer(payload, dtype=torch.uint8)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-            return torch.frombuffer(payload, dtype=torch.uint8)
+            view = torch.frombuffer(payload, dtype=torch.uint8)
+        _FROMBUFFER_WARNED = True
+        return view
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8)
 
 
@@ -371,10 +381,18 @@ def wire_bytes(codec: str, shape: tuple[int, ...], dtype: str | torch.dtype = "f
     return spec.payload_bytes(elements, WIRE_DTYPES[name][1], resolved)
 
 
+_NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # the float dtypes numpy holds as they are
+SMALL_CHECK_ELEMENTS = 1 << 16  # up to this many elements of a CPU tensor, numpy checks them (see all_finite)
+
+
 def all_finite(tensor: torch.Tensor) -> bool:
     """True when no element is nan or inf."""
     if not tensor.numel():
         return True
+    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and tensor.numel() <= SMALL_CHECK_ELEMENTS:
+        # a decode step's hidden states (hundreds to thousands of elements): numpy's exact check on a view of the
+        # tensor costs a third of one torch call's dispatch, and every hop of every token pays it
+        return bool(np.isfinite(tensor.detach().numpy()).all())
     # nan and inf propagate through a sum, so a finite sum proves every element finite at the cost of one read (an
     # isfinite mask costs several times more); only a non-finite sum, which huge finite values can also cause,
     # pays for the exact check

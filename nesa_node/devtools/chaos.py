@@ -40,6 +40,8 @@ class ChurnEvent:
     killed: str  # peer id
     span: tuple[int, int]
     replacement_pid: int
+    ready_s: float | None = None  # since the churn started, when the replacement printed its peer id
+    replacement: str | None = None  # its peer id, once ready
 
 
 class ChaosSwarm:
@@ -182,15 +184,17 @@ class Churn:
             try:
                 self.swarm.kill(victim.peer_id)
                 replacement = self.swarm.launch(victim.span)
-                self.events.append(
-                    ChurnEvent(time.monotonic() - self._started, victim.peer_id, victim.span, replacement.process.pid)
+                event = ChurnEvent(
+                    time.monotonic() - self._started, victim.peer_id, victim.span, replacement.process.pid
                 )
-                threading.Thread(target=self._ready, args=(replacement,), daemon=True).start()
+                self.events.append(event)
+                threading.Thread(target=self._ready, args=(replacement, event), daemon=True).start()
             except Exception as exc:  # a soak goes on; the event log tells what happened
                 logger.warning("churn step failed: %r", exc)
 
-    def _ready(self, node: ChaosNode) -> None:
+    def _ready(self, node: ChaosNode, event: ChurnEvent) -> None:
         try:
             self.swarm.wait_ready(node)
+            event.ready_s, event.replacement = time.monotonic() - self._started, node.peer_id
         except Exception as exc:
             logger.warning("replacement node %d did not start: %r", node.process.pid, exc)

@@ -300,32 +300,30 @@ class InferenceService:
             raise ChannelClosedError(f"the peer read nothing for {self.limits.step_timeout_s} s") from None
 
     async def _step(self, session: ServerSession, request: Frame, step: Step) -> bool:
-        """Compute a step and hand its output on; False when it missed the step timeout (the session ends)."""
+        """Compute a step and hand its output on; False when it missed the step timeout (the session ends). The
+        step's counters are taken once its output has left: nothing down the chain waits for them."""
         try:
             async with asyncio.timeout(self.limits.step_timeout_s):
                 output, seconds = await self._compute_step(session, request, step)
-                result = StepResult(
-                    step_id=step.step_id,
-                    position=session.last_position,  # of this step, also when it was a duplicate
-                    compute_s=seconds + step.compute_s,  # this node's and those before it
-                    codec=session.output_codec,
-                    replayed=step.replay,
-                )
                 tensors = [tensor_to_proto(output, session.output_codec)]
-                if self.metrics is not None:
-                    self._count_step(session, request, step, tensors, seconds, output.shape[1])
+                compute_s = seconds + step.compute_s  # this node's and those before it
                 if not step.replay and session.next_peer is not None:
                     pushed = time.perf_counter()
-                    await self.push.push(session, Step(
-                        step_id=result.step_id,
-                        position=result.position,
-                        codec=result.codec,
-                        compute_s=result.compute_s,
-                        session_id=session.session_id,
-                        owner=session.client_peer,
-                    ), tensors)  # fmt: skip
+                    try:
+                        await self.push.push(session, Step(
+                            step_id=step.step_id,
+                            position=session.last_position,  # of this step, also when it was a duplicate
+                            codec=session.output_codec,
+                            compute_s=compute_s,
+                            session_id=session.session_id,
+                            owner=session.client_peer,
+                        ), tensors)  # fmt: skip
+                    finally:
+                        if self.metrics is not None:
+                            self._count_step(session, request, step, tensors, seconds, output.shape[1])
                     if self.metrics is not None:
                         self.metrics.push_duration_seconds.observe(time.perf_counter() - pushed)
+                    return True
         except TimeoutError:
             logger.info("session %s: step over %.1f s, closing", session.session_id, self.limits.step_timeout_s)
             error = PeerUnavailableError(
@@ -334,10 +332,21 @@ class InferenceService:
             with contextlib.suppress(ChannelClosedError):
                 session.reply.send(frame(ErrorReply.of(error, step.step_id)))
             return False
-        if step.replay:  # rebuilding this node's cache after a failover: the output goes back to the client
-            await self._answer(session.reply, frame(result, tensors))
-        elif session.next_peer is None:
-            await self._send_output(session, frame(result, tensors))
+        result = StepResult(
+            step_id=step.step_id,
+            position=session.last_position,
+            compute_s=compute_s,
+            codec=session.output_codec,
+            replayed=step.replay,
+        )
+        try:
+            if step.replay:  # rebuilding this node's cache after a failover: the output goes back to the client
+                await self._answer(session.reply, frame(result, tensors))
+            else:  # the last node of the chain
+                await self._send_output(session, frame(result, tensors))
+        finally:
+            if self.metrics is not None:
+                self._count_step(session, request, step, tensors, seconds, output.shape[1])
         return True
 
     def _count_step(

@@ -5,6 +5,7 @@ stay flat. The short form runs in `make test`; `make test-slow` runs the long on
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -56,7 +57,8 @@ def client_tree_rss_mb(models) -> float:
     return sum(process.memory_info().rss for process in processes) / 2**20
 
 
-def run_soak(tiny_llama: str, soak: Soak) -> None:
+def run_soak(tiny_llama: str, soak: Soak, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="nesa_node.client")  # each failover's failed node and why, on a failure
     begin = time.monotonic()
     reference_model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     inputs = prompts(PROMPTS)
@@ -111,7 +113,8 @@ def run_soak(tiny_llama: str, soak: Soak) -> None:
                 for thread in threads:
                     thread.join()
             elapsed = time.monotonic() - started
-            assert not failures, failures
+            failovers = [r.getMessage() for r in caplog.records if r.name.startswith("nesa_node.client")]
+            assert not failures, "\n".join(map(str, [*failures, *churn.events, *failovers]))
             assert len(churn.events) >= soak.kills
             assert [index for index, equal in results if not equal] == []
             print(
@@ -135,10 +138,10 @@ def run_soak(tiny_llama: str, soak: Soak) -> None:
                 model.close()
 
 
-def test_a8_churn_soak_short(tiny_llama):
-    run_soak(tiny_llama, SHORT)
+def test_a8_churn_soak_short(tiny_llama, caplog):
+    run_soak(tiny_llama, SHORT, caplog)
 
 
 @pytest.mark.slow
-def test_a8_churn_soak_long(tiny_llama):
-    run_soak(tiny_llama, LONG)
+def test_a8_churn_soak_long(tiny_llama, caplog):
+    run_soak(tiny_llama, LONG, caplog)

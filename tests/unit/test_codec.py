@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from nesa_node.compression.codec import (
     CODECS,
     DEFAULT_CODEC,
+    SMALL_CHECK_ELEMENTS,
     CodecError,
     EncodedTensor,
     all_finite,
@@ -197,6 +198,27 @@ def test_all_finite_is_exact_even_when_a_sum_overflows():
     for bad in (math.nan, math.inf, -math.inf):
         assert not all_finite(torch.tensor([1.0, bad, 2.0]))
         assert not all_finite(torch.tensor([1.0, bad], dtype=torch.bfloat16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    size=st.sampled_from([1, 7, 512, SMALL_CHECK_ELEMENTS, SMALL_CHECK_ELEMENTS + 1]),
+    dtype=st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]),
+    bad=st.sampled_from([None, math.nan, math.inf, -math.inf]),
+    where=st.floats(0, 1, exclude_max=True),
+    strided=st.booleans(),
+    grad=st.booleans(),
+)
+def test_all_finite_agrees_with_an_elementwise_check_on_every_path(size, dtype, bad, where, strided, grad):
+    """Small CPU tensors are checked by numpy, others by torch: both give torch.isfinite(...).all(), on views with
+    strides and on tensors that require grad too."""
+    tensor = torch.linspace(-1e4, 1e4, 2 * size, dtype=torch.float64).to(dtype)
+    if bad is not None:
+        tensor[int(where * 2 * size)] = bad
+    tensor = tensor[::2] if strided else tensor[:size]  # a strided view sees the even elements only
+    if grad:
+        tensor = tensor.clone().requires_grad_(True)
+    assert all_finite(tensor) == bool(torch.isfinite(tensor.detach()).all())
 
 
 def test_payload_must_match_shape():
