@@ -58,7 +58,8 @@ def client_tree_rss_mb(models) -> float:
 
 
 def run_soak(tiny_llama: str, soak: Soak, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="nesa_node.client")  # each failover's failed node and why, on a failure
+    # the clients' log (each failover: the failed node and why), shown on a failure
+    caplog.set_level(logging.INFO, logger="nesa_node.client")
     begin = time.monotonic()
     reference_model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     inputs = prompts(PROMPTS)
@@ -113,8 +114,8 @@ def run_soak(tiny_llama: str, soak: Soak, caplog) -> None:
                 for thread in threads:
                     thread.join()
             elapsed = time.monotonic() - started
-            failovers = [r.getMessage() for r in caplog.records if r.name.startswith("nesa_node.client")]
-            assert not failures, "\n".join(map(str, [*failures, *churn.events, *failovers]))
+            client_log = [r.getMessage() for r in caplog.records if r.name.startswith("nesa_node.client")]
+            assert not failures, "\n".join(map(str, [*failures, *churn.events, *client_log]))
             assert len(churn.events) >= soak.kills
             assert [index for index, equal in results if not equal] == []
             print(
