@@ -216,6 +216,17 @@ class PortInUseError(NesaError):
 class InitialPeersError(NesaError):
     code = "initial_peers"
 
+    HINT = (
+        "the address of any running peer of the swarm works (a node's or the bootstrap's `listening on` line, "
+        "or its --address-file)"
+    )
+
+    @classmethod
+    def not_an_address(cls, address: object) -> InitialPeersError:
+        return cls(
+            f"{str(address)!r} is not a peer address: it should look like /ip4/HOST/tcp/PORT/p2p/PEER_ID; {cls.HINT}"
+        )
+
 
 class IdentityFileError(NesaError):
     code = "identity"

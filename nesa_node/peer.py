@@ -163,12 +163,6 @@ async def start_peer(
     return Peer(p2p, dht, signature_validator, tuple(initial_peers), identity_tmp)
 
 
-ADDRESS_HINT = (
-    "the address of any running peer of the swarm works (a node's or the bootstrap's `listening on` line, "
-    "or its --address-file)"
-)
-
-
 def check_initial_peers(initial_peers) -> None:
     """Raise InitialPeersError unless every entry is a multiaddr that names its peer: /ip4/HOST/tcp/PORT/p2p/ID."""
     for address in initial_peers:
@@ -177,15 +171,14 @@ def check_initial_peers(initial_peers) -> None:
         except Exception:
             peer_id = None
         if not peer_id:
-            raise InitialPeersError(
-                f"{str(address)!r} is not a peer address: it should look like /ip4/HOST/tcp/PORT/p2p/PEER_ID; "
-                + ADDRESS_HINT
-            )
+            raise InitialPeersError.not_an_address(address)
 
 
 def _no_initial_peer_answered(initial_peers) -> str:
     names = ", ".join(str(address) for address in initial_peers)
-    return f"none of the initial peers answered ({names}); check that they run, or use another: {ADDRESS_HINT}"
+    return (
+        f"none of the initial peers answered ({names}); check that they run, or use another: {InitialPeersError.HINT}"
+    )
 
 
 def ip_protocol(address: str) -> str:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
+from nesa_node.sharding.model_folder import check_span, config_file
 from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
 
 if TYPE_CHECKING:
@@ -45,8 +46,7 @@ def load_config(model_path: str | Path):
     from transformers import AutoConfig
 
     path = Path(model_path)
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"{path} has no config.json; point --model at a Hugging Face model folder")
+    config_file(path)  # ModelLoadError when the folder has none
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=False)  # a model's own code never runs here
     except ValueError as exc:
@@ -439,10 +439,7 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
     QuantizationUnsupportedError for a quantization mode this device or bitsandbytes cannot run.
     """
     config = config if config is not None else load_config(model_path)
-    if not 0 <= spec.start < spec.end <= config.num_hidden_layers:
-        raise ModelLoadError(
-            f"blocks {spec.start}:{spec.end} are outside the model's 0:{config.num_hidden_layers} range"
-        )
+    check_span(spec.start, spec.end, config.num_hidden_layers)
     if spec.dtype not in DTYPES:
         raise ModelLoadError(f"dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}")
     check_device(spec.device)

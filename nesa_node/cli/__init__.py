@@ -487,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args) -> int:
+    from nesa_node.cli.preflight import check
+
+    check(args)  # the mistakes that need no heavy import, told before any
     if args.command == "model" and args.model_command == "train-tiny":
         return _train_tiny(args)
     if args.command == "model" and args.model_command == "manifest":

@@ -56,6 +56,8 @@ def parse_edges(text: str) -> tuple[int, int]:
 
 def parse_verify(text: str) -> str:
     """A verification policy as client/config.py's VerifyPolicy reads it."""
+    if text == "off":  # the default, parsed on every command line: the policy's module loads torch and hivemind
+        return text
     from nesa_node.client.config import VerifyPolicy
 
     try:
