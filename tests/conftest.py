@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import settings
 
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 from tests.support.models import ARCHES
+
+# properties are checked for correctness, never speed: no per-example deadline (`make test` runs pytest in two workers
+# on a 2-core machine, where an example's time says nothing)
+settings.register_profile("nesa", deadline=None)
+settings.load_profile("nesa")
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,8 @@ from nesa_node import DistributedModelForCausalLM
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 from tests.support.swarm import wait_for_chain
 
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
+
 PROMPTS = [[5, 6, 7], [100, 3, 44, 9, 12], [8], [301, 302], [17, 18, 19, 20, 21, 22], [999, 1]]
 NEW_TOKENS = 12
 

@@ -19,6 +19,8 @@ from nesa_node import DistributedModelForCausalLM
 from nesa_node.devtools.chaos import ChaosSwarm, Churn
 from tests.support.swarm import wait_for_chain, wait_until
 
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
+
 SPANS = [(0, 1), (1, 3), (3, 4)]
 PROMPT_TOKENS = 8
 

@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.compression.names import AUTO_CODEC
 from tests.support.swarm import wait_for_chain
+
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
 
 PREFIX = "auto-codec"
 PROMPT = torch.tensor([list(range(5, 69))])  # 64 tokens: 4096 elements of the tiny Llama's width

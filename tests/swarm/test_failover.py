@@ -25,6 +25,8 @@ from nesa_node.protocol.messages import ErrorReply
 from nesa_node.protocol.records import NodeState
 from tests.support.swarm import wait_for_chain, wait_until
 
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
+
 SPANS = [(0, 1), (1, 3), (3, 4)]
 # nodes per span: enough for every test below to kill (or stop) one and still find a replacement
 COPIES = {(0, 1): 3, (1, 3): 7, (3, 4): 3}

@@ -21,6 +21,8 @@ from nesa_node.errors import NoRouteError
 from nesa_node.protocol import lane
 from tests.support.swarm import wait_for_chain, wait_until
 
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
+
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 # attackers on other loopback addresses than the honest client's 127.0.0.1, so the per-source cap is theirs alone
 FLOOD_SOURCES = tuple(f"127.0.0.{index}" for index in range(2, 12))

@@ -3,6 +3,7 @@ their records; a node started with --inject-delay-ms looks that much further awa
 
 from __future__ import annotations
 
+import pytest
 from hivemind.proto.runtime_pb2 import Tensor
 
 from nesa_node.client.swarm import Swarm
@@ -10,6 +11,8 @@ from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Frame, read
 from nesa_node.protocol.messages import INFO_ANSWERS
 from tests.support.swarm import wait_until
+
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
 
 DELAY_MS = 40.0
 

@@ -21,6 +21,8 @@ from nesa_node.protocol.dht import NodeRecord
 from nesa_node.routing.chain import Chain, Hop
 from tests.support.swarm import wait_until
 
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
+
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 
 

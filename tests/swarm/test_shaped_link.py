@@ -16,7 +16,7 @@ from nesa_node.devtools.launcher import ProcessGroup
 from tests.support.netns import ShapedNamespace, can_shape
 from tests.support.swarm import wait_for_chain, wait_until
 
-pytestmark = [pytest.mark.cli, pytest.mark.skipif(can_shape() is not None, reason=str(can_shape()))]
+pytestmark = [pytest.mark.cli, pytest.mark.serial, pytest.mark.skipif(can_shape() is not None, reason=str(can_shape()))]
 
 RATE_MBIT = 50
 PREFIX = "shaped"

@@ -11,12 +11,15 @@ from __future__ import annotations
 import itertools
 import time
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.protocol.records import LinkInfo
 from tests.support.swarm import wait_until
+
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
 
 PREFIX = "stability"
 PROMPT = torch.tensor([[5, 6, 7, 8]])

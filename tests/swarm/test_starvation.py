@@ -23,6 +23,8 @@ from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS
 from nesa_node.sharding.kv_cache import kv_bytes_per_token_for
 from tests.support.swarm import wait_for_chain, wait_until
 
+pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
+
 PREFIX = "starve"
 LIMITS = {
     "max_sessions": 16,

@@ -133,6 +133,7 @@ def test_the_caller_chooses_the_grad_mode(tiny_llama):
         weight.grad = None
 
 
+@pytest.mark.serial  # compares two throughput measurements: run alone (Makefile)
 def test_throughput_is_measured_warm_and_per_block(tmp_path):
     """A one-block span runs a step faster than a four-block span of the same model, and the per-block figures
     of the two, which leave out the per-call part, are of the same order (a cold, single-shot measurement gave
