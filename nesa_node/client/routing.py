@@ -22,6 +22,11 @@ logger = logging.getLogger(__name__)
 
 ChainSelector = Callable[[SwarmSnapshot, ChainRequest], Chain]
 
+# nodes that missed the probe, without which no chain is left, are pinged again with this many times its timeout
+# before they are banned (guess: a host busy starting processes stalls a node's event loop for a second or two; a
+# frozen or dead node fails any timeout)
+LAST_NODES_PROBE_FACTOR = 4.0
+
 
 def explain_missing(
     snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str], other_weights: frozenset[str] = frozenset()
@@ -125,18 +130,34 @@ class Router:
         await self.swarm.measure_rtts(candidates[: self.config.max_pinged_candidates])
 
     async def reachable_chain(self, request: ChainRequest) -> Chain:
-        """A chain for `request` whose nodes answer a ping now: a node that does not is banned and the chain chosen
-        again (records of crashed nodes linger until they expire; opening a stream to one waits out a dial timeout).
-        Raises NoRouteError when no chain of answering nodes is left."""
+        """A chain for `request` whose nodes answer a ping now: nodes that do not are left out and the chain chosen
+        again (records of crashed nodes linger until they expire; opening a stream to one waits out a dial timeout),
+        and banned once a chain is found without them. When none is, the silent nodes get a longer ping first: a
+        node on a loaded host can miss the short one, and banning the last node of a span would end every session
+        needing it. Raises NoRouteError when no chain of answering nodes is left."""
+        silent: set[str] = set()
         for _ in range(self.config.max_open_attempts):
-            chain = await self.reroute(request)
-            silent = await self.swarm.unreachable(list(chain.peer_ids), timeout_s=self.config.probe_timeout_s)
-            if not silent:
+            try:
+                chain = await self.reroute(replace(request, exclude=request.exclude | silent))
+            except NoRouteError:
+                if not silent:
+                    raise
+                timeout_s = self.config.probe_timeout_s * LAST_NODES_PROBE_FACTOR
+                self._ban_silent(await self.swarm.unreachable(sorted(silent), timeout_s=timeout_s))
+                silent = set()  # those that answered now are routed to again (their ping is fresh), the rest banned
+                continue
+            missed = await self.swarm.unreachable(list(chain.peer_ids), timeout_s=self.config.probe_timeout_s)
+            if not missed:
+                self._ban_silent(silent)
                 return chain
-            for peer_id in silent:
-                logger.info("%s does not answer; routing around it", peer_id)
-                self.swarm.ban(peer_id)
+            silent.update(missed)
+        self._ban_silent(silent)
         return await self.reroute(request)
+
+    def _ban_silent(self, peer_ids) -> None:
+        for peer_id in peer_ids:
+            logger.info("%s does not answer; routing around it", peer_id)
+            self.swarm.ban(peer_id)
 
     async def reroute(self, request: ChainRequest) -> Chain:
         """A chain for `request` (its block range; banned peers excluded) from a fresh view of the swarm. Raises

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import msgpack
@@ -14,6 +15,7 @@ from hivemind.utils import get_dht_time
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import RECENT_RECORD_S
 from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.errors import NoRouteError
@@ -94,6 +96,40 @@ def test_nodes_gone_or_frozen_without_a_goodbye_are_routed_around_at_open(local_
     )
     assert torch.equal(output, reference)
     assert elapsed < 8.0, elapsed  # a dial to the dead node would take 20 s; the frozen one costs the probe's 1 s
+
+
+def test_the_last_node_of_a_span_that_misses_the_short_ping_is_asked_longer_not_banned(local_swarm, tiny_llama):
+    """The only node for the blocks is stalled (SIGSTOP, as a host busy starting processes stalls a node) for 2.5 s
+    when a session opens: it misses the 1 s ping, and with no other chain left the client pings it again with a
+    longer timeout before banning it. It answers once it runs again: the session opens on it and the tokens equal
+    single-process generation (banned, the session would end in NoRouteError)."""
+    config = ClientConfig(max_pinged_candidates=0)  # the open's ping is the probe's alone
+    with ProcessGroup() as group:
+        args = ["run", "--model", tiny_llama, "--blocks", "0:4", "--initial-peers", *local_swarm.initial_peers]
+        process, address_file = group.start("stalled", [*args, "--dht-prefix", "stalled", "--rebalance", "off"])
+        group.wait_address(process, address_file)
+        stalled = group_peer_id(group, process)
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="stalled", compression="none", config=config
+        ) as model:
+            seen = lambda: {record.info.peer_id for record in model.call(model.swarm.node_records())}  # noqa: E731
+            wait_until(lambda: seen() == {stalled}, timeout_s=30)
+            os.killpg(process.pid, signal.SIGSTOP)
+            resume = threading.Timer(2.5, os.killpg, (process.pid, signal.SIGCONT))
+            resume.start()
+            try:
+                started = time.monotonic()
+                output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+                elapsed = time.monotonic() - started
+            finally:
+                resume.cancel()
+                os.killpg(process.pid, signal.SIGCONT)
+            assert model.last_chain.peer_ids == (stalled,) and stalled not in model.swarm.banned()
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(output, reference)
+    assert elapsed > 2.0, elapsed  # it did wait for the stalled node
 
 
 def group_peer_id(group: ProcessGroup, process) -> str:
