@@ -34,6 +34,8 @@ def check(args: argparse.Namespace) -> None:
     if args.command == "run":
         _check_run(args)
         return
+    if args.command == "graph":  # a plan file is checked before the peers: `graph` makes its own checks in order
+        return
     # in the order the commands check: the model folder, then the peers
     if args.command in MODEL_FOLDER_COMMANDS and isinstance(getattr(args, "model", None), str):
         config_file(args.model)  # ModelLoadError when the folder has none
@@ -47,12 +49,12 @@ def _check_peers(initial_peers) -> None:
 
 
 def _check_run(args: argparse.Namespace) -> None:
-    # in the order and words of the node's and the graph stage's own checks (server/node.py, graph/stage.py)
+    if not (args.model and args.blocks):  # a graph stage: its plan is checked first, by the stage itself
+        return
+    # in the order and words of the node's own checks (server/node.py)
     if not args.initial_peers and not args.new_swarm:
         raise ValueError("give --initial-peers to join a swarm, or --new-swarm to start one")
     _check_peers(args.initial_peers)
-    if not (args.model and args.blocks):  # a graph stage: its own checks
-        return
     if args.cuda_graphs and not args.device.startswith("cuda"):
         raise ValueError(f"--cuda-graphs needs a CUDA device (--device cuda), not {args.device}")
     num_blocks = declared_blocks(args.model)

@@ -25,6 +25,8 @@ from nesa_node.protocol.messages import ForwardRequest
 from nesa_node.protocol.tensors import tensor_to_proto
 from tests.support.swarm import wait_for_chain, wait_until
 
+pytestmark = pytest.mark.serial  # memory growth and drain times: run alone, after the parallel pass (Makefile)
+
 HIDDEN = 64  # the tiny Llama's hidden size
 
 
