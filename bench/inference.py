@@ -82,7 +82,10 @@ def timed_generate(model, input_ids, new_tokens: int) -> dict:
     }
 
 
-def timed_forward(model, input_ids, repeats: int) -> float:
+def timed_forward(model, input_ids, repeats: int) -> float | None:
+    """Tokens/s of a cacheless forward of `input_ids` (median of `repeats`); None with `--forward-repeats 0`."""
+    if repeats <= 0:
+        return None
     with torch.inference_mode():
         model(input_ids)  # warm-up
         seconds = []
@@ -212,7 +215,7 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
                 "first_decode_tps": round(first["decode_tps"], 2),
                 "first_vs_later": round(first["decode_tps"] / decode, 3),
                 "ttft_ms": round(1000 * statistics.median(run["ttft_s"] for run in runs), 2),
-                "forward_8x128_tps": round(forward_tps, 1),
+                "forward_8x128_tps": None if forward_tps is None else round(forward_tps, 1),
                 "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
                 "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
                 "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
@@ -243,12 +246,13 @@ def against(figures: dict, before: dict, after: dict) -> dict:
     """`figures` of one swarm with their ratios to the single process measured just before and just after it (the
     mean of the two), so a machine that speeds up or slows down during the run moves both sides alike."""
     decode = (before["decode_tps"] + after["decode_tps"]) / 2
-    forward = (before["forward_8x128_tps"] + after["forward_8x128_tps"]) / 2
+    forwards = (before["forward_8x128_tps"], after["forward_8x128_tps"], figures["forward_8x128_tps"])
+    forward = None if None in forwards else figures["forward_8x128_tps"] / ((forwards[0] + forwards[1]) / 2)
     ttft = (before["ttft_ms"] + after["ttft_ms"]) / 2
     return {
         **figures,
         "decode_vs_baseline": round(figures["decode_tps"] / decode, 3),
-        "forward_vs_baseline": round(figures["forward_8x128_tps"] / forward, 3),
+        "forward_vs_baseline": None if forward is None else round(forward, 3),  # None: --forward-repeats 0
         "ttft_over_baseline_ms": round(figures["ttft_ms"] - ttft, 2),
     }
 
@@ -374,6 +378,7 @@ def main() -> None:
         "baseline": {
             key: round(statistics.median(measured[key] for measured in baselines), 2)
             for key in ("decode_tps", "ttft_ms", "forward_8x128_tps")
+            if all(measured[key] is not None for measured in baselines)
         },
         "baseline_decode_tps_runs": [round(measured["decode_tps"], 2) for measured in baselines],
         "swarm": swarm_results,
