@@ -23,12 +23,14 @@ from nesa_node.client.timings import NodeTimings
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.peer import Peer, start_peer
 from nesa_node.protocol import lane, rpc
-from nesa_node.protocol.channel import Frame, LaneChannel, frame, read
+from nesa_node.protocol.channel import ChannelClosedError, Frame, LaneChannel, frame, read
 from nesa_node.protocol.dht import NodeRecord, fetch_node_infos
+from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.messages import (
     FORWARD_ANSWERS,
     INFO_ANSWERS,
     MAX_INFO_BYTES,
+    MAX_METADATA_BYTES,
     TICKET_ANSWERS,
     ErrorReply,
     ForwardRequest,
@@ -53,6 +55,7 @@ RECENT_RECORD_S = 120.0
 ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a node computes in (sharding/blocks.py DTYPES)
 BANDWIDTH_PAYLOAD_BYTES = 256 * 1024  # as the nodes' link probe: dominates a LAN round trip, short on a slow uplink
 BANDWIDTH_MAX_AGE_S = 600.0  # a link's bandwidth is measured again after this long (guess)
+FORWARD_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # a forward answer's message and protobuf framing
 
 
 def check_answer(message, model):
@@ -503,10 +506,14 @@ class Swarm:
             start_block=hop.start_block, end_block=hop.end_block, codec=codec, output_codec=output_codec
         )
         request = frame(message, [tensor_to_proto(hidden, codec)])
+        answer_bytes = hidden.numel() * 4 + FORWARD_HEADROOM_BYTES  # the longest honest answer: float32 or less
         async with self._forward_locks.setdefault(peer_id, asyncio.Lock()):
             channel = await self._forward_lane(peer_id)
             if channel is not None:
+                channel.max_frame_bytes = answer_bytes
                 answer = await self._forward_on_lane(peer_id, channel, request)
+            elif max(request.ByteSize() + FORWARD_HEADROOM_BYTES, answer_bytes) > rpc.MAX_UNARY_BYTES:
+                answer = await self._forward_on_stream(peer_id, request, answer_bytes)
             else:
                 answer = await self.unary(peer_id, rpc.FORWARD, request)
         result = check_answer(read(answer, FORWARD_ANSWERS), ForwardResult)
@@ -541,6 +548,26 @@ class Swarm:
         channel = LaneChannel(stream, "answer on a data lane")
         self._forward_lanes[peer_id] = channel
         return channel
+
+    async def _forward_on_stream(self, peer_id: str, request: Frame, answer_bytes: int) -> Frame:
+        """A forward over a libp2p stream of its own: a request or answer over p2pd's unary bound cannot go as a
+        unary call."""
+        channel = None
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                channel = await open_stream(self.p2p, peer_id, rpc.FORWARD_STREAM, max_frame_bytes=answer_bytes)
+                channel.send(request)
+                channel.end()
+                answer = await channel.receive()
+            if answer is None:
+                raise ChannelClosedError("the node ended the stream without an answer")
+            return answer
+        except Exception as exc:  # as on a lane: a stream that fails, or an answer that cannot be read, is the node's
+            logger.debug("%s to %s failed: %r", rpc.FORWARD_STREAM, peer_id, exc)
+            raise PeerUnavailableError(f"peer {peer_id} did not answer a forward on a stream: {exc!r}") from None
+        finally:
+            if channel is not None:
+                channel.close()
 
     async def _forward_on_lane(self, peer_id: str, channel: LaneChannel, request: Frame) -> Frame:
         try:

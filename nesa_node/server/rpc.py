@@ -3,6 +3,7 @@ the component that does the work.
 
   INFO         the node's live record                 PING          an empty answer (RTT, bandwidth probes)
   FORWARD      a cacheless forward (InferenceService)  INFERENCE     one session stream (InferenceService)
+  FORWARD_STREAM  one cacheless forward too large for a unary call
   PUSH         one step pushed by an upstream node    PUSH_STREAM   a session's pushes over one stream
   LANE_TICKET  a FORWARD data lane ticket (LaneServer)  ADAPTER       a LoRA adapter's blocks, for a peer (NodeAdapters)
   TRAIN        one LoRA training session (TrainingService)  TRAIN_SYNC    a replica's gradients (TrainingService)
@@ -11,6 +12,7 @@ Unary calls are bounded by p2pd (4 MiB); streams by the node's frame limit (prot
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from hivemind.p2p import P2P, P2PContext
@@ -62,6 +64,7 @@ class NodeRpc:
             await p2p.add_protobuf_handler(name, self._counted(name, handler), Frame)
         streams = (
             (rpc.INFERENCE, self.inference.serve_session),
+            (rpc.FORWARD_STREAM, self.rpc_forward_stream),
             (rpc.PUSH_STREAM, self.rpc_push_stream),
             (rpc.ADAPTER, self.rpc_adapter),
             (rpc.TRAIN, self.training.serve_training),
@@ -113,6 +116,17 @@ class NodeRpc:
 
     async def rpc_forward(self, request: Frame, context: P2PContext) -> Frame:
         return await self.inference.forward(request)
+
+    async def rpc_forward_stream(self, channel: StreamChannel, context: P2PContext) -> None:
+        """A cacheless forward whose request or answer is over p2pd's unary bound (a long prompt's hidden states): one
+        request on the stream, read within the peer timeout and the node's frame limit, and its answer."""
+        try:
+            async with asyncio.timeout(self.inference.network.peer_timeout_s):
+                request = await channel.receive()
+        except TimeoutError:
+            return
+        if request is not None:
+            channel.send(await self.inference.forward(request))
 
     async def rpc_push(self, request: Frame, context: P2PContext) -> Frame:
         """A step pushed by the upstream node of a direct chain, queued into its session."""

@@ -189,11 +189,11 @@ def refusal(target: Target, messages, *, answers: int) -> dict:
     return received[-1]
 
 
-def raw_frame(target: Target, frame: bytes) -> str:
-    """Write bytes on a fresh inference stream; the text of the error frame the node answers with."""
+def raw_frame(target: Target, frame: bytes, name: str = rpc.INFERENCE) -> str:
+    """Write bytes on a fresh stream of RPC `name`; the text of the error frame the node answers with."""
 
     async def run() -> str:
-        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, rpc.INFERENCE)
+        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, name)
         try:
             writer.write(frame)
             await writer.drain()
@@ -232,16 +232,21 @@ def frame(payload: bytes, declared: int | None = None) -> bytes:
 # ---- framing ----------------------------------------------------------------------------------------------------
 
 
-def test_d_frame_larger_than_the_limit_is_refused_before_it_is_read(target):
+STREAMS = [rpc.INFERENCE, rpc.FORWARD_STREAM]
+
+
+@pytest.mark.parametrize("name", STREAMS)
+def test_d_frame_larger_than_the_limit_is_refused_before_it_is_read(target, name):
     limit = max_frame_bytes(target.node.config, HIDDEN)
     assert limit == 64 * HIDDEN * 4 + 16 * 1024 + 1024
     # a header declaring 1 TiB followed by a few bytes: the node must answer without waiting for the rest
-    message = raw_frame(target, frame(b"\x0a\x00", declared=1 << 40))
+    message = raw_frame(target, frame(b"\x0a\x00", declared=1 << 40), name)
     assert message == f"[too_large] frame of {1 << 40} bytes exceeds this node's limit of {limit} bytes"
 
 
-def test_d_unparseable_protobuf(target):
-    message = raw_frame(target, frame(b"\xff\xff\xff\xff\x0f"))
+@pytest.mark.parametrize("name", STREAMS)
+def test_d_unparseable_protobuf(target, name):
+    message = raw_frame(target, frame(b"\xff\xff\xff\xff\x0f"), name)
     assert message.startswith("[bad_request] unparseable ExpertRequest protobuf")
 
 

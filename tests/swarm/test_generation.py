@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.errors import BadRequestError
+from nesa_node.protocol import rpc
 from nesa_node.routing.chain import Chain, Hop
 from tests.support.models import ARCHES
 from tests.support.swarm import wait_for_chain
@@ -161,6 +162,29 @@ def test_forward_without_session_matches_full_model(swarm, tiny_models, lanes):
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
     torch.testing.assert_close(again, expected, atol=1e-4, rtol=0)
     assert held == ({hop.peer_id for hop in chain.hops} if lanes else set())
+
+
+@pytest.mark.parametrize("lanes", [True, False], ids=["data-lanes", "libp2p"])
+def test_a_forward_larger_than_a_unary_call_is_carried_whole(swarm, tiny_models, lanes):
+    """Hidden states of 9 x 1900 tokens (4.4 MB in float32) are over p2pd's 4 MiB bound on a unary call: without a
+    data lane the forward goes on a libp2p stream of its own, and both ways give the single process's logits."""
+    path = tiny_models["llama"]
+    prefix = f"llama-wide-{'lanes' if lanes else 'libp2p'}"
+    node = swarm.start_node(path, 0, 4, dht_prefix=prefix, max_tokens_per_step=32768)
+    try:
+        input_ids = torch.randint(3, 1000, (9, 1900), generator=torch.Generator().manual_seed(8))
+        with torch.inference_mode():
+            expected = AutoModelForCausalLM.from_pretrained(path)(input_ids).logits
+        with connect(swarm, path, prefix) as model:
+            wait_for_chain(model, hops=1)
+            model.swarm.use_lanes = lanes
+            assert input_ids.numel() * model.config.hidden_size * 4 > rpc.MAX_UNARY_BYTES
+            with torch.inference_mode():
+                logits = model(input_ids).logits
+            assert set(model.swarm._forward_lanes) == ({node.peer_id} if lanes else set())
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
+    finally:
+        swarm.stop_node(node)
 
 
 def test_a_chain_may_use_part_of_a_nodes_span(swarm, tiny_models, references):
