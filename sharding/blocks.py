@@ -305,7 +305,11 @@ class BlockSpan(nn.Module):
         if not 0 <= first < end <= len(self.layers):
             raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
         rows = [hidden.shape[0] for hidden, _, _ in steps]
-        hidden = torch.cat([step.to(self.spec.device, self.dtype_) for step, _, _ in steps])  # (all rows, 1, hidden)
+        inputs = [step for step, _, _ in steps]
+        if len({(step.device, step.dtype) for step in inputs}) == 1:  # the usual case: one copy to the device
+            hidden = torch.cat(inputs).to(self.spec.device, self.dtype_)  # (all rows, 1, hidden)
+        else:
+            hidden = torch.cat([step.to(self.spec.device, self.dtype_) for step in inputs])
         positions = [position for (step, _, position) in steps for _ in range(step.shape[0])]
         position_ids = torch.tensor(positions, device=hidden.device).unsqueeze(1)  # (all rows, 1)
         longest = max(positions) + 1
@@ -375,7 +379,14 @@ class BlockSpan(nn.Module):
 
 class _RowsCache:
     """The cache a batched decode step hands the layers: each row range's keys and values go to that session's own
-    cache, and the attention reads them padded (after their end) to the longest, the padding masked out."""
+    cache, and the attention reads them padded (after their end) to the longest, the padding masked out.
+
+    For sessions whose layer is a `ReservedLayer` with room for the step (the common case), the writes of all of
+    them go as one `_foreach_copy_` and the reads take each buffer's first `longest` rows as they are: the rows past
+    a session's end hold zeros or keys it no longer holds (cropped), finite either way, and the mask gives them
+    weight exactly 0, so the attention is what zero padding gives. On a GPU this turns four kernel launches a
+    session and layer into two a layer. Other layers (no buffer yet, or a buffer to grow) take their own `update`
+    and are padded with zeros."""
 
     def __init__(self, caches: list, rows: list[int]):
         self.caches = caches
@@ -383,14 +394,54 @@ class _RowsCache:
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
         """keys, values (rows, kv_heads, 1, head_dim) -> every session's, padded: (rows, kv_heads, longest, head_dim)."""
-        held = [
-            cache.update(keys[start:end], values[start:end], layer_idx)
-            for cache, start, end in zip(self.caches, self.bounds, self.bounds[1:], strict=False)
+        from nesa_node.sharding.span_cache import ReservedLayer
+
+        step = keys.shape[-2]
+        rows = [end - start for start, end in zip(self.bounds, self.bounds[1:], strict=False)]
+        key_rows, value_rows = keys.split(rows), values.split(rows)  # each session's, as views
+        layers = [cache.layers[layer_idx] for cache in self.caches]
+        in_place = [
+            type(layer) is ReservedLayer
+            and layer._keys is not None
+            and layer.length + step <= layer._keys.shape[-2]
+            and layer._keys.shape[:-2] == (count, keys.shape[1])
+            for layer, count in zip(layers, rows, strict=True)
         ]
-        longest = max(key.shape[-2] for key, _ in held)
-        padded_keys = [nn.functional.pad(key, (0, 0, 0, longest - key.shape[-2])) for key, _ in held]
-        padded_values = [nn.functional.pad(value, (0, 0, 0, longest - value.shape[-2])) for _, value in held]
-        return torch.cat(padded_keys), torch.cat(padded_values)
+        written = [index for index, fits in enumerate(in_place) if fits]
+        if written:
+            for sources, name in ((key_rows, "_keys"), (value_rows, "_values")):
+                targets = [
+                    getattr(layers[i], name)[..., layers[i].length : layers[i].length + step, :] for i in written
+                ]
+                _copy_all(targets, [sources[i] for i in written])
+            for index in written:
+                layers[index]._view(layers[index].length + step)
+        held, lengths = [], []  # per session: (keys, values) to read from, and the tokens it holds
+        for cache, layer, fits, k, v in zip(self.caches, layers, in_place, key_rows, value_rows, strict=True):
+            held.append((layer._keys, layer._values) if fits else cache.update(k, v, layer_idx))
+            lengths.append(layer.length if fits else held[-1][0].shape[-2])
+        longest = max(lengths)
+        return _padded([key for key, _ in held], longest), _padded([value for _, value in held], longest)
+
+
+def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """targets[i].copy_(sources[i]) for every i, as one fused operation where torch has it."""
+    if len(targets) > 1 and hasattr(torch, "_foreach_copy_"):
+        torch._foreach_copy_(targets, sources)
+    else:
+        for target, source in zip(targets, sources, strict=True):
+            target.copy_(source)
+
+
+def _padded(parts: list[torch.Tensor], longest: int) -> torch.Tensor:
+    """Each part's first `longest` rows (dim -2), zero-padded where a part has fewer, concatenated on dim 0."""
+    return torch.cat(
+        [
+            part[..., :longest, :] if part.shape[-2] >= longest
+            else nn.functional.pad(part, (0, 0, 0, longest - part.shape[-2]))
+            for part in parts
+        ]
+    )  # fmt: skip
 
 
 def check_device(device: str) -> None:

@@ -85,6 +85,7 @@ class BlockCompute:
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
         self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
         self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
+        self._thread_jobs = [0, 0]  # jobs handed to the compute thread, jobs it finished (each written by one thread)
 
     def use_span(self, span) -> None:
         """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
@@ -163,15 +164,37 @@ class BlockCompute:
             return output, time.perf_counter() - started
 
         small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
-        if small and self.placement.inline():
+        if small and self._inline():
             output, seconds = run()
         else:
-            output, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+            output, seconds = await self._on_thread(run)
         if small:
             self.placement.record(seconds)
         self.compute_seconds += seconds
         self.steps_served += 1
         return output, seconds
+
+    def _inline(self) -> bool:
+        """Whether a small step may run on the loop now: recent small steps were short, and the compute thread is
+        idle. A step on the loop while the thread computes would run two computations of the node at once; on a
+        GPU one of them may be a CUDA graph capture, which another thread's device work (a prefill, its
+        synchronization) makes fail."""
+        handed, finished = self._thread_jobs
+        return handed == finished and self.placement.inline()
+
+    async def _on_thread(self, work: Callable[[], T]) -> T:
+        """`work()` on the compute thread; counted until it has finished there (a caller cancelled meanwhile does not
+        stop it)."""
+
+        def counted() -> T:
+            try:
+                return work()
+            finally:
+                self._thread_jobs[1] += 1  # the thread's own count: no other thread writes it
+
+        handed = asyncio.get_running_loop().run_in_executor(self.executor, counted)  # raises once shut down
+        self._thread_jobs[0] += 1  # before the loop runs anything else: `_inline` sees the job until it finishes
+        return await handed
 
     async def run_work(self, work: Callable[[], T]) -> tuple[T, float]:
         """`work()` on the compute thread (a training pass: it runs the span itself, under its own grad mode); (its
@@ -184,7 +207,7 @@ class BlockCompute:
             result = work()
             return result, time.perf_counter() - started
 
-        result, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, timed)
+        result, seconds = await self._on_thread(timed)
         self.compute_seconds += seconds
         self.steps_served += 1
         return result, seconds
@@ -212,7 +235,7 @@ class BlockCompute:
             gathering.arrived(member, now)
         idle = not self._decode_queue and (self._decoder is None or self._decoder.done())
         lone = idle and (gathering is None or not gathering.others_active(member, now))
-        if lone and hidden.shape[0] <= SMALL_STEP_TOKENS and self.placement.inline():
+        if lone and hidden.shape[0] <= SMALL_STEP_TOKENS and self._inline():
             # a lone session's step on the loop: nothing can join it while it runs (the loop is held), so the queue
             # and its task are skipped
             output, seconds = await self.run(hidden, cache, position, blocks, adapter)
@@ -311,7 +334,7 @@ class BlockCompute:
             synchronize(span)
             return outputs, time.perf_counter() - started
 
-        outputs, seconds = await asyncio.get_running_loop().run_in_executor(self.executor, run)
+        outputs, seconds = await self._on_thread(run)
         self.compute_seconds += seconds
         self.steps_served += len(batch)
         self.batches_run += 1

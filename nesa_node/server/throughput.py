@@ -24,9 +24,11 @@ def default_cache_path() -> Path:
 
 
 def synchronize(span) -> None:
-    """Wait for the device's queued work, so a timing covers the computation and not only its launch."""
+    """Wait for the work this thread queued on the device, so a timing covers the computation and not only its
+    launch. The calling thread's current stream, not the whole device: a device-wide wait would also wait on (and,
+    on CUDA, fail against) a graph capture underway on another stream of the process."""
     if str(span.spec.device).startswith("cuda"):
-        torch.cuda.synchronize(span.spec.device)
+        torch.cuda.current_stream(span.spec.device).synchronize()
 
 
 def _timed(span, run) -> float:

@@ -6,6 +6,8 @@ another."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import torch
 
@@ -135,3 +137,38 @@ def test_a_lone_sessions_small_steps_skip_the_queue_and_give_the_spans_output(ti
 
     assert asyncio.run(program()) == (5, 0)
     assert compute.batches_run >= 2
+
+
+def test_a_small_step_waits_for_the_compute_thread_instead_of_running_beside_it(tiny_llama):
+    """Short steps run on the loop, but never while the compute thread computes (a long prompt of another session):
+    the node never runs two computations at once (on a GPU one may be a CUDA graph capture, which another thread's
+    device work makes fail). The step waits for the thread and runs there, after the prompt."""
+    compute, span = compute_of(tiny_llama, inline_compute_ms=1000.0)
+    plain_step = span.step
+    ran = []  # (tokens, thread, started, ended)
+
+    def recorded_step(hidden, cache, position, blocks):
+        started = time.perf_counter()
+        if hidden.shape[1] > 1:
+            time.sleep(0.3)  # a long prompt
+        output = plain_step(hidden, cache, position, blocks)
+        ran.append((hidden.shape[1], threading.current_thread().name, started, time.perf_counter()))
+        return output
+
+    span.step = recorded_step
+
+    async def program() -> None:
+        cache, other = span.new_cache(), span.new_cache()
+        for position in range(2):  # the first small step goes to the thread; once timed as short, they run inline
+            await step(compute, cache, position, "a")
+        prompt = torch.randn(1, 16, span.hidden_size)
+        prefill = asyncio.create_task(compute.run(prompt, other, 0, (0, 4)))
+        await asyncio.sleep(0.05)  # the prompt is on the compute thread
+        await step(compute, cache, 2, "a")
+        await prefill
+        compute.close()
+
+    asyncio.run(program())
+    (_, first, *_), (_, second, *_), (tokens, _, prompt_started, prompt_ended), last = ran
+    assert first.startswith("nesa-compute") and second == threading.main_thread().name and tokens == 16
+    assert last[1].startswith("nesa-compute") and last[2] >= prompt_ended  # after the prompt, on the thread

@@ -119,6 +119,46 @@ def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_lla
                 torch.testing.assert_close(got, span(step, cache, cache.get_seq_length()), atol=1e-5, rtol=0)
 
 
+def test_a_batched_pass_reads_buffers_past_a_sessions_end_as_if_zero_padded(tiny_llama):
+    """A batched pass reads each session's buffer as it is up to the longest session (one copy for all): rows a
+    session no longer holds (cropped, or never written) are masked, so its outputs and caches equal, bit for bit,
+    those of sessions whose buffers hold zeros there. One session's buffer is shorter than the longest (it is padded),
+    one grows during the pass (its own update)."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    generator = torch.Generator().manual_seed(8)
+    # 5: a first buffer of MIN_CAPACITY (64), shorter than the longest session (padded); 70: a buffer of exactly 70,
+    # grown by its own update at the first pass; 63: a buffer of 64, filled at the first pass, grown at the second
+    lengths = [5, 70, 63]
+    assert lengths[1] > MIN_CAPACITY and lengths[2] == MIN_CAPACITY - 1
+    prompts = [torch.randn(1, n, span.hidden_size, generator=generator) for n in lengths]
+    stale = torch.randn(1, MIN_CAPACITY, span.hidden_size, generator=generator) * 30
+    clean, cropped = [span.new_cache() for _ in lengths], [span.new_cache() for _ in lengths]
+    with torch.inference_mode():
+        for prompt, a, b in zip(prompts, clean, cropped, strict=True):
+            span(prompt, a, 0)
+            span(prompt, b, 0)
+        span(stale[:, : MIN_CAPACITY - 1 - lengths[0]], cropped[0], lengths[0])  # written, then forgotten
+        cropped[0].crop(-(MIN_CAPACITY - 1 - lengths[0]))
+        assert (
+            cropped[0].layers[0]._keys[0, 0, lengths[0] :].abs().sum()
+            > 0
+            == clean[0].layers[0]._keys[0, 0, lengths[0] :].abs().sum()
+        )
+        for _ in range(3):
+            steps = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in lengths]
+            outputs = [
+                span.decode_batch([(s, c, c.get_seq_length()) for s, c in zip(steps, caches, strict=True)], (0, 4))
+                for caches in (clean, cropped)
+            ]
+            for ours, theirs in zip(*outputs, strict=True):
+                assert torch.equal(ours, theirs)
+        for a, b in zip(clean, cropped, strict=True):
+            assert a.get_seq_length() == b.get_seq_length()
+            for ours, theirs in zip(a.layers, b.layers, strict=True):
+                assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    assert [cache.layers[0].capacity for cache in clean] == [MIN_CAPACITY, 140, 2 * MIN_CAPACITY]
+
+
 class _RefusingChain:
     """The inner session of an EdgeSession: its chain hands a step's hidden states back as they came, and refuses
     the steps whose numbers (from 0) are in `refused`."""
