@@ -158,6 +158,7 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
         node_args += ["--dht-prefix", prefix, "--announce-period", "5", "--no-measure", "--rebalance", "off", *extra]
         node_args += ["--device", args.device, "--dtype", args.dtype]
         node_args += ["--cuda-graphs"] if args.cuda_graphs else []
+        node_args += [word for setting in args.node_arg for word in setting.split()]
         node_args += ["--torch-threads", str(node_threads(args, count))] if node_threads(args, count) else []
         launched.append(group.start(f"{prefix}-{index}", node_args))
     for process, node_address in launched:
@@ -165,17 +166,18 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
     return [process for process, _ in launched]
 
 
+# chain modes: (client mode, data lanes). direct: hidden states on data lanes (nesa_node.protocol.lane);
+# direct-libp2p: the same chain with every message on libp2p (lanes off, as against nodes without them); relay: the
+# client forwards between nodes
+MODES = {"direct": ("direct", True), "direct-libp2p": ("direct", False), "relay": ("relay", True)}
+
+
 def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args) -> dict:
     """Decode, time to first token and forward figures through the swarm `prefix` of `count` nodes, per mode (the
     ratios to the baseline are added by `against`)."""
     figures = {}
-    # direct: hidden states on data lanes (nesa_node.protocol.lane); direct-libp2p: the same chain with every message
-    # on libp2p (lanes off, as against nodes without them); relay: the client forwards between nodes
-    for label, mode, lanes in (
-        ("direct", "direct", True),
-        ("direct-libp2p", "direct", False),
-        ("relay", "relay", True),
-    ):
+    for label in args.modes:
+        mode, lanes = MODES[label]
         with DistributedModelForCausalLM.from_pretrained(
             path,
             initial_peers=peers,
@@ -199,11 +201,12 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
             # the first generation through these nodes (fresh, for the first mode): connections, first-call costs,
             # and on a GPU every cache length seen for the first time
             first = timed_generate(model, input_ids, args.new_tokens)
-            runs, overheads = [], []
+            runs, overheads, computes = [], [], []
             for _ in range(args.repeats):
                 with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
                     runs.append(timed_generate(model, input_ids, args.new_tokens))
                     overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
+                    computes += [t.compute_s * 1000 for t in session.timings[1:]]
             hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
             decode = statistics.median(run["decode_tps"] for run in runs)
             forward_tps = timed_forward(model, batch_ids, args.forward_repeats)
@@ -216,6 +219,10 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
                 "first_vs_later": round(first["decode_tps"] / decode, 3),
                 "ttft_ms": round(1000 * statistics.median(run["ttft_s"] for run in runs), 2),
                 "forward_8x128_tps": None if forward_tps is None else round(forward_tps, 1),
+                # the nodes' own compute time of a decode step, all hops together (its spread shows steps run
+                # cold or slowed, apart from the network)
+                "step_compute_ms_p50": round(percentile(computes, 0.5), 3),
+                "step_compute_ms_p90": round(percentile(computes, 0.9), 3),
                 "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
                 "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
                 "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
@@ -269,6 +276,21 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument(
         "--cuda-graphs", action="store_true", help="nodes replay one-token steps as CUDA graphs (--device cuda)"
+    )
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=tuple(MODES),
+        default=list(MODES),
+        help="chain modes to measure, in this order (the first runs through fresh nodes): direct (data lanes), "
+        "direct-libp2p (every message on libp2p), relay (the client forwards between nodes); default all three",
+    )
+    parser.add_argument(
+        "--node-arg",
+        action="append",
+        default=[],
+        metavar="SETTING",
+        help="more `nesa-node run` arguments for every node, e.g. --node-arg='--inline-compute-ms 0' (repeatable)",
     )
     parser.add_argument("--repeats", type=int, default=3)
     # a forward of 8 x 128 tokens takes about 0.5 s of compute: its median needs more samples on a noisy machine
@@ -372,6 +394,7 @@ def main() -> None:
         "new_tokens": args.new_tokens,
         "compression": args.compression,
         "node_threads": {count: node_threads(args, count) for count in args.nodes},
+        "node_args": args.node_arg,
         "baseline_threads": baseline_threads,
         "client_threads": torch.get_num_threads(),
         # the single process, measured before the first swarm and after each one (ratios use the two around a swarm)

@@ -59,8 +59,9 @@ __all__ = ["AdapterFetcher", "AnswerGate", "answer_adapter_request", "cover"]
 
 
 class AnswerGate:
-    """Admission of peers' ADAPTER streams (see the module docstring): `enter(peer)` before serving one, the returned
-    call when done. `now` is the clock (time.monotonic)."""
+    """Admission of peers' streams of one kind (ADAPTER streams by default, see the module docstring; the node's
+    large forwards too): `enter(peer)` before serving one, the returned call when done. `what` names them in the
+    refusals, `hint` says what to do when the node is full. `now` is the clock (time.monotonic)."""
 
     def __init__(
         self,
@@ -69,10 +70,13 @@ class AnswerGate:
         max_running_per_peer: int = MAX_ANSWERS_PER_PEER,
         max_per_window: int = MAX_REQUESTS_PER_PEER,
         window_s: float = REQUEST_WINDOW_S,
+        what: str = "adapter requests",
+        hint: str = "ask again later or ask another holder",
         now=time.monotonic,
     ):
         self.max_running, self.max_running_per_peer = max_running, max_running_per_peer
         self.max_per_window, self.window_s = max_per_window, window_s
+        self.what, self.hint = what, hint
         self.now = now
         self.running: Counter[str] = Counter()
         self.recent: dict[str, deque[float]] = {}  # peer -> when its streams in the window started
@@ -87,13 +91,12 @@ class AnswerGate:
         while times and times[0] <= now - self.window_s:
             times.popleft()
         if sum(self.running.values()) >= self.max_running:
-            raise QuotaExceededError(f"this node answers {self.max_running} adapter requests at once; ask again later "
-                                     "or ask another holder")  # fmt: skip
+            raise QuotaExceededError(f"this node answers {self.max_running} {self.what} at once; {self.hint}")
         if self.running[peer] >= self.max_running_per_peer:
-            raise QuotaExceededError(f"a peer may have {self.max_running_per_peer} adapter requests under way at once")
+            raise QuotaExceededError(f"a peer may have {self.max_running_per_peer} {self.what} under way at once")
         if len(times) >= self.max_per_window:
             raise QuotaExceededError(
-                f"a peer may ask for adapter blocks {self.max_per_window} times per {self.window_s:.0f} s"
+                f"a peer may send {self.what} {self.max_per_window} times per {self.window_s:.0f} s"
             )
         times.append(now)
         self.recent[peer] = times

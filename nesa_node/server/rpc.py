@@ -29,6 +29,10 @@ from nesa_node.server.lanes import LaneServer, serve_steps
 from nesa_node.server.sessions import Inbound, SessionTable
 from nesa_node.server.training import TrainingService
 
+MAX_FORWARD_STREAMS = 8  # large forwards a node reads and runs at once (each up to a frame of its limit in memory)
+MAX_FORWARD_STREAMS_PER_PEER = 2  # a client sends one at a time to a node; one more for a retry after a failure
+MAX_FORWARD_STREAMS_PER_MINUTE = 120  # per peer (guess: a long prompt's forward takes a second or more)
+
 
 class NodeRpc:
     """Registers and answers the node's RPCs."""
@@ -52,6 +56,16 @@ class NodeRpc:
         self.info = info
         self.max_frame_bytes = max_frame_bytes
         self.adapter_answers = AnswerGate()  # peers' ADAPTER streams: bounded per peer and in all
+        # peers' FORWARD_STREAMs, each up to a frame of the node's limit in memory: bounded the same way (a client
+        # sends its forwards to a node one at a time)
+        self.forward_streams = AnswerGate(
+            max_running=MAX_FORWARD_STREAMS,
+            max_running_per_peer=MAX_FORWARD_STREAMS_PER_PEER,
+            max_per_window=MAX_FORWARD_STREAMS_PER_MINUTE,
+            window_s=60.0,
+            what="large forwards",
+            hint="ask again later or ask another node",
+        )
 
     async def register(self, p2p: P2P) -> None:
         for name, handler in (
@@ -119,14 +133,18 @@ class NodeRpc:
 
     async def rpc_forward_stream(self, channel: StreamChannel, context: P2PContext) -> None:
         """A cacheless forward whose request or answer is over p2pd's unary bound (a long prompt's hidden states): one
-        request on the stream, read within the peer timeout and the node's frame limit, and its answer."""
+        request on the stream, read within the peer timeout and the node's frame limit, and its answer. A few such
+        streams at once per peer and in all (`forward_streams`); others are refused before a byte is read."""
+        leave = self.forward_streams.enter(context.remote_id.to_base58())
         try:
             async with asyncio.timeout(self.inference.network.peer_timeout_s):
                 request = await channel.receive()
+            if request is not None:
+                channel.send(await self.inference.forward(request))
         except TimeoutError:
             return
-        if request is not None:
-            channel.send(await self.inference.forward(request))
+        finally:
+            leave()
 
     async def rpc_push(self, request: Frame, context: P2PContext) -> Frame:
         """A step pushed by the upstream node of a direct chain, queued into its session."""

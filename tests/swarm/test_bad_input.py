@@ -23,6 +23,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.model import SyncSession
 from nesa_node.protocol import lane, rpc
+from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
 from nesa_node.server.node import max_frame_bytes
@@ -248,6 +249,49 @@ def test_d_frame_larger_than_the_limit_is_refused_before_it_is_read(target, name
 def test_d_unparseable_protobuf(target, name):
     message = raw_frame(target, frame(b"\xff\xff\xff\xff\x0f"), name)
     assert message.startswith("[bad_request] unparseable ExpertRequest protobuf")
+
+
+def test_g6_large_forward_streams_held_open_are_capped_per_peer(target):
+    """A peer holding forward streams open without sending (each would hold up to a frame of the node's limit) gets
+    two at once; a third is refused with a typed error before a byte of it is read. Once it closes them, a forward
+    on a stream is answered again."""
+    per_peer = target.node.rpc.forward_streams.max_running_per_peer
+
+    async def run() -> tuple[str, dict]:
+        held = [await target.p2p.call_binary_stream_handler(target.peer, rpc.FORWARD_STREAM) for _ in range(per_peer)]
+        try:
+            await asyncio.sleep(0.5)  # the node has taken them
+            _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, rpc.FORWARD_STREAM)
+            try:
+                async with asyncio.timeout(10):
+                    marker = await reader.readexactly(1)
+                    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                    payload = await reader.readexactly(length)
+                assert marker == P2P.ERROR_MARKER
+                error = RPCError()
+                error.ParseFromString(payload)
+            finally:
+                writer.close()
+        finally:
+            for _, _, writer in held:
+                writer.close()
+        await asyncio.sleep(0.5)  # the node has seen them close
+        request = message(
+            {"kind": "forward", "start_block": 0, "end_block": 4}, [tensor_to_proto(torch.ones(1, 2, HIDDEN))]
+        )
+        channel = await open_stream(target.p2p, target.node.peer_id, rpc.FORWARD_STREAM, max_frame_bytes=1 << 20)
+        try:
+            channel.send(request)
+            async with asyncio.timeout(10):
+                answer = await channel.receive()
+        finally:
+            channel.close()
+        return error.message, answer_of(answer)
+
+    refused, answered = target.call(run())
+    assert refused == f"[quota] a peer may have {per_peer} large forwards under way at once"
+    assert answered["kind"] == "forward_result", answered
+    assert not target.node.rpc.forward_streams.running
 
 
 @pytest.mark.parametrize("read_after_s", [0, 2.5], ids=["reading", "reading-late"])
