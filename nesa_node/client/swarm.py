@@ -23,9 +23,9 @@ from nesa_node.client.timings import NodeTimings
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.peer import Peer, start_peer
 from nesa_node.protocol import lane, rpc
-from nesa_node.protocol.channel import ChannelClosedError, Frame, LaneChannel, frame, read
+from nesa_node.protocol.channel import Frame, LaneChannel, frame, read
 from nesa_node.protocol.dht import NodeRecord, fetch_node_infos
-from nesa_node.protocol.framing import open_stream
+from nesa_node.protocol.framing import call_on_stream
 from nesa_node.protocol.messages import (
     FORWARD_ANSWERS,
     INFO_ANSWERS,
@@ -513,7 +513,14 @@ class Swarm:
                 channel.max_frame_bytes = answer_bytes
                 answer = await self._forward_on_lane(peer_id, channel, request)
             elif max(request.ByteSize() + FORWARD_HEADROOM_BYTES, answer_bytes) > rpc.MAX_UNARY_BYTES:
-                answer = await self._forward_on_stream(peer_id, request, answer_bytes)
+                answer = await call_on_stream(
+                    self.p2p,
+                    peer_id,
+                    rpc.FORWARD_STREAM,
+                    request,
+                    max_answer_bytes=answer_bytes,
+                    timeout_s=self.request_timeout_s,
+                )
             else:
                 answer = await self.unary(peer_id, rpc.FORWARD, request)
         result = check_answer(read(answer, FORWARD_ANSWERS), ForwardResult)
@@ -548,26 +555,6 @@ class Swarm:
         channel = LaneChannel(stream, "answer on a data lane")
         self._forward_lanes[peer_id] = channel
         return channel
-
-    async def _forward_on_stream(self, peer_id: str, request: Frame, answer_bytes: int) -> Frame:
-        """A forward over a libp2p stream of its own: a request or answer over p2pd's unary bound cannot go as a
-        unary call."""
-        channel = None
-        try:
-            async with asyncio.timeout(self.request_timeout_s):
-                channel = await open_stream(self.p2p, peer_id, rpc.FORWARD_STREAM, max_frame_bytes=answer_bytes)
-                channel.send(request)
-                channel.end()
-                answer = await channel.receive()
-            if answer is None:
-                raise ChannelClosedError("the node ended the stream without an answer")
-            return answer
-        except Exception as exc:  # as on a lane: a stream that fails, or an answer that cannot be read, is the node's
-            logger.debug("%s to %s failed: %r", rpc.FORWARD_STREAM, peer_id, exc)
-            raise PeerUnavailableError(f"peer {peer_id} did not answer a forward on a stream: {exc!r}") from None
-        finally:
-            if channel is not None:
-                channel.close()
 
     async def _forward_on_lane(self, peer_id: str, channel: LaneChannel, request: Frame) -> Frame:
         try:

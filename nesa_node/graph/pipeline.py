@@ -4,7 +4,9 @@ The client holds the values that cross stage boundaries and sends each stage exa
 (graph inputs and earlier stages' outputs, by fx node name), then keeps the stage's outputs; this is the io of
 eq. 8, each tensor leaving its producer once and reaching each consuming stage once. `forward_many` keeps every
 input in flight at once, so stage i works on one input while stage i + 1 works on the previous one (a pipeline).
-Tensors travel uncompressed (codec "none"), so results equal a single-process forward.
+Tensors travel uncompressed (codec "none"), so results equal a single-process forward. Each stage call goes on a
+libp2p stream of its own (one request, one answer: graph/stage.py), never as a unary call: p2pd bounds those at
+4 MiB each way, less than one batch of feature maps; at most STREAMS_PER_PEER calls are in flight per stage node.
 """
 
 from __future__ import annotations
@@ -20,12 +22,17 @@ from nesa_node.graph.plan import GraphPlan, build_stages
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import frame, read
 from nesa_node.protocol.dht import fetch_node_infos
+from nesa_node.protocol.framing import call_on_stream
 from nesa_node.protocol.messages import GRAPH_ANSWERS, GraphForward, GraphResult
 from nesa_node.protocol.records import NodeState
 from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 from nesa_node.sharding.graph import output_value
 
+# stage calls in flight per stage node: what a stage node admits per peer (graph/stage.py STREAMS_PER_PEER; the
+# two modules stay apart); more would be refused, and the stage runs one at a time anyway
+STREAMS_PER_PEER = 4
 MAX_ANSWER_ELEMENTS = 1 << 26  # per tensor a stage sends back (256 MiB of float32)
+MAX_ANSWER_BYTES = MAX_ANSWER_ELEMENTS * 4 + (1 << 20)  # a stage's whole answer (its tensors and framing)
 
 
 class GraphPipeline:
@@ -35,6 +42,7 @@ class GraphPipeline:
     def __init__(self, swarm: Swarm, plan: GraphPlan):
         self.swarm, self.plan = swarm, plan
         self.traced, self.stages, _ = build_stages(plan)  # names only: the client runs no stage itself
+        self._slots: dict[str, asyncio.Semaphore] = {}  # per stage node: calls in flight, within its admission
 
     async def stage_peers(self) -> list[str]:
         """A serving peer per stage, from the DHT records (the most recently announced); NoRouteError if a stage
@@ -55,7 +63,15 @@ class GraphPipeline:
         for index, (stage, peer_id) in enumerate(zip(self.stages, peers, strict=True)):
             message = GraphForward(plan=self.plan.dht_prefix, stage=index, names=tuple(stage.input_names))
             request = frame(message, [tensor_to_proto(values[name].contiguous()) for name in stage.input_names])
-            answer = await self.swarm.unary(peer_id, rpc.GRAPH_FORWARD, request)
+            async with self._slots.setdefault(peer_id, asyncio.Semaphore(STREAMS_PER_PEER)):
+                answer = await call_on_stream(
+                    self.swarm.p2p,
+                    peer_id,
+                    rpc.GRAPH_FORWARD_STREAM,
+                    request,
+                    max_answer_bytes=MAX_ANSWER_BYTES,
+                    timeout_s=self.swarm.request_timeout_s,
+                )
             result = check_answer(read(answer, GRAPH_ANSWERS), GraphResult)
             if result.names != tuple(stage.output_names) or len(answer.tensors) != len(stage.output_names):
                 raise PeerUnavailableError(f"peer {peer_id} sent a malformed answer for stage {index}")

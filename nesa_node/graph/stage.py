@@ -2,7 +2,8 @@
 handler and announcer.
 
 `GraphStageNode.create(config)` builds the plan's stages, starts a hivemind P2P host and DHT node, registers
-`rpc_graph_forward`, and announces a NodeInfo record under the plan's DHT key with blocks [stage, stage + 1), so
+`rpc_graph_forward` (as a unary RPC, and as a stream of one request and one answer, which pipelines use: a stage's
+tensors may pass p2pd's 4 MiB bound on unary calls; a few such streams at once per peer), and announces a NodeInfo record under the plan's DHT key with blocks [stage, stage + 1), so
 clients find stage i the way they find block spans. A request carries the stage's input tensors by name; the
 answer carries the stage's output tensors by name. Everything read from a peer is checked first: a wrong stage,
 wrong names, a dtype, size or shape the stage cannot take come back as BadRequestError, never as a crash.
@@ -25,8 +26,10 @@ from nesa_node.peer import SHUTDOWN_STEP_S, Peer, start_peer
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Frame, frame, read
 from nesa_node.protocol.dht import store_node_info
+from nesa_node.protocol.framing import StreamChannel, answer_one_frame, serve_stream
 from nesa_node.protocol.messages import GRAPH, ErrorReply, GraphForward, GraphResult, expect
 from nesa_node.protocol.records import NodeInfo, NodeState
+from nesa_node.protocol.stream_gate import AnswerGate
 from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 from nesa_node.sharding.graph import Stage
 from nesa_node.version import __version__
@@ -34,6 +37,13 @@ from nesa_node.version import __version__
 logger = logging.getLogger(__name__)
 
 ALLOWED_DTYPES = ("float32",)  # the graph models here take and pass float32 tensors
+# stage calls on streams a node reads at once (each up to a frame of its limit in memory): a pipeline keeps up to
+# STREAMS_PER_PEER in flight per stage node (nesa_node/graph/pipeline.py), the stage runs one at a time
+STREAMS_PER_PEER = 4
+MAX_STREAMS = 16
+STREAMS_PER_PEER_PER_MINUTE = 6000  # a pipeline of small inputs makes many calls (guess: 100 a second)
+FRAME_HEADROOM_BYTES = 1 << 20  # a request's names and framing around its tensors
+STREAM_REQUEST_TIMEOUT_S = 30.0  # for a stream's request to arrive once it is opened (as a peer call's timeout)
 
 
 @dataclass(frozen=True)
@@ -55,8 +65,23 @@ class GraphStageHandler:
 
     def __init__(self, stages: dict[tuple[str, int], Stage], max_elements: int):
         self.stages, self.max_elements = stages, max_elements  # (plan DHT key, stage index) -> Stage
+        self.streams = AnswerGate(
+            max_running=MAX_STREAMS,
+            max_running_per_peer=STREAMS_PER_PEER,
+            max_per_window=STREAMS_PER_PEER_PER_MINUTE,
+            window_s=60.0,
+            what="stage calls",
+        )
         self.locks = {key: asyncio.Lock() for key in stages}  # one forward per stage at a time: a pipeline slot
         self.requests_served = 0
+
+    async def serve_stream(self, channel: StreamChannel, context: P2PContext) -> None:
+        """One stage call on a stream (GRAPH_FORWARD_STREAM), admitted by `streams` before a byte is read."""
+        leave = self.streams.enter(context.remote_id.to_base58())
+        try:
+            await answer_one_frame(channel, context, self.rpc_graph_forward, timeout_s=STREAM_REQUEST_TIMEOUT_S)
+        finally:
+            leave()
 
     async def rpc_graph_forward(self, request: Frame, context: P2PContext) -> Frame:
         try:
@@ -124,6 +149,12 @@ class GraphStageNode:
         )
         try:
             await peer.p2p.add_protobuf_handler(rpc.GRAPH_FORWARD, handler.rpc_graph_forward, Frame)
+            await serve_stream(
+                peer.p2p,
+                rpc.GRAPH_FORWARD_STREAM,
+                handler.serve_stream,
+                max_frame_bytes=config.max_elements * 4 + FRAME_HEADROOM_BYTES,
+            )
         except BaseException:
             await peer.shutdown()
             raise

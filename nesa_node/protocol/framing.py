@@ -202,4 +202,51 @@ async def open_stream(p2p: P2P, peer_id: str, name: str, *, max_frame_bytes: int
     return StreamChannel(reader, writer, max_frame_bytes)
 
 
-__all__ = ["StreamChannel", "error_from_text", "open_stream", "read_frame", "serve_stream"]
+UnaryHandler = Callable[[Frame, P2PContext], Awaitable[Frame]]
+
+
+async def answer_one_frame(channel: StreamChannel, context: P2PContext, handler: UnaryHandler, *, timeout_s: float):
+    """The stream twin of a unary RPC, for a request or an answer over p2pd's unary bound: read one frame (within
+    `timeout_s` and the channel's frame limit) and send `handler`'s answer to it."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            request = await channel.receive()
+    except TimeoutError:
+        return
+    if request is not None:
+        channel.send(await handler(request, context))
+
+
+async def call_on_stream(
+    p2p: P2P, peer_id: str, name: str, request: Frame, *, max_answer_bytes: int, timeout_s: float
+) -> Frame:
+    """One request and its answer on a stream of its own to `peer_id`'s RPC `name` (served by `answer_one_frame`).
+    PeerUnavailableError when the stream fails, the peer sends no answer within `timeout_s`, or an answer over
+    `max_answer_bytes` or that cannot be read (the peer's fault, as a failed unary call is)."""
+    channel = None
+    try:
+        async with asyncio.timeout(timeout_s):
+            channel = await open_stream(p2p, peer_id, name, max_frame_bytes=max_answer_bytes)
+            channel.send(request)
+            channel.end()
+            answer = await channel.receive()
+        if answer is None:
+            raise ChannelClosedError("the peer ended the stream without an answer")
+        return answer
+    except Exception as exc:
+        logger.debug("%s to %s failed: %r", name, peer_id, exc)
+        raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
+    finally:
+        if channel is not None:
+            channel.close()
+
+
+__all__ = [
+    "StreamChannel",
+    "answer_one_frame",
+    "call_on_stream",
+    "error_from_text",
+    "open_stream",
+    "read_frame",
+    "serve_stream",
+]

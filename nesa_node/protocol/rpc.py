@@ -2,7 +2,8 @@
 
 Streams (a Channel each, protocol/channel.py): INFERENCE (one per session), PUSH_STREAM (a node's pushes to its
 next node for one session), ADAPTER (a LoRA adapter's blocks for a node that lacks them), TRAIN (one LoRA
-training session), FORWARD_STREAM (one cacheless forward too large for a unary call). Unary: INFO, PING,
+training session), FORWARD_STREAM (one cacheless forward too large for a unary call), GRAPH_FORWARD_STREAM (one
+graph stage call: what a graph pipeline uses, its tensors being of any size). Unary: INFO, PING,
 FORWARD, PUSH (one pushed step), LANE_TICKET, GRAPH_FORWARD.
 """
 
@@ -15,6 +16,7 @@ PUSH = "nesa.push"
 PUSH_STREAM = "nesa.push_stream"
 LANE_TICKET = "nesa.lane_ticket"
 GRAPH_FORWARD = "nesa.graph_forward"
+GRAPH_FORWARD_STREAM = "nesa.graph_forward_stream"  # a stream: one GraphForward, one answer (any size)
 TRAIN = "nesa.train"  # a stream: one LoRA training session (server/training.py)
 TRAIN_SYNC = "nesa.train_sync"  # a stream: one replica's gradients for one update of a data-parallel training session
 ADAPTER = "nesa.adapter"  # a stream: one AdapterRequest, one answer (a node fetching a LoRA adapter's blocks)

@@ -16,8 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from nesa_node.errors import AdapterError, AdapterMissingError, NesaError, QuotaExceededError
@@ -33,6 +32,7 @@ from nesa_node.protocol.messages import (
     expect,
 )
 from nesa_node.protocol.records import NodeInfo
+from nesa_node.protocol.stream_gate import AnswerGate
 from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto
 from nesa_node.sharding.lora import (
     AdapterManifest,
@@ -55,63 +55,20 @@ MAX_REQUESTS_PER_PEER = 240  # ADAPTER streams one peer may open per REQUEST_WIN
 REQUEST_WINDOW_S = 60.0
 REQUEST_WAIT_S = 5.0  # a fetching peer sends its request right after opening the stream
 
-__all__ = ["AdapterFetcher", "AnswerGate", "answer_adapter_request", "cover"]
+
+def adapter_answer_gate() -> AnswerGate:
+    """The admission of peers' ADAPTER streams (see the module docstring)."""
+    return AnswerGate(
+        max_running=MAX_ANSWERS,
+        max_running_per_peer=MAX_ANSWERS_PER_PEER,
+        max_per_window=MAX_REQUESTS_PER_PEER,
+        window_s=REQUEST_WINDOW_S,
+        what="adapter requests",
+        hint="ask again later or ask another holder",
+    )
 
 
-class AnswerGate:
-    """Admission of peers' streams of one kind (ADAPTER streams by default, see the module docstring; the node's
-    large forwards too): `enter(peer)` before serving one, the returned call when done. `what` names them in the
-    refusals, `hint` says what to do when the node is full. `now` is the clock (time.monotonic)."""
-
-    def __init__(
-        self,
-        *,
-        max_running: int = MAX_ANSWERS,
-        max_running_per_peer: int = MAX_ANSWERS_PER_PEER,
-        max_per_window: int = MAX_REQUESTS_PER_PEER,
-        window_s: float = REQUEST_WINDOW_S,
-        what: str = "adapter requests",
-        hint: str = "ask again later or ask another holder",
-        now=time.monotonic,
-    ):
-        self.max_running, self.max_running_per_peer = max_running, max_running_per_peer
-        self.max_per_window, self.window_s = max_per_window, window_s
-        self.what, self.hint = what, hint
-        self.now = now
-        self.running: Counter[str] = Counter()
-        self.recent: dict[str, deque[float]] = {}  # peer -> when its streams in the window started
-
-    def enter(self, peer: str):
-        """Admit one stream of `peer`: the call that ends it (once). Raises QuotaExceededError, naming the limit,
-        when the node serves its most streams at once, the peer its share, or the peer asked its most this window."""
-        now = self.now()
-        for known in [known for known, times in self.recent.items() if times[-1] <= now - self.window_s]:
-            del self.recent[known]  # peers quiet for a whole window are forgotten: the table stays small
-        times = self.recent.get(peer, deque())
-        while times and times[0] <= now - self.window_s:
-            times.popleft()
-        if sum(self.running.values()) >= self.max_running:
-            raise QuotaExceededError(f"this node answers {self.max_running} {self.what} at once; {self.hint}")
-        if self.running[peer] >= self.max_running_per_peer:
-            raise QuotaExceededError(f"a peer may have {self.max_running_per_peer} {self.what} under way at once")
-        if len(times) >= self.max_per_window:
-            raise QuotaExceededError(
-                f"a peer may send {self.what} {self.max_per_window} times per {self.window_s:.0f} s"
-            )
-        times.append(now)
-        self.recent[peer] = times
-        self.running[peer] += 1
-        done = False
-
-        def leave() -> None:
-            nonlocal done
-            if not done:
-                done = True
-                self.running[peer] -= 1
-                if not self.running[peer]:
-                    del self.running[peer]
-
-        return leave
+__all__ = ["AdapterFetcher", "AnswerGate", "adapter_answer_gate", "answer_adapter_request", "cover"]
 
 
 def cover(start: int, end: int, holders: list[NodeInfo]) -> list[tuple[int, int, list[NodeInfo]]]:

@@ -12,7 +12,6 @@ Unary calls are bounded by p2pd (4 MiB); streams by the node's frame limit (prot
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from hivemind.p2p import P2P, P2PContext
@@ -20,10 +19,11 @@ from hivemind.p2p import P2P, P2PContext
 from nesa_node.errors import MessageTooLargeError, RequestError
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Frame, frame, is_error_reply, read
-from nesa_node.protocol.framing import StreamChannel, serve_stream
+from nesa_node.protocol.framing import StreamChannel, answer_one_frame, serve_stream
 from nesa_node.protocol.messages import PUSHED, ErrorReply, InfoReply
 from nesa_node.protocol.records import NodeInfo
-from nesa_node.server.adapter_fetch import AnswerGate, answer_adapter_request
+from nesa_node.protocol.stream_gate import AnswerGate
+from nesa_node.server.adapter_fetch import adapter_answer_gate, answer_adapter_request
 from nesa_node.server.inference import InferenceService
 from nesa_node.server.lanes import LaneServer, serve_steps
 from nesa_node.server.sessions import Inbound, SessionTable
@@ -55,7 +55,7 @@ class NodeRpc:
         self.lanes = lanes
         self.info = info
         self.max_frame_bytes = max_frame_bytes
-        self.adapter_answers = AnswerGate()  # peers' ADAPTER streams: bounded per peer and in all
+        self.adapter_answers = adapter_answer_gate()  # peers' ADAPTER streams: bounded per peer and in all
         # peers' FORWARD_STREAMs, each up to a frame of the node's limit in memory: bounded the same way (a client
         # sends its forwards to a node one at a time)
         self.forward_streams = AnswerGate(
@@ -137,12 +137,7 @@ class NodeRpc:
         streams at once per peer and in all (`forward_streams`); others are refused before a byte is read."""
         leave = self.forward_streams.enter(context.remote_id.to_base58())
         try:
-            async with asyncio.timeout(self.inference.network.peer_timeout_s):
-                request = await channel.receive()
-            if request is not None:
-                channel.send(await self.inference.forward(request))
-        except TimeoutError:
-            return
+            await answer_one_frame(channel, context, self.rpc_forward, timeout_s=self.inference.network.peer_timeout_s)
         finally:
             leave()
 

@@ -104,6 +104,21 @@ def test_served_stages_equal_the_single_process_forward(graph_swarm, name):
         assert max_difference(second, other_expected) <= 1e-5
 
 
+def test_tensors_past_the_unary_bound_cross_stages_whole(graph_swarm):
+    """A batch of 96 images: the first stage's output (6 MB) is over p2pd's 4 MiB bound on a unary call; stage
+    calls go on streams, and the result equals the single-process forward."""
+    plans, client, _ = graph_swarm
+    module, _ = FACTORIES["resnet_tiny"]()
+    images = torch.randn(96, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    pipeline = GraphPipeline(client.swarm, plans[("resnet_tiny", 2)])
+    wait_for_pipeline(client, pipeline)
+    with torch.no_grad():
+        expected = module(images)
+        boundary = pipeline.stages[0].module(images)
+    assert sum(tensor.numel() * 4 for tensor in tree_leaves(boundary)) > rpc.MAX_UNARY_BYTES
+    assert max_difference(client.call(pipeline.forward(images), timeout=120), expected) <= 1e-5
+
+
 def test_bad_requests_get_typed_errors(graph_swarm):
     plans, client, nodes = graph_swarm
     plan = plans[("resnet_tiny", 2)]

@@ -73,7 +73,9 @@ class Clock:
 
 
 def test_answer_gate_bounds_streams_per_peer_and_in_all_and_frees_them_once():
-    gate = AnswerGate(max_running=3, max_running_per_peer=2, max_per_window=100, window_s=60.0, now=Clock())
+    gate = AnswerGate(
+        max_running=3, max_running_per_peer=2, max_per_window=100, window_s=60.0, what="adapter requests", now=Clock()
+    )
     first, second = gate.enter("a"), gate.enter("a")
     with pytest.raises(QuotaExceededError, match="2 adapter requests under way"):
         gate.enter("a")
@@ -91,7 +93,9 @@ def test_answer_gate_bounds_streams_per_peer_and_in_all_and_frees_them_once():
 
 def test_answer_gate_counts_each_peers_requests_per_window_and_forgets_quiet_peers():
     clock = Clock()
-    gate = AnswerGate(max_running=8, max_running_per_peer=2, max_per_window=3, window_s=60.0, now=clock)
+    gate = AnswerGate(
+        max_running=8, max_running_per_peer=2, max_per_window=3, window_s=60.0, what="adapter requests", now=clock
+    )
     for _ in range(3):
         gate.enter("a")()
     with pytest.raises(QuotaExceededError, match="3 times per 60 s"):
@@ -110,7 +114,9 @@ def test_answer_gate_counts_each_peers_requests_per_window_and_forgets_quiet_pee
 @given(st.lists(st.tuples(st.sampled_from("abcd"), st.booleans(), st.floats(0, 30)), max_size=60))
 def test_answer_gate_never_exceeds_its_limits(moves):
     clock = Clock()
-    gate = AnswerGate(max_running=3, max_running_per_peer=2, max_per_window=5, window_s=60.0, now=clock)
+    gate = AnswerGate(
+        max_running=3, max_running_per_peer=2, max_per_window=5, window_s=60.0, what="adapter requests", now=clock
+    )
     open_calls, started = [], {}
     for peer, enter, wait in moves:
         clock.t += wait

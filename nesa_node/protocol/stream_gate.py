@@ -1,0 +1,70 @@
+"""Admission of peers' streams of one kind, decided before a byte of them is read (RELIABILITY.md G6): a peer
+that opens streams and holds them, or opens them over and over, is refused with a typed error once it has its share,
+and all peers together are bounded too."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+
+from nesa_node.errors import QuotaExceededError
+
+
+class AnswerGate:
+    """Admission of peers' streams of one kind: `enter(peer)` before serving one, the returned call when done. At
+    most `max_running` at once in all, `max_running_per_peer` of one peer, and `max_per_window` started by one peer
+    per `window_s`. `what` names the streams in the refusals, `hint` says what to do when the node is full. `now` is
+    the clock (time.monotonic)."""
+
+    def __init__(
+        self,
+        *,
+        max_running: int,
+        max_running_per_peer: int,
+        max_per_window: int,
+        window_s: float,
+        what: str = "requests",
+        hint: str = "ask again later",
+        now=time.monotonic,
+    ):
+        self.max_running, self.max_running_per_peer = max_running, max_running_per_peer
+        self.max_per_window, self.window_s = max_per_window, window_s
+        self.what, self.hint = what, hint
+        self.now = now
+        self.running: Counter[str] = Counter()
+        self.recent: dict[str, deque[float]] = {}  # peer -> when its streams in the window started
+
+    def enter(self, peer: str):
+        """Admit one stream of `peer`: the call that ends it (once). Raises QuotaExceededError, naming the limit,
+        when the node serves its most streams at once, the peer its share, or the peer asked its most this window."""
+        now = self.now()
+        for known in [known for known, times in self.recent.items() if times[-1] <= now - self.window_s]:
+            del self.recent[known]  # peers quiet for a whole window are forgotten: the table stays small
+        times = self.recent.get(peer, deque())
+        while times and times[0] <= now - self.window_s:
+            times.popleft()
+        if sum(self.running.values()) >= self.max_running:
+            raise QuotaExceededError(f"this node answers {self.max_running} {self.what} at once; {self.hint}")
+        if self.running[peer] >= self.max_running_per_peer:
+            raise QuotaExceededError(f"a peer may have {self.max_running_per_peer} {self.what} under way at once")
+        if len(times) >= self.max_per_window:
+            raise QuotaExceededError(
+                f"a peer may send {self.what} {self.max_per_window} times per {self.window_s:.0f} s"
+            )
+        times.append(now)
+        self.recent[peer] = times
+        self.running[peer] += 1
+        done = False
+
+        def leave() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.running[peer] -= 1
+                if not self.running[peer]:
+                    del self.running[peer]
+
+        return leave
+
+
+__all__ = ["AnswerGate"]
