@@ -4,7 +4,10 @@ Prints one JSON line. For each tensor shape and codec: encode and decode through
 (encode + decode) time as a ratio to `torch.clone` of the same tensor measured in the same run, payload bytes, and the
 max / mean absolute error on a seeded randn tensor and on a heavy-tailed one (randn with a few outliers x20, as in LLM
 activations). Absolute timings on a shared machine drift, so every repeat times the clone and each codec's encode and
-decode in turn, and the ratio is the median over repeats of that repeat's round trip over its clone.
+decode in turn, and the ratio is the median over repeats of that repeat's round trip over its clone. On a GPU every
+codec computes on the device and its payload bytes go to the host (the wire) and back, so the table also gives each
+codec's round trip against that copy of its payload alone ("roundtrip_vs_host_copy"): what the codec costs beyond
+the transfer any codec pays (a 16 MiB copy over PCIe alone is some twenty device clones of it).
 
 Every operation timed allocates its result, so the allocator's state decides much of a 16 MB clone's time: glibc
 serves a fresh block from new pages (a page fault each 4 KiB: about 4 ms here) or reuses freed memory (about 1 ms),
@@ -73,6 +76,11 @@ def _interleaved_seconds(runs: dict[str, Callable[[], object]], repeats: int, de
     return seconds
 
 
+def _host_round_trip(wire: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The payload's bytes to the host and back: what any codec's round trip through the wire pays at least."""
+    return wire.cpu().to(device)
+
+
 def _inputs(shape: tuple[int, ...], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     gaussian = torch.randn(shape, generator=generator)  # (*shape,)
@@ -114,6 +122,10 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
         for codec in CODECS:
             runs[f"encode {codec}"] = partial(encode, tensor, codec)
             runs[f"decode {codec}"] = partial(decode, encoded[codec], device=target)
+        if target.type != "cpu":  # the floor of any codec whose bytes leave the device: their way out and back
+            for codec in CODECS:
+                wire = torch.empty(len(encoded[codec].payload), dtype=torch.uint8, device=target)
+                runs[f"host copy {codec}"] = partial(_host_round_trip, wire, target)
         seconds = _interleaved_seconds(runs, repeats, target)
         clone_s = statistics.median(seconds["clone"])
         row: dict = {"input_bytes": input_bytes, "clone_ms": clone_s * 1e3, "codecs": {}}
@@ -138,6 +150,10 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
                 "compression": input_bytes / len(encoded[codec].payload),
                 **{kind: _errors(values, codec, target) for kind, values in inputs.items()},
             }
+            if f"host copy {codec}" in seconds:
+                copy_s = statistics.median(seconds[f"host copy {codec}"])
+                row["codecs"][codec]["host_copy_ms"] = copy_s * 1e3
+                row["codecs"][codec]["roundtrip_vs_host_copy"] = (encode_s + decode_s) / copy_s
         table["shapes"][label] = row
     return table
 
