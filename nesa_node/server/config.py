@@ -210,8 +210,9 @@ class ComputeConfig:
     # the kernels' first choice), so a node's first generation ran at a fraction of later ones
     warmup_tokens: int | None = option(
         None,
-        "one-token steps run once at start (and after a move), from an empty cache up to N cached tokens, so the "
-        "first sessions run warm (default: 512 on a GPU, 0 on the CPU, where a new length costs nothing extra)",
+        "one-token steps run once at start (and after a move), from an empty cache up to N cached tokens, then a "
+        "few prompts of up to N tokens and one batched pass, so the first sessions run warm (default: 512 on a GPU, "
+        "0 on the CPU, where a new length costs nothing extra)",
         parse="non_negative_int",
         metavar="N",
     )

@@ -88,16 +88,31 @@ def warmup_tokens(configured: int | None, device: str) -> int:
     return GPU_WARMUP_TOKENS if str(device).startswith("cuda") else 0
 
 
+# prompt lengths a node runs once at start after the one-token steps: a prompt's first pass on a GPU loads kernels
+# no one-token step uses (matrix products over several rows, attention over a causal block), and each new length
+# picks its own; these cover short chat prompts and the bench's 16 tokens (guess), each at most the warm-up length
+WARMUP_PROMPTS = (2, 8, 16, 32, 64, 128)
+
+
 @torch.inference_mode()
 def warm_up(span, tokens: int) -> int:
     """Run one-token steps through the whole span from an empty cache until it holds `tokens` tokens (then drop it),
-    so that the first session's steps at each cache length run warm; the steps run."""
+    so that the first session's steps at each cache length run warm; then one prompt of each WARMUP_PROMPTS length up
+    to `tokens`, and, where the span batches decode steps, one pass of two sessions' steps (the kernels of several
+    rows). The one-token steps run."""
     if tokens <= 0:
         return 0
     token = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(0)).to(span.spec.device)
     cache = span.new_cache()
     for position in range(tokens):
         span.step(token, cache, position)
+    for length in (length for length in WARMUP_PROMPTS if length <= tokens):
+        span(token.expand(1, length, -1), span.new_cache(), 0)
+    if span.batches_decode:
+        caches = [span.new_cache() for _ in range(2)]
+        for session in caches:
+            span(token, session, 0)
+        span.decode_batch([(token, session, 1) for session in caches], (span.start, span.end))
     synchronize(span)
     return tokens
 

@@ -152,7 +152,7 @@ def test_throughput_is_measured_warm_and_per_block(tmp_path):
 def test_warm_up_runs_steps_up_to_its_length_and_leaves_the_span_as_it_was(tiny_llama):
     """The start-up warm-up (GPU nodes by default) runs one-token steps up to the cache length asked for, through
     a cache of its own: the span's answers afterwards are the ones a fresh span gives."""
-    from nesa_node.server.throughput import GPU_WARMUP_TOKENS, warm_up, warmup_tokens
+    from nesa_node.server.throughput import GPU_WARMUP_TOKENS, WARMUP_PROMPTS, warm_up, warmup_tokens
 
     assert warmup_tokens(None, "cpu") == 0 and warmup_tokens(None, "cuda") == warmup_tokens(None, "cuda:1") > 0
     assert warmup_tokens(None, "cuda") == GPU_WARMUP_TOKENS and warmup_tokens(7, "cuda") == 7
@@ -160,10 +160,17 @@ def test_warm_up_runs_steps_up_to_its_length_and_leaves_the_span_as_it_was(tiny_
     hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(3))
     with torch.inference_mode():
         before = span(hidden, span.new_cache(), 0)
-    calls = []
-    span.register_forward_hook(lambda module, args, output: calls.append(args[2]))
+    calls = []  # (tokens, position) of each call of the span's forward
+    span.register_forward_hook(lambda module, args, output: calls.append((args[0].shape[1], args[2])))
+    batched, decode_batch = [], span.decode_batch
+    span.decode_batch = lambda steps, blocks: (
+        batched.append([position for *_, position in steps]) or decode_batch(steps, blocks)
+    )
     assert warm_up(span, 12) == 12 and warm_up(span, 0) == 0
-    assert calls == list(range(12))  # positions 0..11: every cache length up to 12 once
+    steps = [(1, position) for position in range(12)]  # every cache length up to 12 once
+    prompts = [(length, 0) for length in WARMUP_PROMPTS if length <= 12]  # then the prompts that fit
+    assert prompts == [(2, 0), (8, 0)]
+    assert calls == steps + prompts + [(1, 0), (1, 0)] and batched == [[1, 1]]  # two sessions, then their steps
     with torch.inference_mode():
         assert torch.equal(span(hidden, span.new_cache(), 0), before)
 
