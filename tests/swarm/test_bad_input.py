@@ -198,18 +198,23 @@ def raw_frame(target: Target, frame: bytes, name: str = rpc.INFERENCE) -> str:
         try:
             writer.write(frame)
             await writer.drain()
-            async with asyncio.timeout(10):
-                marker = await reader.readexactly(1)
-                length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-                payload = await reader.readexactly(length)
-            assert marker == P2P.ERROR_MARKER
-            error = RPCError()
-            error.ParseFromString(payload)
-            return error.message
+            return await error_frame(reader)
         finally:
             writer.close()
 
     return target.call(run())
+
+
+async def error_frame(reader: asyncio.StreamReader) -> str:
+    """The text of the error frame a node answers a stream with (within 10 s)."""
+    async with asyncio.timeout(10):
+        marker = await reader.readexactly(1)
+        length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+        payload = await reader.readexactly(length)
+    assert marker == P2P.ERROR_MARKER
+    error = RPCError()
+    error.ParseFromString(payload)
+    return error.message
 
 
 async def held_stream(target: Target, first: runtime_pb2.ExpertRequest):
@@ -263,13 +268,7 @@ def test_g6_large_forward_streams_held_open_are_capped_per_peer(target):
             await asyncio.sleep(0.5)  # the node has taken them
             _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, rpc.FORWARD_STREAM)
             try:
-                async with asyncio.timeout(10):
-                    marker = await reader.readexactly(1)
-                    length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
-                    payload = await reader.readexactly(length)
-                assert marker == P2P.ERROR_MARKER
-                error = RPCError()
-                error.ParseFromString(payload)
+                refused = await error_frame(reader)
             finally:
                 writer.close()
         finally:
@@ -286,7 +285,7 @@ def test_g6_large_forward_streams_held_open_are_capped_per_peer(target):
                 answer = await channel.receive()
         finally:
             channel.close()
-        return error.message, answer_of(answer)
+        return refused, answer_of(answer)
 
     refused, answered = target.call(run())
     assert refused == f"[quota] a peer may have {per_peer} large forwards under way at once"
