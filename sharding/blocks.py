@@ -384,9 +384,9 @@ class _RowsCache:
     For sessions whose layer is a `ReservedLayer` with room for the step (the common case), the writes of all of
     them go as one `_foreach_copy_` and the reads take each buffer's first `longest` rows as they are: the rows past
     a session's end hold zeros or keys it no longer holds (cropped), finite either way, and the mask gives them
-    weight exactly 0, so the attention is what zero padding gives. On a GPU this turns four kernel launches a
-    session and layer into two a layer. Other layers (no buffer yet, or a buffer to grow) take their own `update`
-    and are padded with zeros."""
+    weight exactly 0, so the attention is what zero padding gives. Per session and layer that leaves two copies
+    issued from one call and no padding, where each session's own `update` and its padding made four operations on
+    the host. Other layers (no buffer yet, or a buffer to grow) take their own `update` and are padded with zeros."""
 
     def __init__(self, caches: list, rows: list[int]):
         self.caches = caches

@@ -12,6 +12,7 @@ libp2p stream of its own (one request, one answer: graph/stage.py), never as a u
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -32,7 +33,10 @@ from nesa_node.sharding.graph import output_value
 # two modules stay apart); more would be refused, and the stage runs one at a time anyway
 STREAMS_PER_PEER = 4
 MAX_ANSWER_ELEMENTS = 1 << 26  # per tensor a stage sends back (256 MiB of float32)
-MAX_ANSWER_BYTES = MAX_ANSWER_ELEMENTS * 4 + (1 << 20)  # a stage's whole answer (its tensors and framing)
+ANSWER_HEADROOM_BYTES = 1 << 20  # a stage answer's names and framing around its tensors
+# per Swarm and stage node: stage calls in flight, of every pipeline of that Swarm (a node may serve stages of
+# several plans, and admits calls per peer)
+_SLOTS: weakref.WeakKeyDictionary[Swarm, dict[str, asyncio.Semaphore]] = weakref.WeakKeyDictionary()
 
 
 class GraphPipeline:
@@ -42,7 +46,6 @@ class GraphPipeline:
     def __init__(self, swarm: Swarm, plan: GraphPlan):
         self.swarm, self.plan = swarm, plan
         self.traced, self.stages, _ = build_stages(plan)  # names only: the client runs no stage itself
-        self._slots: dict[str, asyncio.Semaphore] = {}  # per stage node: calls in flight, within its admission
 
     async def stage_peers(self) -> list[str]:
         """A serving peer per stage, from the DHT records (the most recently announced); NoRouteError if a stage
@@ -63,13 +66,14 @@ class GraphPipeline:
         for index, (stage, peer_id) in enumerate(zip(self.stages, peers, strict=True)):
             message = GraphForward(plan=self.plan.dht_prefix, stage=index, names=tuple(stage.input_names))
             request = frame(message, [tensor_to_proto(values[name].contiguous()) for name in stage.input_names])
-            async with self._slots.setdefault(peer_id, asyncio.Semaphore(STREAMS_PER_PEER)):
+            slots = _SLOTS.setdefault(self.swarm, {}).setdefault(peer_id, asyncio.Semaphore(STREAMS_PER_PEER))
+            async with slots:
                 answer = await call_on_stream(
                     self.swarm.p2p,
                     peer_id,
                     rpc.GRAPH_FORWARD_STREAM,
                     request,
-                    max_answer_bytes=MAX_ANSWER_BYTES,
+                    max_answer_bytes=len(stage.output_names) * MAX_ANSWER_ELEMENTS * 4 + ANSWER_HEADROOM_BYTES,
                     timeout_s=self.swarm.request_timeout_s,
                 )
             result = check_answer(read(answer, GRAPH_ANSWERS), GraphResult)

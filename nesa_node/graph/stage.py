@@ -41,7 +41,7 @@ ALLOWED_DTYPES = ("float32",)  # the graph models here take and pass float32 ten
 # STREAMS_PER_PEER in flight per stage node (nesa_node/graph/pipeline.py), the stage runs one at a time
 STREAMS_PER_PEER = 4
 MAX_STREAMS = 16
-STREAMS_PER_PEER_PER_MINUTE = 6000  # a pipeline of small inputs makes many calls (guess: 100 a second)
+STREAMS_PER_PEER_PER_MINUTE = 60_000  # a pipeline of small inputs makes many calls (guess: 1000 a second)
 FRAME_HEADROOM_BYTES = 1 << 20  # a request's names and framing around its tensors
 STREAM_REQUEST_TIMEOUT_S = 30.0  # for a stream's request to arrive once it is opened (as a peer call's timeout)
 
@@ -153,7 +153,9 @@ class GraphStageNode:
                 peer.p2p,
                 rpc.GRAPH_FORWARD_STREAM,
                 handler.serve_stream,
-                max_frame_bytes=config.max_elements * 4 + FRAME_HEADROOM_BYTES,
+                # every input of the stage taking the most at its largest
+                max_frame_bytes=max(len(stage.input_names) for stage in stages.values()) * config.max_elements * 4
+                + FRAME_HEADROOM_BYTES,
             )
         except BaseException:
             await peer.shutdown()

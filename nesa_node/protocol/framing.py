@@ -134,7 +134,9 @@ class StreamChannel:
         if isinstance(received, RPCError):
             self.peer_ended = True
             if received.message:
-                raise error_from_text(received.message)
+                error = error_from_text(received.message)
+                error.named_by_peer = True  # a refusal the peer sent, not a fault found here in what it sent
+                raise error
             return None
         return received
 
@@ -159,6 +161,12 @@ class StreamChannel:
             async with asyncio.timeout(timeout_s):
                 while await self.reader.read(1 << 16):
                     pass
+
+    def abort(self) -> None:
+        """Close the stream at once, dropping what is still buffered for the peer (a peer that does not read)."""
+        with contextlib.suppress(Exception):
+            self.writer.transport.abort()
+        self.closed = True
 
     def close(self) -> None:
         """End our side (if not ended) and close the stream; frames already written are still delivered."""
@@ -207,22 +215,32 @@ UnaryHandler = Callable[[Frame, P2PContext], Awaitable[Frame]]
 
 async def answer_one_frame(channel: StreamChannel, context: P2PContext, handler: UnaryHandler, *, timeout_s: float):
     """The stream twin of a unary RPC, for a request or an answer over p2pd's unary bound: read one frame (within
-    `timeout_s` and the channel's frame limit) and send `handler`'s answer to it."""
+    `timeout_s` and the channel's frame limit) and send `handler`'s answer to it. Returns once the answer has left
+    (within `timeout_s` again): a peer that does not read it has the stream aborted, so its unread bytes are dropped
+    rather than held by the node."""
     try:
         async with asyncio.timeout(timeout_s):
             request = await channel.receive()
     except TimeoutError:
         return
-    if request is not None:
-        channel.send(await handler(request, context))
+    if request is None:
+        return
+    channel.send(await handler(request, context))
+    try:
+        async with asyncio.timeout(timeout_s):
+            await channel.drain()
+    except TimeoutError:
+        channel.abort()
 
 
 async def call_on_stream(
     p2p: P2P, peer_id: str, name: str, request: Frame, *, max_answer_bytes: int, timeout_s: float
 ) -> Frame:
     """One request and its answer on a stream of its own to `peer_id`'s RPC `name` (served by `answer_one_frame`).
-    PeerUnavailableError when the stream fails, the peer sends no answer within `timeout_s`, or an answer over
-    `max_answer_bytes` or that cannot be read (the peer's fault, as a failed unary call is)."""
+    The typed error the peer answers with when it refuses the call (QuotaExceededError when busy,
+    MessageTooLargeError for a request over its limit); PeerUnavailableError when the stream fails, the peer sends no
+    answer within `timeout_s`, or an answer over `max_answer_bytes` or that cannot be read (the peer's fault, as a
+    failed unary call is)."""
     channel = None
     try:
         async with asyncio.timeout(timeout_s):
@@ -233,6 +251,11 @@ async def call_on_stream(
         if answer is None:
             raise ChannelClosedError("the peer ended the stream without an answer")
         return answer
+    except NesaError as exc:
+        if getattr(exc, "named_by_peer", False):  # the peer refused (busy, too large): its typed error
+            raise
+        logger.debug("%s to %s failed: %r", name, peer_id, exc)
+        raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
     except Exception as exc:
         logger.debug("%s to %s failed: %r", name, peer_id, exc)
         raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import statistics
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -85,7 +86,8 @@ class BlockCompute:
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
         self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
         self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
-        self._thread_jobs = [0, 0]  # jobs handed to the compute thread, jobs it finished (each written by one thread)
+        self._thread_jobs = 0  # jobs handed to the compute thread and not done (nor cancelled unrun) yet
+        self._thread_jobs_lock = threading.Lock()  # counted down on the compute thread or the loop's
 
     def use_span(self, span) -> None:
         """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
@@ -175,26 +177,24 @@ class BlockCompute:
         return output, seconds
 
     def _inline(self) -> bool:
-        """Whether a small step may run on the loop now: recent small steps were short, and the compute thread is
-        idle. A step on the loop while the thread computes would run two computations of the node at once; on a
-        GPU one of them may be a CUDA graph capture, which another thread's device work (a prefill, its
-        synchronization) makes fail."""
-        handed, finished = self._thread_jobs
-        return handed == finished and self.placement.inline()
+        """Whether a small step may run on the loop now: recent small steps were short, and the compute thread has
+        no job (running or queued). A step on the loop while the thread computes would run two computations of the
+        node at once; on a GPU one of them may be a CUDA graph capture, which another thread's device work (a
+        prefill, its synchronization) makes fail."""
+        return self._thread_jobs == 0 and self.placement.inline()
 
     async def _on_thread(self, work: Callable[[], T]) -> T:
-        """`work()` on the compute thread; counted until it has finished there (a caller cancelled meanwhile does not
-        stop it)."""
+        """`work()` on the compute thread, counted in `_thread_jobs` until it is done there, or taken out of the
+        queue unrun (its caller cancelled before it started)."""
+        job = self.executor.submit(work)  # raises once shut down
+        with self._thread_jobs_lock:
+            self._thread_jobs += 1
+        job.add_done_callback(self._thread_job_done)  # on the thread when done, on the canceller's when cancelled
+        return await asyncio.wrap_future(job)
 
-        def counted() -> T:
-            try:
-                return work()
-            finally:
-                self._thread_jobs[1] += 1  # the thread's own count: no other thread writes it
-
-        handed = asyncio.get_running_loop().run_in_executor(self.executor, counted)  # raises once shut down
-        self._thread_jobs[0] += 1  # before the loop runs anything else: `_inline` sees the job until it finishes
-        return await handed
+    def _thread_job_done(self, job) -> None:
+        with self._thread_jobs_lock:
+            self._thread_jobs -= 1
 
     async def run_work(self, work: Callable[[], T]) -> tuple[T, float]:
         """`work()` on the compute thread (a training pass: it runs the span itself, under its own grad mode); (its

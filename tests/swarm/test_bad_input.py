@@ -22,8 +22,10 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.model import SyncSession
+from nesa_node.errors import QuotaExceededError
 from nesa_node.protocol import lane, rpc
-from nesa_node.protocol.framing import open_stream
+from nesa_node.protocol.channel import Frame
+from nesa_node.protocol.framing import call_on_stream, open_stream
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
 from nesa_node.server.node import max_frame_bytes
@@ -271,6 +273,10 @@ def test_g6_large_forward_streams_held_open_are_capped_per_peer(target):
                 refused = await error_frame(reader)
             finally:
                 writer.close()
+            with pytest.raises(QuotaExceededError, match="large forwards under way"):  # typed, not "unavailable"
+                await call_on_stream(
+                    target.p2p, target.node.peer_id, rpc.FORWARD_STREAM, Frame(), max_answer_bytes=1024, timeout_s=10
+                )
         finally:
             for _, _, writer in held:
                 writer.close()

@@ -172,3 +172,25 @@ def test_a_small_step_waits_for_the_compute_thread_instead_of_running_beside_it(
     (_, first, *_), (_, second, *_), (tokens, _, prompt_started, prompt_ended), last = ran
     assert first.startswith("nesa-compute") and second == threading.main_thread().name and tokens == 16
     assert last[1].startswith("nesa-compute") and last[2] >= prompt_ended  # after the prompt, on the thread
+
+
+def test_a_thread_job_cancelled_before_it_ran_does_not_keep_steps_off_the_loop(tiny_llama):
+    """A step whose session gave up while it waited behind a long job is taken out of the thread's queue unrun: the
+    thread counts as idle once the long job is done, and short steps run on the loop again."""
+    compute, span = compute_of(tiny_llama, inline_compute_ms=1000.0)
+
+    async def program() -> tuple[int, bool]:
+        cache = span.new_cache()
+        await step(compute, cache, 0, "a")  # timed: the next short steps may run inline
+        long_job = asyncio.create_task(compute.run_work(lambda: time.sleep(0.3)))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(compute.run_work(lambda: None))
+        await asyncio.sleep(0.05)
+        queued.cancel()  # still in the queue behind the long job
+        await asyncio.gather(queued, return_exceptions=True)
+        await long_job
+        jobs, inline = compute._thread_jobs, compute._inline()
+        compute.close()
+        return jobs, inline
+
+    assert asyncio.run(program()) == (0, True)
