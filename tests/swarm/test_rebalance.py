@@ -121,6 +121,11 @@ class MoveDuringGeneration:
         if self.seen == self.count:
             move = self.node.move_to(self.start, drain_timeout_s=self.drain_timeout_s)
             self.future = asyncio.run_coroutine_threadsafe(move, self.swarm.loop)
+            # the next token waits until the node drains (and, given no time to drain, has ended the session): the
+            # move announces itself on the DHT first, which on a busy machine can outlast the rest of the generation
+            wait_until(lambda: self.node.sessions.draining, timeout_s=30)
+            if self.drain_timeout_s == 0:
+                wait_until(lambda: not self.node.sessions.sessions, timeout_s=30)
         elif self.seen > self.count:
             self.states.append((self.node.state, self.node.sessions.draining))
 
