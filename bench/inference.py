@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -292,6 +293,9 @@ def main() -> None:
         metavar="SETTING",
         help="more `nesa-node run` arguments for every node, e.g. --node-arg='--inline-compute-ms 0' (repeatable)",
     )
+    parser.add_argument(
+        "--keep-logs", metavar="DIR", default=None, help="copy every node's log to DIR (kept after the run)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     # a forward of 8 x 128 tokens takes about 0.5 s of compute: its median needs more samples on a noisy machine
     parser.add_argument("--forward-repeats", type=int, default=5)
@@ -372,6 +376,11 @@ def main() -> None:
             finally:
                 for process in nodes:
                     group.stop(process)
+                if args.keep_logs:  # the node logs live in the run's temporary folder, gone at its end
+                    Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+                    for process in nodes:
+                        with contextlib.suppress(OSError):
+                            shutil.copy(group.log_path(process), Path(args.keep_logs) / group.log_path(process).name)
             if figures:  # the single process again, now that the nodes are gone, for the ratios of this swarm
                 baselines.append(measure_baseline(baseline_model, on_device, batch_ids, baseline_threads, args))
                 for key, value in figures.items():

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks and benchmarks of nesa-node, in one run: `pytest -m gpu`, the codecs on CUDA, and the 1.1B swarm
+# (bfloat16) against single-process transformers on the same GPU. Run it from the repository root on a CUDA machine
+# where the project is installed without its dependencies (`pip install --no-deps -e .`: the machine's torch stays).
+#
+#   bench/gpu.sh [quick|full]
+#
+# quick (about 6 minutes on one H100): the GPU tests, the codec table, and 2 nodes replaying CUDA graphs with 16
+# concurrent sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
+# (the first mode runs through fresh nodes), with and without 16 concurrent sessions.
+# Every step writes its JSON line to $OUT/NAME.json and its output to $OUT/NAME.log ($OUT: gpu-results); the nodes'
+# logs go to $OUT/NAME-nodes/. A step stops after $STEP_TIMEOUT_S seconds (600) and the next one runs.
+set -u
+OUT=${OUT:-gpu-results}
+PY=${PYTHON:-python3}
+STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-600}
+export PYTHONUNBUFFERED=1 PYTHONNODEBUGRANGES=1
+mkdir -p "$OUT"
+
+step() {
+    local name=$1
+    shift
+    echo "== $name: $*"
+    timeout "$STEP_TIMEOUT_S" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+    echo "   exit $? after ${SECONDS}s of the run; $(tail -c 400 "$OUT/$name.json")"
+}
+
+SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
+step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/swarm/test_client_dtype.py \
+    tests/unit/test_codec.py
+step codecs "$PY" bench/compression.py --device cuda --no-swarm
+step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
+    --keep-logs "$OUT/graphs-clients16-nodes"
+if [ "${1:-quick}" = full ]; then
+    step eager "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct-libp2p direct relay --keep-logs "$OUT/eager-nodes"
+    step eager-clients16 "$PY" "${SWARM[@]}" --nodes 2 --clients 16 --modes direct --forward-repeats 0 \
+        --keep-logs "$OUT/eager-clients16-nodes"
+fi
