@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nesa_node import event_loop  # noqa: E402
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
 from nesa_node.devtools.launcher import ProcessGroup, split_blocks  # noqa: E402
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model  # noqa: E402
@@ -370,7 +371,8 @@ def main() -> None:
                 if not extra:
                     figures = chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args)
                 if args.clients:
-                    clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = asyncio.run(
+                    # on the event loop a gateway runs (uvloop where installed)
+                    clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = event_loop.run(
                         aggregate_decode(path, peers, prefix, count, args.clients, input_ids, args.new_tokens, args)
                     )
             finally:

@@ -171,6 +171,8 @@ class BlockSpan(nn.Module):
         self.source_hash = source_hash if source_hash is not None else weights_hash  # the checkpoint's, unquantized
         self.quantization = quantization
         self.dtype_ = DTYPES[spec.dtype]
+        # read on every step (transformers' config attributes go through a slow __getattribute__)
+        self._hidden_size = config.hidden_size
         # cos and sin of positions 0..n-1 (1, n, head_dim), on the device in the span's dtype: a step reads its
         # positions' rows instead of building them (several small operations a call); None where not tabulated
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -185,7 +187,7 @@ class BlockSpan(nn.Module):
 
     @property
     def hidden_size(self) -> int:
-        return self.config.hidden_size
+        return self._hidden_size
 
     def new_cache(self):
         """An empty KV cache for this span's blocks (keys and values written in place: sharding/span_cache.py)."""

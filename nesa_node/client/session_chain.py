@@ -20,6 +20,7 @@ from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.auto import compression_pays
+from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, ReceiptError, RequestError
 from nesa_node.protocol import lane, rpc
@@ -219,15 +220,26 @@ class SessionChain:
         links = [ChainLink(hop) for hop in hops]
         settings = self._lane_settings(links, downstream)
         timeout_s = self.swarm.request_timeout_s
-        for index, link in enumerate(links):
-            try:
-                async with asyncio.timeout(timeout_s):
-                    link.control = await open_stream(
-                        self.swarm.p2p, link.peer_id, rpc.INFERENCE, max_frame_bytes=self.max_answer_bytes
-                    )
-            except Exception as exc:
+
+        async def open_control(link: ChainLink) -> None:
+            async with asyncio.timeout(timeout_s):
+                link.control = await open_stream(
+                    self.swarm.p2p, link.peer_id, rpc.INFERENCE, max_frame_bytes=self.max_answer_bytes
+                )
+
+        # the streams open together (one round trip to the nodes, not one per node); the opens go out in chain order
+        try:
+            opened = await asyncio.gather(*(open_control(link) for link in links), return_exceptions=True)
+        except BaseException:  # cancelled meanwhile: the streams already open are closed
+            self.close_links(links)
+            raise
+        for link, outcome in zip(links, opened, strict=True):
+            if isinstance(outcome, BaseException):
                 self.close_links(links)
-                raise LinkFailed(f"could not open a session on {link.peer_id}: {exc!r}", link) from None
+                if not isinstance(outcome, Exception):
+                    raise outcome  # a cancellation, not the node's failure
+                raise LinkFailed(f"could not open a session on {link.peer_id}: {outcome!r}", link) from None
+        for index, link in enumerate(links):
             message = self._open_message(index, hops, upstream, downstream.hop if downstream else None, settings[index])
             if self.own_adapter is not None and not self.swarm.holds_adapter(link.peer_id, self.own_adapter.adapter_id):
                 # the node's whole span where its record says it: its other sessions on part of it can share them
@@ -269,10 +281,16 @@ class SessionChain:
         if not self.lanes:
             return
         first, last = self.links[0], self.links[-1]
-        if first.steps is None:
-            first.steps = await self._connect_lane(first, lane.ROLE_SEND, first.key_in)
-        if last.outputs is None:
-            last.outputs = await self._connect_lane(last, lane.ROLE_RECEIVE, last.key_out)
+
+        async def steps_lane() -> None:
+            if first.steps is None:
+                first.steps = await self._connect_lane(first, lane.ROLE_SEND, first.key_in)
+
+        async def outputs_lane() -> None:
+            if last.outputs is None:
+                last.outputs = await self._connect_lane(last, lane.ROLE_RECEIVE, last.key_out)
+
+        await asyncio.gather(steps_lane(), outputs_lane())  # both at once: one round trip
 
     async def _connect_lane(self, link: ChainLink, role: int, key: bytes) -> Channel | None:
         address = self.swarm.lane_address(link.peer_id)
@@ -373,7 +391,7 @@ class SessionChain:
             raise LinkFailed(
                 f"node {link.peer_id} sent hidden states of shape {tuple(hidden.shape)}, expected {tuple(shape)}", link
             )
-        if not bool(torch.isfinite(hidden).all()):
+        if not all_finite(hidden):
             raise LinkFailed(f"node {link.peer_id} sent hidden states with NaN or infinite values", link)
         if shape is not None:
             self._learn_hidden_size(shape[-1])

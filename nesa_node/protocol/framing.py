@@ -251,12 +251,9 @@ async def call_on_stream(
         if answer is None:
             raise ChannelClosedError("the peer ended the stream without an answer")
         return answer
-    except NesaError as exc:
-        if getattr(exc, "named_by_peer", False):  # the peer refused (busy, too large): its typed error
-            raise
-        logger.debug("%s to %s failed: %r", name, peer_id, exc)
-        raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
     except Exception as exc:
+        if isinstance(exc, NesaError) and getattr(exc, "named_by_peer", False):  # the peer refused: its typed error
+            raise
         logger.debug("%s to %s failed: %r", name, peer_id, exc)
         raise PeerUnavailableError(f"peer {peer_id} did not answer {name}: {exc!r}") from None
     finally:

@@ -14,6 +14,8 @@ from nesa_node.compression.codec import CODECS, MAX_RANK, CodecError, EncodedTen
 from nesa_node.errors import BadRequestError
 
 MAX_CODEC_PARAMS = 4
+_NONE_METADATA = {"name": "none"}
+_NO_COMPRESSION = runtime_pb2.CompressionType.NONE  # hivemind's own compression field, always NONE here
 
 
 @dataclass(frozen=True)
@@ -40,8 +42,8 @@ class WireCodec:
     @classmethod
     def from_metadata(cls, value: Any, *, accepted: tuple[str, ...] = CODECS) -> WireCodec:
         """Read a codec named by a peer; BadRequestError unless it is known, accepted and well-formed."""
-        if value is None:
-            value = {"name": "none"}
+        if (value is None or value == _NONE_METADATA) and "none" in accepted:  # every lossless step: nothing to check
+            return NO_CODEC
         if not isinstance(value, dict) or len(value) > MAX_CODEC_PARAMS + 1:
             raise BadRequestError("codec must be a small map: {name, parameters}")
         name = value.get("name")
@@ -69,7 +71,7 @@ def tensor_to_proto(tensor: torch.Tensor, codec: WireCodec = NO_CODEC) -> runtim
         buffer=encoded.payload,
         size=list(encoded.shape),
         dtype=encoded.dtype,
-        compression=runtime_pb2.CompressionType.NONE,
+        compression=_NO_COMPRESSION,
     )
 
 
@@ -83,7 +85,7 @@ def tensor_from_proto(
 ) -> torch.Tensor:
     """Decode a tensor from a peer; raises BadRequestError (never casts, never trusts the declared shape: every
     dimension, zeros included, is checked against `max_elements` before torch sees it)."""
-    if proto.compression != runtime_pb2.CompressionType.NONE:
+    if proto.compression != _NO_COMPRESSION:
         raise BadRequestError(f"unsupported hivemind tensor compression {proto.compression}; name a codec instead")
     if len(proto.size) > MAX_RANK:  # before copying a shape of any length out of the protobuf
         raise BadRequestError(f"a tensor has at most {MAX_RANK} dimensions, got {len(proto.size)}")
