@@ -18,8 +18,14 @@ from hivemind.proto import runtime_pb2
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.errors import QuotaExceededError
 from nesa_node.protocol import rpc
+from nesa_node.protocol.channel import frame, read
+from nesa_node.protocol.framing import call_on_stream
+from nesa_node.protocol.messages import FORWARD_ANSWERS, ForwardRequest, ForwardResult, expect
+from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
 from nesa_node.sharding.kv_cache import kv_bytes_per_token_for
 from tests.support.swarm import wait_for_chain, wait_until
 
@@ -219,3 +225,58 @@ def test_g3_sessions_reserve_cache_as_they_use_it_and_one_that_never_steps_is_cl
     finally:
         module_swarm.run(attackers.close(), timeout=60)
         module_swarm.stop_node(node)
+
+
+def test_g3_identities_holding_every_large_forward_slot_free_it_within_the_peer_timeout(module_swarm, tiny_llama):
+    """Throwaway identities, two streams each (a peer's most), take every slot a node has for large forwards and
+    never send on them: another peer's large forward is refused at once with a typed quota error (it does not wait
+    behind them), the node drops every held stream once its peer timeout has passed, and the same forward is then
+    answered with the blocks' output."""
+    peer_timeout_s = 2.0
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="starve-forward", peer_timeout_s=peer_timeout_s)
+    gate = node.rpc.forward_streams
+    count = gate.max_running // gate.max_running_per_peer
+    span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    hidden = torch.randn(1, 5, span.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.inference_mode():
+        expected = span(hidden)
+    request = frame(ForwardRequest(start_block=0, end_block=4), [tensor_to_proto(hidden)])
+    peers = module_swarm.peers_with(node)
+
+    async def forward(p2p: P2P) -> torch.Tensor:
+        answer = await call_on_stream(
+            p2p, node.peer_id, rpc.FORWARD_STREAM, request, max_answer_bytes=1 << 20, timeout_s=10
+        )
+        expect(read(answer, FORWARD_ANSWERS), ForwardResult)
+        return tensor_from_proto(answer.tensors[0], allowed_dtypes=("float32",), max_elements=1 << 20, rank=3)
+
+    async def hold() -> tuple[list[P2P], list]:
+        identities = list(await asyncio.gather(*(P2P.create(initial_peers=peers) for _ in range(count + 1))))
+        held = []
+        for p2p in identities[1:]:  # the first is the honest peer
+            for _ in range(gate.max_running_per_peer):
+                held.append(await p2p.call_binary_stream_handler(PeerID.from_base58(node.peer_id), rpc.FORWARD_STREAM))
+        return identities, held
+
+    async def release(identities: list[P2P], held: list) -> None:
+        for _, _, writer in held:
+            writer.close()
+        await asyncio.gather(*(p2p.shutdown() for p2p in identities), return_exceptions=True)
+
+    identities, held = module_swarm.run(hold(), timeout=60)
+    try:
+        wait_until(lambda: sum(list(gate.running.values())) == gate.max_running)  # the node has taken every one
+        started = time.monotonic()
+        with pytest.raises(QuotaExceededError, match=f"answers {gate.max_running} large forwards at once"):
+            module_swarm.run(forward(identities[0]), timeout=30)
+        refused_s = time.monotonic() - started
+        wait_until(lambda: not gate.running, timeout_s=5 * peer_timeout_s)  # they sent nothing: dropped
+        freed_s = time.monotonic() - started
+        output = module_swarm.run(forward(identities[0]), timeout=30)
+    finally:
+        module_swarm.run(release(identities, held), timeout=60)
+        module_swarm.stop_node(node)
+    print(f"large forward refused in {refused_s:.2f} s; {count} identities' slots freed after {freed_s:.1f} s")
+    assert refused_s < 2.0
+    assert freed_s <= peer_timeout_s + 3.0
+    assert torch.allclose(output, expected, atol=1e-5)
