@@ -186,7 +186,8 @@ def test_a_changed_byte_in_the_clients_adapter_is_refused_by_hash(lora_swarm, tr
         model.client.own_adapters[own.adapter_id] = OwnAdapter(own.manifest, tuple(blobs))
         with pytest.raises(AdapterHashError):
             model.generate(prompts(1)[0], max_new_tokens=2)
-    assert resident(lora_swarm, own.adapter_id) == [False] * len(SPANS)
+    # nodes whose blocks were intact took the adapter for the open and release it when the refused chain closes
+    wait_until(lambda: resident(lora_swarm, own.adapter_id) == [False] * len(SPANS), timeout_s=10)
 
 
 @pytest.fixture(scope="module")
