@@ -76,11 +76,15 @@ def test_a_node_told_not_to_batch_runs_each_step_alone(module_swarm, tiny_llama,
         module_swarm.stop_node(node)
 
 
+@pytest.mark.parametrize("attention", ["per_session", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_a_batched_pass_equals_each_sessions_own_steps(tiny_models, arch):
-    """Sessions of different lengths and rows, stepped together and alone, for several steps."""
+def test_a_batched_pass_equals_each_sessions_own_steps(tiny_models, arch, attention):
+    """Sessions of different lengths and rows, stepped together and alone, for several steps; attention once a
+    session over its cache (the CPU's pass) or once over the caches padded to the longest (a GPU's)."""
     span = load_block_span(tiny_models[arch], SpanSpec(0, 4))
-    assert span.batches_decode
+    assert span.batches_decode and span._rotate is not None  # the CPU runs attention a session by default
+    if attention == "padded":
+        span._rotate = None
     generator = torch.Generator().manual_seed(0)
     shapes = [(1, 3), (2, 7), (1, 1), (3, 5)]  # (rows, prompt tokens)
     alone, together = [span.new_cache() for _ in shapes], [span.new_cache() for _ in shapes]

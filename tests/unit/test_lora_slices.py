@@ -149,14 +149,19 @@ def test_a_mixed_batch_gives_each_row_its_own_reference(tiny_models, adapter, ar
     assert not torch.equal(got[0], plain[0]) and not torch.equal(got[2], plain[2])
 
 
+@pytest.mark.parametrize("attention", ["per_session", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])  # full attention: spans that batch decode steps
-def test_a_decode_batch_mixes_sessions_with_different_adapters(tiny_models, adapter, arch):
+def test_a_decode_batch_mixes_sessions_with_different_adapters(tiny_models, adapter, arch, attention):
     """Three sessions (adapter X, 1 row; no adapter, 2 rows; adapter Y, 1 row) prefill alone with their own
-    adapter, then run their one-token steps together in `decode_batch`, each at its own position."""
+    adapter, then run their one-token steps together in `decode_batch`, each at its own position; attention a
+    session at a time (the CPU's pass) or over the padded caches (a GPU's)."""
     x, y = adapter(arch, "some_layers"), adapter(arch, "all_rslora_patterns")
     sessions = [(x, _input_ids(1, seed=2), 5), (None, _input_ids(2, seed=3), 6), (y, _input_ids(1, seed=4), 4)]
     edges, spans = _chain(tiny_models[arch])
     assert all(span.batches_decode for span in spans)
+    if attention == "padded":
+        for span in spans:
+            span._rotate = None
     slices = {(f, s.start): load_adapter_slice(f, s.config, s.start, s.end) for f in (x, y) for s in spans}
     caches = [[span.new_cache() for span in spans] for _ in sessions]
     outputs: list[list[torch.Tensor]] = [[] for _ in sessions]

@@ -98,10 +98,13 @@ def test_keys_of_another_batch_are_refused():
     assert layer.get_seq_length() == 3  # nothing written
 
 
-def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_llama):
-    """decode_batch pads every session's view to the longest: the zeroed buffers and the views give what separate
-    steps give."""
+@pytest.mark.parametrize("attention", ["per_session", "padded"])
+def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_llama, attention):
+    """decode_batch reads each session's view (attention a session) or pads every session's view to the longest:
+    the zeroed buffers and the views give what separate steps give."""
     span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    if attention == "padded":
+        span._rotate = None  # a GPU's pass
     generator = torch.Generator().manual_seed(7)
     lengths = [5, 11, 2]
     prompts = [torch.randn(1, n, span.hidden_size, generator=generator) for n in lengths]
@@ -119,12 +122,15 @@ def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_lla
                 torch.testing.assert_close(got, span(step, cache, cache.get_seq_length()), atol=1e-5, rtol=0)
 
 
-def test_a_batched_pass_reads_buffers_past_a_sessions_end_as_if_zero_padded(tiny_llama):
-    """A batched pass reads each session's buffer as it is up to the longest session (one copy for all): rows a
+@pytest.mark.parametrize("attention", ["per_session", "padded"])
+def test_a_batched_pass_reads_buffers_past_a_sessions_end_as_if_zero_padded(tiny_llama, attention):
+    """A padded pass reads each session's buffer as it is up to the longest session (one copy for all): rows a
     session no longer holds (cropped, or never written) are masked, so its outputs and caches equal, bit for bit,
     those of sessions whose buffers hold zeros there. One session's buffer is shorter than the longest (it is padded),
-    one grows during the pass (its own update)."""
+    one grows during the pass (its own update). A pass attending a session at a time reads its rows only: the same."""
     span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    if attention == "padded":
+        span._rotate = None  # a GPU's pass
     generator = torch.Generator().manual_seed(8)
     # 5: a first buffer of MIN_CAPACITY (64), shorter than the longest session (padded); 70: a buffer of exactly 70,
     # grown by its own update at the first pass; 63: a buffer of 64, filled at the first pass, grown at the second
