@@ -625,13 +625,37 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
 
 
 class ClientEdges(nn.Module):
-    """What a client holds locally: the token embeddings, the final norm and the LM head."""
+    """What a client holds locally: the token embeddings, the final norm and the LM head.
+
+    `scores` runs the LM head. On the CPU in float32, a pass over two rows or more reads a transposed copy of the
+    head's matrix, (hidden, vocab), made at the first such pass: MKL's product of a few rows with the (vocab, hidden)
+    matrix runs at about two thirds the speed of the same product with the matrix laid out (hidden, vocab) (a 32000 x
+    512 head over 8 rows: 20.8 ms against 15.0 ms on one core), and several rows' scores equal one row's up to
+    rounding only anyway. One row keeps the head's own product, so a lone session's scores are those of a single
+    process bit for bit. The copy costs one more head matrix of memory, only in a client that scores several rows at
+    once (a gateway, batched generation), and follows the head's weight when that changes. In bfloat16 and float16
+    the transposed product is 3-5x slower on the CPU: those keep the head's own.
+    """
 
     def __init__(self, embed: nn.Embedding, norm: nn.Module, lm_head: nn.Linear):
         super().__init__()
         self.embed_tokens = embed
         self.norm = norm
         self.lm_head = lm_head
+        self._head_t: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, its version, weight.T copy)
+
+    def scores(self, normed: torch.Tensor) -> torch.Tensor:
+        """The LM head's logits of normed hidden states (..., hidden) -> (..., vocab)."""
+        weight = self.lm_head.weight
+        rows = normed.numel() // max(normed.shape[-1], 1)
+        plain = type(self.lm_head) is nn.Linear and self.lm_head.bias is None and not torch.is_grad_enabled()
+        if rows < 2 or not plain or weight.device.type != "cpu" or weight.dtype != torch.float32:
+            return self.lm_head(normed)
+        held = self._head_t
+        if held is None or held[0] is not weight or held[1] != weight._version:
+            with torch.inference_mode(False), torch.no_grad():  # usable inside and outside inference mode
+                held = self._head_t = (weight, weight._version, weight.detach().t().contiguous())
+        return normed @ held[2]
 
 
 def load_client_edges(

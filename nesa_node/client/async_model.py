@@ -401,7 +401,7 @@ class AsyncDistributedModel(AdapterLookup):
             if keep > 0:
                 hidden = hidden[:, -keep:]  # (batch, keep, hidden)
             hidden = hidden.to(self.device, self.dtype)
-            return self.edges.lm_head(self.edges.norm(hidden)).cpu()  # (batch, kept, vocab)
+            return self.edges.scores(self.edges.norm(hidden)).cpu()  # (batch, kept, vocab)
 
     def _last_scores(self, last: torch.Tensor) -> torch.Tensor:
         """Next-token scores (rows, vocab), float32 on the CPU, of the last hidden states `last` (rows, hidden)."""

@@ -100,6 +100,29 @@ def test_devices_torch_cannot_use_are_refused_with_advice():
             check_device(f"cuda:{torch.cuda.device_count()}")
 
 
+def test_the_client_head_scores_several_rows_as_its_own_product_up_to_rounding_and_one_row_exactly(tiny_llama):
+    edges = load_client_edges(tiny_llama)
+    normed = torch.randn(8, 1, edges.lm_head.in_features, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        alone = edges.scores(normed[:1])
+        assert edges._head_t is None  # one row: the head's own product, no copy made
+        assert torch.equal(alone, edges.lm_head(normed[:1]))
+        together = edges.scores(normed)
+        assert edges._head_t is not None
+        torch.testing.assert_close(together, edges.lm_head(normed), atol=1e-5, rtol=0)
+        torch.testing.assert_close(together[:1], alone, atol=1e-5, rtol=0)
+    # the copy follows the head's weight when it changes in place (a user editing the output embeddings)
+    with torch.no_grad():
+        edges.lm_head.weight.mul_(2)
+    with torch.inference_mode():
+        torch.testing.assert_close(edges.scores(normed), 2 * together, atol=2e-5, rtol=0)
+    # bfloat16 keeps the head's own product (the transposed one is slower there)
+    half = load_client_edges(tiny_llama, dtype="bfloat16")
+    with torch.inference_mode():
+        assert torch.equal(half.scores(normed.bfloat16()), half.lm_head(normed.bfloat16()))
+    assert half._head_t is None
+
+
 def test_bfloat16_span_runs(tiny_llama):
     span = load_block_span(tiny_llama, SpanSpec(0, 2, dtype="bfloat16"))
     output = span(torch.randn(1, 3, 64))
