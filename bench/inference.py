@@ -122,8 +122,20 @@ async def aggregate_decode(
         started = time.perf_counter()
         alone = [await model.generate(prompt, max_new_tokens=new_tokens) for prompt in prompts[:2]]
         one_tps = 2 * new_tokens / (time.perf_counter() - started)
+        first_token_s: list[float] = []
+
+        async def generate_timed(prompt: torch.Tensor) -> torch.Tensor:
+            """`model.generate`, noting when its first token came."""
+            columns = []
+            async with contextlib.aclosing(model.stream(prompt, max_new_tokens=new_tokens)) as stream:
+                async for column in stream:
+                    if not columns:
+                        first_token_s.append(time.perf_counter() - started)
+                    columns.append(column)
+            return torch.cat([prompt, torch.stack(columns, dim=1).to(prompt.dtype)], dim=1)
+
         started = time.perf_counter()
-        together = await asyncio.gather(*(model.generate(prompt, max_new_tokens=new_tokens) for prompt in prompts))
+        together = await asyncio.gather(*(generate_timed(prompt) for prompt in prompts))
         aggregate_tps = clients * new_tokens / (time.perf_counter() - started)
     finally:
         await model.close()
@@ -133,6 +145,9 @@ async def aggregate_decode(
         "one_session_tps": round(one_tps, 2),
         "aggregate_tps": round(aggregate_tps, 2),
         "aggregate_vs_one": round(aggregate_tps / one_tps, 3),
+        # first tokens of the sessions started together, from their start: the prompts' passes at the nodes
+        "first_token_ms_median": round(1000 * statistics.median(first_token_s), 1),
+        "first_token_ms_last": round(1000 * max(first_token_s), 1),
         "tokens_match": all(
             torch.equal(first.cpu(), second.cpu()) for first, second in zip(alone, together[:2], strict=True)
         ),
