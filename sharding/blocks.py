@@ -187,6 +187,7 @@ class BlockSpan(nn.Module):
         # the family's rotary function where every layer is the family's own sdpa decoder layer, which
         # `_layer_per_session` runs part by part for a batched pass; None where passes keep the layers' own forward
         self._rotate = _rotation_for_rows(config, self.layers, attention)
+        self._decoder = family_class(config, "DecoderLayer")
 
     @property
     def hidden_size(self) -> int:
@@ -327,8 +328,10 @@ class BlockSpan(nn.Module):
         longest = max(positions) + 1
         position_embeddings = self.rope_rows(hidden, position_ids, longest)
         cache = _RowsCache([step_cache for _, step_cache, _ in steps], rows)
-        if self._rotate is not None and hidden.device.type == "cpu":
-            for layer in self.layers[first:end]:
+        layers = self.layers[first:end]
+        # a layer replaced since the span was loaded (a test's pass-through block) runs whole, on the padded path
+        if self._rotate is not None and hidden.device.type == "cpu" and all(type(x) is self._decoder for x in layers):
+            for layer in layers:
                 hidden = _layer_per_session(layer, hidden, position_embeddings, cache, self._rotate)
             return list(hidden.split(rows))
         # each row sees its own cache (position + 1 keys once this step is in); the rest of the padding is masked
@@ -633,8 +636,9 @@ class ClientEdges(nn.Module):
     512 head over 8 rows: 20.8 ms against 15.0 ms on one core), and several rows' scores equal one row's up to
     rounding only anyway. One row keeps the head's own product, so a lone session's scores are those of a single
     process bit for bit. The copy costs one more head matrix of memory, only in a client that scores several rows at
-    once (a gateway, batched generation), and follows the head's weight when that changes. In bfloat16 and float16
-    the transposed product is 3-5x slower on the CPU: those keep the head's own.
+    once (a gateway, batched generation, the logits of a whole sequence), and follows the head's weight when that
+    changes (in place or replaced). In bfloat16 and float16 the transposed product is 3-5x slower on the CPU: those
+    keep the head's own, as do heads with hooks or weights made in inference mode.
     """
 
     def __init__(self, embed: nn.Embedding, norm: nn.Module, lm_head: nn.Linear):
@@ -642,19 +646,25 @@ class ClientEdges(nn.Module):
         self.embed_tokens = embed
         self.norm = norm
         self.lm_head = lm_head
-        self._head_t: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (weight, its version, weight.T copy)
+        self._head_t: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (weight, key, weight.T)
 
     def scores(self, normed: torch.Tensor) -> torch.Tensor:
         """The LM head's logits of normed hidden states (..., hidden) -> (..., vocab)."""
-        weight = self.lm_head.weight
+        head = self.lm_head
+        weight = head.weight
         rows = normed.numel() // max(normed.shape[-1], 1)
-        plain = type(self.lm_head) is nn.Linear and self.lm_head.bias is None and not torch.is_grad_enabled()
+        plain = (
+            type(head) is nn.Linear and head.bias is None and not head._forward_hooks and not head._forward_pre_hooks
+            and not torch.is_grad_enabled() and not weight.is_inference()  # an inference tensor keeps no version
+        )  # fmt: skip
         if rows < 2 or not plain or weight.device.type != "cpu" or weight.dtype != torch.float32:
-            return self.lm_head(normed)
+            return head(normed)
         held = self._head_t
-        if held is None or held[0] is not weight or held[1] != weight._version:
+        # the copy is of this weight, its storage (`.data` may be replaced) and its version (changed in place)
+        key = (weight.data_ptr(), weight._version)
+        if held is None or held[0] is not weight or held[1] != key:
             with torch.inference_mode(False), torch.no_grad():  # usable inside and outside inference mode
-                held = self._head_t = (weight, weight._version, weight.detach().t().contiguous())
+                held = self._head_t = (weight, key, weight.detach().t().contiguous())
         return normed @ held[2]
 
 

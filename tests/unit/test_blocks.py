@@ -116,6 +116,14 @@ def test_the_client_head_scores_several_rows_as_its_own_product_up_to_rounding_a
         edges.lm_head.weight.mul_(2)
     with torch.inference_mode():
         torch.testing.assert_close(edges.scores(normed), 2 * together, atol=2e-5, rtol=0)
+    # and when the weight's storage is replaced (`.data`, no version change)
+    edges.lm_head.weight.data = edges.lm_head.weight.data * 0.5
+    with torch.inference_mode():
+        torch.testing.assert_close(edges.scores(normed), together, atol=2e-5, rtol=0)
+    # weights made in inference mode (no version counter) keep the head's own product
+    with torch.inference_mode():
+        frozen = load_client_edges(tiny_llama)
+        assert torch.equal(frozen.scores(normed), frozen.lm_head(normed)) and frozen._head_t is None
     # bfloat16 keeps the head's own product (the transposed one is slower there)
     half = load_client_edges(tiny_llama, dtype="bfloat16")
     with torch.inference_mode():

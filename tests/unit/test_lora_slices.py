@@ -158,7 +158,7 @@ def test_a_decode_batch_mixes_sessions_with_different_adapters(tiny_models, adap
     x, y = adapter(arch, "some_layers"), adapter(arch, "all_rslora_patterns")
     sessions = [(x, _input_ids(1, seed=2), 5), (None, _input_ids(2, seed=3), 6), (y, _input_ids(1, seed=4), 4)]
     edges, spans = _chain(tiny_models[arch])
-    assert all(span.batches_decode for span in spans)
+    assert all(span.batches_decode and span._rotate is not None for span in spans)
     if attention == "padded":
         for span in spans:
             span._rotate = None

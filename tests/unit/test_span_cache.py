@@ -103,12 +103,16 @@ def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_lla
     """decode_batch reads each session's view (attention a session) or pads every session's view to the longest:
     the zeroed buffers and the views give what separate steps give."""
     span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    assert span._rotate is not None  # attention a session at a time, unless told otherwise
     if attention == "padded":
         span._rotate = None  # a GPU's pass
     generator = torch.Generator().manual_seed(7)
-    lengths = [5, 11, 2]
+    # 62: a buffer of MIN_CAPACITY filled and grown during the steps; the last session holds a DynamicCache (no
+    # buffer: its own update)
+    lengths = [5, 11, 2, MIN_CAPACITY - 2, 4]
     prompts = [torch.randn(1, n, span.hidden_size, generator=generator) for n in lengths]
-    ours, alone = [span.new_cache() for _ in lengths], [SpanCache(span.sub_config) for _ in lengths]
+    ours = [span.new_cache() for _ in lengths[:-1]] + [DynamicCache(config=span.sub_config)]
+    alone = [SpanCache(span.sub_config) for _ in lengths]
     with torch.inference_mode():
         for prompt, a, b in zip(prompts, ours, alone, strict=True):
             span(prompt, a, 0)
@@ -122,6 +126,32 @@ def test_a_batched_pass_over_span_caches_equals_each_sessions_own_steps(tiny_lla
                 torch.testing.assert_close(got, span(step, cache, cache.get_seq_length()), atol=1e-5, rtol=0)
 
 
+def test_a_batched_pass_through_a_block_replaced_since_loading_runs_every_block_whole(tiny_llama):
+    """A block replaced after the span was loaded (a cheating node's pass-through, devtools/malicious.py) is not the
+    family's layer that attention a session at a time runs part by part: such a pass runs the blocks whole (the
+    padded path), and gives what each session's own step gives."""
+
+    class PassThrough(torch.nn.Module):
+        def forward(self, hidden_states, *args, **kwargs):
+            return hidden_states
+
+    span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    span.layers[2] = PassThrough()
+    generator = torch.Generator().manual_seed(9)
+    prompts = [torch.randn(1, n, span.hidden_size, generator=generator) for n in (3, 6)]
+    ours, alone = [span.new_cache() for _ in prompts], [span.new_cache() for _ in prompts]
+    with torch.inference_mode():
+        for prompt, a, b in zip(prompts, ours, alone, strict=True):
+            span(prompt, a, 0)
+            span(prompt, b, 0)
+        steps = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in prompts]
+        batched = span.decode_batch(
+            [(step, cache, cache.get_seq_length()) for step, cache in zip(steps, ours, strict=True)], (0, 4)
+        )
+        for step, cache, got in zip(steps, alone, batched, strict=True):
+            torch.testing.assert_close(got, span(step, cache, cache.get_seq_length()), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("attention", ["per_session", "padded"])
 def test_a_batched_pass_reads_buffers_past_a_sessions_end_as_if_zero_padded(tiny_llama, attention):
     """A padded pass reads each session's buffer as it is up to the longest session (one copy for all): rows a
@@ -129,6 +159,7 @@ def test_a_batched_pass_reads_buffers_past_a_sessions_end_as_if_zero_padded(tiny
     those of sessions whose buffers hold zeros there. One session's buffer is shorter than the longest (it is padded),
     one grows during the pass (its own update). A pass attending a session at a time reads its rows only: the same."""
     span = load_block_span(tiny_llama, SpanSpec(0, 4))
+    assert span._rotate is not None
     if attention == "padded":
         span._rotate = None  # a GPU's pass
     generator = torch.Generator().manual_seed(8)
