@@ -8,6 +8,7 @@ timeout. Many sessions may use one Swarm at once.
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import math
@@ -69,6 +70,28 @@ def _log_failed_read(read: asyncio.Future) -> None:
     """A background DHT read that failed: the records at hand stay; the next call that must wait reads again."""
     if not read.cancelled() and read.exception() is not None:
         logger.debug("background DHT read failed: %r", read.exception())
+
+
+# a session's every step asks for its link's bandwidth (its codec), which reads the node's lane address: parsed once
+# per address, not once a step (a few addresses repeat; at most this many kept, whatever records peers send)
+ADDRESSES_KEPT = 4096
+
+
+@functools.lru_cache(maxsize=ADDRESSES_KEPT)
+def _lane_host(address: str) -> str | None:
+    """The host of a lane address, None when the address is malformed (protocol/lane.py `parse_address`)."""
+    try:
+        return lane.parse_address(address)[0]
+    except BadRequestError:
+        return None
+
+
+@functools.lru_cache(maxsize=ADDRESSES_KEPT)
+def _loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Swarm:
@@ -322,9 +345,7 @@ class Swarm:
         address = record.info.lane if record is not None else None
         if address is None:
             return None
-        try:
-            lane.parse_address(address)
-        except BadRequestError:
+        if _lane_host(address) is None:
             logger.debug("ignoring the malformed lane address of %s", peer_id)
             return None
         return address
@@ -429,12 +450,7 @@ class Swarm:
 
     def _on_this_host(self, peer_id: str) -> bool:
         address = self.lane_address(peer_id)
-        if address is None:
-            return False
-        try:
-            return ipaddress.ip_address(lane.parse_address(address)[0]).is_loopback
-        except (BadRequestError, ValueError):
-            return False
+        return address is not None and _loopback(_lane_host(address))
 
     def measure_bandwidths_soon(self, peer_ids: list[str]) -> None:
         """Measure the client's bandwidth to each of `peer_ids` not measured in the last BANDWIDTH_MAX_AGE_S, in
