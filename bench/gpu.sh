@@ -7,7 +7,8 @@
 #
 # quick (about 6 minutes on one H100): the GPU tests, the codec table, and 2 nodes replaying CUDA graphs with 16
 # concurrent sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
-# (the first mode runs through fresh nodes), with and without 16 concurrent sessions.
+# (the first mode runs through fresh nodes), with and without 16 concurrent sessions, and 16 sessions through nodes
+# that batch prompts too (`--batch-prompts`: compare the first-token figures with the run before).
 # Every step writes its JSON line to $OUT/NAME.json and its output to $OUT/NAME.log ($OUT: gpu-results); the nodes'
 # logs go to $OUT/NAME-nodes/. A step stops after $STEP_TIMEOUT_S seconds (600) and the next one runs.
 set -u
@@ -35,4 +36,6 @@ if [ "${1:-quick}" = full ]; then
     step eager "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct-libp2p direct relay --keep-logs "$OUT/eager-nodes"
     step eager-clients16 "$PY" "${SWARM[@]}" --nodes 2 --clients 16 --modes direct --forward-repeats 0 \
         --keep-logs "$OUT/eager-clients16-nodes"
+    step eager-clients16-prompts "$PY" "${SWARM[@]}" --nodes 2 --clients 16 --modes direct --forward-repeats 0 \
+        --node-arg=--batch-prompts --keep-logs "$OUT/eager-clients16-prompts-nodes"
 fi

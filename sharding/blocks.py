@@ -331,8 +331,9 @@ class BlockSpan(nn.Module):
         layers = self.layers[first:end]
         # a layer replaced since the span was loaded (a test's pass-through block) runs whole, on the padded path
         if self._rotate is not None and hidden.device.type == "cpu" and all(type(x) is self._decoder for x in layers):
+            attend = _attend_steps(cache)
             for layer in layers:
-                hidden = _layer_per_session(layer, hidden, position_embeddings, cache, self._rotate)
+                hidden = _layer_per_session(layer, hidden, position_embeddings, self._rotate, attend)
             return list(hidden.split(rows))
         # each row sees its own cache (position + 1 keys once this step is in); the rest of the padding is masked
         lengths = position_ids[:, 0] + 1
@@ -350,6 +351,37 @@ class BlockSpan(nn.Module):
                 position_embeddings=position_embeddings,
             )
         return list(hidden.split(rows))
+
+    @property
+    def batches_prompts(self) -> bool:
+        """Whether `run_batch` takes steps of several tokens (prompts) too: attention a session at a time runs the
+        family's layers part by part (`_layer_per_session`), the span's own layers (none replaced since loading)."""
+        return self.batches_decode and self._rotate is not None and all(type(x) is self._decoder for x in self.layers)
+
+    def run_batch(self, steps: list[tuple[torch.Tensor, object, int]], blocks: tuple[int, int]) -> list:
+        """Steps of several sessions through `blocks` in one pass, each (hidden (rows, seq, hidden), its cache, its
+        position), of any length: prompts with one-token steps. Returns each step's output as its own `forward`
+        would (same blocks, same cache update), up to rounding. Every projection and MLP runs once over all the
+        steps' tokens; attention runs a session at a time over its own cache, causal among its new tokens. Passes
+        of one-token steps only are `decode_batch`'s; others need `batches_prompts` (ValueError otherwise)."""
+        if all(hidden.shape[1] == 1 for hidden, _, _ in steps):
+            return self.decode_batch(steps, blocks)
+        if not self.batches_prompts:
+            raise ValueError(f"blocks {self.start}:{self.end} run prompts one at a time (no per-session attention)")
+        first, end = blocks[0] - self.start, blocks[1] - self.start
+        if not 0 <= first < end <= len(self.layers):
+            raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
+        shapes = [(hidden.shape[0], hidden.shape[1], position) for hidden, _, position in steps]
+        width = steps[0][0].shape[-1]
+        hidden = torch.cat([step.reshape(-1, 1, width).to(self.spec.device, self.dtype_) for step, _, _ in steps])
+        positions = [position + token for rows, seq, position in shapes for _ in range(rows) for token in range(seq)]
+        position_ids = torch.tensor(positions, device=hidden.device).unsqueeze(1)  # (tokens, 1)
+        position_embeddings = self.rope_rows(hidden, position_ids, max(positions) + 1)
+        attend = _attend_prompts([cache for _, cache, _ in steps], shapes)
+        for layer in self.layers[first:end]:
+            hidden = _layer_per_session(layer, hidden, position_embeddings, self._rotate, attend)
+        parts = hidden.split([rows * seq for rows, seq, _ in shapes])
+        return [part.reshape(rows, seq, -1) for part, (rows, seq, _) in zip(parts, shapes, strict=True)]
 
     def forward(
         self, hidden: torch.Tensor, cache=None, position: int = 0, blocks: tuple[int, int] | None = None
@@ -472,39 +504,80 @@ def _rotation_for_rows(config, layers, attention: str):
     return rotate
 
 
-def _layer_per_session(layer, hidden: torch.Tensor, position_embeddings, cache: _RowsCache, rotate) -> torch.Tensor:
-    """One decoder layer over a batched pass's rows (rows, 1, hidden), as the layer's own forward computes it (norm,
-    attention, residual, norm, MLP, residual; the projections and MLP once over all rows, through the modules, so
-    LoRA rows' hooks apply), except that attention runs once a session, over that session's cache as it lies, with
-    the sdpa call of its own step (a one-token step after its cache sees every key: no mask)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+def _layer_per_session(layer, hidden: torch.Tensor, position_embeddings, rotate, attend) -> torch.Tensor:
+    """One decoder layer over a batched pass's tokens (tokens, 1, hidden), as the layer's own forward computes it
+    (norm, attention, residual, norm, MLP, residual; the projections and MLP once over all tokens, through the
+    modules, so LoRA rows' hooks apply), except that attention is `attend(query, keys, values, layer_idx)`: the
+    queries (tokens, heads, 1, head_dim) and new keys and values (tokens, kv_heads, 1, head_dim), rotated, in; each
+    token's attention output (tokens, 1, heads, head_dim) out, computed a session at a time by the caller's rule."""
     attn = layer.self_attn
     residual = hidden
     normed = layer.input_layernorm(hidden)
     shape = (*normed.shape[:-1], -1, attn.head_dim)
-    query = attn.q_proj(normed).view(shape).transpose(1, 2)  # (rows, heads, 1, head_dim)
+    query = attn.q_proj(normed).view(shape).transpose(1, 2)  # (tokens, heads, 1, head_dim)
     keys = attn.k_proj(normed).view(shape).transpose(1, 2)
     values = attn.v_proj(normed).view(shape).transpose(1, 2)
     cos, sin = position_embeddings
     query, keys = rotate(query, keys, cos, sin)
-    held = cache.write(keys, values, attn.layer_idx)
-    bounds = cache.bounds
-    outputs = [
-        sdpa_attention_forward(
-            attn,
-            query[start:stop],
-            key[..., :length, :],
-            value[..., :length, :],
-            None,
-            dropout=0.0,
-            scaling=attn.scaling,
-        )[0]
-        for (key, value, length), start, stop in zip(held, bounds, bounds[1:], strict=False)
-    ]  # each (its rows, 1, heads, head_dim)
-    attended = torch.cat(outputs).reshape(*normed.shape[:-1], -1)
+    attended = attend(attn, query, keys, values).reshape(*normed.shape[:-1], -1)
     hidden = residual + attn.o_proj(attended)
     return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+
+def _attend_steps(cache: _RowsCache):
+    """Attention of one-token steps, one sdpa call a session over its cache as it lies (the call of its own step:
+    a one-token step after its cache sees every key, no mask); the new keys and values written by `cache`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(attn, query, keys, values):
+        held = cache.write(keys, values, attn.layer_idx)
+        bounds = cache.bounds
+        return torch.cat(
+            [
+                sdpa_attention_forward(
+                    attn, query[start:stop], key[..., :length, :], value[..., :length, :], None, dropout=0.0,
+                    scaling=attn.scaling,
+                )[0]
+                for (key, value, length), start, stop in zip(held, bounds, bounds[1:], strict=False)
+            ]
+        )  # fmt: skip
+
+    return attend
+
+
+def _attend_prompts(caches: list, shapes: list[tuple[int, int, int]]):
+    """Attention of steps of any length, each (rows, seq, position) in `shapes` with its cache in `caches`, their
+    tokens laid one after the other (each step's rows in turn): per step, its keys and values go to its cache
+    (`update`), and its queries attend over the whole cache, causally among its new tokens (a mask from the
+    position on; none for a one-token step or a first prompt, which sdpa runs causal)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attend(attn, query, keys, values):
+        outputs, start = [], 0
+        for cache, (rows, seq, position) in zip(caches, shapes, strict=True):
+            stop = start + rows * seq
+            query_, keys_, values_ = (_by_step(part[start:stop], rows, seq) for part in (query, keys, values))
+            key, value = cache.update(keys_, values_, attn.layer_idx)
+            mask = None
+            if seq > 1 and position > 0:
+                device = query.device
+                allowed = torch.arange(position + seq, device=device)[None, :] <= (
+                    position + torch.arange(seq, device=device)[:, None]
+                )
+                mask = allowed[None, None]  # (1, 1, seq, position + seq)
+            output = sdpa_attention_forward(
+                attn, query_, key, value, mask, dropout=0.0, scaling=attn.scaling, is_causal=seq > 1
+            )[0]  # (rows, seq, heads, dim)
+            outputs.append(output.reshape(rows * seq, 1, *output.shape[2:]))
+            start = stop
+        return torch.cat(outputs)
+
+    return attend
+
+
+def _by_step(part: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
+    """A step's tokens (rows * seq, heads, 1, dim), laid row after row, as (rows, heads, seq, dim)."""
+    return part.reshape(rows, seq, part.shape[1], part.shape[-1]).transpose(1, 2)
 
 
 def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

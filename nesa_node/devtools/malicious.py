@@ -121,7 +121,7 @@ def _swap_adapters(compute, other_adapter, misbehaviour: Misbehaviour) -> None:
 def _tamper_outputs(span, mode, misbehaviour, draw: random.Random, rate, scale, generator) -> None:
     """Wrap the span's one-session and batched passes so their outputs are the input (`lazy`) or carry noise on a
     fraction `rate` of the steps (`noisy`)."""
-    forward, decode_batch = span.forward, span.decode_batch
+    forward, run_batch = span.forward, span.run_batch
 
     def tamper(given: torch.Tensor, output: torch.Tensor) -> torch.Tensor:
         misbehaviour.steps += 1
@@ -138,11 +138,11 @@ def _tamper_outputs(span, mode, misbehaviour, draw: random.Random, rate, scale, 
     def tampered_forward(hidden, cache=None, position=0, blocks=None):
         return tamper(hidden, forward(hidden, cache, position, blocks))
 
-    def tampered_decode_batch(steps, blocks):
-        outputs = decode_batch(steps, blocks)
+    def tampered_run_batch(steps, blocks):
+        outputs = run_batch(steps, blocks)
         return [tamper(step[0], output) for step, output in zip(steps, outputs, strict=True)]
 
-    span.forward, span.decode_batch = tampered_forward, tampered_decode_batch
+    span.forward, span.run_batch = tampered_forward, tampered_run_batch
 
 
 __all__ = ["MODES", "Misbehaviour", "make_malicious"]

@@ -56,7 +56,7 @@ class StepPlacement:
 
 @dataclass
 class _DecodeStep:
-    hidden: torch.Tensor  # (rows, 1, hidden)
+    hidden: torch.Tensor  # (rows, seq, hidden): seq 1, or a prompt's tokens where the span batches prompts
     cache: object
     position: int
     blocks: tuple[int, int]
@@ -86,6 +86,7 @@ class BlockCompute:
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
         self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
         self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
+        self.prompts_batched = 0  # steps of several tokens that ran in a pass with other steps (stats, tests)
         self._thread_jobs = 0  # jobs handed to the compute thread and not done (nor cancelled unrun) yet
         self._thread_jobs_lock = threading.Lock()  # counted down on the compute thread or the loop's
 
@@ -222,9 +223,15 @@ class BlockCompute:
         session, whose steps are timed). A small step of a lone session (no other stepping, nothing queued or
         running) that runs on the loop skips the queue and its task, whose extra turns of the loop every hop would pay.
         Sessions with different LoRA adapters (or none) share a pass, each row with
-        its own. (output, seconds of the pass it was in)."""
+        its own. With `batch_prompts`, steps of several tokens (prompts) join the passes too where the span runs
+        attention a session at a time (`span.batches_prompts`), so the prompts of sessions that start together run
+        in one pass; otherwise they run alone, as does a prompt with no other session stepping. (output, seconds of the
+        pass it was in)."""
         span = self.span
-        if not self.config.batch_decode or span is None or not span.batches_decode or hidden.shape[1] != 1:
+        if not self.config.batch_decode or span is None or not span.batches_decode:
+            return await self.run(hidden, cache, position, blocks, adapter)
+        prompt = hidden.shape[1] != 1
+        if prompt and not (self.config.batch_prompts and span.batches_prompts):
             return await self.run(hidden, cache, position, blocks, adapter)
         now = time.monotonic()
         gathering = None
@@ -235,6 +242,8 @@ class BlockCompute:
             gathering.arrived(member, now)
         idle = not self._decode_queue and (self._decoder is None or self._decoder.done())
         lone = idle and (gathering is None or not gathering.others_active(member, now))
+        if lone and prompt:
+            return await self.run(hidden, cache, position, blocks, adapter)  # as without batching
         if lone and hidden.shape[0] <= SMALL_STEP_TOKENS and self._inline():
             # a lone session's step on the loop: nothing can join it while it runs (the loop is held), so the queue
             # and its task are skipped
@@ -298,13 +307,14 @@ class BlockCompute:
                 pass  # judged again: a range whose window is over runs now
 
     def _next_decode_batch(self, blocks: tuple[int, int]) -> list[_DecodeStep]:
-        """The waiting steps on `blocks`, within the step limit (rows); the rest wait."""
-        batch, rest, rows = [], [], 0
+        """The waiting steps on `blocks`, within the step limit (tokens: rows x seq); the rest wait."""
+        batch, rest, tokens = [], [], 0
         for step in self._decode_queue:
-            fits = step.blocks == blocks and rows + step.hidden.shape[0] <= self.limits.max_tokens_per_step
+            size = step.hidden.shape[0] * step.hidden.shape[1]
+            fits = step.blocks == blocks and (not batch or tokens + size <= self.limits.max_tokens_per_step)
             if fits and not step.future.done():
                 batch.append(step)
-                rows += step.hidden.shape[0]
+                tokens += size
             elif not step.future.done():
                 rest.append(step)
         self._decode_queue = rest
@@ -319,7 +329,8 @@ class BlockCompute:
         if span is None:
             raise TooManySessionsError("node is loading other blocks (rebalancing); route around it")
 
-        adapters = [step.adapter for step in batch for _ in range(step.hidden.shape[0])]
+        # one per row the span runs: a pass with prompts lays every step's tokens one after the other
+        adapters = [step.adapter for step in batch for _ in range(step.hidden.shape[0] * step.hidden.shape[1])]
         if all(adapter is None for adapter in adapters):
             rows = _BASE
         else:  # entered in the compute thread, where the rows' setting must live
@@ -328,9 +339,7 @@ class BlockCompute:
         def run() -> tuple[list[torch.Tensor], float]:
             started = time.perf_counter()
             with torch.inference_mode(), rows:
-                outputs = span.decode_batch(
-                    [(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks
-                )
+                outputs = span.run_batch([(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks)
             synchronize(span)
             return outputs, time.perf_counter() - started
 
@@ -338,6 +347,7 @@ class BlockCompute:
         self.compute_seconds += seconds
         self.steps_served += len(batch)
         self.batches_run += 1
+        self.prompts_batched += sum(step.hidden.shape[1] > 1 for step in batch)
         return outputs, seconds
 
     async def _settle(self, batch: list[_DecodeStep], work) -> None:

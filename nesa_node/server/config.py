@@ -193,6 +193,15 @@ class ComputeConfig:
             "blocks that are waiting together run as one batch)",
         ),
     )
+    # off by default: on the 2-core CPU 8 prompts in one pass took 127 ms against 207 ms one by one, but the median
+    # first token of 8 sessions started together came later (every prompt of a pass waits for the whole pass); a GPU,
+    # whose prompt passes cost about what a one-token step costs, is where it should pay (bench/gpu.sh measures it)
+    batch_prompts: bool = option(
+        False,
+        "also run the prompts of sessions that arrive together as one pass (spans of full-attention blocks, with "
+        "decode batching on): more prompt tokens a second, but each prompt's output waits for the whole pass (off "
+        "by default: on a CPU the median first token comes later)",
+    )
     # sessions half a round apart merge only if a pass may wait that long: CPU rounds of the bench model through two
     # or three nodes take 30-100 ms (measured); the wait is also at most half of the waiting sessions' own round
     # (nesa_node/batching.py), so on a GPU's shorter rounds the bound is that

@@ -6,6 +6,8 @@ client did batch."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import threading
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
-from tests.support.swarm import wait_for_chain
+from tests.support.swarm import wait_for_chain, wait_until
 
 pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
 
@@ -56,6 +58,7 @@ def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny
         for output, reference in zip(outputs, references, strict=True):
             assert torch.equal(output, reference)
         assert all(node.compute.batches_run > 0 for node in nodes), [node.compute.batches_run for node in nodes]
+        assert all(node.compute.prompts_batched == 0 for node in nodes)  # prompts run alone unless asked
         assert head_passes > 0
     finally:
         for node in nodes:
@@ -108,4 +111,68 @@ def test_a_batched_pass_equals_each_sessions_own_steps(tiny_models, arch, attent
 
 def test_spans_with_sliding_window_layers_do_not_batch(tiny_models):
     span = load_block_span(tiny_models["mistral"], SpanSpec(0, 4))
-    assert not span.batches_decode
+    assert not span.batches_decode and not span.batches_prompts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_pass_of_prompts_and_one_token_steps_equals_each_sessions_own_steps(tiny_models, arch):
+    """First prompts, prompts after cached tokens (causal among their own tokens), one-token steps, several rows:
+    one pass, each step's output and cache as its own forward gives them."""
+    span = load_block_span(tiny_models[arch], SpanSpec(0, 4))
+    assert span.batches_prompts
+    generator = torch.Generator().manual_seed(3)
+    shapes = [(1, 0, 9), (2, 5, 1), (1, 0, 3), (1, 7, 4), (3, 2, 1), (2, 0, 6)]  # (rows, cached tokens, new tokens)
+    alone, together, steps = [], [], []
+    with torch.inference_mode():
+        for rows, cached, new in shapes:
+            first, second = span.new_cache(), span.new_cache()
+            if cached:
+                prefix = torch.randn(rows, cached, span.hidden_size, generator=generator)
+                span(prefix, first, 0)
+                span(prefix, second, 0)
+            alone.append(first)
+            together.append(second)
+            steps.append(torch.randn(rows, new, span.hidden_size, generator=generator))
+        expected = [span(step, cache, cached) for step, cache, (_, cached, _) in zip(steps, alone, shapes, strict=True)]
+        outputs = span.run_batch(
+            [(step, cache, cached) for step, cache, (_, cached, _) in zip(steps, together, shapes, strict=True)], (0, 4)
+        )
+        for output, reference in zip(outputs, expected, strict=True):
+            assert output.shape == reference.shape
+            torch.testing.assert_close(output, reference, atol=1e-5, rtol=0)
+        # the caches hold what each session's own steps wrote: a next step of each gives the same output
+        for first, second in zip(alone, together, strict=True):
+            assert first.get_seq_length() == second.get_seq_length()
+            torch.testing.assert_close(second.layers[3].keys, first.layers[3].keys, atol=1e-5, rtol=0)
+            torch.testing.assert_close(second.layers[3].values, first.layers[3].values, atol=1e-5, rtol=0)
+
+
+def test_prompts_of_sessions_that_start_together_run_in_one_pass(module_swarm, tiny_llama, references):
+    """While the node's compute thread is busy, the prompts of sessions starting together queue and run together
+    in the next pass; every session's tokens are still its own."""
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="prompts", batch_prompts=True)
+    release = threading.Event()
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="prompts", compression="none"
+        ) as model:
+            wait_for_chain(model)
+            held = asyncio.run_coroutine_threadsafe(node.compute._on_thread(release.wait), module_swarm.loop)
+
+            def release_once_prompts_wait():
+                # the first prompt runs alone, the second takes a pass of its own: the others queue behind them
+                with contextlib.suppress(AssertionError):
+                    wait_until(lambda: sum(step.hidden.shape[1] > 1 for step in node.compute._decode_queue) >= 2)
+                release.set()
+
+            releaser = threading.Thread(target=release_once_prompts_wait, daemon=True)
+            releaser.start()
+            outputs = generate_concurrently(model)
+            releaser.join()
+            held.result(timeout=10)
+        for output, reference in zip(outputs, references, strict=True):
+            assert torch.equal(output, reference)
+        assert node.compute.prompts_batched >= 2, node.compute.prompts_batched
+    finally:
+        release.set()
+        module_swarm.stop_node(node)
