@@ -196,6 +196,33 @@ def test_a_decode_batch_mixes_sessions_with_different_adapters(tiny_models, adap
         torch.testing.assert_close(torch.cat(outputs[index], dim=1), expected, **TOLERANCE)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_pass_of_prompts_mixes_sessions_with_different_adapters(tiny_models, adapter, arch):
+    """The same three sessions' prompts in one `run_batch` pass (`nesa-node run --batch-prompts`): the rows the span
+    runs are the prompts' tokens one after the other, each token with its session's adapter."""
+    x, y = adapter(arch, "some_layers"), adapter(arch, "all_rslora_patterns")
+    sessions = [(x, _input_ids(1, seed=2), 5), (None, _input_ids(2, seed=3), 6), (y, _input_ids(1, seed=4), 4)]
+    edges, spans = _chain(tiny_models[arch])
+    assert all(span.batches_prompts for span in spans)
+    slices = {(f, s.start): load_adapter_slice(f, s.config, s.start, s.end) for f in (x, y) for s in spans}
+    caches = [[span.new_cache() for span in spans] for _ in sessions]
+    with torch.inference_mode():
+        hiddens = [edges.embed_tokens(input_ids[:, :prompt]) for _, input_ids, prompt in sessions]
+        for number, span in enumerate(spans):
+            rows = [
+                None if folder is None else slices[folder, span.start]
+                for folder, input_ids, prompt in sessions
+                for _ in range(input_ids.shape[0] * prompt)
+            ]
+            steps = [(hidden, caches[index][number], 0) for index, hidden in enumerate(hiddens)]
+            with adapters_for_rows(span, rows):
+                hiddens = span.run_batch(steps, (span.start, span.end))
+        outputs = [edges.lm_head(edges.norm(hidden)) for hidden in hiddens]
+    for output, (folder, input_ids, prompt) in zip(outputs, sessions, strict=True):
+        expected = _reference_logits(tiny_models[arch], folder, input_ids[:, :prompt])
+        torch.testing.assert_close(output, expected, **TOLERANCE)
+
+
 def test_hooks_without_adapters_leave_the_span_bit_identical(tiny_llama, adapter):
     plain = load_block_span(tiny_llama, SpanSpec(0, 4))
     hooked = load_block_span(tiny_llama, SpanSpec(0, 4))
