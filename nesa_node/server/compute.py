@@ -239,7 +239,8 @@ class BlockCompute:
             gathering = self.gatherings.get(blocks)
             if gathering is None:
                 gathering = self.gatherings[blocks] = Gathering(window_s=self.config.batch_window_ms / 1000)
-            gathering.arrived(member, now)
+            if not prompt:  # a session's period is the gap between its one-token steps (a prompt comes a round early)
+                gathering.arrived(member, now)
         idle = not self._decode_queue and (self._decoder is None or self._decoder.done())
         lone = idle and (gathering is None or not gathering.others_active(member, now))
         if lone and prompt:
@@ -359,7 +360,8 @@ class BlockCompute:
                 if not step.future.done():
                     step.future.set_exception(exc)
             return
-        self.recent_passes.append(seconds)
+        if all(step.hidden.shape[1] == 1 for step in batch):  # how late a step may be: one-token passes only
+            self.recent_passes.append(seconds)
         for step, output in zip(batch, outputs, strict=True):
             if not step.future.done():
                 step.future.set_result((output, seconds))

@@ -121,7 +121,7 @@ def test_a_pass_of_prompts_and_one_token_steps_equals_each_sessions_own_steps(ti
     span = load_block_span(tiny_models[arch], SpanSpec(0, 4))
     assert span.batches_prompts
     generator = torch.Generator().manual_seed(3)
-    shapes = [(1, 0, 9), (2, 5, 1), (1, 0, 3), (1, 7, 4), (3, 2, 1), (2, 0, 6)]  # (rows, cached tokens, new tokens)
+    shapes = [(1, 0, 9), (2, 5, 1), (1, 0, 3), (1, 7, 4), (3, 2, 1), (2, 0, 6), (2, 4, 3)]  # (rows, cached, new)
     alone, together, steps = [], [], []
     with torch.inference_mode():
         for rows, cached, new in shapes:
