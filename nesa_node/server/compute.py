@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import statistics
 import threading
 import time
@@ -22,13 +23,14 @@ import torch
 
 from nesa_node.batching import Gathering
 from nesa_node.compression.codec import WIRE_DTYPES, all_finite
-from nesa_node.errors import BadRequestError, TooManySessionsError, WrongBlocksError
+from nesa_node.errors import BadRequestError, NesaError, TooManySessionsError, WrongBlocksError
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.server.throughput import synchronize
 from nesa_node.sharding.lora import adapters_for_rows
 
+logger = logging.getLogger(__name__)
 _BASE = contextlib.nullcontext()  # a pass without LoRA rows: nothing to set (reusable, it holds no state)
 T = TypeVar("T")
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
@@ -87,6 +89,7 @@ class BlockCompute:
         self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
         self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
         self.prompts_batched = 0  # steps of several tokens that ran in a pass with other steps (stats, tests)
+        self.passes_split = 0  # passes that failed in the blocks and were run again a step at a time (stats, tests)
         self._thread_jobs = 0  # jobs handed to the compute thread and not done (nor cancelled unrun) yet
         self._thread_jobs_lock = threading.Lock()  # counted down on the compute thread or the loop's
 
@@ -243,8 +246,10 @@ class BlockCompute:
                 gathering.arrived(member, now)
         idle = not self._decode_queue and (self._decoder is None or self._decoder.done())
         lone = idle and (gathering is None or not gathering.others_active(member, now))
-        if lone and prompt:
-            return await self.run(hidden, cache, position, blocks, adapter)  # as without batching
+        if prompt and idle and self._thread_jobs == 0:
+            # nothing to share a pass with: a prompt runs at once, as without batching; prompts that arrive while
+            # the compute thread is busy queue, and the next pass takes them together
+            return await self.run(hidden, cache, position, blocks, adapter)
         if lone and hidden.shape[0] <= SMALL_STEP_TOKENS and self._inline():
             # a lone session's step on the loop: nothing can join it while it runs (the loop is held), so the queue
             # and its task are skipped
@@ -272,9 +277,10 @@ class BlockCompute:
             while self._decode_queue:
                 blocks = await self._gather()
                 batch = self._next_decode_batch(blocks)
-                if batch:  # empty when every waiting step was given up (its session timed out)
-                    work = self._run_alone(batch[0]) if len(batch) == 1 else self._run_batch(batch)
-                    await self._settle(batch, work)
+                if len(batch) == 1:  # empty when every waiting step was given up (its session timed out)
+                    await self._settle(batch, self._run_alone(batch[0]))
+                elif batch:
+                    await self._settle_batch(batch)
                 batch = []
         finally:  # cancelled (the node stops): no step is left waiting for a pass that will not come
             for step in batch + self._decode_queue:
@@ -351,20 +357,48 @@ class BlockCompute:
         self.prompts_batched += sum(step.hidden.shape[1] > 1 for step in batch)
         return outputs, seconds
 
+    async def _settle_batch(self, batch: list[_DecodeStep]) -> None:
+        """Run `batch` as one pass and give each step its output. A pass that fails in the blocks (a torch error: out
+        of device memory, say), not by a refusal of the node's, is run again one step at a time, each step's cache
+        first rewound to its step's position (the failed pass may have written some of its layers): a step that
+        cannot run then fails its own session alone, not every session it shared the pass with."""
+        try:
+            outputs, seconds = await self._run_batch(batch)
+        except NesaError as exc:
+            self._fail(batch, exc)
+            return
+        except Exception as exc:  # the blocks' own error
+            logger.warning("a pass of %d steps failed (%r): running them one at a time", len(batch), exc)
+            self.passes_split += 1
+            for step in batch:
+                _rewind(step.cache, step.position)
+            for step in batch:
+                if not step.future.done():  # not given up meanwhile
+                    await self._settle([step], self._run_alone(step))
+            return
+        self._give(batch, outputs, seconds)
+
     async def _settle(self, batch: list[_DecodeStep], work) -> None:
         """Give each step of `batch` its output (or the error of the pass)."""
         try:
             outputs, seconds = await work
         except Exception as exc:
-            for step in batch:
-                if not step.future.done():
-                    step.future.set_exception(exc)
+            self._fail(batch, exc)
             return
+        self._give(batch, outputs, seconds)
+
+    def _give(self, batch: list[_DecodeStep], outputs: list[torch.Tensor], seconds: float) -> None:
         if all(step.hidden.shape[1] == 1 for step in batch):  # how late a step may be: one-token passes only
             self.recent_passes.append(seconds)
         for step, output in zip(batch, outputs, strict=True):
             if not step.future.done():
                 step.future.set_result((output, seconds))
+
+    @staticmethod
+    def _fail(batch: list[_DecodeStep], exc: Exception) -> None:
+        for step in batch:
+            if not step.future.done():
+                step.future.set_exception(exc)
 
     def close(self) -> None:
         """Stop the compute thread and the decode queue (called on the node's loop); steps still waiting are
@@ -373,6 +407,14 @@ class BlockCompute:
             self._decoder.cancel()
         with contextlib.suppress(Exception):
             self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _rewind(cache, position: int) -> None:
+    """Forget what `cache` holds past `position` tokens, in every layer (a failed pass's partial writes)."""
+    for layer in getattr(cache, "layers", ()):
+        extra = layer.get_seq_length() - position
+        if extra > 0:
+            layer.crop(-extra)
 
 
 __all__ = ["BlockCompute", "SMALL_STEP_TOKENS", "StepPlacement"]

@@ -79,6 +79,37 @@ def test_a_node_told_not_to_batch_runs_each_step_alone(module_swarm, tiny_llama,
         module_swarm.stop_node(node)
 
 
+def test_a_pass_that_fails_in_the_blocks_is_run_again_a_step_at_a_time(module_swarm, tiny_llama, references):
+    """A batched pass that raises a torch error after writing part of the caches (out of memory, say) fails no
+    session: the caches are rewound to their steps' positions and each step runs alone. Tokens stay each session's
+    own (a cache left holding the failed pass's token would change them)."""
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="split")
+    span = node.compute.span
+    run_batch, failed = span.run_batch, []
+
+    def failing_run_batch(steps, blocks):
+        if len(failed) < 3:
+            hidden, cache, position = steps[0]
+            span.step(hidden, cache, position)  # the first session's cache takes the token, then the pass fails
+            failed.append(len(steps))
+            raise RuntimeError("CUDA out of memory (a test's)")
+        return run_batch(steps, blocks)
+
+    span.run_batch = failing_run_batch
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="split", compression="none"
+        ) as model:
+            wait_for_chain(model)
+            outputs = generate_concurrently(model)
+        for output, reference in zip(outputs, references, strict=True):
+            assert torch.equal(output, reference)
+        assert len(failed) == 3 and all(steps > 1 for steps in failed), failed
+        assert node.compute.passes_split == 3
+    finally:
+        module_swarm.stop_node(node)
+
+
 @pytest.mark.parametrize("attention", ["per_session", "padded"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_batched_pass_equals_each_sessions_own_steps(tiny_models, arch, attention):
