@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
+from nesa_node.sharding.batch_attention import RowsCache, attend_prompts, attend_steps, layer_per_session
 from nesa_node.sharding.model_folder import check_span, config_file
 from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
 
@@ -185,7 +186,7 @@ class BlockSpan(nn.Module):
         )  # fmt: skip
         self._graph_stream = None  # the stream the span's CUDA graph captures run on (sharding/decode_graph.py)
         # the family's rotary function where every layer is the family's own sdpa decoder layer, which
-        # `_layer_per_session` runs part by part for a batched pass; None where passes keep the layers' own forward
+        # `layer_per_session` runs part by part for a batched pass; None where passes keep the layers' own forward
         self._rotate = _rotation_for_rows(config, self.layers, attention)
         self._decoder = family_class(config, "DecoderLayer")
 
@@ -306,14 +307,8 @@ class BlockSpan(nn.Module):
     def decode_batch(self, steps: list[tuple[torch.Tensor, object, int]], blocks: tuple[int, int]) -> list:
         """One-token steps of several sessions through `blocks` in one pass: each (hidden (rows, 1, hidden), its
         cache, its position); returns each step's output, as its own `forward` would (same blocks, same cache
-        update). Every projection and MLP runs once over all rows; attention reads each session's own cache.
-
-        On a GPU attention is one call over the caches padded to the longest (one kernel for all sessions). On the
-        CPU it is one call a session over its cache as it lies, the call of its own step: copying every cache into
-        the padded tensors grows with every token, and the calls of a session each cost less than that from short
-        caches on (8 sessions through 4 blocks of hidden 512 on this project's 2-core CPU: padded 19.2 ms against
-        19.3 ms at 16 cached tokens, 22.4 against 21.1 at 96, 52.8 against 25.0 at 400; 16 sessions at 64 tokens,
-        35.4 against 30.0)."""
+        update). Every projection and MLP runs once over all rows; attention reads each session's own cache: on a
+        GPU in one call over the caches padded to the longest, on the CPU one call a session (batch_attention.py)."""
         first, end = blocks[0] - self.start, blocks[1] - self.start
         if not 0 <= first < end <= len(self.layers):
             raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
@@ -327,13 +322,13 @@ class BlockSpan(nn.Module):
         position_ids = torch.tensor(positions, device=hidden.device).unsqueeze(1)  # (all rows, 1)
         longest = max(positions) + 1
         position_embeddings = self.rope_rows(hidden, position_ids, longest)
-        cache = _RowsCache([step_cache for _, step_cache, _ in steps], rows)
+        cache = RowsCache([step_cache for _, step_cache, _ in steps], rows)
         layers = self.layers[first:end]
         # a layer replaced since the span was loaded (a test's pass-through block) runs whole, on the padded path
         if self._rotate is not None and hidden.device.type == "cpu" and all(type(x) is self._decoder for x in layers):
-            attend = _attend_steps(cache)
+            attend = attend_steps(cache)
             for layer in layers:
-                hidden = _layer_per_session(layer, hidden, position_embeddings, self._rotate, attend)
+                hidden = layer_per_session(layer, hidden, position_embeddings, self._rotate, attend)
             return list(hidden.split(rows))
         # each row sees its own cache (position + 1 keys once this step is in); the rest of the padding is masked
         lengths = position_ids[:, 0] + 1
@@ -355,7 +350,7 @@ class BlockSpan(nn.Module):
     @property
     def batches_prompts(self) -> bool:
         """Whether `run_batch` takes steps of several tokens (prompts) too: attention a session at a time runs the
-        family's layers part by part (`_layer_per_session`), the span's own layers (none replaced since loading)."""
+        family's layers part by part (`layer_per_session`), the span's own layers (none replaced since loading)."""
         return self.batches_decode and self._rotate is not None and all(type(x) is self._decoder for x in self.layers)
 
     def run_batch(self, steps: list[tuple[torch.Tensor, object, int]], blocks: tuple[int, int]) -> list:
@@ -377,9 +372,9 @@ class BlockSpan(nn.Module):
         positions = [position + token for rows, seq, position in shapes for _ in range(rows) for token in range(seq)]
         position_ids = torch.tensor(positions, device=hidden.device).unsqueeze(1)  # (tokens, 1)
         position_embeddings = self.rope_rows(hidden, position_ids, max(positions) + 1)
-        attend = _attend_prompts([cache for _, cache, _ in steps], shapes)
+        attend = attend_prompts([cache for _, cache, _ in steps], shapes)
         for layer in self.layers[first:end]:
-            hidden = _layer_per_session(layer, hidden, position_embeddings, self._rotate, attend)
+            hidden = layer_per_session(layer, hidden, position_embeddings, self._rotate, attend)
         parts = hidden.split([rows * seq for rows, seq, _ in shapes])
         return [part.reshape(rows, seq, -1) for part, (rows, seq, _) in zip(parts, shapes, strict=True)]
 
@@ -428,66 +423,8 @@ class BlockSpan(nn.Module):
         return hidden
 
 
-class _RowsCache:
-    """The cache of a batched decode step: each row range's keys and values go to that session's own cache (`write`),
-    and the attention reads them either a session at a time (`_layer_per_session`, the CPU's) or, as the cache the
-    layers' own forward is handed (`update`), padded (after their end) to the longest, the padding masked out.
-
-    For sessions whose layer is a `ReservedLayer` with room for the step (the common case), the writes of all of
-    them go as one `_foreach_copy_` and the reads take each buffer's first `longest` rows as they are: the rows past
-    a session's end hold zeros or keys it no longer holds (cropped), finite either way, and the mask gives them
-    weight exactly 0, so the attention is what zero padding gives. Per session and layer that leaves two copies
-    issued from one call and no padding, where each session's own `update` and its padding made four operations on
-    the host. Other layers (no buffer yet, or a buffer to grow) take their own `update` and are padded with zeros."""
-
-    def __init__(self, caches: list, rows: list[int]):
-        self.caches = caches
-        self.bounds = [sum(rows[:index]) for index in range(len(rows) + 1)]
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """keys, values (rows, kv_heads, 1, head_dim) -> every session's, padded: (rows, kv_heads, longest, head_dim)."""
-        held = self.write(keys, values, layer_idx)
-        longest = max(length for _, _, length in held)
-        return _padded([key for key, _, _ in held], longest), _padded([value for _, value, _ in held], longest)
-
-    def write(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int) -> list[tuple[torch.Tensor, ...]]:
-        """Append each session's rows of keys, values (rows, kv_heads, 1, head_dim) to its cache; returns, per
-        session, (keys, values, tokens it holds): its cache's whole buffers where it has them (the rows past its
-        end are not its keys), else the keys and values its cache's `update` returned."""
-        from nesa_node.sharding.span_cache import ReservedLayer
-
-        step = keys.shape[-2]
-        rows = [end - start for start, end in zip(self.bounds, self.bounds[1:], strict=False)]
-        key_rows, value_rows = keys.split(rows), values.split(rows)  # each session's, as views
-        layers = [cache.layers[layer_idx] for cache in self.caches]
-        in_place = [
-            type(layer) is ReservedLayer
-            and layer._keys is not None
-            and layer.length + step <= layer._keys.shape[-2]
-            and layer._keys.shape[:-2] == (count, keys.shape[1])
-            for layer, count in zip(layers, rows, strict=True)
-        ]
-        written = [index for index, fits in enumerate(in_place) if fits]
-        if written:
-            for sources, name in ((key_rows, "_keys"), (value_rows, "_values")):
-                targets = [
-                    getattr(layers[i], name)[..., layers[i].length : layers[i].length + step, :] for i in written
-                ]
-                _copy_all(targets, [sources[i] for i in written])
-            for index in written:
-                layers[index]._view(layers[index].length + step)
-        held = []
-        for cache, layer, fits, k, v in zip(self.caches, layers, in_place, key_rows, value_rows, strict=True):
-            if fits:
-                held.append((layer._keys, layer._values, layer.length))
-            else:
-                key, value = cache.update(k, v, layer_idx)
-                held.append((key, value, key.shape[-2]))
-        return held
-
-
 def _rotation_for_rows(config, layers, attention: str):
-    """The family's `apply_rotary_pos_emb` where `_layer_per_session` can run every one of `layers` (each the
+    """The family's `apply_rotary_pos_emb` where `layer_per_session` can run every one of `layers` (each the
     family's decoder layer with transformers' sdpa attention and no extra normalization inside it), else None."""
     if attention != "sdpa" or not layers:
         return None
@@ -502,102 +439,6 @@ def _rotation_for_rows(config, layers, attention: str):
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm") or getattr(attn, "sliding_window", None):
             return None
     return rotate
-
-
-def _layer_per_session(layer, hidden: torch.Tensor, position_embeddings, rotate, attend) -> torch.Tensor:
-    """One decoder layer over a batched pass's tokens (tokens, 1, hidden), as the layer's own forward computes it
-    (norm, attention, residual, norm, MLP, residual; the projections and MLP once over all tokens, through the
-    modules, so LoRA rows' hooks apply), except that attention is `attend(query, keys, values, layer_idx)`: the
-    queries (tokens, heads, 1, head_dim) and new keys and values (tokens, kv_heads, 1, head_dim), rotated, in; each
-    token's attention output (tokens, 1, heads, head_dim) out, computed a session at a time by the caller's rule."""
-    attn = layer.self_attn
-    residual = hidden
-    normed = layer.input_layernorm(hidden)
-    shape = (*normed.shape[:-1], -1, attn.head_dim)
-    query = attn.q_proj(normed).view(shape).transpose(1, 2)  # (tokens, heads, 1, head_dim)
-    keys = attn.k_proj(normed).view(shape).transpose(1, 2)
-    values = attn.v_proj(normed).view(shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    query, keys = rotate(query, keys, cos, sin)
-    attended = attend(attn, query, keys, values).reshape(*normed.shape[:-1], -1)
-    hidden = residual + attn.o_proj(attended)
-    return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
-
-
-def _attend_steps(cache: _RowsCache):
-    """Attention of one-token steps, one sdpa call a session over its cache as it lies (the call of its own step:
-    a one-token step after its cache sees every key, no mask); the new keys and values written by `cache`."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def attend(attn, query, keys, values):
-        held = cache.write(keys, values, attn.layer_idx)
-        bounds = cache.bounds
-        return torch.cat(
-            [
-                sdpa_attention_forward(
-                    attn, query[start:stop], key[..., :length, :], value[..., :length, :], None, dropout=0.0,
-                    scaling=attn.scaling,
-                )[0]
-                for (key, value, length), start, stop in zip(held, bounds, bounds[1:], strict=False)
-            ]
-        )  # fmt: skip
-
-    return attend
-
-
-def _attend_prompts(caches: list, shapes: list[tuple[int, int, int]]):
-    """Attention of steps of any length, each (rows, seq, position) in `shapes` with its cache in `caches`, their
-    tokens laid one after the other (each step's rows in turn): per step, its keys and values go to its cache
-    (`update`), and its queries attend over the whole cache, causally among its new tokens (a mask from the
-    position on; none for a one-token step or a first prompt, which sdpa runs causal)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    def attend(attn, query, keys, values):
-        outputs, start = [], 0
-        for cache, (rows, seq, position) in zip(caches, shapes, strict=True):
-            stop = start + rows * seq
-            query_, keys_, values_ = (_by_step(part[start:stop], rows, seq) for part in (query, keys, values))
-            key, value = cache.update(keys_, values_, attn.layer_idx)
-            mask = None
-            if seq > 1 and position > 0:
-                device = query.device
-                allowed = torch.arange(position + seq, device=device)[None, :] <= (
-                    position + torch.arange(seq, device=device)[:, None]
-                )
-                mask = allowed[None, None]  # (1, 1, seq, position + seq)
-            output = sdpa_attention_forward(
-                attn, query_, key, value, mask, dropout=0.0, scaling=attn.scaling, is_causal=seq > 1
-            )[0]  # (rows, seq, heads, dim)
-            outputs.append(output.reshape(rows * seq, 1, *output.shape[2:]))
-            start = stop
-        return torch.cat(outputs)
-
-    return attend
-
-
-def _by_step(part: torch.Tensor, rows: int, seq: int) -> torch.Tensor:
-    """A step's tokens (rows * seq, heads, 1, dim), laid row after row, as (rows, heads, seq, dim)."""
-    return part.reshape(rows, seq, part.shape[1], part.shape[-1]).transpose(1, 2)
-
-
-def _copy_all(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    """targets[i].copy_(sources[i]) for every i, as one fused operation where torch has it."""
-    if len(targets) > 1 and hasattr(torch, "_foreach_copy_"):
-        torch._foreach_copy_(targets, sources)
-    else:
-        for target, source in zip(targets, sources, strict=True):
-            target.copy_(source)
-
-
-def _padded(parts: list[torch.Tensor], longest: int) -> torch.Tensor:
-    """Each part's first `longest` rows (dim -2), zero-padded where a part has fewer, concatenated on dim 0."""
-    return torch.cat(
-        [
-            part[..., :longest, :] if part.shape[-2] >= longest
-            else nn.functional.pad(part, (0, 0, 0, longest - part.shape[-2]))
-            for part in parts
-        ]
-    )  # fmt: skip
 
 
 def check_device(device: str) -> None:
@@ -703,15 +544,11 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
 class ClientEdges(nn.Module):
     """What a client holds locally: the token embeddings, the final norm and the LM head.
 
-    `scores` runs the LM head. On the CPU in float32, a pass over two rows or more reads a transposed copy of the
-    head's matrix, (hidden, vocab), made at the first such pass: MKL's product of a few rows with the (vocab, hidden)
-    matrix runs at about two thirds the speed of the same product with the matrix laid out (hidden, vocab) (a 32000 x
-    512 head over 8 rows: 20.8 ms against 15.0 ms on one core), and several rows' scores equal one row's up to
-    rounding only anyway. One row keeps the head's own product, so a lone session's scores are those of a single
-    process bit for bit. The copy costs one more head matrix of memory, only in a client that scores several rows at
-    once (a gateway, batched generation, the logits of a whole sequence), and follows the head's weight when that
-    changes (in place or replaced). In bfloat16 and float16 the transposed product is 3-5x slower on the CPU: those
-    keep the head's own, as do heads with hooks or weights made in inference mode.
+    `scores` runs the LM head. On the CPU in float32 a pass over two rows or more reads a transposed copy of the
+    head's matrix, made at the first such pass and remade when the weight changes: MKL runs such products about 1.4x
+    faster with that layout (32000 x 512 over 8 rows: 20.8 against 15.0 ms on one core), at the cost of one more head
+    matrix of memory. One row keeps the head's own product (a lone session's scores are the single process's bit for
+    bit), as do bfloat16 and float16 (3-5x slower transposed), hooked heads and weights made in inference mode.
     """
 
     def __init__(self, embed: nn.Embedding, norm: nn.Module, lm_head: nn.Linear):

@@ -44,6 +44,15 @@ def generate_concurrently(model) -> list[torch.Tensor]:
     return model.call(all_at_once(), timeout=120)
 
 
+def sessions_at_once(swarm, path: str, prefix: str) -> list[torch.Tensor]:
+    """Every prompt's generation, all at once, by a client of the nodes under `prefix`."""
+    with DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=prefix, compression="none"
+    ) as model:
+        wait_for_chain(model)
+        return generate_concurrently(model)
+
+
 @pytest.mark.parametrize("spans", [((0, 4),), ((0, 2), (2, 4))], ids=["one-node", "two-nodes"])
 def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny_llama, references, spans):
     prefix = f"batch-{len(spans)}"
@@ -68,11 +77,7 @@ def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny
 def test_a_node_told_not_to_batch_runs_each_step_alone(module_swarm, tiny_llama, references):
     node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="no-batch", batch_decode=False)
     try:
-        with DistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="no-batch", compression="none"
-        ) as model:
-            wait_for_chain(model)
-            outputs = generate_concurrently(model)
+        outputs = sessions_at_once(module_swarm, tiny_llama, "no-batch")
         assert all(torch.equal(output, reference) for output, reference in zip(outputs, references, strict=True))
         assert node.compute.batches_run == 0
     finally:
@@ -97,11 +102,7 @@ def test_a_pass_that_fails_in_the_blocks_is_run_again_a_step_at_a_time(module_sw
 
     span.run_batch = failing_run_batch
     try:
-        with DistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix="split", compression="none"
-        ) as model:
-            wait_for_chain(model)
-            outputs = generate_concurrently(model)
+        outputs = sessions_at_once(module_swarm, tiny_llama, "split")
         for output, reference in zip(outputs, references, strict=True):
             assert torch.equal(output, reference)
         assert len(failed) == 3 and all(steps > 1 for steps in failed), failed
