@@ -10,32 +10,43 @@
 # (the first mode runs through fresh nodes), with and without 16 concurrent sessions, and 16 sessions through nodes
 # that batch prompts too (`--batch-prompts`: compare the first-token figures with the run before).
 # Every step writes its JSON line to $OUT/NAME.json and its output to $OUT/NAME.log ($OUT: gpu-results); the nodes'
-# logs go to $OUT/NAME-nodes/. A step stops after $STEP_TIMEOUT_S seconds (600) and the next one runs.
+# logs go to $OUT/NAME-nodes/. A step stops after $STEP_TIMEOUT_S seconds (600) and the next one runs; with
+# $DEADLINE_S set, the whole run ends by then (a step gets what is left, and none starts with under 30 s left), so
+# that a lease of device time returns what was measured.
 set -u
 OUT=${OUT:-gpu-results}
 PY=${PYTHON:-python3}
 STEP_TIMEOUT_S=${STEP_TIMEOUT_S:-600}
+DEADLINE_S=${DEADLINE_S:-}
 export PYTHONUNBUFFERED=1 PYTHONNODEBUGRANGES=1
 mkdir -p "$OUT"
 
 step() {
-    local name=$1
+    local name=$1 limit=$STEP_TIMEOUT_S
     shift
-    echo "== $name: $*"
-    timeout "$STEP_TIMEOUT_S" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+    if [ -n "$DEADLINE_S" ]; then
+        local left=$((DEADLINE_S - SECONDS))
+        if [ "$left" -lt 30 ]; then
+            echo "== $name: skipped, ${left}s left of DEADLINE_S"
+            return
+        fi
+        [ "$left" -lt "$limit" ] && limit=$left
+    fi
+    echo "== $name (at most ${limit}s): $*"
+    timeout -k 30 "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
     echo "   exit $? after ${SECONDS}s of the run; $(tail -c 400 "$OUT/$name.json")"
 }
 
 SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
-step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/swarm/test_client_dtype.py \
-    tests/unit/test_codec.py
+step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/unit/test_span_cache.py \
+    tests/swarm/test_client_dtype.py tests/unit/test_codec.py
 step codecs "$PY" bench/compression.py --device cuda --no-swarm
 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
     --keep-logs "$OUT/graphs-clients16-nodes"
 if [ "${1:-quick}" = full ]; then
-    step eager "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct-libp2p direct relay --keep-logs "$OUT/eager-nodes"
     step eager-clients16 "$PY" "${SWARM[@]}" --nodes 2 --clients 16 --modes direct --forward-repeats 0 \
         --keep-logs "$OUT/eager-clients16-nodes"
     step eager-clients16-prompts "$PY" "${SWARM[@]}" --nodes 2 --clients 16 --modes direct --forward-repeats 0 \
         --node-arg=--batch-prompts --keep-logs "$OUT/eager-clients16-prompts-nodes"
+    step eager "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct-libp2p direct relay --keep-logs "$OUT/eager-nodes"
 fi

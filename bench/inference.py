@@ -33,6 +33,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -123,15 +124,23 @@ async def aggregate_decode(
         alone = [await model.generate(prompt, max_new_tokens=new_tokens) for prompt in prompts[:2]]
         one_tps = 2 * new_tokens / (time.perf_counter() - started)
         first_token_s: list[float] = []
+        steps: list = []  # every session's one-token steps (StepTiming): where a round's time goes
 
         async def generate_timed(prompt: torch.Tensor) -> torch.Tensor:
-            """`model.generate`, noting when its first token came."""
+            """`model.generate` on a session of its own (opened and sent ahead as generate does), noting when its
+            first token came and keeping the session's step timings."""
             columns = []
-            async with contextlib.aclosing(model.stream(prompt, max_new_tokens=new_tokens)) as stream:
-                async for column in stream:
-                    if not columns:
-                        first_token_s.append(time.perf_counter() - started)
-                    columns.append(column)
+            session = await model.open_session(max_length=prompt.shape[1] + new_tokens, prompt_tokens=prompt.shape[1])
+            try:
+                stream = model.stream(prompt, max_new_tokens=new_tokens, session=session, send_ahead=True)
+                async with contextlib.aclosing(stream):
+                    async for column in stream:
+                        if not columns:
+                            first_token_s.append(time.perf_counter() - started)
+                        columns.append(column)
+                steps.extend(session.timings[1:])
+            finally:
+                await session.close()
             return torch.cat([prompt, torch.stack(columns, dim=1).to(prompt.dtype)], dim=1)
 
         started = time.perf_counter()
@@ -148,6 +157,15 @@ async def aggregate_decode(
         # first tokens of the sessions started together, from their start: the prompts' passes at the nodes
         "first_token_ms_median": round(1000 * statistics.median(first_token_s), 1),
         "first_token_ms_last": round(1000 * max(first_token_s), 1),
+        # where a session's round goes (a token every clients / aggregate_tps seconds): its step through the nodes
+        # (wall, as the client saw it), of which the nodes' compute (all hops: each node's figure is the time of
+        # the pass its step ran in), the rest being transfers and waits at the nodes (for a pass, a gathering);
+        # what is left of the round is the client's (LM head, its own wait for a shared head pass)
+        "round_ms": round(1000 * clients / aggregate_tps, 2),
+        "step_wall_ms_p50": round(1000 * percentile([t.wall_s for t in steps], 0.5), 2),
+        "step_wall_ms_p90": round(1000 * percentile([t.wall_s for t in steps], 0.9), 2),
+        "step_compute_ms_p50": round(1000 * percentile([t.compute_s for t in steps], 0.5), 2),
+        "step_compute_ms_p90": round(1000 * percentile([t.compute_s for t in steps], 0.9), 2),
         "tokens_match": all(
             torch.equal(first.cpu(), second.cpu()) for first, second in zip(alone, together[:2], strict=True)
         ),
@@ -342,6 +360,8 @@ def main() -> None:
         parser.error("--device cuda: torch sees no CUDA device here")
     if args.cuda_graphs and args.device != "cuda":
         parser.error("--cuda-graphs needs --device cuda")
+    # a SIGTERM (a step's `timeout` in bench/gpu.sh) unwinds like Ctrl-C: the nodes this run started are stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     torch.manual_seed(0)
 
     with tempfile.TemporaryDirectory(prefix="nesa-bench-") as workdir, ProcessGroup(workdir) as group:

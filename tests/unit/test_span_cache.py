@@ -196,6 +196,39 @@ def test_a_batched_pass_reads_buffers_past_a_sessions_end_as_if_zero_padded(tiny
     assert [cache.layers[0].capacity for cache in clean] == [MIN_CAPACITY, 140, 2 * MIN_CAPACITY]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batched_passes_on_cuda_give_each_sessions_own_steps(tiny_llama, dtype):
+    """On CUDA: a pass of prompts (one after cached tokens) with one-token steps (`run_batch`, --batch-prompts), then
+    one-token passes over the caches padded to the longest (`decode_batch`'s GPU path), each against the same
+    session's own steps on a cache of its own. Tight in float32; bfloat16 within its rounding."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4, dtype=dtype, device="cuda"))
+    assert span.batches_prompts
+    generator = torch.Generator().manual_seed(12)
+    lengths = [5, 11, MIN_CAPACITY - 1]  # the last fills its first buffer at the first one-token pass, then grows
+    prompts = [torch.randn(1, n, span.hidden_size, generator=generator) for n in lengths]
+    ours, alone = [span.new_cache() for _ in lengths], [span.new_cache() for _ in lengths]
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == "float32" else {"atol": 5e-2, "rtol": 5e-2}
+    with torch.inference_mode():
+        span(prompts[0], ours[0], 0)
+        span(prompts[0], alone[0], 0)
+        # session 0: 3 tokens after its cached 5; session 1: its prompt; session 2: its prompt, in one pass
+        first = [torch.randn(1, 3, span.hidden_size, generator=generator), prompts[1], prompts[2]]
+        batched = span.run_batch([(h, c, c.get_seq_length()) for h, c in zip(first, ours, strict=True)], (0, 4))
+        for hidden, cache, got in zip(first, alone, batched, strict=True):
+            expected = span(hidden, cache, cache.get_seq_length())
+            torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+        for _ in range(4):
+            steps = [torch.randn(1, 1, span.hidden_size, generator=generator) for _ in lengths]
+            batched = span.decode_batch([(s, c, c.get_seq_length()) for s, c in zip(steps, ours, strict=True)], (0, 4))
+            for step, cache, got in zip(steps, alone, batched, strict=True):
+                expected = span(step, cache, cache.get_seq_length())
+                assert got.device.type == "cuda"
+                torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    assert [c.get_seq_length() for c in ours] == [c.get_seq_length() for c in alone] == [12, 15, MIN_CAPACITY + 3]
+
+
 class _RefusingChain:
     """The inner session of an EdgeSession: its chain hands a step's hidden states back as they came, and refuses
     the steps whose numbers (from 0) are in `refused`."""
