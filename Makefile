@@ -88,6 +88,7 @@ test-slow: $(STAMP) sysdeps
 
 bench: $(STAMP)
 	$(PY) bench/inference.py
+	$(PY) bench/batch_pass.py
 	$(PY) bench/compression.py
 	$(PY) bench/failover.py
 	$(PY) bench/routing.py

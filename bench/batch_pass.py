@@ -2,7 +2,8 @@
 
 Prints one JSON line. In one process, on the span's device (no network, no scheduling): for each cache length and each
 session count N, the median time of one session's one-token step (`BlockSpan.forward`), of one pass of N sessions'
-one-token steps (`decode_batch`), and of N 16-token prompts in one pass (`run_batch`, what `--batch-prompts` runs)
+one-token steps (`decode_batch`; and `--grow` passes one after the other, each a token further, as in a swarm where
+every pass attends over new lengths), and of N 16-token prompts in one pass (`run_batch`, what `--batch-prompts` runs)
 against the same prompts one at a time. Caches are cropped back after every timed call, so every repeat sees the same
 lengths. `batch_vs_single` is a pass of N against one step: under N means batching gains (N sessions for less than N
 steps' time).
@@ -11,7 +12,8 @@ steps' time).
     python bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 [--profile]
 
 `--shape 1.1b` serves 8 blocks of the random 1.1B Llama (half of it: one of 2 nodes). `--profile` adds, on stderr,
-torch's profiler table of one N-session pass at the longest cache (the largest N).
+torch's profiler table of one N-session pass at the longest cache (the largest N). `--cudnn-attention` leaves
+cuDNN's attention on (a CUDA span turns it off): compare `pass_N_growing_ms` with and without it.
 """
 
 from __future__ import annotations
@@ -74,13 +76,35 @@ def measure(span, caches: list, cached: int, step: torch.Tensor, prompt: torch.T
         for cache in chosen:
             cache.crop(-seen)
 
+    def growing(chosen, alone: bool = False) -> float:
+        """Median ms of `args.grow` passes one after the other, each a token further (a new attention length each,
+        as in a swarm), then cropped back; `alone`: one session's own steps (`forward`) instead."""
+        sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
+        times = []
+        for index in range(args.grow):
+            sync()
+            started = time.perf_counter()
+            if alone:
+                span(step, chosen[0], cached + index)
+            else:
+                span.decode_batch([(step, cache, cached + index) for cache in chosen], blocks)
+            sync()
+            times.append((time.perf_counter() - started) * 1e3)
+        for cache in chosen:
+            cache.crop(-args.grow)
+        return round(statistics.median(times), 3)
+
     row = {"single_step_ms": timed(one_step, args.device, args.repeats)}
+    if args.grow:
+        row["single_step_growing_ms"] = growing(caches[:1], alone=True)
     few = max(3, args.repeats // 4)
     for count in args.sessions:
         chosen = caches[:count]
         pass_ms = timed(lambda chosen=chosen: one_pass(chosen), args.device, args.repeats)
         row[f"pass_{count}_ms"] = pass_ms
         row[f"pass_{count}_vs_single"] = round(pass_ms / row["single_step_ms"], 3)
+        if args.grow:
+            row[f"pass_{count}_growing_ms"] = growing(chosen)
         if span.batches_prompts:
             row[f"prompts_{count}_apart_ms"] = timed(lambda chosen=chosen: prompts_apart(chosen), args.device, few)
             row[f"prompts_{count}_together_ms"] = timed(
@@ -98,6 +122,14 @@ def main() -> None:
     parser.add_argument("--cache-tokens", type=int, nargs="+", default=[16, 144, 512])
     parser.add_argument("--prompt-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument(
+        "--grow", type=int, default=16, help="passes timed one after the other at new lengths (0: none)"
+    )
+    parser.add_argument(
+        "--cudnn-attention",
+        action="store_true",
+        help="leave cuDNN's attention on (a CUDA span turns it off: it plans every new length anew)",
+    )
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -115,6 +147,8 @@ def main() -> None:
         )
         path = init_tiny_model(Path(workdir) / "model", spec)
         span = load_block_span(str(path), SpanSpec(0, shape["layers"], dtype=args.dtype, device=args.device))
+    if args.cudnn_attention and args.device == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(True)
     generator = torch.Generator().manual_seed(0)
     most = max(args.sessions)
     figures: dict[str, dict] = {}
@@ -122,7 +156,7 @@ def main() -> None:
         for cached in args.cache_tokens:
             caches = [span.new_cache() for _ in range(most)]
             for cache in caches:
-                cache.reserve(cached + args.prompt_tokens + 8)
+                cache.reserve(cached + args.prompt_tokens + args.grow + 8)
                 span(torch.randn(1, cached, span.hidden_size, generator=generator), cache, 0)
             step = torch.randn(1, 1, span.hidden_size, generator=generator)
             prompt = torch.randn(1, args.prompt_tokens, span.hidden_size, generator=generator)
@@ -145,6 +179,7 @@ def main() -> None:
         "device": args.device,
         "dtype": args.dtype,
         "per_session_attention": span._rotate is not None and args.device == "cpu",
+        "cudnn_attention": args.device == "cuda" and torch.backends.cuda.cudnn_sdp_enabled(),
         "batches_prompts": span.batches_prompts,
         "prompt_tokens": args.prompt_tokens,
         "by_cache_tokens": figures,

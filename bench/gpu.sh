@@ -5,8 +5,9 @@
 #
 #   bench/gpu.sh [quick|full]
 #
-# quick (about 6 minutes on one H100): the GPU tests, the codec table, and 2 nodes replaying CUDA graphs with 16
-# concurrent sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
+# quick (about 5 minutes on one H100): the GPU tests, the codec table, a span's batched passes in one process
+# (bench/batch_pass.py, with and without cuDNN's attention), and 2 nodes replaying CUDA graphs with 16 concurrent
+# sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
 # (the first mode runs through fresh nodes), with and without 16 concurrent sessions, and 16 sessions through nodes
 # that batch prompts too (`--batch-prompts`: compare the first-token figures with the run before).
 # Every step writes its JSON line to $OUT/NAME.json and its output to $OUT/NAME.log ($OUT: gpu-results); the nodes'
@@ -41,6 +42,10 @@ SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
 step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/unit/test_span_cache.py \
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py
 step codecs "$PY" bench/compression.py --device cuda --no-swarm
+# a pass of 1 to 16 sessions in one process, without and with cuDNN's attention (growing: new lengths every pass)
+step batch-pass "$PY" bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 --sessions 1 4 16
+step batch-pass-cudnn "$PY" bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 --sessions 1 4 16 \
+    --cudnn-attention
 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
     --keep-logs "$OUT/graphs-clients16-nodes"
 if [ "${1:-quick}" = full ]; then

@@ -8,6 +8,8 @@ of several sessions in one pass, each session's keys and values kept in its own 
   the caller's rule: `attend_steps` (one-token steps, an sdpa call a session over its cache as it lies: the CPU's
   pass) or `attend_prompts` (steps of any length, causal among each step's new tokens: `--batch-prompts`).
 
+- `without_cudnn_attention`: a CUDA span's process keeps torch's attention off cuDNN (below).
+
 A GPU's pass attends in one call for all sessions (one kernel). On the CPU copying every cache into the padded
 tensors grows with every token, and a session's own calls cost less than that from short caches on (8 sessions
 through 4 blocks of hidden 512 on this project's 2-core CPU: padded 19.2 ms against 19.3 ms at 16 cached tokens,
@@ -16,8 +18,24 @@ through 4 blocks of hidden 512 on this project's 2-core CPU: padded 19.2 ms agai
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+def without_cudnn_attention() -> None:
+    """Turn cuDNN's backend of `scaled_dot_product_attention` off in this process (called when a CUDA span loads).
+    Where it is on, torch picks it for attention with a mask on Hopper GPUs (a padded batched pass, a prompt after
+    cached tokens), and cuDNN builds an execution plan for every new shape and stride of its inputs, which takes
+    tens to hundreds of milliseconds of host time; a node's attention changes length at every step (each pass
+    attends one token further), so every pass would pay a build. Flash and memory-efficient attention, and the math
+    fallback, build nothing."""
+    if torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        logger.debug("cuDNN attention turned off: it plans every new sequence length anew")
 
 
 class RowsCache:

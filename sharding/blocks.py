@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
+from nesa_node.sharding import batch_attention
 from nesa_node.sharding.batch_attention import RowsCache, attend_prompts, attend_steps, layer_per_session
 from nesa_node.sharding.model_folder import check_span, config_file
 from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
@@ -180,10 +181,8 @@ class BlockSpan(nn.Module):
         rope_type = getattr(self.rotary, "rope_type", None)
         self._rope_tabulated = isinstance(rope_type, str) and not any(k in rope_type for k in SEQUENCE_DEPENDENT_ROPE)
         attention = getattr(self.sub_config, "_attn_implementation", None) or "sdpa"
-        self.decode_graphs = (
-            spec.decode_graphs and spec.quant == "none" and self._rope_tabulated and self.batches_decode
-            and attention in ("sdpa", "eager")
-        )  # fmt: skip
+        graphable = spec.quant == "none" and self._rope_tabulated and self.batches_decode
+        self.decode_graphs = spec.decode_graphs and graphable and attention in ("sdpa", "eager")
         self._graph_stream = None  # the stream the span's CUDA graph captures run on (sharding/decode_graph.py)
         # the family's rotary function where every layer is the family's own sdpa decoder layer, which
         # `layer_per_session` runs part by part for a batched pass; None where passes keep the layers' own forward
@@ -484,13 +483,14 @@ def load_block_span(model_path: str | Path, spec: SpanSpec, *, config=None) -> B
     where the served digest (`quantized_state_digest`) covers the quantized weights, their scales and settings: two
     nodes announce the same weights hash only when they serve the same checkpoint quantized the same way.
     Raises ModelLoadError for a bad folder or range, DeviceUnavailableError for a device torch cannot use here, UnsupportedModelError for another model family,
-    QuantizationUnsupportedError for a quantization mode this device or bitsandbytes cannot run.
-    """
+    QuantizationUnsupportedError for a quantization mode this device or bitsandbytes cannot run."""
     config = config if config is not None else load_config(model_path)
     check_span(spec.start, spec.end, config.num_hidden_layers)
     if spec.dtype not in DTYPES:
         raise ModelLoadError(f"dtype {spec.dtype!r} is not one of {', '.join(DTYPES)}")
     check_device(spec.device)
+    if torch.device(spec.device).type == "cuda":
+        batch_attention.without_cudnn_attention()  # attention lengths change every step: no per-shape cuDNN plans
     quantizer = None
     if spec.quant != "none":
         from nesa_node.compression import weights as quantizer  # bitsandbytes is loaded for quantized spans only
