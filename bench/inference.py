@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -99,11 +100,53 @@ def timed_forward(model, input_ids, repeats: int) -> float | None:
     return input_ids.numel() / statistics.median(seconds)
 
 
+def node_counters(url: str) -> dict[str, float]:
+    """A node's compute counters from its /metrics (nesa_node/metrics.py `_ComputeCollector`)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {
+        sample.name.removeprefix("nesa_node_").removesuffix("_total"): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.endswith("_total") and not sample.labels
+    }
+
+
+def node_figures(before: dict[str, float], after: dict[str, float]) -> dict:
+    """What a node did between two scrapes: its batched passes, how full they were, how long they waited to gather,
+    and where its steps ran."""
+    moved = {name: after.get(name, 0.0) - value for name, value in before.items()}
+    passes = moved.get("decode_passes", 0.0)
+    return {
+        "passes": int(passes),
+        "steps_a_pass": round(moved.get("decode_pass_steps", 0.0) / passes, 2) if passes else None,
+        "gather_waits": int(moved.get("decode_gather_waits", 0.0)),
+        "gather_wait_s": round(moved.get("decode_gather_wait_seconds", 0.0), 3),
+        "compute_s": round(moved.get("compute_seconds", 0.0), 3),
+        "lone_steps": int(moved.get("decode_lone_steps", 0.0)),
+        "inline_runs": int(moved.get("inline_steps", 0.0)),
+        "thread_runs": int(moved.get("thread_steps", 0.0)),
+    }
+
+
 async def aggregate_decode(
-    path: str, peers: list[str], prefix: str, hops: int, clients: int, input_ids, new_tokens: int, args
+    path: str,
+    peers: list[str],
+    prefix: str,
+    hops: int,
+    clients: int,
+    input_ids,
+    new_tokens: int,
+    args,
+    metrics_urls: list[str] = (),
 ) -> dict:
     """Decode tokens/s of one session, then the aggregate of `clients` concurrent ones (prompts of the same length,
-    each its own tokens), with one async client; whether every session's tokens match its own run alone."""
+    each its own tokens), with one async client; whether every session's tokens match its own run alone. With the
+    nodes' `metrics_urls`, what each node did during the concurrent run (`node_figures`)."""
     from nesa_node.client.async_model import AsyncDistributedModel
 
     model = await AsyncDistributedModel.from_pretrained(
@@ -143,9 +186,11 @@ async def aggregate_decode(
                 await session.close()
             return torch.cat([prompt, torch.stack(columns, dim=1).to(prompt.dtype)], dim=1)
 
+        before = [await asyncio.to_thread(node_counters, url) for url in metrics_urls]
         started = time.perf_counter()
         together = await asyncio.gather(*(generate_timed(prompt) for prompt in prompts))
         aggregate_tps = clients * new_tokens / (time.perf_counter() - started)
+        after = [await asyncio.to_thread(node_counters, url) for url in metrics_urls]
     finally:
         await model.close()
     return {
@@ -169,6 +214,8 @@ async def aggregate_decode(
         "tokens_match": all(
             torch.equal(first.cpu(), second.cpu()) for first, second in zip(alone, together[:2], strict=True)
         ),
+        # each node in chain order, during the concurrent run (absent where prometheus-client is not installed)
+        "nodes_during": [node_figures(b, a) for b, a in zip(before, after, strict=True)],
     }
 
 
@@ -185,11 +232,25 @@ def node_threads(args, count: int) -> int:
     return max(1, (os.cpu_count() or 1) // count)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, count: int, extra: list[str], args):
-    """`count` node processes serving the model's blocks in equal spans under `prefix`; their processes."""
-    launched = []
+    """`count` node processes serving the model's blocks in equal spans under `prefix`; (their processes, the URLs
+    of their metrics in chain order: none where prometheus-client is not installed)."""
+    launched, urls = [], []
+    metrics = importlib.util.find_spec("prometheus_client") is not None
     for index, (start, end) in enumerate(split_blocks(args.layers, count)):
         node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
+        if metrics:
+            port = free_port()
+            node_args += ["--metrics-port", str(port)]
+            urls.append(f"http://127.0.0.1:{port}/metrics")
         node_args += ["--dht-prefix", prefix, "--announce-period", "5", "--no-measure", "--rebalance", "off", *extra]
         node_args += ["--device", args.device, "--dtype", args.dtype]
         node_args += ["--cuda-graphs"] if args.cuda_graphs else []
@@ -198,7 +259,7 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
         launched.append(group.start(f"{prefix}-{index}", node_args))
     for process, node_address in launched:
         group.wait_address(process, node_address, timeout_s=300)
-    return [process for process, _ in launched]
+    return [process for process, _ in launched], urls
 
 
 # chain modes: (client mode, data lanes). direct: hidden states on data lanes (nesa_node.protocol.lane);
@@ -400,7 +461,7 @@ def main() -> None:
             swarms += [(count, f"bench-{count}-nobatch", ["--no-batch-decode"]) for count in args.nodes]
         swarm_results, clients_results = {}, {}
         for count, prefix, extra in swarms:  # one swarm at a time: no idle node shares the cores with the measured
-            nodes = start_swarm(group, path, peers, prefix, count, extra, args)
+            nodes, metrics_urls = start_swarm(group, path, peers, prefix, count, extra, args)
             figures = {}
             try:
                 if not extra:
@@ -408,7 +469,9 @@ def main() -> None:
                 if args.clients:
                     # on the event loop a gateway runs (uvloop where installed)
                     clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = event_loop.run(
-                        aggregate_decode(path, peers, prefix, count, args.clients, input_ids, args.new_tokens, args)
+                        aggregate_decode(
+                            path, peers, prefix, count, args.clients, input_ids, args.new_tokens, args, metrics_urls
+                        )
                     )
             finally:
                 for process in nodes:

@@ -87,8 +87,12 @@ class NodeMetrics:
         queued: Callable[[], int],
         dht_peers: Callable[[], int],
         adapters=None,
+        compute=None,
     ) -> None:
-        """Make the gauges read the node's state when scraped (`adapters`: the node's NodeAdapters)."""
+        """Make the gauges read the node's state when scraped (`adapters`: the node's NodeAdapters; `compute`: its
+        BlockCompute, whose counters of decode batching are read then too)."""
+        if compute is not None:
+            self.registry.register(_ComputeCollector(compute))
         if adapters is not None:
             self.adapters.labels("resident").set_function(lambda: adapters.store.resident)
             self.adapters.labels("pinned").set_function(lambda: adapters.store.pinned)
@@ -104,6 +108,33 @@ class NodeMetrics:
         self.kv_cache_usage_ratio.set_function(usage)
         self.queued_steps.set_function(queued)
         self.dht_peers.set_function(dht_peers)
+
+
+class _ComputeCollector:
+    """A node's compute counters (server/compute.py `BlockCompute`), read when scraped: how its decode steps ran
+    (batched passes and how full they were, the gathering's waits, on the event loop or the compute thread)."""
+
+    COUNTERS = (
+        ("nesa_node_compute_seconds", "Seconds spent in the node's blocks (steps and passes)", "compute_seconds"),
+        ("nesa_node_decode_passes", "Batched passes of more than one session's step", "batches_run"),
+        ("nesa_node_decode_pass_steps", "Steps run in batched passes (over the passes: steps a pass)", "steps_in_passes"),
+        ("nesa_node_decode_gather_waits", "Times a pass about to start waited for other sessions' steps", "gather_waits"),
+        ("nesa_node_decode_gather_wait_seconds", "Seconds passes about to start waited for other sessions' steps",
+         "gather_wait_s"),
+        ("nesa_node_decode_lone_steps", "One-token steps of a lone session run at once, with no pass", "lone_steps"),
+        ("nesa_node_split_passes", "Batched passes that failed and ran again a step at a time", "passes_split"),
+        ("nesa_node_inline_steps", "Steps and passes computed on the node's event loop", "inline_steps"),
+        ("nesa_node_thread_steps", "Steps and passes computed on the node's compute thread", "thread_steps"),
+    )  # fmt: skip
+
+    def __init__(self, compute) -> None:
+        self.compute = compute
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        for name, documentation, attribute in self.COUNTERS:
+            yield CounterMetricFamily(name, documentation, value=getattr(self.compute, attribute))
 
 
 class GatewayMetrics:

@@ -90,6 +90,10 @@ class BlockCompute:
         self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
         self.prompts_batched = 0  # steps of several tokens that ran in a pass with other steps (stats, tests)
         self.passes_split = 0  # passes that failed in the blocks and were run again a step at a time (stats, tests)
+        self.steps_in_passes = 0  # steps run in those batched passes (over batches_run: how full passes are)
+        self.gather_wait_s = 0.0  # seconds passes about to start waited for other sessions' steps
+        self.inline_steps = 0  # steps and passes computed on the event loop / on the compute thread
+        self.thread_steps = 0
         self._thread_jobs = 0  # jobs handed to the compute thread and not done (nor cancelled unrun) yet
         self._thread_jobs_lock = threading.Lock()  # counted down on the compute thread or the loop's
 
@@ -172,8 +176,10 @@ class BlockCompute:
         small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
         if small and self._inline():
             output, seconds = run()
+            self.inline_steps += 1
         else:
             output, seconds = await self._on_thread(run)
+            self.thread_steps += 1
         if small:
             self.placement.record(seconds)
         self.compute_seconds += seconds
@@ -293,6 +299,7 @@ class BlockCompute:
         judged by its own sessions, so a range's expected steps never hold back a step on another."""
         late_s = statistics.median(self.recent_passes) if self.recent_passes else 0.0
         loop = asyncio.get_running_loop()
+        started = time.monotonic()
         while True:
             ranges: dict[tuple[int, int], list[_DecodeStep]] = {}
             for step in self._decode_queue:
@@ -304,6 +311,7 @@ class BlockCompute:
                 queued = {step.member for step in steps}
                 delays[blocks] = 0.0 if gathering is None else gathering.wait_s(queued, steps[0].arrived_s, now, late_s)
                 if delays[blocks] <= 0:
+                    self.gather_wait_s += now - started
                     return blocks
             self.gather_waits += 1
             self._arrival = loop.create_future()
@@ -354,6 +362,8 @@ class BlockCompute:
         self.compute_seconds += seconds
         self.steps_served += len(batch)
         self.batches_run += 1
+        self.steps_in_passes += len(batch)
+        self.thread_steps += 1
         self.prompts_batched += sum(step.hidden.shape[1] > 1 for step in batch)
         return outputs, seconds
 

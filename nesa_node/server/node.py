@@ -389,6 +389,7 @@ class Node:
             queued=self.sessions.queued_steps,
             dht_peers=lambda: len(self.dht.protocol.routing_table.uid_to_peer_id),
             adapters=self.adapters,
+            compute=self.compute,
         )
         network = self.config.network
         loop = asyncio.get_running_loop()

@@ -227,6 +227,7 @@ NODE_MOVING = [
     'nesa_node_wire_bytes_total{codec="none",direction="in"}',
     'nesa_node_wire_bytes_total{codec="none",direction="out"}',
     'nesa_node_rpcs_total{rpc="nesa.inference",status="ok"}',
+    "nesa_node_compute_seconds_total",
 ]
 GATEWAY_MOVING = [
     "nesa_gateway_time_to_first_token_seconds_count",
@@ -264,6 +265,14 @@ def test_metrics_exist_and_move_during_a_generation(served):
         assert node_after.get(name, 0) > node_before.get(name, 0), name
     for name in GATEWAY_MOVING:
         assert gateway_after.get(name, 0) > gateway_before.get(name, 0), name
+
+    def moved(name: str) -> float:
+        return node_after[name] - node_before[name]
+
+    # one session alone: every step of it ran by itself, on the event loop or the compute thread, and no pass
+    steps = sum(moved(f'nesa_node_step_duration_seconds_count{{phase="{phase}"}}') for phase in ("prefill", "decode"))
+    assert moved("nesa_node_inline_steps_total") + moved("nesa_node_thread_steps_total") == steps > 0
+    assert moved("nesa_node_decode_passes_total") == moved("nesa_node_decode_pass_steps_total") == 0
     assert (
         gateway_after["nesa_gateway_generation_tokens_total"]
         - gateway_before.get("nesa_gateway_generation_tokens_total", 0)
