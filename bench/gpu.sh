@@ -55,3 +55,5 @@ if [ "${1:-quick}" = full ]; then
         --node-arg=--batch-prompts --keep-logs "$OUT/eager-clients16-prompts-nodes"
     step eager "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct-libp2p direct relay --keep-logs "$OUT/eager-nodes"
 fi
+# everything in one archive beside the folder (a lease may return only a few files)
+tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"

@@ -268,9 +268,10 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
 MODES = {"direct": ("direct", True), "direct-libp2p": ("direct", False), "relay": ("relay", True)}
 
 
-def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args) -> dict:
+def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args, metrics_urls=()) -> dict:
     """Decode, time to first token and forward figures through the swarm `prefix` of `count` nodes, per mode (the
-    ratios to the baseline are added by `against`)."""
+    ratios to the baseline are added by `against`); with the nodes' `metrics_urls`, what each did in the timed
+    generations (`node_figures`)."""
     figures = {}
     for label in args.modes:
         mode, lanes = MODES[label]
@@ -298,11 +299,13 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
             # and on a GPU every cache length seen for the first time
             first = timed_generate(model, input_ids, args.new_tokens)
             runs, overheads, computes = [], [], []
+            before = [node_counters(url) for url in metrics_urls]
             for _ in range(args.repeats):
                 with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
                     runs.append(timed_generate(model, input_ids, args.new_tokens))
                     overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
                     computes += [t.compute_s * 1000 for t in session.timings[1:]]
+            after = [node_counters(url) for url in metrics_urls]
             hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
             decode = statistics.median(run["decode_tps"] for run in runs)
             forward_tps = timed_forward(model, batch_ids, args.forward_repeats)
@@ -323,6 +326,7 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
                 "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
                 "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
                 "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
+                "nodes_during": [node_figures(b, a) for b, a in zip(before, after, strict=True)],
             }
     return figures
 
@@ -465,7 +469,9 @@ def main() -> None:
             figures = {}
             try:
                 if not extra:
-                    figures = chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args)
+                    figures = chain_figures(
+                        path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args, metrics_urls
+                    )
                 if args.clients:
                     # on the event loop a gateway runs (uvloop where installed)
                     clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = event_loop.run(
