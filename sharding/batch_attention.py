@@ -192,4 +192,4 @@ def _padded(parts: list[torch.Tensor], longest: int) -> torch.Tensor:
     )  # fmt: skip
 
 
-__all__ = ["RowsCache", "attend_prompts", "attend_steps", "layer_per_session"]
+__all__ = ["RowsCache", "attend_prompts", "attend_steps", "layer_per_session", "without_cudnn_attention"]
