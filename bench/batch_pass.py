@@ -5,7 +5,7 @@ session count N, the median time of one session's one-token step (`BlockSpan.for
 one-token steps (`decode_batch`; and `--grow` passes one after the other, each a token further, as in a swarm where
 every pass attends over new lengths), and of N 16-token prompts in one pass (`run_batch`, what `--batch-prompts` runs)
 against the same prompts one at a time. Caches are cropped back after every timed call, so every repeat sees the same
-lengths. `batch_vs_single` is a pass of N against one step: under N means batching gains (N sessions for less than N
+lengths. `pass_N_vs_single` is a pass of N against one step: under N means batching gains (N sessions for less than N
 steps' time).
 
     python bench/batch_pass.py                                   # the bench shape on the CPU

@@ -34,7 +34,7 @@ step() {
         [ "$left" -lt "$limit" ] && limit=$left
     fi
     echo "== $name (at most ${limit}s): $*"
-    timeout -k 30 "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
+    timeout -k 10 "$limit" "$@" >"$OUT/$name.json" 2>"$OUT/$name.log"
     echo "   exit $? after ${SECONDS}s of the run; $(tail -c 400 "$OUT/$name.json")"
 }
 

@@ -127,7 +127,8 @@ def node_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         "gather_waits": int(moved.get("decode_gather_waits", 0.0)),
         "gather_wait_s": round(moved.get("decode_gather_wait_seconds", 0.0), 3),
         "compute_s": round(moved.get("compute_seconds", 0.0), 3),
-        "lone_steps": int(moved.get("decode_lone_steps", 0.0)),
+        "lone_steps": int(moved.get("decode_lone_steps", 0.0)),  # of the inline runs
+        "split_passes": int(moved.get("split_passes", 0.0)),
         "inline_runs": int(moved.get("inline_steps", 0.0)),
         "thread_runs": int(moved.get("thread_steps", 0.0)),
     }
@@ -205,7 +206,8 @@ async def aggregate_decode(
         # where a session's round goes (a token every clients / aggregate_tps seconds): its step through the nodes
         # (wall, as the client saw it), of which the nodes' compute (all hops: each node's figure is the time of
         # the pass its step ran in), the rest being transfers and waits at the nodes (for a pass, a gathering);
-        # what is left of the round is the client's (LM head, its own wait for a shared head pass)
+        # what is left of the round is mostly the client's (LM head, its own wait for a shared head pass; the round
+        # also spreads each session's opening and prompt over its tokens)
         "round_ms": round(1000 * clients / aggregate_tps, 2),
         "step_wall_ms_p50": round(1000 * percentile([t.wall_s for t in steps], 0.5), 2),
         "step_wall_ms_p90": round(1000 * percentile([t.wall_s for t in steps], 0.9), 2),
@@ -214,13 +216,13 @@ async def aggregate_decode(
         "tokens_match": all(
             torch.equal(first.cpu(), second.cpu()) for first, second in zip(alone, together[:2], strict=True)
         ),
-        # each node in chain order, during the concurrent run (absent where prometheus-client is not installed)
+        # each node in chain order, during the concurrent run (empty where prometheus-client is not installed)
         "nodes_during": [node_figures(b, a) for b, a in zip(before, after, strict=True)],
     }
 
 
 def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
+    ordered = sorted(values) or [float("nan")]
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
@@ -232,25 +234,27 @@ def node_threads(args, count: int) -> int:
     return max(1, (os.cpu_count() or 1) // count)
 
 
-def free_port() -> int:
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now (held together while chosen, so none is given twice)."""
     import socket
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    with contextlib.ExitStack() as stack:
+        probes = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for probe in probes:
+            probe.bind(("127.0.0.1", 0))
+        return [probe.getsockname()[1] for probe in probes]
 
 
 def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, count: int, extra: list[str], args):
     """`count` node processes serving the model's blocks in equal spans under `prefix`; (their processes, the URLs
     of their metrics in chain order: none where prometheus-client is not installed)."""
     launched, urls = [], []
-    metrics = importlib.util.find_spec("prometheus_client") is not None
+    ports = free_ports(count) if importlib.util.find_spec("prometheus_client") is not None else []
     for index, (start, end) in enumerate(split_blocks(args.layers, count)):
         node_args = ["run", "--model", path, "--blocks", f"{start}:{end}", "--initial-peers", *peers]
-        if metrics:
-            port = free_port()
-            node_args += ["--metrics-port", str(port)]
-            urls.append(f"http://127.0.0.1:{port}/metrics")
+        if ports:
+            node_args += ["--metrics-port", str(ports[index])]
+            urls.append(f"http://127.0.0.1:{ports[index]}/metrics")
         node_args += ["--dht-prefix", prefix, "--announce-period", "5", "--no-measure", "--rebalance", "off", *extra]
         node_args += ["--device", args.device, "--dtype", args.dtype]
         node_args += ["--cuda-graphs"] if args.cuda_graphs else []

@@ -118,13 +118,16 @@ class _ComputeCollector:
         ("nesa_node_compute_seconds", "Seconds spent in the node's blocks (steps and passes)", "compute_seconds"),
         ("nesa_node_decode_passes", "Batched passes of more than one session's step", "batches_run"),
         ("nesa_node_decode_pass_steps", "Steps run in batched passes (over the passes: steps a pass)", "steps_in_passes"),
-        ("nesa_node_decode_gather_waits", "Times a pass about to start waited for other sessions' steps", "gather_waits"),
-        ("nesa_node_decode_gather_wait_seconds", "Seconds passes about to start waited for other sessions' steps",
-         "gather_wait_s"),
-        ("nesa_node_decode_lone_steps", "One-token steps of a lone session run at once, with no pass", "lone_steps"),
+        ("nesa_node_decode_gather_waits", "Waits of the decode queue for other sessions' steps before a pass (each "
+         "wake-up counts)", "gather_waits"),
+        ("nesa_node_decode_gather_wait_seconds", "Seconds the decode queue waited for other sessions' steps before "
+         "its passes", "gather_wait_s"),
+        ("nesa_node_decode_lone_steps", "One-token steps of a lone session run at once on the event loop, with no "
+         "pass (counted in inline steps too)", "lone_steps"),
         ("nesa_node_split_passes", "Batched passes that failed and ran again a step at a time", "passes_split"),
         ("nesa_node_inline_steps", "Steps and passes computed on the node's event loop", "inline_steps"),
-        ("nesa_node_thread_steps", "Steps and passes computed on the node's compute thread", "thread_steps"),
+        ("nesa_node_thread_steps", "Steps, passes and training passes computed on the node's compute thread",
+         "thread_steps"),
     )  # fmt: skip
 
     def __init__(self, compute) -> None:

@@ -220,6 +220,7 @@ class BlockCompute:
         result, seconds = await self._on_thread(timed)
         self.compute_seconds += seconds
         self.steps_served += 1
+        self.thread_steps += 1
         return result, seconds
 
     async def run_decode(

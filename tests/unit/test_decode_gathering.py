@@ -51,12 +51,16 @@ def test_a_step_waits_for_the_other_sessions_step_expected_soon(tiny_llama):
     compute, _ = compute_of(tiny_llama, batch_window_ms=200.0)
     assert asyncio.run(batched_when_late(compute, 0.004)) == 3  # b 4 ms after a: gathered into a's pass
     assert compute.gather_waits >= 3
+    # the node's counters (its metrics): every pass held both sessions' steps, and ran on the compute thread; the
+    # three late rounds each waited for b's step (4 ms after a's), the others not at all
+    assert compute.steps_in_passes == 2 * compute.batches_run and compute.thread_steps >= compute.batches_run
+    assert 3 * 0.003 <= compute.gather_wait_s < 1.0
 
 
 def test_without_a_window_a_late_step_runs_in_a_pass_of_its_own(tiny_llama):
     compute, _ = compute_of(tiny_llama, batch_window_ms=0.0)
     assert asyncio.run(batched_when_late(compute, 0.004)) == 0
-    assert compute.gather_waits == 0
+    assert compute.gather_waits == 0 and compute.gather_wait_s < 0.003  # never waited (the time of a few checks)
 
 
 def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for(tiny_llama):
