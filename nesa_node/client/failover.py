@@ -6,6 +6,11 @@ A replacement that fails or refuses its open or replay, for whatever reason (dea
 else holds there), is banned and the next candidate tried: a refusal is a typed answer, but for this span it ends
 that node's chance just as silence does (RELIABILITY.md G5).
 
+A node that went quiet (the step's deadline passed and it missed the short probe) while no other node can take its
+span is asked again with a longer probe before the session gives up: a node on a loaded host (a flood of DHT stores,
+a busy machine) is slow, not gone. If it answers, it is not banned and the chain stays as it is: the session sends
+the step again under the same step id and waits longer for it.
+
 `Failover` works on the session's links only through SessionChain (client/session_chain.py); it gets the rest of the
 session's state (position, the inputs the client kept) as arguments.
 """
@@ -23,11 +28,13 @@ import torch
 from nesa_node.client.chain_links import ChainLink, LinkFailed
 from nesa_node.client.session_chain import SessionChain
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import PeerUnavailableError, RequestError
+from nesa_node.errors import NoRouteError, PeerUnavailableError, RequestError
 from nesa_node.protocol.messages import LaneSettings, Retarget
 from nesa_node.routing.chain import ChainRequest, Hop
 
 logger = logging.getLogger(__name__)
+
+KEPT_PROBE_FACTOR = 4.0  # the longer probe of a quiet node that is the last for its span, in short probes (guess)
 
 # a chain for a block range, banned peers excluded (Router.reachable_chain: its nodes answered a ping just now)
 Rerouter = Callable[[ChainRequest], Awaitable]
@@ -64,17 +71,27 @@ class Failover:
         finally:
             self._phases[phase] = self._phases.get(phase, 0.0) + time.perf_counter() - started
 
-    async def recover(self, failure: LinkFailed, *, position: int, inputs: list[list[torch.Tensor]]) -> None:
+    async def recover(
+        self, failure: LinkFailed, *, position: int, inputs: list[list[torch.Tensor]], may_keep: bool = True
+    ) -> bool:
         """Replace the failed node. `position`: tokens the nodes' caches hold; `inputs`: what the client sent per link
         and step (the first link's in direct mode, every link's in relay mode), updated for replaced links in relay
-        mode. Raises NoRouteError when no node can take the span, LinkFailed when every replacement failed,
-        PeerUnavailableError when the chain went quiet yet every node still answers, or a replacement took over four
-        request timeouts to set up."""
+        mode. Returns True when the node was replaced, False when the chain was kept (only if `may_keep`): it went
+        quiet yet every node answers the probe, or the node that did not had no other node to take its span and
+        answered the longer probe; the step is to be sent again. Raises NoRouteError when no node can take the span,
+        LinkFailed when every replacement failed, PeerUnavailableError when the chain went quiet yet every node still
+        answers (and it may not be kept), or a replacement took over four request timeouts to set up."""
         started = time.perf_counter()
         self._phases = {}
         chain = self.chain
         with self._timed("find"):
             index = await self._find_failed(failure)
+        if index is None:
+            if not may_keep:
+                raise PeerUnavailableError(f"{failure.message}; every node of the chain still answers")
+            logger.info("the chain went quiet (%s) yet every node answers: kept", failure)
+            self._record(None, [], position, started, kept=True)
+            return False
         lost = chain.links[index].hop
         self.swarm.ban(lost.peer_id)
         logger.info(
@@ -90,8 +107,17 @@ class Failover:
                 adapter=chain.adapter,
                 adapter_block_bytes=chain.adapter_block_bytes,
             )
-            with self._timed("route"):
-                replacement = await self.reroute(request)  # raises NoRouteError naming the missing blocks
+            try:
+                with self._timed("route"):
+                    replacement = await self.reroute(request)  # raises NoRouteError naming the missing blocks
+            except NoRouteError:
+                quiet = failure.link is None and attempt == 0 and may_keep
+                if not quiet or not await self._answers_longer(lost.peer_id):
+                    raise
+                self.swarm.unban(lost.peer_id)
+                logger.info("node %s was slow, not gone, and no other node serves its blocks: kept", lost.peer_id)
+                self._record(lost, [], position, started, kept=True)
+                return False
             limit_s = self.swarm.request_timeout_s * 4
             try:
                 async with asyncio.timeout(limit_s):
@@ -104,11 +130,16 @@ class Failover:
                 if failed.link is not chain.links[index] or attempt + 1 == self.max_replacement_attempts:
                     raise
                 logger.info("replacement for blocks %d:%d failed: %s", lost.start_block, lost.end_block, failed)
+        self._record(lost, [hop.peer_id for hop in replacement.hops], position, started, kept=False)
+        return True
+
+    def _record(self, lost: Hop | None, replacements: list[str], position: int, started: float, *, kept: bool) -> None:
         self.recoveries.append(
             {
-                "failed": lost.peer_id,
-                "replacements": [hop.peer_id for hop in replacement.hops],
-                "blocks": [lost.start_block, lost.end_block],
+                "failed": lost.peer_id if lost is not None else None,  # None: the chain was slow, every node answered
+                "replacements": replacements,
+                "kept": kept,  # the chain stays as it was: see recover
+                "blocks": [lost.start_block, lost.end_block] if lost is not None else None,
                 "position": position,
                 "seconds": time.perf_counter() - started,
                 "banned": sorted(self.swarm.banned()),  # when the recovery ended (bans expire: see Swarm.ban)
@@ -116,8 +147,15 @@ class Failover:
             }
         )
 
-    async def _find_failed(self, failure: LinkFailed) -> int:
-        """Index of the failed node: the one whose stream broke, else the first that does not answer an info call."""
+    async def _answers_longer(self, peer_id: str) -> bool:
+        """Whether a node that missed the short probe answers a ping within KEPT_PROBE_FACTOR of it."""
+        with self._timed("probe_longer"):
+            timeout_s = self.probe_timeout_s * KEPT_PROBE_FACTOR
+            return not await self.swarm.unreachable([peer_id], timeout_s=timeout_s, fresh_s=0.0)
+
+    async def _find_failed(self, failure: LinkFailed) -> int | None:
+        """Index of the failed node: the one whose stream broke, else the first that does not answer an info call;
+        None when every node answers."""
         links = self.chain.links
         if failure.link is not None and failure.link in links:
             return links.index(failure.link)
@@ -126,7 +164,7 @@ class Failover:
                 await self.swarm.info(link.peer_id, timeout_s=self.probe_timeout_s)
             except Exception:
                 return index
-        raise PeerUnavailableError(f"{failure.message}; every node of the chain still answers") from None
+        return None
 
     async def _replace(
         self, index: int, hops: tuple[Hop, ...], position: int, inputs: list[list[torch.Tensor]]

@@ -215,10 +215,15 @@ class InferenceSession:
         failovers = 0
         deadline_s = self.deadline(hidden.shape[0] * hidden.shape[1])
         failure: LinkFailed | None = None
+        kept = False
         while True:
             try:
-                if failure is not None:  # a replacement that fails while its cache is rebuilt fails like any node
-                    await self.failover.recover(failure, position=self.position, inputs=self._inputs)
+                # a replacement that fails while its cache is rebuilt fails like any node; a chain kept (slow, not
+                # gone: see Failover.recover) gets the step again and the request timeout for it, once a step
+                if failure is not None and not await self.failover.recover(
+                    failure, position=self.position, inputs=self._inputs, may_keep=not kept
+                ):
+                    kept, deadline_s = True, max(deadline_s, self.swarm.request_timeout_s)
                 output, compute_s, sent, received, inputs = await self._step(hidden, deadline_s)
                 break
             except LinkFailed as failed:

@@ -204,6 +204,10 @@ class Swarm:
         self._bans[peer_id] = (now + length, length)
         return length
 
+    def unban(self, peer_id: str) -> None:
+        """Lift a ban that proved wrong (a quiet node that answered a longer probe: client/failover.py)."""
+        self._bans.pop(peer_id, None)
+
     def blame(self, peer_id: str, *, ban_s: float = 3600.0) -> None:
         """A node caught computing something else than it committed to (client/audit.py): banned for `ban_s`, and
         its reliability in routing quartered for as long as this client runs."""

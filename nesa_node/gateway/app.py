@@ -296,9 +296,11 @@ class Gateway:
 
     def _count_failovers(self, session, counted: int) -> int:
         """Count the session's node replacements after the first `counted`, with their recovery times; returns how
-        many are counted now."""
+        many recoveries are seen now (a kept chain is not a replacement)."""
         recoveries = session.failovers
         for recovery in recoveries[counted:]:
+            if recovery["kept"]:  # a slow node kept, not replaced
+                continue
             self.metrics.failovers_total.inc()
             self.metrics.failover_recovery_seconds.observe(recovery["seconds"])
         return len(recoveries)

@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import RECENT_RECORD_S
+from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.errors import NoRouteError
 from nesa_node.protocol.dht import NodeRecord
@@ -130,6 +131,48 @@ def test_the_last_node_of_a_span_that_misses_the_short_ping_is_asked_longer_not_
     )
     assert torch.equal(output, reference)
     assert elapsed > 2.0, elapsed  # it did wait for the stalled node
+
+
+def test_the_last_node_of_a_span_that_goes_quiet_mid_generation_is_kept_not_banned(local_swarm, tiny_llama):
+    """The only node for the blocks stalls for 3.5 s mid-generation (SIGSTOP, as a flood of DHT stores or a busy host
+    stalls a node): the decode step's deadline passes and the node misses the short probe, no other node serves its
+    blocks, so the client asks it again with a longer probe. It answers once it runs again: it is kept (not banned,
+    no replay), the step is sent again under the same step id, and the tokens equal single-process generation
+    (banned, the generation would end in NoRouteError)."""
+    with ProcessGroup() as group:
+        args = ["run", "--model", tiny_llama, "--blocks", "0:4", "--initial-peers", *local_swarm.initial_peers]
+        process, address_file = group.start("quiet", [*args, "--dht-prefix", "quiet", "--rebalance", "off"])
+        group.wait_address(process, address_file)
+        quiet = group_peer_id(group, process)
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="quiet", compression="none"
+        ) as model:
+            seen = lambda: {record.info.peer_id for record in model.call(model.swarm.node_records())}  # noqa: E731
+            wait_until(lambda: seen() == {quiet}, timeout_s=30)
+            # the step's 1 s deadline and the 1 s probe pass while it is stopped; the 4 s probe outlasts the stall
+            resume = threading.Timer(3.5, os.killpg, (process.pid, signal.SIGCONT))
+
+            def stall() -> None:
+                os.killpg(process.pid, signal.SIGSTOP)
+                resume.start()
+
+            try:
+                with model.inference_session(max_length=32) as session:
+                    # after 9 tokens the deadline counts decode steps alone (the last 8)
+                    output = model.generate(
+                        PROMPT, max_new_tokens=12, min_new_tokens=12, do_sample=False, streamer=AfterTokens(9, stall)
+                    )
+            finally:
+                resume.cancel()
+                os.killpg(process.pid, signal.SIGCONT)
+            assert [(entry["failed"], entry["kept"]) for entry in session.failovers] == [(quiet, True)]
+            assert session.failovers[0]["replacements"] == [] and quiet not in model.swarm.banned()
+            assert model.last_chain.peer_ids == (quiet,)
+            assert max(timing.wall_s for timing in session.timings) > 3.0  # the kept step waited for the stalled node
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=12, min_new_tokens=12, do_sample=False
+    )
+    assert torch.equal(output, reference)
 
 
 def group_peer_id(group: ProcessGroup, process) -> str:

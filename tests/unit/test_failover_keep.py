@@ -1,0 +1,97 @@
+"""Failover's choice to keep a chain that went quiet (client/failover.py): with every node still answering the
+probe, the step is to be sent again (once a step) instead of replacing a node; a stream that broke is never kept."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from nesa_node.client.chain_links import LinkFailed
+from nesa_node.client.failover import Failover
+from nesa_node.errors import NoRouteError, PeerUnavailableError
+from nesa_node.routing.chain import Hop
+
+
+class FakeSwarm:
+    """The parts of Swarm that Failover uses: the short info probe, which peers in `slow` or `silent` miss; the
+    longer ping, which only peers in `silent` miss; and bans."""
+
+    def __init__(self, *, slow: set[str] = frozenset(), silent: set[str] = frozenset()):
+        self.slow, self.silent, self.bans, self.request_timeout_s = set(slow), set(silent), set(), 30.0
+        self.pinged: list[tuple[str, float]] = []
+
+    async def info(self, peer_id: str, timeout_s: float):
+        if peer_id in self.slow | self.silent:
+            raise TimeoutError(peer_id)
+        return SimpleNamespace(peer_id=peer_id)
+
+    async def unreachable(self, peer_ids, *, timeout_s: float, fresh_s: float):
+        self.pinged += [(peer_id, timeout_s) for peer_id in peer_ids]
+        return [peer_id for peer_id in peer_ids if peer_id in self.silent]
+
+    def ban(self, peer_id: str) -> float:
+        self.bans.add(peer_id)
+        return 15.0
+
+    def unban(self, peer_id: str) -> None:
+        self.bans.discard(peer_id)
+
+    def banned(self) -> frozenset[str]:
+        return frozenset(self.bans)
+
+
+def chain_of(*peers: str) -> SimpleNamespace:
+    links = [
+        SimpleNamespace(peer_id=peer, hop=Hop(peer_id=peer, start_block=2 * index, end_block=2 * index + 2))
+        for index, peer in enumerate(peers)
+    ]
+    return SimpleNamespace(links=links, batch=1, max_length=32, adapter=None, adapter_block_bytes=0.0)
+
+
+async def no_route(request):
+    raise NoRouteError(f"no node serves blocks {request.start_block}-{request.end_block - 1}")
+
+
+def recover(failover: Failover, failure: LinkFailed, may_keep: bool = True) -> bool:
+    return asyncio.run(failover.recover(failure, position=5, inputs=[], may_keep=may_keep))
+
+
+def test_a_quiet_chain_whose_nodes_all_answer_is_kept_once():
+    swarm = FakeSwarm()
+    failover = Failover(chain_of("a", "b"), swarm, no_route, max_replacement_attempts=2, probe_timeout_s=1.0)
+    quiet = LinkFailed("no answer from the chain within 1.0 s", None)
+    assert recover(failover, quiet) is False
+    assert [(entry["failed"], entry["kept"], entry["replacements"]) for entry in failover.recoveries] == [
+        (None, True, [])
+    ]
+    assert not swarm.bans
+    with pytest.raises(PeerUnavailableError, match="every node of the chain still answers"):
+        recover(failover, quiet, may_keep=False)  # the second time in a step: an error, as before
+
+
+def test_the_last_node_of_its_span_is_kept_only_if_it_answers_the_longer_probe():
+    swarm = FakeSwarm(silent={"b"})
+    failover = Failover(chain_of("a", "b"), swarm, no_route, max_replacement_attempts=2, probe_timeout_s=1.0)
+    quiet = LinkFailed("no answer from the chain within 1.0 s", None)
+    with pytest.raises(NoRouteError, match="blocks 2-3"):
+        recover(failover, quiet)  # silent to the longer probe too: banned, and no route
+    assert swarm.pinged == [("b", 4.0)] and swarm.bans == {"b"}
+    swarm.silent, swarm.slow = set(), {"b"}
+    assert recover(failover, quiet) is False  # it misses the short probe but answers the longer one: kept
+    assert failover.recoveries[-1]["failed"] == "b" and failover.recoveries[-1]["kept"] and not swarm.bans
+
+
+def test_a_broken_stream_or_a_second_silence_in_a_step_is_never_kept():
+    swarm = FakeSwarm()
+    chain = chain_of("a", "b")
+    failover = Failover(chain, swarm, no_route, max_replacement_attempts=2, probe_timeout_s=1.0)
+    with pytest.raises(NoRouteError):
+        recover(failover, LinkFailed("stream to b failed: reset", chain.links[1]))
+    assert swarm.bans == {"b"} and swarm.pinged == []  # a broken stream is a failure: no longer probe
+    swarm.bans.clear()
+    swarm.slow = {"a", "b"}
+    with pytest.raises(NoRouteError):
+        recover(failover, LinkFailed("no answer from the chain within 30 s", None), may_keep=False)
+    assert swarm.bans == {"a"} and swarm.pinged == []
