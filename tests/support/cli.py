@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -143,3 +144,69 @@ class _gone:
 
     def __exit__(self, kind, value, traceback):
         return kind is not None and issubclass(kind, ProcessLookupError | psutil.NoSuchProcess | PermissionError)
+
+
+# ---- an operator's commands (tests/swarm/test_operator*.py) ----------------------------------------
+
+STOP_S = 10.0  # the bound of the issue's acceptance; a clean stop takes about 0.5 s (dht) to 3 s (a node)
+# a peer address of the right form that nothing listens on
+SILENT_PEER = "/ip4/127.0.0.1/tcp/{port}/p2p/QmVjXs6BHfUPfdE6yhUMEKBo6YFxUWnDhSSfWHDDWDHeQW"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def silent_peer() -> str:
+    return SILENT_PEER.format(port=free_port())
+
+
+def start_bootstrap(operator: Operator, *extra: str, name: str = "boot") -> tuple:
+    command = operator.start("dht", "--address-file", f"{name}.addr", *extra, name=name)
+    return command, operator.wait_file(f"{name}.addr", command).split()[0]
+
+
+def start_node(operator: Operator, model: str, blocks: str, bootstrap: str, name: str, *extra: str):
+    command = operator.start(
+        "run", "--model", model, "--blocks", blocks, "--initial-peers", bootstrap, "--address-file", f"{name}.addr",
+        "--torch-threads", "1", *extra, name=name,
+    )  # fmt: skip
+    operator.wait_file(f"{name}.addr", command)
+    return command
+
+
+def assert_stopped_cleanly(
+    operator: Operator, command, sig: int, expected_status: int = 0, *, has_p2pd: bool = True
+) -> float:
+    sockets = p2pd_sockets(command)
+    status, seconds = operator.signal(command, sig, timeout_s=STOP_S)
+    output = command.output()
+    assert status == expected_status, output
+    assert "Traceback" not in output and "Task exception" not in output, output
+    assert wait_gone(command.children) == [], "a p2pd outlived its process"
+    # the process stopped its p2pd itself (hivemind removes the control socket then), not the kernel at its death
+    assert bool(sockets) == has_p2pd and not any(os.path.exists(path) for path in sockets), sockets
+    return seconds
+
+
+def p2pd_sockets(command) -> list[str]:
+    """The control sockets of the command's p2pd daemons (their -listen=/unix/PATH argument)."""
+    paths = []
+    for pid in command.watch_children():
+        try:
+            arguments = psutil.Process(pid).cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        paths += [argument.split("/unix", 1)[1] for argument in arguments if argument.startswith("-listen=/unix/")]
+    return paths
+
+
+def one_error_line(result, code: str) -> str:
+    """The failure's stderr is exactly one line `error: [code] ...`; returns it."""
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: [{code}] "), result.stderr
+    assert result.returncode == 2, result.stderr
+    return lines[0]

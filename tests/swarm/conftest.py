@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.cli import Operator
 from tests.support.swarm import LocalSwarm
 
 
@@ -23,3 +24,11 @@ def module_swarm():
         yield swarm
     finally:
         swarm.close()
+
+
+@pytest.fixture
+def operator(tmp_path):
+    """An Operator in the test's folder: `nesa-node` commands as real processes, all stopped after the test."""
+    operator = Operator(tmp_path)
+    yield operator
+    operator.stop_all()

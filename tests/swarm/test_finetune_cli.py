@@ -17,7 +17,6 @@ from nesa_node.cli import build_parser
 from nesa_node.cli.finetune_data import pack, predicted, read_records, tokenize
 from nesa_node.client.finetune import causal_lm_loss
 from nesa_node.devtools.launcher import ProcessGroup
-from tests.support.cli import Operator
 
 pytestmark = pytest.mark.cli
 
@@ -57,13 +56,6 @@ def swarm(trained_model):
         for process, address_file in nodes:
             group.wait_address(process, address_file, timeout_s=120)
         yield peers
-
-
-@pytest.fixture
-def operator(tmp_path):
-    operator = Operator(tmp_path)
-    yield operator
-    operator.stop_all()
 
 
 def finetune_args(model: str, peers: list[str], *extra: str) -> list[str]:

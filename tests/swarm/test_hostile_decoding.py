@@ -42,7 +42,6 @@ from nesa_node.protocol.tensors import WireCodec, bytes_from_proto, tensor_from_
 from nesa_node.sharding.lora import SLICE_FORMAT, AdapterSlice
 from nesa_node.sharding.lora_identity import MANIFEST_FORMAT, AdapterManifest
 from nesa_node.sharding.lora_train import OPTIMIZER_FORMAT, OptimizerState
-from tests.support.cli import Operator
 from tests.support.swarm import wait_for_chain, wait_until
 
 TUPLE = MSGPackSerializer._TUPLE_EXT_TYPE_CODE
@@ -466,13 +465,6 @@ def test_adapter_manifests_and_training_state_signatures_give_typed_errors(manif
 
 
 # ---- against live peers ----------------------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def operator(tmp_path):
-    operator = Operator(tmp_path)
-    yield operator
-    operator.stop_all()
 
 
 async def _attack(address: str, targets: list[str]) -> list[str]:

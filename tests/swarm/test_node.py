@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 
@@ -119,22 +118,3 @@ def test_status_command_lists_nodes_and_missing_blocks(local_swarm, tiny_llama):
     assert result.returncode == 1, result.stderr
     assert "missing blocks: 3" in result.stdout
     assert "0:3" in result.stdout and node.peer_id[:10] in result.stdout
-
-
-@pytest.mark.cli
-def test_demo_exits_zero_and_leaves_no_process(tmp_path):
-    result = subprocess.run(
-        [sys.executable, "-m", "nesa_node.cli", "demo", "--nodes", "3", "--max-new-tokens", "16"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "tokens equal the single-process reference: yes" in result.stdout
-    pids = [int(pid) for pid in re.search(r"started pids: ([\d ]+)", result.stdout).group(1).split()]
-    assert len(pids) == 4  # bootstrap + 3 nodes
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
-        with pytest.raises(ProcessLookupError):  # nor any child left in its process group (p2pd)
-            os.killpg(pid, 0)
