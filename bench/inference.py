@@ -302,13 +302,14 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
             # the first generation through these nodes (fresh, for the first mode): connections, first-call costs,
             # and on a GPU every cache length seen for the first time
             first = timed_generate(model, input_ids, args.new_tokens)
-            runs, overheads, computes = [], [], []
+            runs, overheads, computes, prefills = [], [], [], []
             before = [node_counters(url) for url in metrics_urls]
             for _ in range(args.repeats):
                 with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
                     runs.append(timed_generate(model, input_ids, args.new_tokens))
                     overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
                     computes += [t.compute_s * 1000 for t in session.timings[1:]]
+                    prefills.append(session.timings[0])
             after = [node_counters(url) for url in metrics_urls]
             hops = count + 1 if mode == "direct" else 2 * count  # network transfers per step
             decode = statistics.median(run["decode_tps"] for run in runs)
@@ -326,6 +327,10 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
                 # cold or slowed, apart from the network)
                 "step_compute_ms_p50": round(percentile(computes, 0.5), 3),
                 "step_compute_ms_p90": round(percentile(computes, 0.9), 3),
+                # the prompt's step: its wall time in the session and the nodes' compute in it (the rest of the first
+                # token's time is the client's embedding and LM head)
+                "prefill_wall_ms": round(1000 * statistics.median(t.wall_s for t in prefills), 2),
+                "prefill_compute_ms": round(1000 * statistics.median(t.compute_s for t in prefills), 2),
                 "step_overhead_ms_p50": round(percentile(overheads, 0.5), 3),
                 "step_overhead_ms_p95": round(percentile(overheads, 0.95), 3),
                 "per_hop_overhead_ms_p50": round(percentile(overheads, 0.5) / hops, 3),
