@@ -93,7 +93,7 @@ class Failover:
             self._record(None, [], position, started, kept=True)
             return False
         lost = chain.links[index].hop
-        self.swarm.ban(lost.peer_id)
+        self.swarm.ban(lost.peer_id, fault=failure.fault)
         logger.info(
             "node %s failed (%s); replacing blocks %d:%d", lost.peer_id, failure, lost.start_block, lost.end_block
         )

@@ -170,7 +170,7 @@ class MajoritySession:
             logger.warning("outvoted on blocks %d:%d: %s (banned)", span.start_block, span.end_block, ", ".join(peers))
             span.outvoted.extend(peers)
             for peer in peers:
-                self.swarm.ban(peer, base_s=600.0)
+                self.swarm.ban(peer, base_s=600.0, fault=True)
             await self._drop(span, index)
         return outputs[winner]
 

@@ -134,14 +134,20 @@ class Router:
         again (records of crashed nodes linger until they expire; opening a stream to one waits out a dial timeout),
         and banned once a chain is found without them. When none is, the silent nodes get a longer ping first: a
         node on a loaded host can miss the short one, and banning the last node of a span would end every session
-        needing it. Raises NoRouteError when no chain of answering nodes is left."""
+        needing it. For the same reason, nodes of the range banned earlier for a failure (not a fault: Swarm.ban)
+        get a second chance once: those that answer the longer ping are unbanned and routed to again. Raises
+        NoRouteError when no chain of answering nodes is left."""
         silent: set[str] = set()
+        second_chance = True
         for _ in range(self.config.max_open_attempts):
             try:
                 chain = await self.reroute(replace(request, exclude=request.exclude | silent))
             except NoRouteError:
                 if not silent:
-                    raise
+                    if not second_chance or not await self._unban_answering(request):
+                        raise
+                    second_chance = False
+                    continue
                 timeout_s = self.config.probe_timeout_s * LAST_NODES_PROBE_FACTOR
                 self._ban_silent(await self.swarm.unreachable(sorted(silent), timeout_s=timeout_s))
                 silent = set()  # those that answered now are routed to again (their ping is fresh), the rest banned
@@ -153,6 +159,22 @@ class Router:
             silent.update(missed)
         self._ban_silent(silent)
         return await self.reroute(request)
+
+    async def _unban_answering(self, request: ChainRequest) -> bool:
+        """Lift the bans of the range's nodes banned for a failure that answer a ping of LAST_NODES_PROBE_FACTOR
+        short probes now (Swarm.second_chance); whether any did."""
+        end = request.end_block if request.end_block is not None else self.num_blocks
+        seen = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
+        candidates = self.swarm.second_chance(seen)
+        if not candidates:
+            return False
+        timeout_s = self.config.probe_timeout_s * LAST_NODES_PROBE_FACTOR
+        silent = await self.swarm.unreachable(candidates, timeout_s=timeout_s, fresh_s=0.0)
+        answered = [peer for peer in candidates if peer not in silent]
+        for peer_id in answered:
+            logger.info("%s, banned after a failure, answers again and no chain is left without it: unbanned", peer_id)
+            self.swarm.unban(peer_id)
+        return bool(answered)
 
     def _ban_silent(self, peer_ids) -> None:
         for peer_id in peer_ids:

@@ -331,7 +331,7 @@ class InferenceSession:
         if isinstance(error, BadRequestError) and self.links.direct and index > 0:
             # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
             # (NaN, a wrong shape) is that node's fault
-            raise LinkFailed(f"{links[index].peer_id} refused its input: {error.message}", links[index - 1])
+            raise LinkFailed(f"{links[index].peer_id} refused its input: {error.message}", links[index - 1], fault=True)
         if not isinstance(error, PeerUnavailableError):
             raise error
         if self.links.direct and 0 <= index < len(links) - 1:

@@ -362,7 +362,9 @@ class SessionChain:
             try:
                 return link, read(item, FROM_SESSION), item
             except RequestError as exc:
-                raise LinkFailed(f"node {link.peer_id} sent a malformed answer: {exc.message}", link) from None
+                raise LinkFailed(
+                    f"node {link.peer_id} sent a malformed answer: {exc.message}", link, fault=True
+                ) from None
 
     def read_hidden(
         self,
@@ -376,7 +378,7 @@ class SessionChain:
         are not one well-formed tensor of exactly `shape` (when given), in the dtype the node announces, with every
         value finite."""
         if len(answer.tensors) != 1:
-            raise LinkFailed(f"node {link.peer_id} sent a malformed answer", link)
+            raise LinkFailed(f"node {link.peer_id} sent a malformed answer", link, fault=True)
         try:
             hidden = tensor_from_proto(
                 answer.tensors[0],
@@ -386,13 +388,17 @@ class SessionChain:
                 codec=codec,
             )
         except RequestError as exc:
-            raise LinkFailed(f"node {link.peer_id} sent malformed hidden states: {exc.message}", link) from None
+            raise LinkFailed(
+                f"node {link.peer_id} sent malformed hidden states: {exc.message}", link, fault=True
+            ) from None
         if shape is not None and tuple(hidden.shape) != tuple(shape):
             raise LinkFailed(
-                f"node {link.peer_id} sent hidden states of shape {tuple(hidden.shape)}, expected {tuple(shape)}", link
+                f"node {link.peer_id} sent hidden states of shape {tuple(hidden.shape)}, expected {tuple(shape)}",
+                link,
+                fault=True,
             )
         if not all_finite(hidden):
-            raise LinkFailed(f"node {link.peer_id} sent hidden states with NaN or infinite values", link)
+            raise LinkFailed(f"node {link.peer_id} sent hidden states with NaN or infinite values", link, fault=True)
         if shape is not None:
             self._learn_hidden_size(shape[-1])
         return hidden

@@ -1,0 +1,61 @@
+"""Bans and their second chance (client/routing.py Router.reachable_chain, client/swarm.py Swarm.ban): a node banned
+after a failure that answers again is routed to once no chain is left without it; one banned for a fault (it sent
+something wrong) never is, nor one that does not answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.errors import NoRouteError
+from tests.support.swarm import wait_for_chain
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
+PREFIX = "second-chance"
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> torch.Tensor:
+    with torch.inference_mode():
+        return AutoModelForCausalLM.from_pretrained(tiny_llama).generate(PROMPT, max_new_tokens=6, do_sample=False)
+
+
+def connect(swarm, path: str) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=PREFIX, compression="none"
+    )
+
+
+def test_the_last_node_banned_after_a_failure_gets_a_second_chance_when_it_answers(local_swarm, tiny_llama, reference):
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    with connect(local_swarm, tiny_llama) as model:
+        wait_for_chain(model)
+        model.swarm.ban(node.peer_id)  # as after a failure its neighbour reported (a dial refused for a moment)
+        assert node.peer_id in model.swarm.banned()
+        output = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert torch.equal(output, reference)
+        assert node.peer_id not in model.swarm.banned()
+        assert model.last_chain.peer_ids == (node.peer_id,)
+
+        model.swarm.ban(node.peer_id, fault=True)  # as after bad hidden states: no second chance, ever
+        with pytest.raises(NoRouteError, match="banned after a failure"):
+            model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert node.peer_id in model.swarm.banned()
+        model.swarm.unban(node.peer_id)
+        model.swarm.ban(node.peer_id)  # a failure ban after a fault: still no second chance
+        with pytest.raises(NoRouteError):
+            model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+
+
+def test_a_banned_node_that_does_not_answer_stays_banned(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    with connect(local_swarm, tiny_llama) as model:
+        wait_for_chain(model)
+        peer_id = node.peer_id
+        local_swarm.stop_node(node)  # gone; its record lingers until it expires
+        model.swarm.ban(peer_id)
+        with pytest.raises(NoRouteError, match="blocks 0"):
+            model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert peer_id in model.swarm.banned()
