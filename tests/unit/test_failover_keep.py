@@ -21,6 +21,7 @@ class FakeSwarm:
     def __init__(self, *, slow: set[str] = frozenset(), silent: set[str] = frozenset()):
         self.slow, self.silent, self.bans, self.request_timeout_s = set(slow), set(silent), set(), 30.0
         self.pinged: list[tuple[str, float]] = []
+        self.faults: set[str] = set()
 
     async def info(self, peer_id: str, timeout_s: float):
         if peer_id in self.slow | self.silent:
@@ -31,8 +32,9 @@ class FakeSwarm:
         self.pinged += [(peer_id, timeout_s) for peer_id in peer_ids]
         return [peer_id for peer_id in peer_ids if peer_id in self.silent]
 
-    def ban(self, peer_id: str) -> float:
+    def ban(self, peer_id: str, *, fault: bool = False) -> float:
         self.bans.add(peer_id)
+        self.faults |= {peer_id} if fault else set()
         return 15.0
 
     def unban(self, peer_id: str) -> None:
@@ -90,8 +92,12 @@ def test_a_broken_stream_or_a_second_silence_in_a_step_is_never_kept():
     with pytest.raises(NoRouteError):
         recover(failover, LinkFailed("stream to b failed: reset", chain.links[1]))
     assert swarm.bans == {"b"} and swarm.pinged == []  # a broken stream is a failure: no longer probe
+    assert swarm.faults == set()
+    with pytest.raises(NoRouteError):
+        recover(failover, LinkFailed("node a sent hidden states with NaN", chain.links[0], fault=True))
+    assert swarm.bans == {"a", "b"} and swarm.faults == {"a"}  # banned for its fault
     swarm.bans.clear()
-    swarm.slow = {"a", "b"}
+    swarm.slow, swarm.pinged = {"a", "b"}, []
     with pytest.raises(NoRouteError):
         recover(failover, LinkFailed("no answer from the chain within 30 s", None), may_keep=False)
     assert swarm.bans == {"a"} and swarm.pinged == []
