@@ -163,7 +163,9 @@ async def aggregate_decode(
                 raise RuntimeError(f"swarm {prefix} did not come up")
             await asyncio.sleep(0.5)
         prompts = [(input_ids + index) % 1000 + 3 for index in range(clients)]
-        await model.generate(prompts[0], max_new_tokens=8)  # warm-up
+        # warm-up of the whole length: a --no-batch-decode twin comes here fresh (no chain figures before it), and
+        # on a GPU a fresh node's first step at each cache length is slow
+        await model.generate(prompts[0], max_new_tokens=new_tokens)
         started = time.perf_counter()
         alone = [await model.generate(prompt, max_new_tokens=new_tokens) for prompt in prompts[:2]]
         one_tps = 2 * new_tokens / (time.perf_counter() - started)
