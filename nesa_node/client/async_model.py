@@ -351,7 +351,7 @@ class AsyncDistributedModel(AdapterLookup):
                 if failure.link is None or attempt + 1 == attempts:
                     raise
                 logger.info("could not open a session on %s: %s", failure.link.peer_id, failure)
-                self.swarm.ban(failure.link.peer_id)
+                self.swarm.ban(failure.link.peer_id, fault=failure.fault)
             except (*ROUTABLE_REFUSALS, *ADAPTER_REFUSALS) as refusal:
                 # the node's record was stale (it moved, filled its cache, began draining): route around it; one
                 # that could not get or hold the adapter is left out of this open only (its other work is fine)

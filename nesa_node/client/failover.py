@@ -112,9 +112,8 @@ class Failover:
                     replacement = await self.reroute(request)  # raises NoRouteError naming the missing blocks
             except NoRouteError:
                 quiet = failure.link is None and attempt == 0 and may_keep
-                if not quiet or not await self._answers_longer(lost.peer_id):
-                    raise
-                self.swarm.unban(lost.peer_id)
+                if not quiet or not await self._answers_longer(lost.peer_id) or not self.swarm.unban(lost.peer_id):
+                    raise  # gone, or banned meanwhile for a fault (another session's finding)
                 logger.info("node %s was slow, not gone, and no other node serves its blocks: kept", lost.peer_id)
                 self._record(lost, [], position, started, kept=True)
                 return False
@@ -197,7 +196,7 @@ class Failover:
             failed = _failed_peer(failure)
             if failed not in {hop.peer_id for hop in hops}:
                 raise
-            self.swarm.ban(failed)
+            self.swarm.ban(failed, fault=getattr(failure, "fault", False))
             raise LinkFailed(f"replacement {failed} failed: {failure.message}", chain.links[index]) from None
         except BaseException:
             chain.close_links(new_links)

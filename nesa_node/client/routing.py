@@ -29,15 +29,23 @@ LAST_NODES_PROBE_FACTOR = 4.0
 
 
 def explain_missing(
-    snapshot: SwarmSnapshot, request: ChainRequest, banned: frozenset[str], other_weights: frozenset[str] = frozenset()
+    snapshot: SwarmSnapshot,
+    request: ChainRequest,
+    banned: frozenset[str],
+    other_weights: frozenset[str] = frozenset(),
+    *,
+    faulty: frozenset[str] = frozenset(),
 ) -> str:
-    """Why the nodes of the requested block range were not used: what a NoRouteError adds for its reader."""
+    """Why the nodes of the requested block range were not used: what a NoRouteError adds for its reader. `faulty`:
+    banned peers whose ban is for something wrong they sent (client/swarm.py Swarm.ban)."""
     end = request.end_block if request.end_block is not None else snapshot.num_blocks
     seen = []
     for node in snapshot.nodes:
         if node.end_block <= request.start_block or node.start_block >= end:
             continue
-        if node.peer_id in banned:
+        if node.peer_id in banned and node.peer_id in faulty:
+            reason = "banned for sending something wrong"
+        elif node.peer_id in banned:
             reason = "banned after a failure"
         elif node.peer_id in other_weights:
             reason = "announces other weights than the manifest's"
@@ -138,16 +146,19 @@ class Router:
         get a second chance once: those that answer the longer ping are unbanned and routed to again. Raises
         NoRouteError when no chain of answering nodes is left."""
         silent: set[str] = set()
-        second_chance = True
+        second_chance: list[str] | None = None  # the peers unbanned by it, once it was given
         for _ in range(self.config.max_open_attempts):
             try:
                 chain = await self.reroute(replace(request, exclude=request.exclude | silent))
             except NoRouteError:
                 if not silent:
-                    if not second_chance or not await self._unban_answering(request):
-                        raise
-                    second_chance = False
-                    continue
+                    if second_chance is None:
+                        second_chance = await self._unban_answering(request)
+                        if second_chance:
+                            continue
+                    for peer_id in second_chance or ():  # no chain with them either: banned again
+                        self.swarm.ban(peer_id)
+                    raise
                 timeout_s = self.config.probe_timeout_s * LAST_NODES_PROBE_FACTOR
                 self._ban_silent(await self.swarm.unreachable(sorted(silent), timeout_s=timeout_s))
                 silent = set()  # those that answered now are routed to again (their ping is fresh), the rest banned
@@ -160,21 +171,20 @@ class Router:
         self._ban_silent(silent)
         return await self.reroute(request)
 
-    async def _unban_answering(self, request: ChainRequest) -> bool:
+    async def _unban_answering(self, request: ChainRequest) -> list[str]:
         """Lift the bans of the range's nodes banned for a failure that answer a ping of LAST_NODES_PROBE_FACTOR
-        short probes now (Swarm.second_chance); whether any did."""
+        short probes now (Swarm.second_chance); returns those unbanned."""
         end = request.end_block if request.end_block is not None else self.num_blocks
         seen = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
         candidates = self.swarm.second_chance(seen)
         if not candidates:
-            return False
+            return []
         timeout_s = self.config.probe_timeout_s * LAST_NODES_PROBE_FACTOR
         silent = await self.swarm.unreachable(candidates, timeout_s=timeout_s, fresh_s=0.0)
-        answered = [peer for peer in candidates if peer not in silent]
-        for peer_id in answered:
+        unbanned = [peer for peer in candidates if peer not in silent and self.swarm.unban(peer)]
+        for peer_id in unbanned:
             logger.info("%s, banned after a failure, answers again and no chain is left without it: unbanned", peer_id)
-            self.swarm.unban(peer_id)
-        return bool(answered)
+        return unbanned
 
     def _ban_silent(self, peer_ids) -> None:
         for peer_id in peer_ids:
@@ -204,7 +214,9 @@ class Router:
         try:
             return self._select(snapshot, request)
         except NoRouteError as error:
-            why = explain_missing(snapshot, request, self.swarm.banned(), self.other_weights())
+            why = explain_missing(
+                snapshot, request, self.swarm.banned(), self.other_weights(), faulty=self.swarm.faulty()
+            )
             raise NoRouteError(f"{error.message}; {why}") from None
 
 

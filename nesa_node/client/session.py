@@ -113,6 +113,7 @@ class InferenceSession:
         self._opened = self._closed = False
         self._stepping = False  # a step is under way: the answers of the chain belong to it
         self._sent_codec = "none"
+        self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
 
     @property
     def chain(self) -> Chain:
@@ -248,8 +249,8 @@ class InferenceSession:
         if self.reroute is not None or self.commit:  # replayed into a replacement of a span that fails; audits
             if not self._inputs:
                 self._inputs = [[] for _ in inputs]
-            for kept, sent_input in zip(self._inputs, inputs, strict=True):
-                kept.append(sent_input.detach().clone())
+            for history, sent_input in zip(self._inputs, inputs, strict=True):
+                history.append(sent_input.detach().clone())
         self.position += hidden.shape[1]
         return output
 
@@ -268,13 +269,14 @@ class InferenceSession:
 
     def deadline(self, tokens: int) -> float:
         """Seconds a step may take before the chain is presumed broken (a node killed mid-step may leave its
-        stream open). Given, or: for a decode step once a few are measured, 10x the slowest recent one and at
-        least MIN_STEP_DEADLINE_S; the request timeout otherwise (prefill can be slow)."""
+        stream open). Given, or: for a decode step once a few are measured, 10x the slowest recent one that went
+        through no recovery (a kept chain's step waited out a deadline) and at least MIN_STEP_DEADLINE_S, at most the
+        request timeout; the request timeout otherwise (prefill can be slow)."""
         if self.config.step_timeout_s is not None:
             return self.config.step_timeout_s
-        recent = [timing.wall_s for timing in self.timings[-8:]]
+        recent = [timing.wall_s for timing in self.timings[-8:] if timing.failovers == 0]
         if tokens <= 8 and len(recent) >= 3:
-            return max(MIN_STEP_DEADLINE_S, 10 * max(recent))
+            return min(self.swarm.request_timeout_s, max(MIN_STEP_DEADLINE_S, 10 * max(recent)))
         return self.swarm.request_timeout_s
 
     async def _step(
@@ -287,15 +289,19 @@ class InferenceSession:
         relay = not self.links.direct
         fed = links if relay else links[:1]
         compute_s, sent, received, inputs = 0.0, 0, 0, []
+        if self._step_codecs[0] != step_id:
+            self._step_codecs = (step_id, {})
+        chosen = self._step_codecs[1]  # a step sent again keeps its codec: a node refuses a step id's other content
         for link in fed:
             inputs.append(hidden)
-            codec = codec_for(
+            codec = chosen.get(link.peer_id) or codec_for(
                 None,
                 link.hop,
                 self.config.compression,
                 elements=hidden.numel(),
                 bandwidth_mbps=self.swarm.bandwidth_mbps(link.peer_id, None),
             )
+            chosen[link.peer_id] = codec
             self._sent_codec = codec.name
             request = frame(
                 Step(step_id=step_id, position=self.position, codec=codec), [tensor_to_proto(hidden, codec)]

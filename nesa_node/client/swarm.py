@@ -208,9 +208,20 @@ class Swarm:
         self._bans[peer_id] = (now + length, length)
         return length
 
-    def unban(self, peer_id: str) -> None:
-        """Lift a ban that proved wrong (a quiet node that answered a longer probe: client/failover.py)."""
-        self._bans.pop(peer_id, None)
+    def unban(self, peer_id: str) -> bool:
+        """Lift a ban for a failure that proved wrong (a quiet node that answered a longer probe: client/failover.py,
+        client/routing.py); a ban for a fault stays. The ban's length is kept, so a node banned again soon is banned
+        twice as long. Whether the peer is free now."""
+        if peer_id in self._faulty:
+            return False
+        until, last = self._bans.get(peer_id, (0.0, 0.0))
+        if until > time.monotonic():
+            self._bans[peer_id] = (time.monotonic(), last)
+        return True
+
+    def faulty(self) -> frozenset[str]:
+        """Peers banned for a fault at least once (see `ban`)."""
+        return frozenset(self._faulty)
 
     def second_chance(self, peer_ids) -> list[str]:
         """Those of `peer_ids` banned now for a failure only (never for a fault: see `ban`), whose ban may be lifted

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.errors import NoRouteError
-from tests.support.swarm import wait_for_chain
+from tests.support.swarm import wait_for_chain, wait_until
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
 PREFIX = "second-chance"
@@ -32,7 +32,8 @@ def test_the_last_node_banned_after_a_failure_gets_a_second_chance_when_it_answe
     node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
     with connect(local_swarm, tiny_llama) as model:
         wait_for_chain(model)
-        model.swarm.ban(node.peer_id)  # as after a failure its neighbour reported (a dial refused for a moment)
+        # as after a failure its neighbour reported (a dial refused for a moment); long enough not to expire here
+        model.swarm.ban(node.peer_id, base_s=600)
         assert node.peer_id in model.swarm.banned()
         output = model.generate(PROMPT, max_new_tokens=6, do_sample=False)
         assert torch.equal(output, reference)
@@ -40,11 +41,11 @@ def test_the_last_node_banned_after_a_failure_gets_a_second_chance_when_it_answe
         assert model.last_chain.peer_ids == (node.peer_id,)
 
         model.swarm.ban(node.peer_id, fault=True)  # as after bad hidden states: no second chance, ever
-        with pytest.raises(NoRouteError, match="banned after a failure"):
+        with pytest.raises(NoRouteError, match="banned for sending something wrong"):
             model.generate(PROMPT, max_new_tokens=6, do_sample=False)
         assert node.peer_id in model.swarm.banned()
-        model.swarm.unban(node.peer_id)
-        model.swarm.ban(node.peer_id)  # a failure ban after a fault: still no second chance
+        assert not model.swarm.unban(node.peer_id) and node.peer_id in model.swarm.banned()  # not even by hand
+        model.swarm.ban(node.peer_id, base_s=600)  # a failure ban after a fault: still no second chance
         with pytest.raises(NoRouteError):
             model.generate(PROMPT, max_new_tokens=6, do_sample=False)
 
@@ -55,7 +56,17 @@ def test_a_banned_node_that_does_not_answer_stays_banned(local_swarm, tiny_llama
         wait_for_chain(model)
         peer_id = node.peer_id
         local_swarm.stop_node(node)  # gone; its record lingers until it expires
-        model.swarm.ban(peer_id)
+        model.swarm.ban(peer_id, base_s=600)
         with pytest.raises(NoRouteError, match="blocks 0"):
             model.generate(PROMPT, max_new_tokens=6, do_sample=False)
         assert peer_id in model.swarm.banned()
+
+
+def test_a_second_chance_that_gives_no_chain_either_is_taken_back(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=PREFIX)  # no node serves blocks 2:4
+    with connect(local_swarm, tiny_llama) as model:
+        wait_until(lambda: node.peer_id in {record.info.peer_id for record in model.call(model.swarm.node_records())})
+        model.swarm.ban(node.peer_id, base_s=600)
+        with pytest.raises(NoRouteError, match="blocks 2"):
+            model.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert node.peer_id in model.swarm.banned()  # it answered, but no chain had it: banned again

@@ -21,8 +21,8 @@ SPLITS = {
     3: [(0, 1), (1, 3), (3, 4)],
     4: [(0, 1), (1, 2), (2, 3), (3, 4)],
 }
-# chain lengths per family: every length for llama; for the others, one node holding every block and the lengths the
-# tests below use (a hop boundary passes the same hidden states whatever the family)
+# chain lengths per family: every length for llama; for mistral one node holding every block, and for both others the
+# lengths the tests below use (a hop boundary passes the same hidden states whatever the family)
 HOPS = {"llama": (1, 2, 3, 4), "mistral": (1, 2), "qwen2": (2, 3)}
 OVERLAPPING = [(0, 3), (2, 4)]  # a chain through both uses one of them for part of its span
 PROMPT_LENGTH, NEW_TOKENS = 16, 64

@@ -61,7 +61,7 @@ def test_a_node_announcing_other_weights_is_not_routed_to_by_a_client_with_the_m
             for _ in range(5):
                 assert cheat.peer_id not in checked.choose_chain(max_length=16).peer_ids
             assert torch.equal(generate(checked), reference)
-            checked.swarm.ban(good.peer_id)
+            checked.swarm.ban(good.peer_id, fault=True)  # out for good: no second chance when no chain is left
             with pytest.raises(NoRouteError, match="announces other weights than the manifest's"):
                 checked.choose_chain(max_length=16)
 

@@ -37,8 +37,11 @@ class FakeSwarm:
         self.faults |= {peer_id} if fault else set()
         return 15.0
 
-    def unban(self, peer_id: str) -> None:
+    def unban(self, peer_id: str) -> bool:
+        if peer_id in self.faults:
+            return False
         self.bans.discard(peer_id)
+        return True
 
     def banned(self) -> frozenset[str]:
         return frozenset(self.bans)
@@ -101,3 +104,12 @@ def test_a_broken_stream_or_a_second_silence_in_a_step_is_never_kept():
     with pytest.raises(NoRouteError):
         recover(failover, LinkFailed("no answer from the chain within 30 s", None), may_keep=False)
     assert swarm.bans == {"a"} and swarm.pinged == []
+
+
+def test_a_quiet_node_banned_for_a_fault_meanwhile_is_not_kept():
+    swarm = FakeSwarm(slow={"b"})
+    swarm.faults.add("b")  # another session found it sending something wrong
+    failover = Failover(chain_of("a", "b"), swarm, no_route, max_replacement_attempts=2, probe_timeout_s=1.0)
+    with pytest.raises(NoRouteError):
+        recover(failover, LinkFailed("no answer from the chain within 1.0 s", None))
+    assert swarm.pinged == [("b", 4.0)] and swarm.bans == {"b"} and failover.recoveries == []
