@@ -27,7 +27,6 @@ from nesa_node import event_loop
 from nesa_node.client.async_model import DEFAULT_NEW_TOKENS, MAX_AUDITED_RUNS, AsyncDistributedModel, client_config
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.session import InferenceSession
-from nesa_node.compression.names import DEFAULT_CODEC
 from nesa_node.errors import PeerUnavailableError, SessionStateError
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.chain import Chain, RoutingParams, SwarmSnapshot
@@ -208,18 +207,18 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         *,
         initial_peers: list[str],
         dht_prefix: str | None = None,
-        mode: str = "direct",
-        compression: str | WireCodec = DEFAULT_CODEC,
+        mode: str | None = None,
+        compression: str | WireCodec | None = None,
         dtype: str | None = None,
         device: str = "cpu",
-        request_timeout_s: float = 30.0,
+        request_timeout_s: float | None = None,
         routing_params: RoutingParams | str | Path | None = None,
-        lanes: bool = True,
+        lanes: bool | None = None,
         adapter: str | Path | None = None,
         weights_manifest: str | Path | None = None,
         private_edges: tuple[int, int] | None = None,
         boundary_noise: float = 0.0,
-        verify: str = "off",
+        verify: str | None = None,
         config: ClientConfig | None = None,
     ) -> DistributedModelForCausalLM:
         """Load the client-side weights of `model_path` and connect to the swarm through `initial_peers`.
@@ -243,11 +242,11 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         client/private_edges.py and `nesa-node privacy-check` for what each hides.
         `verify`: "off", or "majority:N[@A:B]": the spans of blocks A:B (default all) run on N disjoint replicas
         and a strict majority decides each output (client/majority.py; NoConsensusError when none has one).
-        `config`: a ClientConfig for the other settings (the keywords above override its fields).
-        An unknown keyword raises TypeError.
+        `config`: a ClientConfig for the other settings; mode, compression, request_timeout_s, routing_params, lanes
+        and verify given as keywords override its fields, and those not given keep its values (or the defaults:
+        direct, auto, 30 s, untuned, lanes on, off). An unknown keyword raises TypeError.
         """
-        settings = client_config(
-            config,
+        given = dict(
             mode=mode,
             compression=compression,
             request_timeout_s=request_timeout_s,
@@ -255,6 +254,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             lanes=lanes,
             verify=verify,
         )
+        settings = client_config(config, **{name: value for name, value in given.items() if value is not None})
         runner = LoopThread()
         try:
             client = runner.call(

@@ -1,15 +1,20 @@
 """Bans and their second chance (client/routing.py Router.reachable_chain, client/swarm.py Swarm.ban): a node banned
 after a failure that answers again is routed to once no chain is left without it; one banned for a fault (it sent
-something wrong) never is, nor one that does not answer."""
+something wrong) never is, nor one that does not answer. And a chain kept while it is slow (client/failover.py):
+once a step, so a node that answers pings but never a step costs a bounded wait."""
 
 from __future__ import annotations
+
+import asyncio
+import time
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.errors import NoRouteError
+from nesa_node.client.config import ClientConfig
+from nesa_node.errors import NoRouteError, PeerUnavailableError
 from tests.support.swarm import wait_for_chain, wait_until
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
@@ -70,3 +75,27 @@ def test_a_second_chance_that_gives_no_chain_either_is_taken_back(local_swarm, t
         with pytest.raises(NoRouteError, match="blocks 2"):
             model.generate(PROMPT, max_new_tokens=6, do_sample=False)
         assert node.peer_id in model.swarm.banned()  # it answered, but no chain had it: banned again
+
+
+def test_a_node_that_answers_pings_but_never_a_step_is_waited_for_once(local_swarm, tiny_llama):
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
+    honest_run = node.compute.run
+
+    async def stuck_run(hidden, cache, position, blocks, adapter=None):
+        if position >= PROMPT.shape[1] + 3:  # a few honest steps first, so the decode deadline is the short one
+            await asyncio.sleep(20)  # its event loop stays free: it answers every probe
+        return await honest_run(hidden, cache, position, blocks, adapter)
+
+    node.compute.run = stuck_run
+    config = ClientConfig(request_timeout_s=3.0)  # a config's field holds where no keyword overrides it
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=PREFIX, compression="none", config=config
+    ) as model:
+        wait_for_chain(model)
+        with model.inference_session(max_length=32) as session:
+            started = time.monotonic()
+            with pytest.raises(PeerUnavailableError, match="every node of the chain still answers"):
+                model.generate(PROMPT, max_new_tokens=10, min_new_tokens=10, do_sample=False)
+            elapsed = time.monotonic() - started
+        assert [(entry["failed"], entry["kept"]) for entry in session.failovers] == [(None, True)]  # kept once
+        assert elapsed < 12, elapsed  # the 1 s deadline, then the 3 s request timeout once, and the probes

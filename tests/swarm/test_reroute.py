@@ -3,6 +3,7 @@ replica slows every read): the client asks the nodes it saw lately for the block
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -99,33 +100,41 @@ def test_nodes_gone_or_frozen_without_a_goodbye_are_routed_around_at_open(local_
     assert elapsed < 8.0, elapsed  # a dial to the dead node would take 20 s; the frozen one costs the probe's 1 s
 
 
+@contextlib.contextmanager
+def one_node_process(local_swarm, path: str, prefix: str, config: ClientConfig | None = None):
+    """A node process serving every block under `prefix`, and a client that sees its record: (process, its peer id,
+    the client)."""
+    with ProcessGroup() as group:
+        args = ["run", "--model", path, "--blocks", "0:4", "--initial-peers", *local_swarm.initial_peers]
+        process, address_file = group.start(prefix, [*args, "--dht-prefix", prefix, "--rebalance", "off"])
+        group.wait_address(process, address_file)
+        peer_id = group_peer_id(group, process)
+        with DistributedModelForCausalLM.from_pretrained(
+            path, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none", config=config
+        ) as model:
+            seen = lambda: {record.info.peer_id for record in model.call(model.swarm.node_records())}  # noqa: E731
+            wait_until(lambda: seen() == {peer_id}, timeout_s=30)
+            yield process, peer_id, model
+
+
 def test_the_last_node_of_a_span_that_misses_the_short_ping_is_asked_longer_not_banned(local_swarm, tiny_llama):
     """The only node for the blocks is stalled (SIGSTOP, as a host busy starting processes stalls a node) for 2.5 s
     when a session opens: it misses the 1 s ping, and with no other chain left the client pings it again with a
     longer timeout before banning it. It answers once it runs again: the session opens on it and the tokens equal
     single-process generation (banned, the session would end in NoRouteError)."""
     config = ClientConfig(max_pinged_candidates=0)  # the open's ping is the probe's alone
-    with ProcessGroup() as group:
-        args = ["run", "--model", tiny_llama, "--blocks", "0:4", "--initial-peers", *local_swarm.initial_peers]
-        process, address_file = group.start("stalled", [*args, "--dht-prefix", "stalled", "--rebalance", "off"])
-        group.wait_address(process, address_file)
-        stalled = group_peer_id(group, process)
-        with DistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="stalled", compression="none", config=config
-        ) as model:
-            seen = lambda: {record.info.peer_id for record in model.call(model.swarm.node_records())}  # noqa: E731
-            wait_until(lambda: seen() == {stalled}, timeout_s=30)
-            os.killpg(process.pid, signal.SIGSTOP)
-            resume = threading.Timer(2.5, os.killpg, (process.pid, signal.SIGCONT))
-            resume.start()
-            try:
-                started = time.monotonic()
-                output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
-                elapsed = time.monotonic() - started
-            finally:
-                resume.cancel()
-                os.killpg(process.pid, signal.SIGCONT)
-            assert model.last_chain.peer_ids == (stalled,) and stalled not in model.swarm.banned()
+    with one_node_process(local_swarm, tiny_llama, "stalled", config) as (process, stalled, model):
+        os.killpg(process.pid, signal.SIGSTOP)
+        resume = threading.Timer(2.5, os.killpg, (process.pid, signal.SIGCONT))
+        resume.start()
+        try:
+            started = time.monotonic()
+            output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            elapsed = time.monotonic() - started
+        finally:
+            resume.cancel()
+            os.killpg(process.pid, signal.SIGCONT)
+        assert model.last_chain.peer_ids == (stalled,) and stalled not in model.swarm.banned()
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
     )
@@ -139,36 +148,27 @@ def test_the_last_node_of_a_span_that_goes_quiet_mid_generation_is_kept_not_bann
     blocks, so the client asks it again with a longer probe. It answers once it runs again: it is kept (not banned,
     no replay), the step is sent again under the same step id, and the tokens equal single-process generation
     (banned, the generation would end in NoRouteError)."""
-    with ProcessGroup() as group:
-        args = ["run", "--model", tiny_llama, "--blocks", "0:4", "--initial-peers", *local_swarm.initial_peers]
-        process, address_file = group.start("quiet", [*args, "--dht-prefix", "quiet", "--rebalance", "off"])
-        group.wait_address(process, address_file)
-        quiet = group_peer_id(group, process)
-        with DistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="quiet", compression="none"
-        ) as model:
-            seen = lambda: {record.info.peer_id for record in model.call(model.swarm.node_records())}  # noqa: E731
-            wait_until(lambda: seen() == {quiet}, timeout_s=30)
-            # the step's 1 s deadline and the 1 s probe pass while it is stopped; the 4 s probe outlasts the stall
-            resume = threading.Timer(3.5, os.killpg, (process.pid, signal.SIGCONT))
+    with one_node_process(local_swarm, tiny_llama, "quiet") as (process, quiet, model):
+        # the step's 1 s deadline and the 1 s probe pass while it is stopped; the 4 s probe outlasts the stall
+        resume = threading.Timer(3.5, os.killpg, (process.pid, signal.SIGCONT))
 
-            def stall() -> None:
-                os.killpg(process.pid, signal.SIGSTOP)
-                resume.start()
+        def stall() -> None:
+            os.killpg(process.pid, signal.SIGSTOP)
+            resume.start()
 
-            try:
-                with model.inference_session(max_length=32) as session:
-                    # after 9 tokens the deadline counts decode steps alone (the last 8)
-                    output = model.generate(
-                        PROMPT, max_new_tokens=12, min_new_tokens=12, do_sample=False, streamer=AfterTokens(9, stall)
-                    )
-            finally:
-                resume.cancel()
-                os.killpg(process.pid, signal.SIGCONT)
-            assert [(entry["failed"], entry["kept"]) for entry in session.failovers] == [(quiet, True)]
-            assert session.failovers[0]["replacements"] == [] and quiet not in model.swarm.banned()
-            assert model.last_chain.peer_ids == (quiet,)
-            assert max(timing.wall_s for timing in session.timings) > 3.0  # the kept step waited for the stalled node
+        try:
+            with model.inference_session(max_length=32) as session:
+                # after 9 tokens the deadline counts decode steps alone (the last 8)
+                output = model.generate(
+                    PROMPT, max_new_tokens=12, min_new_tokens=12, do_sample=False, streamer=AfterTokens(9, stall)
+                )
+        finally:
+            resume.cancel()
+            os.killpg(process.pid, signal.SIGCONT)
+        assert [(entry["failed"], entry["kept"]) for entry in session.failovers] == [(quiet, True)]
+        assert session.failovers[0]["replacements"] == [] and quiet not in model.swarm.banned()
+        assert model.last_chain.peer_ids == (quiet,)
+        assert max(timing.wall_s for timing in session.timings) > 3.0  # the kept step waited for the stalled node
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
         PROMPT, max_new_tokens=12, min_new_tokens=12, do_sample=False
     )
