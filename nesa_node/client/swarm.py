@@ -19,6 +19,7 @@ from hivemind.p2p import PeerID
 from hivemind.proto.runtime_pb2 import Tensor
 from hivemind.utils import get_dht_time
 
+from nesa_node.client.bans import Bans
 from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.timings import NodeTimings
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
@@ -94,7 +95,7 @@ def _loopback(host: str | None) -> bool:
         return False
 
 
-class Swarm:
+class Swarm(Bans):
     """Owns the client's P2P host and DHT node. `await close()` (or `async with`) stops them."""
 
     def __init__(
@@ -122,8 +123,7 @@ class Swarm:
         self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
         self._records: dict[str, NodeRecord] = {}  # peer id -> newest record seen (expired ones are skipped)
         self._refresh: asyncio.Future | None = None  # the DHT read in flight
-        self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
-        self._faulty: set[str] = set()  # peers banned for a fault at least once: their bans are never lifted early
+        Bans.__init__(self)
         # a FORWARD data lane per node, kept open between forward calls (protocol/lane.py), one call at a time
         self._forward_lanes: dict[str, LaneChannel] = {}
         self._forward_locks: dict[str, asyncio.Lock] = {}
@@ -194,50 +194,11 @@ class Swarm:
 
     # ---- bans ------------------------------------------------------------------------------------------------------
 
-    def ban(self, peer_id: str, *, base_s: float = 15.0, max_s: float = 600.0, fault: bool = False) -> float:
-        """Keep `peer_id` out of new chains for a while: base_s, doubling on each repeat ban up to max_s.
-
-        15 s covers a restart of a node that crashed (guess); a peer that keeps failing stays out for minutes.
-        `fault`: it sent something wrong (client/chain_links.py LinkFailed.fault), was outvoted or blamed: such a
-        ban is never lifted early, where one for a failure may be (`second_chance`). Returns the ban length."""
-        if fault:
-            self._faulty.add(peer_id)
-        now = time.monotonic()
-        until, last = self._bans.get(peer_id, (0.0, 0.0))
-        length = min(max_s, last * 2) if until > now - max_s and last else base_s
-        self._bans[peer_id] = (now + length, length)
-        return length
-
-    def unban(self, peer_id: str) -> bool:
-        """Lift a ban for a failure that proved wrong (a quiet node that answered a longer probe: client/failover.py,
-        client/routing.py); a ban for a fault stays. The ban's length is kept, so a node banned again soon is banned
-        twice as long. Whether the peer is free now."""
-        if peer_id in self._faulty:
-            return False
-        until, last = self._bans.get(peer_id, (0.0, 0.0))
-        if until > time.monotonic():
-            self._bans[peer_id] = (time.monotonic(), last)
-        return True
-
-    def faulty(self) -> frozenset[str]:
-        """Peers banned for a fault at least once (see `ban`)."""
-        return frozenset(self._faulty)
-
-    def second_chance(self, peer_ids) -> list[str]:
-        """Those of `peer_ids` banned now for a failure only (never for a fault: see `ban`), whose ban may be lifted
-        when they answer a probe and no chain is left without them (client/routing.py)."""
-        banned = self.banned()
-        return [peer for peer in peer_ids if peer in banned and peer not in self._faulty]
-
     def blame(self, peer_id: str, *, ban_s: float = 3600.0) -> None:
         """A node caught computing something else than it committed to (client/audit.py): banned for `ban_s`, and
         its reliability in routing quartered for as long as this client runs."""
         self.ban(peer_id, base_s=ban_s, max_s=ban_s, fault=True)
         self.distrust[peer_id] = self.distrust.get(peer_id, 1.0) * 0.25
-
-    def banned(self) -> frozenset[str]:
-        now = time.monotonic()
-        return frozenset(peer for peer, (until, _) in self._bans.items() if until > now)
 
     # ---- records -----------------------------------------------------------------------------------------------------
 

@@ -1,0 +1,60 @@
+"""The client's bans (client/swarm.py Swarm is one): peers kept out of new chains for a while, and why.
+
+A ban for a failure (a stream that broke, a node that went quiet, one its neighbour could not reach) may be lifted
+early when the node answers again and no chain is left without it (client/routing.py, client/failover.py); a ban
+for a fault (something wrong it sent: client/chain_links.py LinkFailed.fault; outvoted; blamed) never is.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class Bans:
+    """Bans by peer id, with their lengths and which were for a fault (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
+        self._faulty: set[str] = set()  # peers banned for a fault at least once: their bans are never lifted early
+
+    def ban(self, peer_id: str, *, base_s: float = 15.0, max_s: float = 600.0, fault: bool = False) -> float:
+        """Keep `peer_id` out of new chains for a while: base_s, doubling on each repeat ban up to max_s.
+
+        15 s covers a restart of a node that crashed (guess); a peer that keeps failing stays out for minutes.
+        `fault`: it sent something wrong (client/chain_links.py LinkFailed.fault), was outvoted or blamed: such a
+        ban is never lifted early, where one for a failure may be (`second_chance`). Returns the ban length."""
+        if fault:
+            self._faulty.add(peer_id)
+        now = time.monotonic()
+        until, last = self._bans.get(peer_id, (0.0, 0.0))
+        length = min(max_s, last * 2) if until > now - max_s and last else base_s
+        self._bans[peer_id] = (now + length, length)
+        return length
+
+    def unban(self, peer_id: str) -> bool:
+        """Lift a ban for a failure that proved wrong (a quiet node that answered a longer probe: client/failover.py,
+        client/routing.py); a ban for a fault stays. The ban's length is kept, so a node banned again soon is banned
+        twice as long. Whether the peer is free now."""
+        if peer_id in self._faulty:
+            return False
+        until, last = self._bans.get(peer_id, (0.0, 0.0))
+        if until > time.monotonic():
+            self._bans[peer_id] = (time.monotonic(), last)
+        return True
+
+    def faulty(self) -> frozenset[str]:
+        """Peers banned for a fault at least once (see `ban`)."""
+        return frozenset(self._faulty)
+
+    def second_chance(self, peer_ids) -> list[str]:
+        """Those of `peer_ids` banned now for a failure only (never for a fault: see `ban`), whose ban may be lifted
+        when they answer a probe and no chain is left without them (client/routing.py)."""
+        banned = self.banned()
+        return [peer for peer in peer_ids if peer in banned and peer not in self._faulty]
+
+    def banned(self) -> frozenset[str]:
+        now = time.monotonic()
+        return frozenset(peer for peer, (until, _) in self._bans.items() if until > now)
+
+
+__all__ = ["Bans"]
