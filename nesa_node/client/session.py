@@ -262,9 +262,12 @@ class InferenceSession:
             return
         rtt_ms = self.swarm.rtt_ms
         legs_ms = (rtt_ms.get(hops[0][0], 0.0) + rtt_ms.get(hops[-1][0], 0.0)) / 2
-        # a round trip measured at a busy moment can exceed a whole step: a step is never charged below a quarter of
-        # its wall time, so every step still counts
-        compute_ms = max(wall_s * 1000.0 - legs_ms, wall_s * 1000.0 / 4)
+        # a round trip measured at a busy moment can exceed a whole step: the ends are pinged again (the least ping
+        # is kept), and meanwhile a step is never charged below a quarter of its wall time, so every step still counts
+        floor_ms = wall_s * 1000.0 / 4
+        if wall_s * 1000.0 - legs_ms < floor_ms:
+            self.swarm.recheck_rtts_soon([hops[0][0], hops[-1][0]])
+        compute_ms = max(wall_s * 1000.0 - legs_ms, floor_ms)
         self.swarm.timings.observe(hops, compute_ms, 1, self.swarm.believed_block_ms)
 
     def deadline(self, tokens: int) -> float:

@@ -21,7 +21,7 @@ from hivemind.utils import get_dht_time
 
 from nesa_node.client.bans import Bans
 from nesa_node.client.stability import StabilityTracker
-from nesa_node.client.timings import NodeTimings
+from nesa_node.client.timings import NodeTimings, RoundTrips
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.peer import Peer, start_peer
 from nesa_node.protocol import lane, rpc
@@ -57,6 +57,7 @@ RECENT_RECORD_S = 120.0
 ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a node computes in (sharding/blocks.py DTYPES)
 BANDWIDTH_PAYLOAD_BYTES = 256 * 1024  # as the nodes' link probe: dominates a LAN round trip, short on a slow uplink
 BANDWIDTH_MAX_AGE_S = 600.0  # a link's bandwidth is measured again after this long (guess)
+RTT_RECHECK_S = 10.0  # a round trip a step showed too long is pinged again at most this often (guess)
 FORWARD_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # a forward answer's message and protobuf framing
 
 
@@ -119,7 +120,7 @@ class Swarm(Bans):
         self.records_stale_s = max(records_stale_s, records_fresh_s)
         self._refreshed_at = -math.inf  # monotonic s the last DHT read completed
         self.use_lanes = True  # FORWARD lanes for forward calls (ClientConfig.lanes)
-        self.rtt_ms: dict[str, float] = {}  # peer id -> least round trip of the client's last pings, ms
+        self.rtt_ms = RoundTrips()  # peer id -> least round trip of the client's recent pings, ms
         self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
         self._records: dict[str, NodeRecord] = {}  # peer id -> newest record seen (expired ones are skipped)
         self._refresh: asyncio.Future | None = None  # the DHT read in flight
@@ -385,12 +386,25 @@ class Swarm(Bans):
                 rtts = [await self._ping(peer_id, timeout_s) for _ in range(2)]
             except Exception as exc:  # gone or slow: normal
                 logger.debug("no rtt to %s: %r", peer_id, exc)
-                self.rtt_ms.pop(peer_id, None)
+                self.rtt_ms.forget(peer_id)
                 return
-            self.rtt_ms[peer_id] = min(rtts)
+            self.rtt_ms.add(peer_id, min(rtts), time.monotonic())
             self._rtt_measured[peer_id] = time.monotonic()
 
         await asyncio.gather(*(least_of_two(peer_id) for peer_id in stale))
+
+    def recheck_rtts_soon(self, peer_ids: list[str]) -> None:
+        """Ping `peer_ids` again in the background (each at most once per RTT_RECHECK_S): a session found a step
+        faster than the round trips it knows, so one was taken at a busy moment (RoundTrips keeps the least)."""
+        now = time.monotonic()
+        stale = [
+            peer for peer in dict.fromkeys(peer_ids) if now - self._rtt_measured.get(peer, -math.inf) > RTT_RECHECK_S
+        ]
+        if stale:
+            self._rtt_measured.update(dict.fromkeys(stale, now))
+            task = asyncio.ensure_future(self.measure_rtts(stale, max_age_s=0.0))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def unreachable(self, peer_ids: list[str], *, timeout_s: float = 2.0, fresh_s: float = 5.0) -> list[str]:
         """Those of `peer_ids` that do not answer a ping within `timeout_s` (all pinged at once; a peer that answered
@@ -402,7 +416,7 @@ class Swarm(Bans):
             if now - self._rtt_measured.get(peer_id, -math.inf) <= fresh_s:
                 return True
             try:
-                self.rtt_ms[peer_id] = await self._ping(peer_id, timeout_s)
+                self.rtt_ms.add(peer_id, await self._ping(peer_id, timeout_s), time.monotonic())
             except Exception as exc:  # gone, stopped or slow
                 logger.debug("%s did not answer a ping: %r", peer_id, exc)
                 return False

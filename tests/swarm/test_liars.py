@@ -1,6 +1,11 @@
 """Nodes that lie in their records (RELIABILITY.md G4): three real nodes of equal real speed each serve the whole tiny
 Llama; one lies. Once the client has measured it, the liar gets no more than its fair share of 20 concurrent
 sessions, and an honest generation meanwhile equals the single-process reference.
+
+A lie that only the client's measurements can expose (speed) is judged against the fair share. A lie that routing
+bounds without measuring (uptime, links) is judged against the share the same client gives the same node once its
+record tells the truth: on a busy 2-core host the measured speeds of equal nodes differ by up to 2x, which moves a
+share by more than any lie should, and both counts see the same measurements.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ NOISE = 3  # sessions over the fair share still counted as fair (measurements on
 
 
 def lying(node, **fields) -> None:
-    """Make `node` announce `fields` over its true record from now on."""
+    """Make `node` announce `fields` over its true record from now on (`node.current_info = node.truthful` ends it)."""
     honest = node.current_info
+    node.truthful = honest
     node.current_info = lambda: honest().model_copy(update=fields)
 
 
@@ -98,11 +104,14 @@ def honest_records_show(model, honest) -> None:
         records_show(model, node.peer_id, lambda info, node=node: info.inference_tps == claimed_tps(node))
 
 
-def liar_share(swarm, path: str, prefix: str, reference, lie, announced, *, measured: bool) -> int:
+def liar_share(
+    swarm, path: str, prefix: str, reference, lie, announced, *, measured: bool, truth: bool = False
+) -> int | tuple[int, int]:
     """Three nodes of equal real speed, the last made to `lie` (called with it and the honest ones); once its record
     shows `announced` (a predicate of its NodeInfo and the liar) and the honest ones show their measured throughput,
     and when `measured`, after the client timed every node: the sessions of SESSIONS the liar gets. An honest
-    generation meanwhile must equal `reference`."""
+    generation meanwhile must equal `reference`. With `truth`: (that, the sessions the same client gives the node
+    once its record no longer shows `announced`)."""
     *honest, liar = start_nodes(swarm, path, prefix)
     lie(liar, honest)
     try:
@@ -115,6 +124,14 @@ def liar_share(swarm, path: str, prefix: str, reference, lie, announced, *, meas
             else:
                 assert not model.swarm.timings.measured()  # routing has only the claims to go on
             taken = share_of_sessions(model, liar.peer_id)
+            if truth:
+                # what routing believes of the lie itself: an uptime of years would give R_A near 1; the test has run
+                # for seconds (R_A of an uptime of 150 s: 0.2)
+                views = {node.peer_id: node for node in model.snapshot().nodes}
+                assert views[liar.peer_id].reliability < 0.2, views[liar.peer_id]
+                liar.current_info = liar.truthful
+                records_show(model, liar.peer_id, lambda info: not announced(info, liar))
+                taken = (taken, share_of_sessions(model, liar.peer_id))
             assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
             return taken
     finally:
@@ -144,9 +161,11 @@ def test_g4_a_node_lying_about_its_links_and_uptime_gets_no_more_than_its_share(
     def announced(info, liar) -> bool:
         return info.uptime_s == 1e9
 
-    taken = liar_share(module_swarm, tiny_llama, "liar-links", reference, lie, announced, measured=True)
-    print(f"the links and uptime liar got {taken} of {SESSIONS} sessions")
-    assert taken <= FAIR + NOISE
+    taken, truthful = liar_share(
+        module_swarm, tiny_llama, "liar-links", reference, lie, announced, measured=True, truth=True
+    )
+    print(f"the links and uptime liar got {taken} of {SESSIONS} sessions, {truthful} once it told the truth")
+    assert taken <= truthful + 1
 
 
 def test_g4_a_node_claiming_0_tokens_per_s_is_costed_as_an_average_node_not_a_free_one(

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from nesa_node.client.timings import NodeTimings
+from nesa_node.client.timings import WINDOW, NodeTimings, RoundTrips
 from nesa_node.protocol.records import NodeInfo, NodeState
 from nesa_node.routing.chain import ChainRequest, select_chain
 from nesa_node.routing.claims import (
@@ -146,3 +146,27 @@ def test_timings_of_a_one_node_chain_are_exact_and_a_chain_is_split_by_what_is_k
     fresh = NodeTimings()
     fresh.observe([("x", 1), ("y", 3)], compute_ms=8.0, tokens=1, believed={})
     assert fresh.measured()["x"].block_ms == pytest.approx(2.0) and fresh.measured()["y"].block_ms == pytest.approx(2.0)
+
+
+def test_a_stalled_step_moves_a_nodes_timing_by_one_rank_and_a_lasting_change_shows_within_half_the_window():
+    timings = NodeTimings()
+    for _ in range(WINDOW):
+        timings.observe([("a", 4)], compute_ms=8.0, tokens=1, believed={})
+    timings.observe([("a", 4)], compute_ms=400.0, tokens=1, believed={})  # one step held up 50x by a busy host
+    assert timings.measured()["a"].block_ms == pytest.approx(2.0)
+    for _ in range(WINDOW // 2):  # the node got 3x slower for good
+        timings.observe([("a", 4)], compute_ms=24.0, tokens=1, believed={})
+    assert timings.measured()["a"].block_ms == pytest.approx(6.0)
+    assert timings.measured()["a"].samples == WINDOW + 1 + WINDOW // 2
+
+
+def test_round_trips_keep_the_least_recent_ping_and_drop_old_ones():
+    rtts = RoundTrips(window_s=100.0)
+    rtts.add("a", 1.0, now=0.0)
+    rtts.add("a", 9.0, now=50.0)  # taken at a busy moment
+    rtts.add("b", 3.0, now=50.0)
+    assert dict(rtts) == {"a": 1.0, "b": 3.0}
+    rtts.add("a", 4.0, now=120.0)  # the 1 ms ping is older than the window
+    assert rtts["a"] == 4.0
+    rtts.forget("b")
+    assert "b" not in rtts and rtts.get("b") is None and len(rtts) == 1
