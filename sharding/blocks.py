@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
-from nesa_node.sharding import batch_attention
+from nesa_node.sharding import batch_attention, batch_graph
 from nesa_node.sharding.batch_attention import RowsCache, attend_prompts, attend_steps, layer_per_session
 from nesa_node.sharding.model_folder import check_span, config_file
 from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
@@ -39,8 +39,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
 EMBED_WEIGHT, NORM_WEIGHT, HEAD_WEIGHT = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
 LAYER_PREFIX = "model.layers.{index}."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# rotary types whose frequencies depend on the sequence's length, not on the position alone: no table of positions
-SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")  # parts of the type's name (transformers: "dynamic" in it)
+SEQUENCE_DEPENDENT_ROPE = ("dynamic", "longrope")  # rotary types (parts of names) that depend on length: no table
 ROPE_TABLE_MIN = 256  # positions in the first rotary table (it doubles as sequences grow past it)
 
 
@@ -136,8 +135,9 @@ class SpanSpec:
     dtype: str = "float32"
     device: str = "cpu"
     quant: str = "none"  # weights of the blocks' linear layers: none, int8 (LLM.int8) or nf4; see compression.weights
-    # one-token steps of a session run as fixed-shape steps (sharding/decode_graph.py), captured as CUDA graphs on a
-    # CUDA device (`step`); spans it cannot serve (quantized, sliding-window or length-dependent rotary) run as usual
+    # one-token steps of a session, and batched passes that repeat, run at fixed shapes (sharding/decode_graph.py,
+    # batch_graph.py), captured as CUDA graphs on a CUDA device; spans they cannot serve (quantized, sliding-window or
+    # length-dependent rotary) run as usual
     decode_graphs: bool = False
 
 
@@ -173,10 +173,8 @@ class BlockSpan(nn.Module):
         self.source_hash = source_hash if source_hash is not None else weights_hash  # the checkpoint's, unquantized
         self.quantization = quantization
         self.dtype_ = DTYPES[spec.dtype]
-        # read on every step (transformers' config attributes go through a slow __getattribute__)
-        self._hidden_size = config.hidden_size
-        # cos and sin of positions 0..n-1 (1, n, head_dim), on the device in the span's dtype: a step reads its
-        # positions' rows instead of building them (several small operations a call); None where not tabulated
+        self._hidden_size = config.hidden_size  # read every step (transformers' config reads are slow)
+        # cos, sin of positions 0..n-1 (1, n, head_dim), on the device in the span's dtype: a step reads its rows
         self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None
         rope_type = getattr(self.rotary, "rope_type", None)
         self._rope_tabulated = isinstance(rope_type, str) and not any(k in rope_type for k in SEQUENCE_DEPENDENT_ROPE)
@@ -184,8 +182,9 @@ class BlockSpan(nn.Module):
         graphable = spec.quant == "none" and self._rope_tabulated and self.batches_decode
         self.decode_graphs = spec.decode_graphs and graphable and attention in ("sdpa", "eager")
         self._graph_stream = None  # the stream the span's CUDA graph captures run on (sharding/decode_graph.py)
-        # the family's rotary function where every layer is the family's own sdpa decoder layer, which
-        # `layer_per_session` runs part by part for a batched pass; None where passes keep the layers' own forward
+        self.batch_graphs, self._fixed_batch = self.decode_graphs, None  # batched passes too (batch_graph.py)
+        # the family's rotary function where every layer is the family's own sdpa decoder layer (`layer_per_session`
+        # runs those part by part for a batched pass); None where passes keep the layers' own forward
         self._rotate = _rotation_for_rows(config, self.layers, attention)
         self._decoder = family_class(config, "DecoderLayer")
 
@@ -307,16 +306,17 @@ class BlockSpan(nn.Module):
         """One-token steps of several sessions through `blocks` in one pass: each (hidden (rows, 1, hidden), its
         cache, its position); returns each step's output, as its own `forward` would (same blocks, same cache
         update). Every projection and MLP runs once over all rows; attention reads each session's own cache: on a
-        GPU in one call over the caches padded to the longest, on the CPU one call a session (batch_attention.py)."""
+        GPU in one call over the caches padded to the longest (a batch that repeats replayed as a CUDA graph:
+        batch_graph.py), on the CPU one call a session (batch_attention.py)."""
         first, end = blocks[0] - self.start, blocks[1] - self.start
         if not 0 <= first < end <= len(self.layers):
             raise ValueError(f"blocks {blocks} are not a part of this span {self.start}:{self.end}")
-        rows = [hidden.shape[0] for hidden, _, _ in steps]
-        inputs = [step for step, _, _ in steps]
-        if len({(step.device, step.dtype) for step in inputs}) == 1:  # the usual case: one copy to the device
-            hidden = torch.cat(inputs).to(self.spec.device, self.dtype_)  # (all rows, 1, hidden)
-        else:
-            hidden = torch.cat([step.to(self.spec.device, self.dtype_) for step in inputs])
+        if self.decode_graphs and (fixed := batch_graph.run(self, steps, first, end)) is not None:
+            return fixed  # a batch that repeats, replayed as a CUDA graph
+        rows, inputs = [hidden.shape[0] for hidden, _, _ in steps], [step for step, _, _ in steps]
+        one_kind = len({(step.device, step.dtype) for step in inputs}) == 1  # the usual case: one copy to the device
+        hidden = torch.cat(inputs if one_kind else [step.to(self.spec.device, self.dtype_) for step in inputs])
+        hidden = hidden.to(self.spec.device, self.dtype_)  # (all rows, 1, hidden)
         positions = [position for (step, _, position) in steps for _ in range(step.shape[0])]
         position_ids = torch.tensor(positions, device=hidden.device).unsqueeze(1)  # (all rows, 1)
         longest = max(positions) + 1

@@ -98,6 +98,12 @@ def _add_lora(hooks: _SpanHooks, target: Target, module: nn.Module, args: tuple,
     return plan.apply(target, args[0], output)
 
 
+def rows_active(span) -> bool:
+    """Whether an `adapters_for_rows` block for `span` is entered in this context (its passes add LoRA updates)."""
+    hooks = _HOOKED.get(span)
+    return hooks is not None and hooks in _ACTIVE.get()
+
+
 def enable_lora(span) -> None:
     """Hook the q/k/v/o/gate/up/down projections of every block of `span` (a BlockSpan) once; idempotent."""
     from nesa_node.sharding.lora import PROJECTIONS  # not at the top: lora.py imports this module (docstring)
@@ -194,4 +200,4 @@ def _check_fits(adapter: AdapterSlice, span, hooks: _SpanHooks, first: int, end:
     hooks.checked.add(adapter)
 
 
-__all__ = ["adapters_for_rows", "disable_lora", "enable_lora", "trainable_adapter"]
+__all__ = ["adapters_for_rows", "disable_lora", "enable_lora", "rows_active", "trainable_adapter"]
