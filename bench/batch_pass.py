@@ -13,7 +13,9 @@ steps' time).
 
 `--shape 1.1b` serves 8 blocks of the random 1.1B Llama (half of it: one of 2 nodes). `--profile` adds, on stderr,
 torch's profiler table of one N-session pass at the longest cache (the largest N). `--cudnn-attention` leaves
-cuDNN's attention on (a CUDA span turns it off): compare `pass_N_growing_ms` with and without it.
+cuDNN's attention on (a CUDA span turns it off): compare `pass_N_growing_ms` with and without it. `--cuda-graphs`
+runs one session's steps as its fixed step and the passes as fixed batches, captured as CUDA graphs on a GPU
+(sharding/decode_graph.py, batch_graph.py; the growing passes replay too: the same caches, a token further).
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def measure(span, caches: list, cached: int, step: torch.Tensor, prompt: torch.T
     """The figures of one cache length: `caches` each hold `cached` tokens and are cropped back after every call."""
     blocks, seen = (span.start, span.end), len(prompt[0])
 
+    single = span.step if span.decode_graphs else span  # with --cuda-graphs: the session's fixed step
+
     def one_step():
-        span(step, caches[0], cached)
+        single(step, caches[0], cached)
         caches[0].crop(-1)
 
     def one_pass(chosen):
@@ -85,7 +89,7 @@ def measure(span, caches: list, cached: int, step: torch.Tensor, prompt: torch.T
             sync()
             started = time.perf_counter()
             if alone:
-                span(step, chosen[0], cached + index)
+                single(step, chosen[0], cached + index)
             else:
                 span.decode_batch([(step, cache, cached + index) for cache in chosen], blocks)
             sync()
@@ -130,6 +134,11 @@ def main() -> None:
         action="store_true",
         help="leave cuDNN's attention on (a CUDA span turns it off: it plans every new length anew)",
     )
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="steps and passes as fixed-shape CUDA graphs (a node's --cuda-graphs; eager off CUDA)",
+    )
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -146,7 +155,8 @@ def main() -> None:
             seed=0,
         )
         path = init_tiny_model(Path(workdir) / "model", spec)
-        span = load_block_span(str(path), SpanSpec(0, shape["layers"], dtype=args.dtype, device=args.device))
+        span_spec = SpanSpec(0, shape["layers"], dtype=args.dtype, device=args.device, decode_graphs=args.cuda_graphs)
+        span = load_block_span(str(path), span_spec)
     if args.cudnn_attention and args.device == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(True)
     generator = torch.Generator().manual_seed(0)
@@ -180,6 +190,8 @@ def main() -> None:
         "dtype": args.dtype,
         "per_session_attention": span._rotate is not None and args.device == "cpu",
         "cudnn_attention": args.device == "cuda" and torch.backends.cuda.cudnn_sdp_enabled(),
+        "cuda_graphs": span.decode_graphs and args.device == "cuda",
+        "batch_graphs": span.batch_graphs and args.device == "cuda",
         "batches_prompts": span.batches_prompts,
         "prompt_tokens": args.prompt_tokens,
         "by_cache_tokens": figures,

@@ -39,13 +39,16 @@ step() {
 }
 
 SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
-step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/unit/test_span_cache.py \
-    tests/swarm/test_client_dtype.py tests/unit/test_codec.py
+step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py \
+    tests/unit/test_span_cache.py tests/swarm/test_client_dtype.py tests/unit/test_codec.py
 step codecs "$PY" bench/compression.py --device cuda --no-swarm
 # a pass of 1 to 16 sessions in one process, without and with cuDNN's attention (growing: new lengths every pass)
 step batch-pass "$PY" bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 --sessions 1 4 16
 step batch-pass-cudnn "$PY" bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 --sessions 1 4 16 \
     --cudnn-attention
+# the same with fixed-shape steps and passes replayed as CUDA graphs (pass_16_vs_single: the batching gain there)
+step batch-pass-graphs "$PY" bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 --sessions 1 4 16 \
+    --cuda-graphs
 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
     --keep-logs "$OUT/graphs-clients16-nodes"
 if [ "${1:-quick}" = full ]; then
