@@ -38,6 +38,7 @@ from nesa_node.sharding.span_cache import SpanCache
 
 logger = logging.getLogger(__name__)
 
+NO_MEMORY = "no memory"  # held for a batch whose capture ran out of device memory: eager while it is held
 HELD = 4  # batches a span keeps (graphs, and batches seen once), the least recently run dropped first (guess)
 
 
@@ -132,6 +133,12 @@ class FixedBatch:
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         graph = torch.cuda.CUDAGraph()
+        try:
+            self._capture_on(stream, graph, caches)
+        finally:  # also after a failed capture: the warm-up's kernels may still read tensors the caller frees next
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+    def _capture_on(self, stream, graph, caches: list[SpanCache]) -> None:
         with torch.cuda.stream(stream):
             self._run(caches)  # warm-up (decode_graph.py): kernels chosen, writes the same keys the replay writes again
             graph.capture_begin(capture_error_mode="thread_local")
@@ -139,7 +146,6 @@ class FixedBatch:
                 self.output = self._run(caches)
             finally:
                 graph.capture_end()
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
         self.graph = graph
 
     def __call__(self, caches: list[SpanCache], inputs: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
@@ -168,8 +174,9 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     or None where this pass runs eagerly: LoRA rows, a batch that cannot run fixed, or one not among the span's
     HELD recent batches (module docstring). The steps are taken in an order of their caches', so that the same
     sessions arriving in another order are the same batch; the outputs come back in the steps' order. A capture
-    that fails turns the span's batch graphs off (logged) and this pass runs eagerly; a replay that fails raises."""
-    if not span.batch_graphs or rows_active(span):
+    that fails turns the span's batch graphs off (logged; one out of device memory only that batch's, while it is
+    held) and this pass runs eagerly; a replay that fails raises (its batch dropped)."""
+    if not span.batch_graphs or rows_active(span) or not torch.is_inference_mode_enabled():
         return None  # LoRA rows: a graph replays the base weights only; the batches held stay for later passes
     order = sorted(range(len(steps)), key=lambda index: id(steps[index][1]))
     steps = [steps[index] for index in order]
@@ -178,11 +185,11 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
         return None
     held = span._fixed_batch = span._fixed_batch if span._fixed_batch is not None else OrderedDict()
     fixed = held.pop(key, None)
-    held[key] = fixed or False  # the most recent; False: seen once
+    held[key] = False if fixed is None else fixed  # the most recent; False: seen once
     while len(held) > HELD:
         held.popitem(last=False)  # its graph and memory go with it
-    if fixed is None:
-        return None  # seen once: captured if it comes again
+    if fixed is None or fixed is NO_MEMORY:
+        return None  # seen once: captured if it comes again; or no device memory for its graph (until dropped)
     caches = [cache for _, cache, _ in steps]
     try:
         if fixed is False:
@@ -195,10 +202,14 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
         return None
     except RuntimeError as exc:
         if fixed is not False and fixed.graph is not None:
-            raise  # a replay that failed: not a capture matter
+            held.pop(key, None)  # a replay that failed: not a capture matter; not replayed again
+            raise
+        if isinstance(exc, torch.OutOfMemoryError):  # memory may be short for a moment: this batch runs eagerly
+            held[key] = NO_MEMORY
+            logger.info("blocks %d:%d: no device memory for a batched pass's CUDA graph", span.start, span.end)
+            return None
         held.clear()
-        what = "no device memory for" if isinstance(exc, torch.OutOfMemoryError) else f"capture failed ({exc}):"
-        logger.warning("blocks %d:%d: %s a batched pass's CUDA graph; batches run eagerly", span.start, span.end, what)
+        logger.warning("blocks %d:%d: batched pass capture failed (%s): batches run eagerly", span.start, span.end, exc)
         span.batch_graphs = False
         return None
     result: list[torch.Tensor] = [outputs[0]] * len(outputs)
@@ -207,4 +218,4 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     return result
 
 
-__all__ = ["HELD", "FixedBatch", "run", "signature"]
+__all__ = ["HELD", "NO_MEMORY", "FixedBatch", "run", "signature"]

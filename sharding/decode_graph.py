@@ -121,6 +121,12 @@ class FixedStep:
         stream = self.capture_stream
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         graph = torch.cuda.CUDAGraph()
+        try:
+            self._capture_on(stream, graph)
+        finally:  # also after a failed capture: the warm-up's kernels may still read tensors the caller frees next
+            torch.cuda.current_stream(stream.device).wait_stream(stream)
+
+    def _capture_on(self, stream, graph) -> None:
         with torch.cuda.stream(stream):
             self._run()  # warm-up: kernels chosen, cuBLAS's workspace for this stream allocated outside any graph
             # thread_local: the node's other threads may use the device meanwhile; a pool of its own (see module)
@@ -129,7 +135,6 @@ class FixedStep:
                 self.output = self._run()
             finally:
                 graph.capture_end()
-        torch.cuda.current_stream(stream.device).wait_stream(stream)
         self.graph = graph
 
     def __call__(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
