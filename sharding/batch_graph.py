@@ -12,7 +12,7 @@ fixed shapes and addresses, so that it can be captured once and replayed:
 - the rotary rows come from the span's table, indexed on the device by each row's position;
 - the input and the output live in tensors of the pass's own, filled and read around each replay.
 
-A batch is known by its sessions' buffers (addresses and shapes), rows and blocks, whatever the order its steps
+A batch is known by its sessions' buffers (their stamps: span_cache.py), rows and blocks, whatever the order its steps
 arrived in. `run` captures a batch the second time it meets it (a batch seen once, as sessions join or leave, runs as
 the eager pass does) and replays it while it repeats; a span keeps its HELD most recent batches (a batch dropped frees
 its graph's memory), so that passes alternating between a few batches (a straggler's step left for the next pass)
@@ -66,19 +66,26 @@ class _RowsSlotCache:
 
 def signature(steps: list, first: int, end: int) -> tuple | None:
     """What a batch of `steps` ((hidden, cache, position) each) through span layers [first, end) is known by: per
-    session its cache's identity, its run layers' buffers and rows; None when a step cannot run fixed (not a
-    one-token step of a SpanCache at its length, its buffers not allocated, of one capacity and with room)."""
+    session its rows and the stamps of its run layers' buffers (span_cache.py: equal stamps, the same buffer
+    objects, so the same addresses); None when a step cannot run fixed (not a one-token step of a SpanCache at its
+    length, its buffers not allocated, of one capacity and with room). A cache's buffers are examined once per
+    change of stamps (`batch_memo`), so a pass's key costs an attribute read a layer."""
     parts = []
     for hidden, cache, position in steps:
         if hidden.shape[1] != 1 or not isinstance(cache, SpanCache):
             return None
-        buffers = _buffers(cache.layers, first, end)
-        if buffers is None:
+        run = cache.layers[first:end]
+        stamps = tuple([getattr(layer, "stamp", None) for layer in run])
+        memo = cache.batch_memo
+        if memo is None or memo[0] != stamps:
+            buffers = None if None in stamps else _buffers(cache.layers, first, end)
+            memo = cache.batch_memo = (stamps, None if buffers is None else (buffers[0][1][0], run[0].capacity))
+        if memo[1] is None:
             return None
-        layer = cache.layers[first]
-        if position != layer.get_seq_length() or position >= layer.capacity or buffers[0][1][0] != hidden.shape[0]:
+        rows, capacity = memo[1]
+        if rows != hidden.shape[0] or position != run[0].length or position >= capacity:
             return None
-        parts.append((id(cache.layers), buffers))
+        parts.append((rows, stamps))
     return (first, end, *parts)
 
 

@@ -16,14 +16,20 @@ step's autograd graph would have saved. Training passes run without a cache.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 MIN_CAPACITY = 64  # tokens of a buffer's first allocation when no capacity was reserved
 
 
+_STAMPS = itertools.count(1)  # stamps of buffers set, never given twice in a process
+
+
 class ReservedLayer(DynamicLayer):
-    """One full-attention layer's keys and values in growable buffers; `keys` and `values` view the filled part."""
+    """One full-attention layer's keys and values in growable buffers; `keys` and `values` view the filled part.
+    `stamp` changes whenever either buffer is set (a number never given before): equal stamps, same buffers."""
 
     def __init__(self):
         super().__init__()
@@ -31,6 +37,22 @@ class ReservedLayer(DynamicLayer):
         self.reserved = 0  # capacity the owner reserved (0: none; the buffer doubles)
         self._keys: torch.Tensor | None = None  # (batch, kv_heads, capacity, head_dim)
         self._values: torch.Tensor | None = None
+
+    @property
+    def _keys(self) -> torch.Tensor | None:
+        return self._key_buffer
+
+    @_keys.setter
+    def _keys(self, buffer: torch.Tensor | None) -> None:
+        self._key_buffer, self.stamp = buffer, next(_STAMPS)
+
+    @property
+    def _values(self) -> torch.Tensor | None:
+        return self._value_buffer
+
+    @_values.setter
+    def _values(self, buffer: torch.Tensor | None) -> None:
+        self._value_buffer, self.stamp = buffer, next(_STAMPS)
 
     @property
     def capacity(self) -> int:
@@ -112,6 +134,7 @@ class SpanCache(DynamicCache):
         self.layers = [ReservedLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
         # its one-token step of fixed shape (sharding/decode_graph.py), once it has one; False: none for this session
         self.fixed_step = None
+        self.batch_memo = None  # what sharding/batch_graph.py found of its buffers, by their stamps
 
     def reserve(self, tokens: int) -> None:
         """Let buffers that must grow grow to `tokens` (the capacity the owner has reserved) rather than by doubling;
