@@ -177,3 +177,21 @@ def test_captured_batches_replay_what_each_sessions_own_steps_compute_on_cuda(ti
     sessions.step(which[1:])  # one leaves: a new batch, captured in its turn
     sessions.step(which[1:])
     assert len(batches(span)) == 2 and all(held.graph is not None for held in batches(span))
+
+
+def test_buffer_stamps_change_with_the_buffers_only_and_are_never_shared(spans):
+    span, _ = spans
+    caches = [span.new_cache(), span.new_cache()]
+    with torch.inference_mode():
+        for cache in caches:
+            cache.reserve(8)
+            span(torch.randn(1, 6, span.hidden_size), cache, 0)
+        layer = caches[0].layers[0]
+        stamp = layer.stamp
+        span(torch.randn(1, 1, span.hidden_size), caches[0], 6)  # written in place
+        caches[0].crop(-2)
+        assert layer.stamp == stamp
+        span(torch.randn(1, 4, span.hidden_size), caches[0], 5)  # 9 tokens: past the 8 reserved, the buffer grows
+        assert layer.stamp != stamp and layer.capacity > 8
+    stamps = [layer.stamp for cache in caches for layer in cache.layers]
+    assert len(set(stamps)) == len(stamps)
