@@ -32,7 +32,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from nesa_node.sharding.decode_graph import _LOCK, _buffers
+from nesa_node.sharding.decode_graph import _LOCK, _buffers, _stamps
 from nesa_node.sharding.lora_rows import rows_active
 from nesa_node.sharding.span_cache import SpanCache
 
@@ -75,7 +75,7 @@ def signature(steps: list, first: int, end: int) -> tuple | None:
         if hidden.shape[1] != 1 or not isinstance(cache, SpanCache):
             return None
         run = cache.layers[first:end]
-        stamps = tuple([getattr(layer, "stamp", None) for layer in run])
+        stamps = _stamps(cache.layers, first, end)
         memo = cache.batch_memo
         if memo is None or memo[0] != stamps:
             buffers = None if None in stamps else _buffers(cache.layers, first, end)
@@ -176,6 +176,11 @@ class FixedBatch:
         return list(output.split(self.rows))
 
 
+def release(span) -> None:
+    """Drop the span's batches and their graphs' memory (its node has no session left: none of them comes again)."""
+    span._fixed_batch = None
+
+
 def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     """`steps` ((hidden, cache, position) each) through span layers [first, end) as one of the span's fixed batches,
     or None where this pass runs eagerly: LoRA rows, a batch that cannot run fixed, or one not among the span's
@@ -225,4 +230,4 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     return result
 
 
-__all__ = ["HELD", "NO_MEMORY", "FixedBatch", "run", "signature"]
+__all__ = ["HELD", "NO_MEMORY", "FixedBatch", "release", "run", "signature"]

@@ -51,6 +51,11 @@ class _SlotCache:
         return layer._keys, layer._values
 
 
+def _stamps(layers: list, first: int, end: int) -> tuple:
+    """The stamps of the buffers of layers first..end-1 (None for a layer without)."""
+    return tuple([getattr(layer, "stamp", None) for layer in layers[first:end]])
+
+
 def _buffers(layers: list, first: int, end: int) -> tuple | None:
     """The addresses and shapes of the buffers of layers first..end-1, or None unless each is an allocated
     ReservedLayer of one capacity."""
@@ -74,6 +79,7 @@ class FixedStep:
         self.layers = cache.layers  # not the cache: the cache holds this step (no reference cycle)
         self.first, self.end, self.rows = first, end, rows
         self.buffers = _buffers(self.layers, first, end)
+        self.stamps = _stamps(self.layers, first, end)  # the same buffers while these stay (span_cache.py)
         if self.buffers is None:
             raise ValueError("a fixed step needs the run layers' cache buffers allocated, of one capacity")
         layer = self.layers[first]
@@ -95,7 +101,7 @@ class FixedStep:
     def fits(self, cache: SpanCache, first: int, end: int, rows: int) -> bool:
         """Whether this step still runs `cache`'s blocks [first, end) for `rows` rows (same buffers: not grown)."""
         same = cache.layers is self.layers and (first, end, rows) == (self.first, self.end, self.rows)
-        return same and _buffers(self.layers, first, end) == self.buffers
+        return same and _stamps(self.layers, first, end) == self.stamps
 
     def _run(self) -> torch.Tensor:
         slot = self.slot

@@ -28,6 +28,7 @@ from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.server.throughput import synchronize
+from nesa_node.sharding import batch_graph
 from nesa_node.sharding.lora import adapters_for_rows
 
 logger = logging.getLogger(__name__)
@@ -272,10 +273,13 @@ class BlockCompute:
             self._decoder = asyncio.create_task(self._take_decode_queue())
         return await future
 
-    def forget(self, member) -> None:
-        """A session that closed: no step of it is expected any more."""
+    def forget(self, member, *, last: bool = False) -> None:
+        """A session that closed: no step of it is expected any more; `last`: the node has no session open now (the
+        span's batched-pass graphs are dropped, none of their batches comes again)."""
         for gathering in self.gatherings.values():
             gathering.forget(member)
+        if last and self.span is not None and getattr(self.span, "_fixed_batch", None) is not None:
+            batch_graph.release(self.span)
 
     async def _take_decode_queue(self) -> None:
         batch: list[_DecodeStep] = []

@@ -151,7 +151,7 @@ class InferenceService:
         finally:
             reader.cancel()
             self.sessions.close(session)
-            self.compute.forget(session.key)
+            self.compute.forget(session.key, last=not self.sessions.sessions)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
 
     async def _hold_adapter(self, message: OpenSession, blocks, upload: Frame | None, client_peer: str):

@@ -195,3 +195,22 @@ def test_buffer_stamps_change_with_the_buffers_only_and_are_never_shared(spans):
         assert layer.stamp != stamp and layer.capacity > 8
     stamps = [layer.stamp for cache in caches for layer in cache.layers]
     assert len(set(stamps)) == len(stamps)
+
+
+def test_a_node_left_without_sessions_drops_its_batches(spans):
+    from nesa_node.server.compute import BlockCompute
+    from nesa_node.server.config import ComputeConfig, LimitsConfig
+
+    span, plain = spans
+    compute = BlockCompute(span, ComputeConfig(), LimitsConfig())
+    try:
+        sessions = Sessions(span, plain)
+        a, b = sessions.open(4, reserve=16), sessions.open(6, reserve=16)
+        sessions.step([a, b])
+        sessions.step([a, b])
+        compute.forget("a")  # another session is still open
+        assert len(batches(span)) == 1
+        compute.forget("b", last=True)
+        assert batches(span) == [] and span._fixed_batch is None
+    finally:
+        compute.close()
