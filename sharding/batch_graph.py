@@ -160,8 +160,11 @@ class FixedBatch:
         capacity); each cache then holds position + 1 tokens. A capture that fails raises, no length moved."""
         per_row = [position for position, count in zip(positions, self.rows, strict=True) for _ in range(count)]
         with _LOCK if self.capture_stream is not None else contextlib.nullcontext():
-            for start, stop, step in zip(self.bounds, self.bounds[1:], inputs, strict=False):
-                self.hidden[start:stop].copy_(step)
+            if len({(step.device, step.dtype) for step in inputs}) == 1:  # the usual case: one copy to the device
+                self.hidden.copy_(torch.cat(inputs))
+            else:
+                for start, stop, step in zip(self.bounds, self.bounds[1:], inputs, strict=False):
+                    self.hidden[start:stop].copy_(step)
             self.positions.copy_(torch.tensor(per_row), non_blocking=True)
             if self.capture_stream is None:
                 output = self._run(caches)
@@ -207,8 +210,7 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
         if fixed is False:
             rows = [hidden.shape[0] for hidden, _, _ in steps]
             fixed = held[key] = FixedBatch(span, caches, first, end, rows, key, capture_stream=span._capture_stream())
-        outputs = fixed(caches, [hidden.to(fixed.hidden.device, fixed.hidden.dtype) for hidden, _, _ in steps],
-                        [position for _, _, position in steps])  # fmt: skip
+        outputs = fixed(caches, [hidden for hidden, _, _ in steps], [position for _, _, position in steps])
     except ValueError:
         held.pop(key, None)  # a rotary type without a table
         return None
