@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from nesa_node.client.chain_links import ChainLink, LinkFailed
+from nesa_node.client.routing import LAST_NODES_PROBE_FACTOR
 from nesa_node.client.session_chain import SessionChain
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import NoRouteError, PeerUnavailableError, RequestError
@@ -34,7 +35,6 @@ from nesa_node.routing.chain import ChainRequest, Hop
 
 logger = logging.getLogger(__name__)
 
-KEPT_PROBE_FACTOR = 4.0  # the longer probe of a quiet node that is the last for its span, in short probes (guess)
 
 # a chain for a block range, banned peers excluded (Router.reachable_chain: its nodes answered a ping just now)
 Rerouter = Callable[[ChainRequest], Awaitable]
@@ -147,9 +147,9 @@ class Failover:
         )
 
     async def _answers_longer(self, peer_id: str) -> bool:
-        """Whether a node that missed the short probe answers a ping within KEPT_PROBE_FACTOR of it."""
+        """Whether a node that missed the short probe answers a ping within LAST_NODES_PROBE_FACTOR of it."""
         with self._timed("probe_longer"):
-            timeout_s = self.probe_timeout_s * KEPT_PROBE_FACTOR
+            timeout_s = self.probe_timeout_s * LAST_NODES_PROBE_FACTOR
             return not await self.swarm.unreachable([peer_id], timeout_s=timeout_s, fresh_s=0.0)
 
     async def _find_failed(self, failure: LinkFailed) -> int | None:
