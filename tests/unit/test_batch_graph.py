@@ -63,11 +63,17 @@ def spans(tiny_llama):
     return load_block_span(tiny_llama, SpanSpec(0, 4, decode_graphs=True)), load_block_span(tiny_llama, SpanSpec(0, 4))
 
 
-def test_a_repeating_batch_runs_fixed_and_computes_what_each_sessions_own_steps_do(spans, monkeypatch):
-    span, plain = spans
-    runs = []
+@pytest.fixture
+def runs(monkeypatch) -> list:
+    """Every fixed batch run, in order (one entry a run)."""
+    calls = []
     original = FixedBatch.__call__
-    monkeypatch.setattr(FixedBatch, "__call__", lambda self, *args: runs.append(self) or original(self, *args))
+    monkeypatch.setattr(FixedBatch, "__call__", lambda self, *args: calls.append(self) or original(self, *args))
+    return calls
+
+
+def test_a_repeating_batch_runs_fixed_and_computes_what_each_sessions_own_steps_do(spans, runs):
+    span, plain = spans
     sessions = Sessions(span, plain)
     # different prompt lengths, rows and capacities (16, 32 and an unreserved buffer of 64)
     a, b, c = sessions.open(5, reserve=16), sessions.open(9, reserve=32, rows=2), sessions.open(3, reserve=0)
@@ -94,11 +100,8 @@ def test_a_repeating_batch_runs_fixed_and_computes_what_each_sessions_own_steps_
     assert len(runs) == count + 1 and runs[-1].capacity == 64
 
 
-def test_the_same_sessions_in_another_order_are_the_same_batch_and_a_few_batches_alternate(spans, monkeypatch):
+def test_the_same_sessions_in_another_order_are_the_same_batch_and_a_few_batches_alternate(spans, runs):
     span, plain = spans
-    runs = []
-    original = FixedBatch.__call__
-    monkeypatch.setattr(FixedBatch, "__call__", lambda self, *args: runs.append(self) or original(self, *args))
     sessions = Sessions(span, plain)
     a, b, c = sessions.open(4, reserve=16), sessions.open(6, reserve=16, rows=2), sessions.open(5, reserve=32)
     sessions.step([a, b, c])
@@ -157,15 +160,15 @@ def test_a_failed_capture_runs_the_pass_eagerly_and_an_error_turns_batch_graphs_
         assert tried == [2, 3]
 
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 @pytest.mark.gpu
-@needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_captured_batches_replay_what_each_sessions_own_steps_compute_on_cuda(tiny_llama, dtype):
-    span = load_block_span(tiny_llama, SpanSpec(0, 4, dtype=dtype, device="cuda", decode_graphs=True))
-    plain = load_block_span(tiny_llama, SpanSpec(0, 4, dtype=dtype, device="cuda"))
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    span, plain = (
+        load_block_span(tiny_llama, SpanSpec(0, 4, dtype=dtype, device="cuda", decode_graphs=graphs))
+        for graphs in (True, False)
+    )
     sessions = Sessions(span, plain, device="cuda", dtype=span.dtype_)
     if dtype == "bfloat16":
         sessions.tolerance = {"atol": 3e-2, "rtol": 3e-2}
