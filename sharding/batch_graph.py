@@ -16,9 +16,8 @@ A batch is known by its sessions' buffers (their stamps: span_cache.py), rows an
 arrived in. `run` captures a batch the second time it meets it (a batch seen once, as sessions join or leave, runs as
 the eager pass does) and replays it while it repeats; a span keeps its HELD most recent batches (a batch dropped frees
 its graph's memory), so that passes alternating between a few batches (a straggler's step left for the next pass)
-replay each. Passes with
-LoRA rows run eagerly (a graph replays the base weights). Eagerly, on
-any device, a fixed batch computes what the eager pass does, up to the rounding of attention over masked keys: how
+replay each. Passes with LoRA rows run eagerly (a graph replays the base weights). Eagerly, on any device, a fixed
+batch computes what the eager pass does, up to the rounding of attention over masked keys: how
 it is tested without a GPU. Captures follow decode_graph.py's rules (one stream per span, a pool per graph, the
 process-wide lock, the warm-up run with the real input at the real positions).
 """
@@ -32,7 +31,7 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from nesa_node.sharding.decode_graph import _LOCK, _buffers, _stamps
+from nesa_node.sharding.decode_graph import _LOCK, _buffers, _stamps, capture
 from nesa_node.sharding.lora_rows import rows_active
 from nesa_node.sharding.span_cache import SpanCache
 
@@ -85,7 +84,7 @@ def signature(steps: list, first: int, end: int) -> tuple | None:
         rows, capacity = memo[1]
         if rows != hidden.shape[0] or position != run[0].length or position >= capacity:
             return None
-        parts.append((rows, stamps))
+        parts.append((rows, id(cache.layers), stamps))  # the identity too: a copied layer would carry its stamp
     return (first, end, *parts)
 
 
@@ -94,7 +93,7 @@ class FixedBatch:
     of `caches` as they are now (module docstring). `__call__(caches, inputs, positions)` runs it for caches of the
     batch's `key` and moves each cache's length; with `capture_stream` (CUDA) its first call captures it as a graph,
     later calls replay that. It holds no cache: a closed session's buffers are freed as usual, and a batch whose key
-    matches again has, by the key, the very buffers (addresses and shapes) the graph writes and reads."""
+    matches again has, by its stamps, the very buffers the graph writes and reads."""
 
     def __init__(self, span, caches: list[SpanCache], first: int, end: int, rows: list[int], key: tuple,
                  capture_stream=None):  # fmt: skip
@@ -136,24 +135,8 @@ class FixedBatch:
         return hidden
 
     def _capture(self, caches: list[SpanCache]) -> None:
-        """Warm up, then capture, on the span's capture stream, with the inputs and positions already set."""
-        stream = self.capture_stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        graph = torch.cuda.CUDAGraph()
-        try:
-            self._capture_on(stream, graph, caches)
-        finally:  # also after a failed capture: the warm-up's kernels may still read tensors the caller frees next
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-    def _capture_on(self, stream, graph, caches: list[SpanCache]) -> None:
-        with torch.cuda.stream(stream):
-            self._run(caches)  # warm-up (decode_graph.py): kernels chosen, writes the same keys the replay writes again
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.output = self._run(caches)
-            finally:
-                graph.capture_end()
-        self.graph = graph
+        """Warm up (writing the same keys the replay writes again), then capture, inputs and positions already set."""
+        self.graph, self.output = capture(self.capture_stream, lambda: self._run(caches))
 
     def __call__(self, caches: list[SpanCache], inputs: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
         """Each session's output for its `inputs` (rows, 1, hidden) at `positions` (its cache's length, below its

@@ -69,6 +69,26 @@ def _buffers(layers: list, first: int, end: int) -> tuple | None:
     )  # fmt: skip
 
 
+def capture(stream, run) -> tuple:
+    """`run()` warmed up, then captured as a CUDA graph, on `stream` (the span's capture stream; the module's rules):
+    (the graph, the output tensor its replays write). The calling stream waits for `stream` afterwards, also after a
+    failed capture: the warm-up's kernels may still read tensors the caller frees next."""
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.stream(stream):
+            run()  # warm-up: kernels chosen, cuBLAS's workspace for this stream allocated outside any graph
+            # thread_local: the node's other threads may use the device meanwhile; a pool of its own (see module)
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                output = run()
+            finally:
+                graph.capture_end()
+    finally:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
+    return graph, output
+
+
 class FixedStep:
     """A one-token step of `rows` rows through blocks [first, end) of `span` (span-relative), over `cache`'s buffers
     as they are now (see the module docstring). `__call__(hidden, position)` runs it and moves the cache's length;
@@ -78,9 +98,8 @@ class FixedStep:
         self.span = span
         self.layers = cache.layers  # not the cache: the cache holds this step (no reference cycle)
         self.first, self.end, self.rows = first, end, rows
-        self.buffers = _buffers(self.layers, first, end)
         self.stamps = _stamps(self.layers, first, end)  # the same buffers while these stay (span_cache.py)
-        if self.buffers is None:
+        if _buffers(self.layers, first, end) is None:
             raise ValueError("a fixed step needs the run layers' cache buffers allocated, of one capacity")
         layer = self.layers[first]
         self.capacity = layer.capacity
@@ -123,25 +142,8 @@ class FixedStep:
         return hidden
 
     def _capture(self) -> None:
-        """Warm up, then capture, on the span's capture stream, with the input and slot already set."""
-        stream = self.capture_stream
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-        graph = torch.cuda.CUDAGraph()
-        try:
-            self._capture_on(stream, graph)
-        finally:  # also after a failed capture: the warm-up's kernels may still read tensors the caller frees next
-            torch.cuda.current_stream(stream.device).wait_stream(stream)
-
-    def _capture_on(self, stream, graph) -> None:
-        with torch.cuda.stream(stream):
-            self._run()  # warm-up: kernels chosen, cuBLAS's workspace for this stream allocated outside any graph
-            # thread_local: the node's other threads may use the device meanwhile; a pool of its own (see module)
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                self.output = self._run()
-            finally:
-                graph.capture_end()
-        self.graph = graph
+        """Warm up, then capture, with the input and slot already set."""
+        self.graph, self.output = capture(self.capture_stream, self._run)
 
     def __call__(self, hidden: torch.Tensor, position: int) -> torch.Tensor:
         """The blocks' output for `hidden` (rows, 1, hidden) at `position` (the cache's length, below its
@@ -164,4 +166,4 @@ class FixedStep:
         return output
 
 
-__all__ = ["FixedStep"]
+__all__ = ["FixedStep", "capture"]

@@ -27,9 +27,26 @@ MIN_CAPACITY = 64  # tokens of a buffer's first allocation when no capacity was 
 _STAMPS = itertools.count(1)  # stamps of buffers set, never given twice in a process
 
 
+class _StampedBuffer:
+    """A layer's buffer attribute: every assignment gives the layer a new `stamp`."""
+
+    def __set_name__(self, owner, name: str) -> None:
+        self.slot = f"{name}_buffer"
+
+    def __get__(self, layer, owner=None):
+        return self if layer is None else layer.__dict__[self.slot]
+
+    def __set__(self, layer, buffer: torch.Tensor | None) -> None:
+        layer.__dict__[self.slot] = buffer
+        layer.stamp = next(_STAMPS)
+
+
 class ReservedLayer(DynamicLayer):
     """One full-attention layer's keys and values in growable buffers; `keys` and `values` view the filled part.
     `stamp` changes whenever either buffer is set (a number never given before): equal stamps, same buffers."""
+
+    _keys = _StampedBuffer()
+    _values = _StampedBuffer()
 
     def __init__(self):
         super().__init__()
@@ -37,22 +54,6 @@ class ReservedLayer(DynamicLayer):
         self.reserved = 0  # capacity the owner reserved (0: none; the buffer doubles)
         self._keys: torch.Tensor | None = None  # (batch, kv_heads, capacity, head_dim)
         self._values: torch.Tensor | None = None
-
-    @property
-    def _keys(self) -> torch.Tensor | None:
-        return self._key_buffer
-
-    @_keys.setter
-    def _keys(self, buffer: torch.Tensor | None) -> None:
-        self._key_buffer, self.stamp = buffer, next(_STAMPS)
-
-    @property
-    def _values(self) -> torch.Tensor | None:
-        return self._value_buffer
-
-    @_values.setter
-    def _values(self, buffer: torch.Tensor | None) -> None:
-        self._value_buffer, self.stamp = buffer, next(_STAMPS)
 
     @property
     def capacity(self) -> int:

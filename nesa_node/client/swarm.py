@@ -122,6 +122,7 @@ class Swarm(Bans):
         self.use_lanes = True  # FORWARD lanes for forward calls (ClientConfig.lanes)
         self.rtt_ms = RoundTrips()  # peer id -> least round trip of the client's recent pings, ms
         self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
+        self._rtt_rechecked: dict[str, float] = {}  # peer id -> monotonic s a step last had its round trip pinged again
         self._records: dict[str, NodeRecord] = {}  # peer id -> newest record seen (expired ones are skipped)
         self._refresh: asyncio.Future | None = None  # the DHT read in flight
         Bans.__init__(self)
@@ -398,10 +399,10 @@ class Swarm(Bans):
         faster than the round trips it knows, so one was taken at a busy moment (RoundTrips keeps the least)."""
         now = time.monotonic()
         stale = [
-            peer for peer in dict.fromkeys(peer_ids) if now - self._rtt_measured.get(peer, -math.inf) > RTT_RECHECK_S
+            peer for peer in dict.fromkeys(peer_ids) if now - self._rtt_rechecked.get(peer, -math.inf) > RTT_RECHECK_S
         ]
         if stale:
-            self._rtt_measured.update(dict.fromkeys(stale, now))
+            self._rtt_rechecked.update(dict.fromkeys(stale, now))
             task = asyncio.ensure_future(self.measure_rtts(stale, max_age_s=0.0))
             self._background.add(task)
             task.add_done_callback(self._background.discard)

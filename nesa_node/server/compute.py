@@ -278,7 +278,7 @@ class BlockCompute:
         span's batched-pass graphs are dropped, none of their batches comes again)."""
         for gathering in self.gatherings.values():
             gathering.forget(member)
-        if last and self.span is not None and getattr(self.span, "_fixed_batch", None) is not None:
+        if last and self.span is not None:
             batch_graph.release(self.span)
 
     async def _take_decode_queue(self) -> None:
