@@ -18,11 +18,12 @@ generation through the fresh nodes against the later ones (`first_vs_later`).
 one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
 through nodes started with --no-batch-decode.
 
-The single-process baseline runs on torch's default threads (all cores). The nodes run as an operator runs several on
-one machine: each with its share of the cores (`--node-threads`, by default the cores over the nodes of the swarm
-measured, at least one), and the swarm's client computes on --client-threads threads (default 1), since the nodes need
-the same cores. Each swarm (one per --nodes count, and its --no-batch-decode twin with --clients) runs alone: it is
-started, measured and stopped before the next starts.
+The single-process baseline, every node and the swarm's client run on torch's default threads (all cores): a chain
+computes one part at a time (the client, then each node in turn), and each process's idle OpenMP threads spin only
+about 0.1 ms before they sleep (nesa_node/openmp_wait.py, set here and by `nesa-node run`), so the part computing has
+the cores. `--node-threads N` gives each node N threads instead (`--node-threads share`: the cores over the nodes of
+the swarm, as for nodes computing at once), `--client-threads N` the client. Each swarm (one per --nodes count, and
+its --no-batch-decode twin with --clients) runs alone: it is started, measured and stopped before the next starts.
 """
 
 from __future__ import annotations
@@ -41,11 +42,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node import event_loop  # noqa: E402
+from nesa_node import event_loop, openmp_wait  # noqa: E402
+
+openmp_wait.short_spin()  # before torch loads: the baseline and the client as the nodes (see the docstring)
+
+import torch  # noqa: E402
+
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
 from nesa_node.devtools.launcher import ProcessGroup, split_blocks  # noqa: E402
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model  # noqa: E402
@@ -229,11 +233,11 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def node_threads(args, count: int) -> int:
-    """Torch threads of each of `count` nodes: --node-threads when given (0: torch's default), else their share of
-    this machine's cores."""
-    if args.node_threads is not None:
-        return args.node_threads
-    return max(1, (os.cpu_count() or 1) // count)
+    """Torch threads of each of `count` nodes: --node-threads (0: torch's default, all cores; "share": their share of
+    this machine's cores)."""
+    if args.node_threads == "share":
+        return max(1, (os.cpu_count() or 1) // count)
+    return int(args.node_threads)
 
 
 def free_ports(count: int) -> list[int]:
@@ -411,21 +415,19 @@ def main() -> None:
     parser.add_argument("--forward-repeats", type=int, default=5)
     parser.add_argument("--compression", default="none", help="hidden-state codec (default none: a lossless wire)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
-    # nodes sharing one machine each get their share of its cores, as an operator would set them; 0: torch's default
-    # (all cores) per node, whose idle OpenMP threads sleep (OMP_WAIT_POLICY=PASSIVE, set by `nesa-node run`)
     parser.add_argument(
         "--node-threads",
-        type=int,
-        default=None,
-        help="torch threads per node process (default: the cores over the nodes; 0: torch's default)",
+        type=lambda text: text if text == "share" else int(text),
+        default=0,
+        help="torch threads per node process (default 0: torch's default, all cores; share: the cores over the nodes)",
     )
     parser.add_argument("--clients", type=int, default=0, help="concurrent sessions for the aggregate figure (0: none)")
     parser.add_argument(
         "--client-threads",
         type=int,
-        default=1,
+        default=0,
         help="torch threads of this process once the single-process baseline is measured: the swarm's client "
-        "(embeddings, LM head) shares the cores with the nodes (default 1; 0: leave torch's default)",
+        "(embeddings, LM head) shares the cores with the nodes (default 0: leave torch's default, all cores)",
     )
     args = parser.parse_args()
     shape = SHAPES[args.shape]

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
 
-from nesa_node import event_loop
+from nesa_node import event_loop, openmp_wait
 from nesa_node.cli.failures import ArgumentParser, Terminated, raise_terminated, report
 from nesa_node.cli.options import (
     PARSERS,
@@ -154,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=0,
         metavar="N",
-        help="CPU threads for compute (default: torch's choice, all cores); give each node its share when "
-        "several nodes run on one machine",
+        help="CPU threads for compute (default: torch's choice, all cores; nodes on one machine can each keep "
+        "all: a chain computes one node at a time and idle threads sleep after about 0.1 ms)",
     )
     for title, section in (
         ("network", NetworkConfig),
@@ -477,6 +476,9 @@ def main(argv: list[str] | None = None) -> int:
 
         check_arguments(parser, args)
     _configure_logging(args.verbose)
+    # idle OpenMP threads spin about 0.1 ms, then sleep: a node waiting for its next step (or a client for its
+    # nodes) leaves the cores to the others (nesa_node/openmp_wait.py); read when torch loads, so set before that
+    openmp_wait.short_spin()
     previous = signal.signal(signal.SIGTERM, raise_terminated)  # commands serving until a signal have their own
     try:
         return _dispatch(args)
@@ -521,10 +523,6 @@ def _dispatch(args) -> int:
 
         return run_graph_stage(args)
     if args.command == "run":
-        # idle OpenMP threads sleep instead of spinning, so a node waiting for its next step leaves the cores
-        # to others (measured: nodes sharing 2 cores, decode step 13.7 ms passive vs 42 ms spinning under load);
-        # read when torch loads, so it is set before anything imports torch
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         event_loop.run(_run_node(args))
         return 0
     if args.command == "gateway":
