@@ -7,7 +7,10 @@ activations). Absolute timings on a shared machine drift, so every repeat times 
 decode in turn, and the ratio is the median over repeats of that repeat's round trip over its clone. On a GPU every
 codec computes on the device and its payload bytes go to the host (the wire) and back, so the table also gives each
 codec's round trip against that copy of its payload alone ("roundtrip_vs_host_copy"): what the codec costs beyond
-the transfer any codec pays (a 16 MiB copy over PCIe alone is some twenty device clones of it).
+the transfer any codec pays (a 16 MiB copy over PCIe alone is some twenty device clones of it). On every device the
+codec's own round trip, its payload kept on the device (`encode_on_device`, then `decode` of that payload: no way
+out, as between two spans in one process), is timed in the same repeats: "device_roundtrip_ms" and
+"device_roundtrip_vs_clone".
 
 Every operation timed allocates its result, so the allocator's state decides much of a 16 MB clone's time: glibc
 serves a fresh block from new pages (a page fault each 4 KiB: about 4 ms here) or reuses freed memory (about 1 ms),
@@ -43,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node.compression.codec import CODECS, decode, encode, wire_bytes  # noqa: E402
+from nesa_node.compression.codec import CODECS, decode, encode, encode_on_device, wire_bytes  # noqa: E402
 from nesa_node.devtools.allocator import steady_allocator  # noqa: E402
 
 LINK_BITS_PER_S = 100e6  # the simulated 100 Mbit/s link
@@ -79,6 +82,11 @@ def _interleaved_seconds(runs: dict[str, Callable[[], object]], repeats: int, de
 def _host_round_trip(wire: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The payload's bytes to the host and back: what any codec's round trip through the wire pays at least."""
     return wire.cpu().to(device)
+
+
+def _device_round_trip(tensor: torch.Tensor, codec: str, device: torch.device) -> torch.Tensor:
+    """Encode with the payload kept on the tensor's device, and decode it there."""
+    return decode(encode_on_device(tensor, codec), device=device)
 
 
 def _inputs(shape: tuple[int, ...], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -122,6 +130,7 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
         for codec in CODECS:
             runs[f"encode {codec}"] = partial(encode, tensor, codec)
             runs[f"decode {codec}"] = partial(decode, encoded[codec], device=target)
+            runs[f"device {codec}"] = partial(_device_round_trip, tensor, codec, target)
         if target.type != "cpu":  # the floor of any codec whose bytes leave the device: their way out and back
             for codec in CODECS:
                 wire = torch.empty(len(encoded[codec].payload), dtype=torch.uint8, device=target)
@@ -139,6 +148,11 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
                     seconds[f"encode {codec}"], seconds[f"decode {codec}"], seconds["clone"], strict=True
                 )
             ]
+            device_s = statistics.median(seconds[f"device {codec}"])
+            device_paired = [
+                round_trip / clone_time
+                for round_trip, clone_time in zip(seconds[f"device {codec}"], seconds["clone"], strict=True)
+            ]
             row["codecs"][codec] = {
                 "encode_gbps": input_bytes / encode_s / 1e9,
                 "decode_gbps": input_bytes / decode_s / 1e9,
@@ -146,6 +160,8 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
                 "decode_ms": decode_s * 1e3,
                 "roundtrip_ms": (encode_s + decode_s) * 1e3,
                 "roundtrip_vs_clone": statistics.median(paired),
+                "device_roundtrip_ms": device_s * 1e3,
+                "device_roundtrip_vs_clone": statistics.median(device_paired),
                 "wire_bytes": len(encoded[codec].payload),
                 "compression": input_bytes / len(encoded[codec].payload),
                 **{kind: _errors(values, codec, target) for kind, values in inputs.items()},

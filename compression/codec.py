@@ -55,7 +55,9 @@ class EncodedTensor:
     codec: str  # codec name, one of CODECS
     dtype: str  # element type of the decoded tensor
     shape: tuple[int, ...]
-    payload: bytes
+    # the bytes on the wire; from `encode_on_device`, the same bytes as a one-dimensional uint8 tensor still on the
+    # encoded tensor's device (bytes once they go out: `encode`)
+    payload: bytes | torch.Tensor
     params: tuple[
         tuple[str, int], ...
     ] = ()  # codec parameters as sorted (name, value) pairs, e.g. (("block_size", 64),)
@@ -149,8 +151,8 @@ def _encode_linear(flat: torch.Tensor, params: dict[str, int]) -> torch.Tensor:
     payload = torch.empty(_SCALE_BYTES * blocks + blocks * block_size, dtype=torch.uint8, device=flat.device)
     scales = payload[: _SCALE_BYTES * blocks].view(torch.float32)  # (blocks,)
     codes = payload[_SCALE_BYTES * blocks :].view(torch.int8).view(blocks, block_size)
-    quantize.quantize_linear_into(values.view(blocks, block_size), scales, codes)
-    if not math.isfinite(float(scales.max())):  # a nan or inf element makes its block's scale nan or inf
+    highest = quantize.quantize_linear_into(values.view(blocks, block_size), scales, codes)
+    if not math.isfinite(highest):  # a nan or inf element makes its block's scale nan or inf
         raise _refuse_non_finite()
     return payload[: _SCALE_BYTES * blocks + elements]
 
@@ -171,14 +173,21 @@ def _decode_blocks(
     codes = raw[_SCALE_BYTES * blocks :].view(code_dtype)  # (elements,)
     # the decoded values are at most |scale|, so a finite scale within the dtype's range keeps them finite; the
     # extremes answer all three checks (min and max propagate nan; torch.aminmax measured 20x slower than both)
-    lowest, highest = float(scales.min()), float(scales.max())
+    linear = code_dtype == torch.int8
+    if raw.device.type == "cpu":
+        lowest, highest = float(scales.min()), float(scales.max())
+        lowest_code = int(codes.min()) if linear else 0
+    else:  # a payload on a GPU (encode_on_device): the three extremes in one transfer, one wait for the device
+        extremes = [scales.min(), scales.max()] + ([codes.min().to(torch.float32)] if linear else [])
+        lowest, highest, *rest = torch.stack(extremes).tolist()
+        lowest_code = int(rest[0]) if linear else 0
     if not (math.isfinite(lowest) and math.isfinite(highest)):
         raise CodecError("block scales must be finite")
     if not signed_scales and lowest < 0:
         raise CodecError("block scales of codec 'blockwise8' must be >= 0")
     if max(highest, -lowest) > torch.finfo(dtype).max:
         raise CodecError(f"a block scale exceeds the {dtype} range")
-    if code_dtype == torch.int8 and int(codes.min()) < -127:
+    if lowest_code < -127:
         raise CodecError("code -128 is not a linear code (codes are -127..127)")
     if blocks * block_size != elements:
         codes = torch.nn.functional.pad(codes, (0, blocks * block_size - elements))
@@ -297,21 +306,43 @@ def _element_count(shape: Any, rank: int | None, max_elements: int) -> tuple[tup
 def encode(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedTensor:
     """Encode a float32, float16 or bfloat16 tensor of any shape and device for the wire.
 
-    The work runs on the tensor's device; only the payload bytes move to the CPU. `params` are the codec's
+    The work runs on the tensor's device (`encode_on_device`); only the payload bytes move to the CPU. `params` are the codec's
     parameters (blockwise8, dynamic8: `block_size`, 16..4096 elements, default 64); the result records all of them.
     Per-element error: none exact; fp16 / bf16 one rounding to the wire dtype; blockwise8 |x - x'| <= absmax / 254
     and dynamic8 |x - x'| <= 0.00703125 * absmax, absmax taken over the element's block (see `quantize`).
     Raises CodecError for an unknown codec, bad parameters, a dtype not in WIRE_DTYPES, nan or inf with a lossy codec,
     and values beyond the float16 / bfloat16 range with fp16 / bf16.
     """
+    payload, name, resolved = _encode(tensor, codec, params)
+    return EncodedTensor(
+        codec=codec,
+        dtype=name,
+        shape=tuple(tensor.shape),
+        payload=payload.cpu().numpy().tobytes() if len(payload) else b"",
+        params=resolved,
+    )
+
+
+def encode_on_device(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedTensor:
+    """`encode` without the way out: the payload is a one-dimensional uint8 tensor on the tensor's device, which
+    `decode` takes as it is (`decode(encode_on_device(x, c), device=x.device)` is `x` through codec `c` without
+    leaving the device). A GPU copies only these bytes to the host, when they go out. With codec "none" the payload
+    may share memory with `tensor` (decode copies). Same errors as `encode`."""
+    payload, name, resolved = _encode(tensor, codec, params)
+    return EncodedTensor(codec=codec, dtype=name, shape=tuple(tensor.shape), payload=payload, params=resolved)
+
+
+def _encode(tensor: torch.Tensor, codec: str, params: dict[str, int]) -> tuple[torch.Tensor, str, tuple]:
+    """(uint8 payload on the tensor's device, dtype name, sorted codec parameters) of `tensor` through `codec`."""
     spec = _codec(codec)
     resolved = _resolve_params(codec, spec, params)
     name = _dtype_name(tensor.dtype)
     flat = tensor.detach().reshape(-1)  # (elements,)
-    payload = spec.encode(flat, resolved).cpu().numpy().tobytes() if flat.numel() else b""
-    return EncodedTensor(
-        codec=codec, dtype=name, shape=tuple(tensor.shape), payload=payload, params=tuple(sorted(resolved.items()))
-    )
+    if flat.numel():
+        payload = spec.encode(flat, resolved)
+    else:
+        payload = torch.empty(0, dtype=torch.uint8, device=flat.device)
+    return payload, name, tuple(sorted(resolved.items()))
 
 
 def decode(
@@ -330,6 +361,7 @@ def decode(
     exactly what shape and parameters require; then for block codecs that every scale is finite, within the dtype's
     range (and >= 0 for blockwise8), and that no int8 code is -128. Raises CodecError with a message naming the
     problem. Decoded values may still be nan or inf with codecs "none", "fp16" and "bf16": check with `all_finite`.
+    The payload is bytes (from a peer) or, from `encode_on_device`, a one-dimensional uint8 tensor on any device.
     """
     spec = _codec(encoded.codec)
     params = _resolve_params(encoded.codec, spec, encoded.params)
@@ -338,9 +370,9 @@ def decode(
     shape, elements = _element_count(encoded.shape, rank, max_elements)
     torch_dtype, width = WIRE_DTYPES[encoded.dtype]
     expected = spec.payload_bytes(elements, width, params)
-    if len(encoded.payload) != expected:
+    if _payload_length(encoded.payload) != expected:
         raise CodecError(
-            f"payload has {len(encoded.payload)} bytes but shape {list(shape)} of {encoded.dtype} with codec "
+            f"payload has {_payload_length(encoded.payload)} bytes but shape {list(shape)} of {encoded.dtype} with codec "
             f"{encoded.codec!r} needs {expected}"
         )
     target = torch.device(device) if device is not None else torch.device("cpu")
@@ -350,15 +382,27 @@ def decode(
     return spec.decode(raw, elements, torch_dtype, params, target).reshape(shape)
 
 
+def _payload_length(payload: bytes | torch.Tensor) -> int:
+    """Bytes in a payload: bytes, or a one-dimensional contiguous uint8 tensor (CodecError for any other tensor)."""
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+            raise CodecError("a payload tensor must be one-dimensional, contiguous uint8")
+        return payload.numel()
+    return len(payload)
+
+
 _FROMBUFFER_WARNED = False  # torch's one warning about views of immutable bytes has been given (and silenced)
 
 
-def _payload_view(payload: bytes) -> torch.Tensor:
+def _payload_view(payload: bytes | torch.Tensor) -> torch.Tensor:
     """A read-only uint8 tensor over the payload, without copying it: decoders only read it (and copy where their
     result would otherwise be a view of it). torch warns once per process that such a tensor could write into
     immutable bytes; that one warning is silenced here, where nothing does (on the first view only: entering
-    `catch_warnings` on every decode step costs more than the rest of a small tensor's decoding)."""
+    `catch_warnings` on every decode step costs more than the rest of a small tensor's decoding). A payload that is
+    already a tensor (`encode_on_device`) is used as it is."""
     global _FROMBUFFER_WARNED
+    if isinstance(payload, torch.Tensor):  # checked by _payload_length
+        return payload
     if isinstance(payload, bytes | bytearray) and len(payload) > 0:
         if _FROMBUFFER_WARNED:
             return torch.frombuffer(payload, dtype=torch.uint8)
@@ -411,5 +455,6 @@ __all__ = [
     "all_finite",
     "decode",
     "encode",
+    "encode_on_device",
     "wire_bytes",
 ]

@@ -138,8 +138,8 @@ def quantize_linear_into(
     scales: torch.Tensor,
     codes: torch.Tensor,
     *,
-    chunk_elements: int = _QUANTIZE_CHUNK_ELEMENTS,
-) -> None:
+    chunk_elements: int | None = None,
+) -> float:
     """`quantize_linear` written into caller-owned buffers, bit for bit the same scales and codes, in fewer passes.
 
     `blocks` is a contiguous float32, float16 or bfloat16 (blocks, block_size) tensor; `scales` a float32 (blocks,)
@@ -147,15 +147,19 @@ def quantize_linear_into(
     needs no concatenation). A non-finite element leaves a nan or inf scale and meaningless codes in its block: the
     caller checks the scales. Error bound as `quantize_linear`: |x - x'| <= absmax / 254 after `dequantize_linear`.
 
-    Works in steps of about `chunk_elements` elements, so that no temporary as large as the input is allocated and
-    a step's data is still in cache for its next operation. Two passes over the steps: first |x| into the float32
+    On the CPU works in steps of about `chunk_elements` elements (default `_QUANTIZE_CHUNK_ELEMENTS`), so that no
+    temporary as large as the input is allocated and a step's data is still in cache for its next operation; on a
+    GPU (default: one step), where every step's operations are kernel launches and the float32 temporary is cheap. Two passes over the steps: first |x| into the float32
     temporary and its block maxima (an abs and an amax cost less than an amax and an amin, measured), then, after
     the factors 127 / absmax of all blocks at once, one multiply, one add of `_ROUNDING_OFFSET` and one copy into
     the codes, which round exactly as `quantize_linear` does (float32 product, then round half to even); computing
     the factors once instead of per step measured about 5% faster. Blocks whose factor overflows (absmax 0, or so
-    small that 127 / absmax is inf) are redone afterwards with `quantize_linear`.
+    small that 127 / absmax is inf) are redone afterwards with `quantize_linear`. Returns the largest scale (nan or
+    inf for non-finite input), read from the device together with what the redo needs (one wait on a GPU).
     """
     rows, block_size = blocks.shape
+    if chunk_elements is None:
+        chunk_elements = _QUANTIZE_CHUNK_ELEMENTS if blocks.device.type == "cpu" else rows * block_size
     step = _chunk_rows(block_size, chunk_elements)
     work = torch.empty(min(step, rows), block_size, dtype=torch.float32, device=blocks.device)  # (step, block_size)
     for start in range(0, rows, step):
@@ -170,9 +174,14 @@ def quantize_linear_into(
         out = work[: stop - start]
         torch.mul(blocks[start:stop], factor[start:stop, None], out=out).add_(_ROUNDING_OFFSET)  # see the offset
         codes[start:stop].copy_(out.view(torch.int32))  # keeps the low byte: two's complement wraps
-    if not math.isfinite(float(factor.max())):  # inf: a zero or tiny absmax (nan: non-finite input, caller refuses)
+    if scales.device.type == "cpu":
+        highest, most = float(scales.max()), float(factor.max())
+    else:
+        highest, most = torch.stack([scales.max(), factor.max()]).tolist()
+    if not math.isfinite(most):  # inf: a zero or tiny absmax (nan: non-finite input, the caller refuses)
         redo = torch.isinf(factor).nonzero().view(-1)  # (blocks to redo,)
         codes[redo] = quantize_linear(blocks[redo].to(torch.float32))[0]
+    return highest
 
 
 def dequantize_linear_into(

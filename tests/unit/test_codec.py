@@ -15,6 +15,7 @@ from nesa_node.compression.codec import (
     all_finite,
     decode,
     encode,
+    encode_on_device,
     wire_bytes,
 )
 from nesa_node.compression.names import AUTO_CODEC
@@ -459,6 +460,59 @@ def test_decode_to_a_device_argument():
         assert decoded.device.type == "cpu" and decoded.shape == tensor.shape
 
 
+@FEW
+@given(shape=shapes, dtype=st.sampled_from(DTYPES), seed=seeds, codec=st.sampled_from(CODECS), block_size=block_sizes)
+def test_a_payload_kept_on_the_device_is_the_wire_payload(shape, dtype, seed, codec, block_size):
+    tensor = _randn(shape, seed, dtype, scale=3.0)
+    params = {"block_size": block_size} if codec in BLOCK_CODECS else {}
+    on_device, wire = encode_on_device(tensor, codec, **params), encode(tensor, codec, **params)
+    assert isinstance(on_device.payload, torch.Tensor) and on_device.payload.dtype == torch.uint8
+    assert on_device.payload.numpy().tobytes() == wire.payload
+    assert (on_device.codec, on_device.dtype, on_device.shape, on_device.params) == (
+        wire.codec,
+        wire.dtype,
+        wire.shape,
+        wire.params,
+    )
+    decoded = decode(on_device, device=tensor.device)
+    assert decoded.dtype == tensor.dtype and torch.equal(decoded, decode(wire))
+    if codec == "none" and tensor.numel():  # the payload may view the tensor; the decoded tensor never does
+        assert decoded.data_ptr() != tensor.data_ptr()
+
+
+def test_a_payload_tensor_is_checked_like_bytes():
+    encoded = encode_on_device(torch.ones(2, 64), "blockwise8")
+    for bad in (encoded.payload.view(2, -1), encoded.payload.to(torch.int8), encoded.payload[::2], encoded.payload[1:]):
+        with pytest.raises(CodecError):
+            decode(EncodedTensor("blockwise8", "float32", (2, 64), bad, encoded.params))
+    payload = encoded.payload.clone()
+    payload[:4] = torch.tensor([math.nan]).view(torch.uint8)
+    with pytest.raises(CodecError, match="finite"):
+        decode(EncodedTensor("blockwise8", "float32", (2, 64), payload, encoded.params))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_payload_stays_on_the_gpu_and_decodes_there(codec):
+    tensor = _randn((8, 128, 512), 6, scale=3.0).cuda()
+    on_device = encode_on_device(tensor, codec)
+    assert on_device.payload.is_cuda
+    assert on_device.payload.cpu().numpy().tobytes() == encode(tensor.cpu(), codec).payload
+    decoded = decode(on_device, device="cuda")
+    assert decoded.is_cuda and torch.equal(decoded.cpu(), decode(encode(tensor.cpu(), codec)))
+    if codec in BLOCK_CODECS:  # the checks of a payload on the GPU (one transfer of its extremes)
+        payload = on_device.payload.clone()
+        payload[:4] = torch.tensor([math.inf]).view(torch.uint8).cuda()
+        with pytest.raises(CodecError, match="finite"):
+            decode(EncodedTensor(codec, on_device.dtype, on_device.shape, payload, on_device.params), device="cuda")
+    if codec == "blockwise8":
+        payload = on_device.payload.clone()
+        payload[4 * (tensor.numel() // 64)] = 0x80  # the first code: -128
+        with pytest.raises(CodecError, match="-128"):
+            decode(EncodedTensor(codec, on_device.dtype, on_device.shape, payload, on_device.params), device="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("codec", CODECS)
@@ -485,7 +539,9 @@ chunk_sizes = st.sampled_from([1, 17, 64, 1000, 1 << 20])
 def _quantize_fast(blocks: torch.Tensor, chunk_elements: int = 1 << 20) -> tuple[torch.Tensor, torch.Tensor]:
     codes = torch.empty(blocks.shape, dtype=torch.int8)
     scales = torch.empty(blocks.shape[0], dtype=torch.float32)
-    quantize_linear_into(blocks, scales, codes, chunk_elements=chunk_elements)
+    highest = quantize_linear_into(blocks, scales, codes, chunk_elements=chunk_elements)
+    expected = float(scales.max())  # the largest scale it returns, nan included
+    assert highest == expected or (math.isnan(highest) and math.isnan(expected)), (highest, expected)
     return codes, scales
 
 
