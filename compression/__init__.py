@@ -7,7 +7,7 @@ the codec API is loaded on first use.
 
 from nesa_node.compression.names import CODECS, DEFAULT_CODEC
 
-_CODEC_API = ("CodecError", "EncodedTensor", "decode", "encode", "wire_bytes")
+_CODEC_API = ("CodecError", "EncodedTensor", "decode", "encode", "encode_on_device", "wire_bytes")
 
 
 def __getattr__(name: str):

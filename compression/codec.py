@@ -306,8 +306,8 @@ def _element_count(shape: Any, rank: int | None, max_elements: int) -> tuple[tup
 def encode(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedTensor:
     """Encode a float32, float16 or bfloat16 tensor of any shape and device for the wire.
 
-    The work runs on the tensor's device (`encode_on_device`); only the payload bytes move to the CPU. `params` are the codec's
-    parameters (blockwise8, dynamic8: `block_size`, 16..4096 elements, default 64); the result records all of them.
+    The work runs on the tensor's device (`encode_on_device`); only the payload bytes move to the CPU. `params` are
+    the codec's parameters (blockwise8, dynamic8: `block_size`, 16..4096 elements, default 64); the result records all of them.
     Per-element error: none exact; fp16 / bf16 one rounding to the wire dtype; blockwise8 |x - x'| <= absmax / 254
     and dynamic8 |x - x'| <= 0.00703125 * absmax, absmax taken over the element's block (see `quantize`).
     Raises CodecError for an unknown codec, bad parameters, a dtype not in WIRE_DTYPES, nan or inf with a lossy codec,
@@ -370,10 +370,11 @@ def decode(
     shape, elements = _element_count(encoded.shape, rank, max_elements)
     torch_dtype, width = WIRE_DTYPES[encoded.dtype]
     expected = spec.payload_bytes(elements, width, params)
-    if _payload_length(encoded.payload) != expected:
+    length = _payload_length(encoded.payload)
+    if length != expected:
         raise CodecError(
-            f"payload has {_payload_length(encoded.payload)} bytes but shape {list(shape)} of {encoded.dtype} with codec "
-            f"{encoded.codec!r} needs {expected}"
+            f"payload has {length} bytes but shape {list(shape)} of {encoded.dtype} with codec {encoded.codec!r} "
+            f"needs {expected}"
         )
     target = torch.device(device) if device is not None else torch.device("cpu")
     if elements == 0:

@@ -149,11 +149,12 @@ def quantize_linear_into(
 
     On the CPU works in steps of about `chunk_elements` elements (default `_QUANTIZE_CHUNK_ELEMENTS`), so that no
     temporary as large as the input is allocated and a step's data is still in cache for its next operation; on a
-    GPU (default: one step), where every step's operations are kernel launches and the float32 temporary is cheap. Two passes over the steps: first |x| into the float32
-    temporary and its block maxima (an abs and an amax cost less than an amax and an amin, measured), then, after
-    the factors 127 / absmax of all blocks at once, one multiply, one add of `_ROUNDING_OFFSET` and one copy into
-    the codes, which round exactly as `quantize_linear` does (float32 product, then round half to even); computing
-    the factors once instead of per step measured about 5% faster. Blocks whose factor overflows (absmax 0, or so
+    GPU in one step by default (each step's operations are kernel launches; a float32 temporary of the input's size
+    is cheap there). Two passes over the steps: first |x| into the float32 temporary and its block maxima (an abs
+    and an amax cost less than an amax and an amin, measured), then, after the factors 127 / absmax of all blocks at
+    once, one multiply, one add of `_ROUNDING_OFFSET` and one copy into the codes, which round exactly as
+    `quantize_linear` does (float32 product, then round half to even); computing the factors once instead of per
+    step measured about 5% faster. Blocks whose factor overflows (absmax 0, or so
     small that 127 / absmax is inf) are redone afterwards with `quantize_linear`. Returns the largest scale (nan or
     inf for non-finite input), read from the device together with what the redo needs (one wait on a GPU).
     """
