@@ -307,9 +307,10 @@ def encode(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedT
     """Encode a float32, float16 or bfloat16 tensor of any shape and device for the wire.
 
     The work runs on the tensor's device (`encode_on_device`); only the payload bytes move to the CPU. `params` are
-    the codec's parameters (blockwise8, dynamic8: `block_size`, 16..4096 elements, default 64); the result records all of them.
-    Per-element error: none exact; fp16 / bf16 one rounding to the wire dtype; blockwise8 |x - x'| <= absmax / 254
-    and dynamic8 |x - x'| <= 0.00703125 * absmax, absmax taken over the element's block (see `quantize`).
+    the codec's parameters (blockwise8, dynamic8: `block_size`, 16..4096 elements, default 64); the result records
+    all of them. Per-element error: none exact; fp16 / bf16 one rounding to the wire dtype; blockwise8
+    |x - x'| <= absmax / 254 and dynamic8 |x - x'| <= 0.00703125 * absmax, absmax taken over the element's block
+    (see `quantize`).
     Raises CodecError for an unknown codec, bad parameters, a dtype not in WIRE_DTYPES, nan or inf with a lossy codec,
     and values beyond the float16 / bfloat16 range with fp16 / bf16.
     """
