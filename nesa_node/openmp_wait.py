@@ -10,7 +10,9 @@ part leaves the cores to the next within that time and stays quick inside a step
 
 Measured on 2 cores (4 blocks of the bench model, one-token step, L3-warm weights): 1 thread 4.2-7.8 ms; 2 threads
 spinning 2.9-3.9 ms; 2 threads with OMP_WAIT_POLICY=PASSIVE (no spin at all: every operation wakes its threads)
-3.6-6.1 ms; 2 threads with this spin 2.9-3.6 ms.
+3.6-6.1 ms; 2 threads with spin counts of 2,000 and 20,000 2.9-3.6 ms. With both cores taken by two busy processes
+(3 blocks, a step every 5 ms, 2 runs each): this spin 9.1 and 9.2 ms, PASSIVE 11.7 and 12.0 ms, 1 thread 10.8 and
+11.1 ms, so the short spin is no worse on a loaded host either.
 """
 
 from __future__ import annotations
