@@ -256,12 +256,12 @@ class InferenceSession:
 
     def _measure_nodes(self, wall_s: float) -> None:
         """Give the swarm's per-node timings this step: its wall time less the client's round trips to the chain's
-        ends (client/timings.py splits the rest among the nodes)."""
+        ends (Swarm.step_rtt_ms: the network's, not the nodes' answers; client/timings.py splits the rest among the
+        nodes)."""
         hops = [(link.peer_id, link.hop.end_block - link.hop.start_block) for link in self.links.links]
         if not hops:
             return
-        rtt_ms = self.swarm.rtt_ms
-        legs_ms = (rtt_ms.get(hops[0][0], 0.0) + rtt_ms.get(hops[-1][0], 0.0)) / 2
+        legs_ms = (self.swarm.step_rtt_ms(hops[0][0]) + self.swarm.step_rtt_ms(hops[-1][0])) / 2
         # a round trip measured at a busy moment can exceed a whole step: the ends are pinged again (the least ping
         # is kept), and meanwhile a step is never charged below a quarter of its wall time, so every step still counts
         floor_ms = wall_s * 1000.0 / 4

@@ -121,6 +121,7 @@ class Swarm(Bans):
         self._refreshed_at = -math.inf  # monotonic s the last DHT read completed
         self.use_lanes = True  # FORWARD lanes for forward calls (ClientConfig.lanes)
         self.rtt_ms = RoundTrips()  # peer id -> least round trip of the client's recent pings, ms
+        self.wire_rtt_ms = RoundTrips()  # the same, of the TCP set-ups of its lane pings: the network alone, ms
         self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
         self._rtt_rechecked: dict[str, float] = {}  # peer id -> monotonic s a step last had its round trip pinged again
         self._records: dict[str, NodeRecord] = {}  # peer id -> newest record seen (expired ones are skipped)
@@ -388,11 +389,23 @@ class Swarm(Bans):
             except Exception as exc:  # gone or slow: normal
                 logger.debug("no rtt to %s: %r", peer_id, exc)
                 self.rtt_ms.forget(peer_id)
+                self.wire_rtt_ms.forget(peer_id)
                 return
             self.rtt_ms.add(peer_id, min(rtts), time.monotonic())
             self._rtt_measured[peer_id] = time.monotonic()
 
         await asyncio.gather(*(least_of_two(peer_id) for peer_id in stale))
+
+    def step_rtt_ms(self, peer_id: str) -> float:
+        """The round trip to `peer_id` that a step's wall time is charged with before the rest counts as the chain's
+        compute (client/timings.py), ms: the least TCP set-up time of the client's lane pings to it, which the node's
+        kernel answers before the node's program sees the connection; a node that delays its answers to pings would
+        otherwise look that much faster at compute (RELIABILITY.md G4). A node without a lane: its libp2p ping,
+        which it answers itself (what a session charges it is bounded below: InferenceSession._measure_nodes); 0 when
+        the client has no round trip to it."""
+        if peer_id in self.wire_rtt_ms:
+            return self.wire_rtt_ms[peer_id]
+        return self.rtt_ms.get(peer_id, 0.0)
 
     def recheck_rtts_soon(self, peer_ids: list[str]) -> None:
         """Ping `peer_ids` again in the background (each at most once per RTT_RECHECK_S): a session found a step
@@ -485,11 +498,13 @@ class Swarm(Bans):
 
     async def _ping(self, peer_id: str, timeout_s: float) -> float:
         """Round trip in ms: over the node's data lane when it has one (a TCP socket the client closes at once,
-        nothing left behind when the node is gone), else a ping over libp2p."""
+        nothing left behind when the node is gone; its set-up time goes to `wire_rtt_ms`), else a ping over libp2p."""
         address = self.lane_address(peer_id)
         if address is not None:
             async with asyncio.timeout(timeout_s):
-                return await lane.ping(address) * 1000
+                times = await lane.probe(address)
+            self.wire_rtt_ms.add(peer_id, times.connect_s * 1000, time.monotonic())
+            return times.answer_s * 1000
         started = time.perf_counter()
         await self.unary(peer_id, rpc.PING, Frame(), timeout_s)
         return (time.perf_counter() - started) * 1000

@@ -11,7 +11,9 @@ moves it by one rank, not by a share of the stall, while a lasting change of loa
 
 The round trips subtracted are `RoundTrips`: per node the least of the pings of the last RTT_WINDOW_S. A ping is
 only ever delayed, never sped up, so the least is the link's own time; one taken at a busy moment would otherwise
-be subtracted from every step, making the node look faster than it is by the delay.
+be subtracted from every step, making the node look faster than it is by the delay. For the same reason the pings'
+TCP set-up times are subtracted where the node has a data lane (Swarm.step_rtt_ms), not their answers: the node's
+kernel answers a set-up, while a node that delays its answers to pings on purpose would look faster by that much.
 """
 
 from __future__ import annotations

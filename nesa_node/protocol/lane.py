@@ -38,6 +38,7 @@ import ipaddress
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives import hashes
@@ -227,22 +228,39 @@ async def connect(
         raise
 
 
-async def ping(address: str) -> float:
-    """Seconds from a PING hello to its answer (TCP connection set-up excluded). Raises LaneClosedError."""
+@dataclass(frozen=True)
+class PingTimes:
+    """The two round trips of a lane ping, seconds. `connect_s`: the TCP connection's set-up, which the node's
+    kernel answers before its program sees the connection, so the node cannot lengthen it at will; `answer_s`: from
+    the PING hello to its answer, through the node's program (its event loop included)."""
+
+    connect_s: float
+    answer_s: float
+
+
+async def probe(address: str) -> PingTimes:
+    """Connect to the lane at `address` and ping it: both round trips (PingTimes). Raises LaneClosedError, also
+    when the connection is made but the node's program does not answer."""
     host, port = parse_address(address)
+    started = time.perf_counter()
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
         raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    connected = time.perf_counter()
     try:
-        started = time.perf_counter()
         writer.write(MAGIC + bytes((ROLE_PING, 0)) + os.urandom(SALT_BYTES))
         await reader.readexactly(SALT_BYTES)
-        return time.perf_counter() - started
+        return PingTimes(connect_s=connected - started, answer_s=time.perf_counter() - connected)
     except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
         raise LaneClosedError(f"lane {address} did not answer a ping: {exc!r}") from None
     finally:
         writer.close()
+
+
+async def ping(address: str) -> float:
+    """Seconds from a PING hello to its answer (TCP connection set-up excluded). Raises LaneClosedError."""
+    return (await probe(address)).answer_s
 
 
 async def read_hello(reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
@@ -319,6 +337,7 @@ __all__ = [
     "ROLE_SEND",
     "ROLE_TRAIN",
     "LaneClosedError",
+    "PingTimes",
     "SealedStream",
     "accept",
     "accept_any",
@@ -329,5 +348,6 @@ __all__ = [
     "parse_address",
     "parse_key",
     "ping",
+    "probe",
     "read_hello",
 ]

@@ -10,6 +10,8 @@ share by more than any lie should, and both counts see the same measurements.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,6 +28,7 @@ HIDDEN = 64  # the tiny Llama's hidden size
 SESSIONS = 20
 FAIR = SESSIONS / 3
 NOISE = 3  # sessions over the fair share still counted as fair (measurements on a busy 2-core host vary)
+PING_DELAY_S = 0.05  # how late the ping liar answers (a tiny Llama's step takes a few ms here)
 
 
 def lying(node, **fields) -> None:
@@ -184,3 +187,34 @@ def test_g4_a_node_claiming_0_tokens_per_s_is_costed_as_an_average_node_not_a_fr
     taken = liar_share(module_swarm, tiny_llama, "liar-zero", reference, lie, announced, measured=False)
     print(f"the 0 tokens/s claimant got {taken} of {SESSIONS} sessions")
     assert taken <= FAIR + NOISE
+
+
+def test_g4_a_node_answering_pings_late_is_not_measured_faster(module_swarm, tiny_llama, reference):
+    """A node that answers pings late, and tells the truth in its record and steps as fast as the others: had the
+    client subtracted the pings' answers from the wall time of the node's steps, they would look PING_DELAY_S shorter
+    (down to the floor of a quarter of their wall time: 4x faster) and the node would take most sessions. The client
+    subtracts the pings' TCP set-up instead, which the node's kernel answers."""
+    *honest, liar = start_nodes(module_swarm, tiny_llama, "liar-pings")
+
+    async def late() -> None:
+        await asyncio.sleep(PING_DELAY_S)
+
+    liar.lanes.injected_delay = late  # its lane's answers to pings, nothing else
+    try:
+        with connect(module_swarm, tiny_llama, "liar-pings") as model:
+            wait_for_chain(model)
+            honest_records_show(model, honest)
+            model.call(model.swarm.measure_rtts([node.peer_id for node in (*honest, liar)], max_age_s=0.0))
+            assert model.swarm.rtt_ms[liar.peer_id] >= PING_DELAY_S * 1000  # the late answers are what it measured
+            assert model.swarm.step_rtt_ms(liar.peer_id) < PING_DELAY_S * 1000 / 2
+            measure(model, [*honest, liar])
+            measured = model.swarm.timings.measured()
+            print(f"measured ms per block: { {peer[:8]: round(m.block_ms, 3) for peer, m in measured.items()} }")
+            assert measured[liar.peer_id].block_ms > min(measured[node.peer_id].block_ms for node in honest) / 2
+            taken = share_of_sessions(model, liar.peer_id)
+            print(f"the node answering pings {PING_DELAY_S * 1000:.0f} ms late got {taken} of {SESSIONS} sessions")
+            assert taken <= FAIR + NOISE
+            assert torch.equal(model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False), reference)
+    finally:
+        for node in [*honest, liar]:
+            module_swarm.stop_node(node)

@@ -25,11 +25,13 @@ class Acceptor:
         self.errors: list[Exception] = []
         self.streams: list[lane.SealedStream] = []
         self.done = asyncio.Event()
+        self.ping_delay_s = 0.0  # how late a PING hello is answered
 
     async def handle(self, reader, writer) -> None:
         try:
             role, session_id, salt = await lane.read_hello(reader)
             if role == lane.ROLE_PING:
+                await asyncio.sleep(self.ping_delay_s)
                 writer.write(b"\0" * lane.SALT_BYTES)
                 await writer.drain()
                 return
@@ -194,6 +196,23 @@ def test_ping_measures_a_round_trip():
         assert 0 < seconds < 5
 
     run(main())
+
+
+def test_a_probe_times_the_connection_apart_from_the_answer():
+    """A node that answers pings late lengthens their answers, not the TCP set-up its kernel answers (what a client
+    subtracts from its steps' wall time: Swarm.step_rtt_ms)."""
+
+    async def main():
+        acceptor = Acceptor("s1", lane.new_key())
+        acceptor.ping_delay_s = 0.2
+        async with serving(acceptor) as address:
+            times = await lane.probe(address)
+            late = await lane.ping(address)
+        return times, late
+
+    times, late = run(main())
+    assert times.answer_s >= 0.2 and late >= 0.2
+    assert 0 < times.connect_s < 0.1
 
 
 @given(st.text(max_size=80))
