@@ -231,8 +231,9 @@ async def connect(
 @dataclass(frozen=True)
 class PingTimes:
     """The two round trips of a lane ping, seconds. `connect_s`: the TCP connection's set-up, which the node's
-    kernel answers before its program sees the connection, so the node cannot lengthen it at will; `answer_s`: from
-    the PING hello to its answer, through the node's program (its event loop included)."""
+    kernel answers before its program sees the connection, so the program cannot lengthen it (only control of the
+    node's host can); `answer_s`: from the PING hello to its answer, through the node's program (its event loop
+    included)."""
 
     connect_s: float
     answer_s: float
