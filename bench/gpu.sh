@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks and benchmarks of nesa-node, in one run: `pytest -m gpu`, the codecs on CUDA, and the 1.1B swarm
 # (bfloat16) against single-process transformers on the same GPU. Run it from the repository root on a CUDA machine
-# where the project is installed without its dependencies (`pip install --no-deps -e .`: the machine's torch stays).
+# where the project is installed without its dependencies (`pip install --no-deps -e .`: the machine's torch stays;
+# bench/gpu-wheels.sh fetches the other dependencies for a machine without network).
 #
 #   bench/gpu.sh [quick|full]
 #

@@ -166,7 +166,8 @@ async def aggregate_decode(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"swarm {prefix} did not come up")
             await asyncio.sleep(0.5)
-        prompts = [(input_ids + index) % 1000 + 3 for index in range(clients)]
+        top = min(1000, args.vocab - 3)  # prompt ids stay below the vocabulary (3..1002 for the default one)
+        prompts = [(input_ids + index) % top + 3 for index in range(clients)]
         # warm-up of the whole length: a --no-batch-decode twin comes here fresh (no chain figures before it), and
         # on a GPU a fresh node's first step at each cache length is slow
         await model.generate(prompts[0], max_new_tokens=new_tokens)
@@ -436,6 +437,8 @@ def main() -> None:
     args.new_tokens = args.new_tokens or shape["new_tokens"]
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device here")
+    if args.vocab < 16:
+        parser.error("--vocab must be at least 16")
     if args.cuda_graphs and args.device != "cuda":
         parser.error("--cuda-graphs needs --device cuda")
     # a SIGTERM (a step's `timeout` in bench/gpu.sh) unwinds like Ctrl-C: the nodes this run started are stopped
@@ -461,8 +464,9 @@ def main() -> None:
         # 1.1B shape in bfloat16)
         baseline_model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(args.device)
         baseline_model.eval()
-        input_ids = torch.randint(3, 1000, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
-        batch_ids = torch.randint(3, 1000, (8, 128), generator=torch.Generator().manual_seed(1))
+        top = min(1000, args.vocab)  # token ids 3..top-1: inside a small --vocab too
+        input_ids = torch.randint(3, top, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
+        batch_ids = torch.randint(3, top, (8, 128), generator=torch.Generator().manual_seed(1))
 
         on_device = input_ids.to(args.device)
         baseline_threads = torch.get_num_threads()
