@@ -22,6 +22,7 @@ from torch import nn
 from nesa_node.errors import DeviceUnavailableError, ModelLoadError, UnsupportedModelError
 from nesa_node.sharding import batch_attention, batch_graph
 from nesa_node.sharding.batch_attention import RowsCache, attend_prompts, attend_steps, layer_per_session
+from nesa_node.sharding.decode_graph import FixedStep, NoMemory
 from nesa_node.sharding.model_folder import check_span, config_file
 from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
 
@@ -244,21 +245,22 @@ class BlockSpan(nn.Module):
         `decode_graphs`, runs as that session's fixed-shape step: replayed as a CUDA graph on a CUDA device
         (sharding/decode_graph.py). The caller runs steps with LoRA rows through `forward` (a graph replays the base
         weights only). A capture that fails turns the span's graphs off (logged) and the step runs as usual; one that
-        runs out of device memory turns off only this session's (a graph's pool is memory the plain step does not
-        need, and memory may be short for a moment only)."""
+        runs out of device memory (twice: decode_graph.capture) turns off only this session's, until its buffers grow
+        (a graph's pool is memory the plain step does not need, and memory may be short for a moment only). A replay
+        that fails raises, and the session's fixed step is dropped (not replayed again)."""
         fixed = self._fixed_step(hidden, cache, position, blocks) if self.decode_graphs else None
         if fixed is not None:
             try:
                 return fixed(hidden.to(self.spec.device, self.dtype_), position)
             except RuntimeError as exc:  # torch's capture errors; the cache's length has not moved
+                cache.fixed_step = None
                 if fixed.graph is not None:
                     raise  # a replay that failed: not a capture matter
-                cache.fixed_step = None
                 if isinstance(exc, torch.OutOfMemoryError):
                     logger.info(
                         "blocks %d:%d: no memory for a session's CUDA graph; it steps without", self.start, self.end
                     )
-                    cache.fixed_step = False  # this session's steps run as usual from now on
+                    cache.fixed_step = NoMemory(fixed.stamps)  # steps as usual until its buffers grow
                 else:
                     logger.warning(
                         "CUDA graph capture failed (%s): blocks %d:%d run without graphs", exc, self.start, self.end
@@ -269,7 +271,6 @@ class BlockSpan(nn.Module):
     def _fixed_step(self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int] | None):
         """The session's fixed step for this call (made when the cache's buffers are new), or None where this call
         runs as a plain forward."""
-        from nesa_node.sharding.decode_graph import FixedStep
         from nesa_node.sharding.span_cache import SpanCache
 
         if hidden.shape[1] != 1 or torch.is_grad_enabled() or not isinstance(cache, SpanCache):
@@ -282,9 +283,10 @@ class BlockSpan(nn.Module):
             return None  # the buffers grow (or a first step fills them): a plain step, then a new fixed one
         rows = hidden.shape[0]
         held = cache.fixed_step
-        if held is False:
-            return None  # this session's capture ran out of device memory (see `step`)
-        if held is not None and held.fits(cache, first, end, rows):
+        if isinstance(held, NoMemory):
+            if held.holds(cache.layers, first, end):
+                return None  # this session's capture ran out of device memory on these buffers (see `step`)
+        elif held is not None and held.fits(cache, first, end, rows):
             return held
         try:
             fixed = FixedStep(self, cache, first, end, rows, capture_stream=self._capture_stream())

@@ -19,7 +19,10 @@ Capture and replay rules kept here:
   really writes that slot of the cache: the replay then writes the same);
 - every capture of a span runs on one stream of its own, whose first (warm-up) run allocates cuBLAS's workspace
   for that stream outside any graph: graphs never own, and never free, a workspace another graph uses;
-- each graph has its own memory pool (no graph's replay can overwrite another's output);
+- each graph has its own memory pool (no graph's replay can overwrite another's output); a capture cannot take the
+  blocks torch's allocator caches (nor does the allocator give them back to the device on a failed allocation while
+  a capture is underway, as it does otherwise), so a capture that runs out of memory is tried once more after
+  `torch.cuda.empty_cache()` (which also frees the pools of graphs dropped since);
 - captures and replays hold one lock: a node runs steps on its event loop and on its compute thread, and only
   one capture may be underway in a process.
 """
@@ -28,11 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from nesa_node.sharding.span_cache import ReservedLayer, SpanCache
 
+T = TypeVar("T")
 _LOCK = threading.Lock()  # captures and replays of every span of the process (see the module docstring)
 
 
@@ -69,10 +75,25 @@ def _buffers(layers: list, first: int, end: int) -> tuple | None:
     )  # fmt: skip
 
 
+def with_room(attempt: Callable[[], T], free: Callable[[], None]) -> T:
+    """`attempt()`; if it runs out of device memory, `free()` and `attempt()` once more (its error then raises)."""
+    try:
+        return attempt()
+    except torch.OutOfMemoryError:
+        free()
+    return attempt()
+
+
 def capture(stream, run) -> tuple:
     """`run()` warmed up, then captured as a CUDA graph, on `stream` (the span's capture stream; the module's rules):
-    (the graph, the output tensor its replays write). The calling stream waits for `stream` afterwards, also after a
-    failed capture: the warm-up's kernels may still read tensors the caller frees next."""
+    (the graph, the output tensor its replays write). Out of device memory, tried again once the allocator's cached
+    blocks are given back (module docstring)."""
+    return with_room(lambda: _capture_once(stream, run), torch.cuda.empty_cache)
+
+
+def _capture_once(stream, run) -> tuple:
+    """One capture (see `capture`). The calling stream waits for `stream` afterwards, also after a failed capture: the
+    warm-up's kernels may still read tensors the caller frees next."""
     stream.wait_stream(torch.cuda.current_stream(stream.device))
     graph = torch.cuda.CUDAGraph()
     try:
@@ -87,6 +108,18 @@ def capture(stream, run) -> tuple:
     finally:
         torch.cuda.current_stream(stream.device).wait_stream(stream)
     return graph, output
+
+
+class NoMemory:
+    """What a session's cache holds in place of its fixed step after a capture ran out of device memory: its steps run
+    as usual while its buffers are the ones of `stamps`; once they grow (new buffers) a capture is tried again."""
+
+    def __init__(self, stamps: tuple):
+        self.stamps = stamps
+
+    def holds(self, layers: list, first: int, end: int) -> bool:
+        """Whether layers first..end-1 still have the buffers the capture ran out of memory with."""
+        return _stamps(layers, first, end) == self.stamps
 
 
 class FixedStep:
@@ -166,4 +199,4 @@ class FixedStep:
         return output
 
 
-__all__ = ["FixedStep", "capture"]
+__all__ = ["FixedStep", "NoMemory", "capture", "with_room"]

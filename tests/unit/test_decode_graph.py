@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
-from nesa_node.sharding.decode_graph import FixedStep
+from nesa_node.sharding.decode_graph import FixedStep, with_room
 from nesa_node.sharding.span_cache import MIN_CAPACITY
 
 
@@ -23,7 +23,7 @@ def _run_both(span, plain, reserve: int, steps: int, batch: int = 1, device: str
         for position in range(6, 6 + steps):
             token = hidden[:, position : position + 1]
             pairs.append((span.step(token, ours, position), plain(token, theirs, position)))
-            if ours.fixed_step and ours.fixed_step not in used:
+            if isinstance(ours.fixed_step, FixedStep) and ours.fixed_step not in used:
                 used.append(ours.fixed_step)
     assert ours.get_seq_length() == theirs.get_seq_length() == 6 + steps
     return pairs, used
@@ -81,7 +81,8 @@ def test_a_failed_capture_runs_the_step_as_usual_and_only_memory_spares_the_span
 ):
     """A first run of a fixed step (a capture on CUDA) that raises leaves the cache's length where it was and the step
     runs as a plain forward, with the same outputs; an error turns the span's graphs off, running out of device
-    memory only the session's (the next session gets its fixed step)."""
+    memory only the session's while its buffers stay (once they grow it is tried again; the next session gets its
+    fixed step)."""
     span = load_block_span(tiny_llama, SpanSpec(0, 4, decode_graphs=True))
     plain = load_block_span(tiny_llama, SpanSpec(0, 4))
     calls = []
@@ -92,13 +93,68 @@ def test_a_failed_capture_runs_the_step_as_usual_and_only_memory_spares_the_span
 
     with monkeypatch.context() as patched:
         patched.setattr(FixedStep, "__call__", fail)
-        pairs, used = _run_both(span, plain, reserve=16, steps=5)
+        pairs, used = _run_both(span, plain, reserve=16, steps=15)
     for got, expected in pairs:
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert calls == [6] and used == []  # tried once, at the first one-token step, never again for this session
+    # tried at the first one-token step, not again in that buffer; position 16 grows it (a plain step) and, out of
+    # memory, 17 tries the new buffer once
+    assert calls == ([6, 17] if out_of_memory else [6]) and used == []
     assert span.decode_graphs is out_of_memory
     _, used = _run_both(span, plain, reserve=16, steps=3)
     assert len(used) == (1 if out_of_memory else 0)
+
+
+def test_a_replay_that_fails_drops_the_sessions_fixed_step(tiny_llama, monkeypatch):
+    """A fixed step whose graph exists (captured) and fails raises, and the session does not replay it again: its
+    next step makes a new fixed step."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 2, decode_graphs=True))
+    hidden = torch.randn(1, 5, span.hidden_size, generator=torch.Generator().manual_seed(14))
+    cache = span.new_cache()
+    with torch.inference_mode():
+        span.step(hidden[:, :3], cache, 0)
+        span.step(hidden[:, 3:4], cache, 3)
+        broken = cache.fixed_step
+        broken.graph = object()  # as if captured
+
+        def fail(self, hidden, position):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(FixedStep, "__call__", fail)
+            with pytest.raises(RuntimeError, match="illegal memory access"):
+                span.step(hidden[:, 4:5], cache, 4)
+        assert cache.fixed_step is None and span.decode_graphs  # the span's graphs stay on
+        span.step(hidden[:, 4:5], cache, 4)
+    assert cache.fixed_step is not None and cache.fixed_step is not broken
+
+
+def test_a_capture_out_of_memory_is_tried_again_once_after_freeing():
+    attempts, freed = [], []
+
+    def attempt(failures: int):
+        def run():
+            attempts.append(len(freed))
+            if len(attempts) <= failures:
+                raise torch.OutOfMemoryError("CUDA out of memory")
+            return "graph"
+
+        return run
+
+    assert with_room(attempt(1), lambda: freed.append(1)) == "graph"
+    assert attempts == [0, 1] and freed == [1]  # the second attempt came after the cached blocks were freed
+    attempts.clear(), freed.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        with_room(attempt(2), lambda: freed.append(1))
+    assert attempts == [0, 1] and freed == [1]  # twice at most
+    attempts.clear(), freed.clear()
+
+    def other_error():
+        attempts.append(0)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError, match="capturing"):
+        with_room(other_error, lambda: freed.append(1))
+    assert attempts == [0] and freed == []  # only running out of memory is tried again
 
 
 def test_a_fixed_step_refuses_a_position_past_its_buffers(tiny_llama):
