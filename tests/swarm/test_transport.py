@@ -14,6 +14,7 @@ import subprocess
 import time
 import uuid
 
+import psutil
 import pytest
 import torch
 
@@ -153,3 +154,27 @@ def test_c_a_known_hidden_state_pattern_never_appears_in_a_loopback_capture(loca
     assert all(port.to_bytes(2, "big") in recorded for port in lane_ports)
     assert len(recorded) > 32 * len(motif)
     assert [window for window in windows(motif) if window in recorded] == []
+
+
+@pytest.mark.parametrize("operator_gogc", [None, "80"], ids=["default", "operator-set"])
+def test_p2pd_runs_its_gc_at_the_peer_modules_target_unless_the_operator_sets_gogc(monkeypatch, operator_gogc):
+    """p2pd's heap goal at Go's default grew a client's daemon by a third under churn (nesa_node/peer.py): the daemons
+    this process spawns get P2PD_GOGC, or the GOGC of this process's environment."""
+    import asyncio
+
+    from nesa_node import peer
+
+    if operator_gogc is None:
+        monkeypatch.delenv("GOGC", raising=False)
+    else:
+        monkeypatch.setenv("GOGC", operator_gogc)
+
+    async def spawned_gogc() -> str | None:
+        p2p = await peer._create_p2p({"host_maddrs": ["/ip4/127.0.0.1/tcp/0"]})
+        try:
+            return psutil.Process(p2p._child.pid).environ().get("GOGC")  # the wrapper execs p2pd: the same pid
+        finally:
+            await p2p.shutdown()
+
+    expected = operator_gogc or peer.P2PD_GOGC
+    assert asyncio.run(spawned_gogc()) == expected
