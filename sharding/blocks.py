@@ -24,6 +24,7 @@ from nesa_node.sharding import batch_attention, batch_graph
 from nesa_node.sharding.batch_attention import RowsCache, attend_prompts, attend_steps, layer_per_session
 from nesa_node.sharding.decode_graph import FixedStep, NoMemory
 from nesa_node.sharding.model_folder import check_span, config_file
+from nesa_node.sharding.span_cache import SpanCache
 from nesa_node.sharding.weights_manifest import WeightsManifest, block_digest, span_hash
 
 if TYPE_CHECKING:
@@ -195,8 +196,6 @@ class BlockSpan(nn.Module):
 
     def new_cache(self):
         """An empty KV cache for this span's blocks (keys and values written in place: sharding/span_cache.py)."""
-        from nesa_node.sharding.span_cache import SpanCache
-
         return SpanCache(self.sub_config)
 
     @property
@@ -244,10 +243,9 @@ class BlockSpan(nn.Module):
         """`forward` with the base weights, except that a one-token step of a SpanCache session, on a span loaded with
         `decode_graphs`, runs as that session's fixed-shape step: replayed as a CUDA graph on a CUDA device
         (sharding/decode_graph.py). The caller runs steps with LoRA rows through `forward` (a graph replays the base
-        weights only). A capture that fails turns the span's graphs off (logged) and the step runs as usual; one that
-        runs out of device memory (twice: decode_graph.capture) turns off only this session's, until its buffers grow
-        (a graph's pool is memory the plain step does not need, and memory may be short for a moment only). A replay
-        that fails raises, and the session's fixed step is dropped (not replayed again)."""
+        weights only). A failed capture turns the span's graphs off (logged), the step runs as usual; one out of
+        device memory (twice: decode_graph.capture) only this session's, until its buffers grow. A failed replay
+        raises and drops the session's fixed step."""
         fixed = self._fixed_step(hidden, cache, position, blocks) if self.decode_graphs else None
         if fixed is not None:
             try:
@@ -271,8 +269,6 @@ class BlockSpan(nn.Module):
     def _fixed_step(self, hidden: torch.Tensor, cache, position: int, blocks: tuple[int, int] | None):
         """The session's fixed step for this call (made when the cache's buffers are new), or None where this call
         runs as a plain forward."""
-        from nesa_node.sharding.span_cache import SpanCache
-
         if hidden.shape[1] != 1 or torch.is_grad_enabled() or not isinstance(cache, SpanCache):
             return None
         first, end = (0, len(self.layers)) if blocks is None else (blocks[0] - self.start, blocks[1] - self.start)
