@@ -153,6 +153,9 @@ class InferenceService:
             self.sessions.close(session)
             self.compute.forget(session.key, last=not self.sessions.sessions)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
+            # the reader gone before the stream lingers: a read still waiting on the socket makes the linger's read
+            # fail at once, and a stream closed with the client's steps unread resets, losing the answers not yet read
+            await asyncio.wait([reader])
 
     async def _hold_adapter(self, message: OpenSession, blocks, upload: Frame | None, client_peer: str):
         """The session's adapter, held: sent with the open (checked by hash), resident, or fetched from peers (the

@@ -299,12 +299,17 @@ def test_g6_large_forward_streams_held_open_are_capped_per_peer(target):
     wait_until(lambda: not target.node.rpc.forward_streams.running)  # each slot freed once its answer has left
 
 
-@pytest.mark.parametrize("read_after_s", [0, 2.5], ids=["reading", "reading-late"])
-def test_d_endless_stream_ends_with_a_typed_error(target, read_after_s):
+@pytest.mark.parametrize(
+    "read_after_s, pause_s",
+    [(0, 0), (2.5, 0), (2.5, 0.05)],
+    ids=["reading", "reading-late", "reading-late-sending-slowly"],
+)
+def test_d_endless_stream_ends_with_a_typed_error(target, read_after_s, pause_s):
     """A client that never stops sending steps: the node works through its session's max_length, refuses the
     rest, and ends the session after `max_step_errors` refusals; the client's unread steps wait on TCP. A client
     that reads late, after the node ended the session, still gets every answer: the node drops what the client
-    keeps sending for a while instead of resetting the stream (a reset loses the answers not yet read)."""
+    keeps sending for a while instead of resetting the stream (a reset loses the answers not yet read), whether
+    the client floods (the node's reader waits on its queue) or sends slowly (the reader waits on the socket)."""
 
     async def endless():
         yield opening(max_length=8)
@@ -314,7 +319,7 @@ def test_d_endless_stream_ends_with_a_typed_error(target, read_after_s):
             position += 1
             # hivemind's writer awaits drain(), which does not suspend while p2pd takes the bytes as fast as they
             # come: without this the writer holds the client's event loop, and the late read starts seconds late
-            await asyncio.sleep(0)
+            await asyncio.sleep(pause_s)
 
     received = converse(
         target,
