@@ -6,6 +6,7 @@ mid-generation (the spare takes over). Every namespace and veth made is removed 
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 
@@ -29,7 +30,8 @@ SHAPED = "n2"
 RATE_MBIT = 50
 
 
-def test_a_swarm_across_network_namespaces_gives_the_reference_and_survives_a_killed_node(tiny_llama, tmp_path):
+def test_a_swarm_across_network_namespaces_gives_the_reference_and_survives_a_killed_node(tiny_llama, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="nesa_node.client")  # the client's failover steps, in a failure's report
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     with torch.inference_mode():
         reference = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
@@ -66,13 +68,19 @@ def test_a_swarm_across_network_namespaces_gives_the_reference_and_survives_a_ki
                 first, last = (by_peer[peer_id] for peer_id in session.chain.peer_ids)
                 assert (first, SPANS[last]) == ("n1", (2, 4)), session.chain.peer_ids
                 victim = processes[last][0]
-                output = client.generate(
-                    PROMPT,
-                    max_new_tokens=NEW_TOKENS,
-                    min_new_tokens=NEW_TOKENS,
-                    do_sample=False,
-                    streamer=AfterTokens(KILL_AFTER, lambda: os.killpg(victim.pid, signal.SIGKILL)),
-                )
+                try:
+                    output = client.generate(
+                        PROMPT,
+                        max_new_tokens=NEW_TOKENS,
+                        min_new_tokens=NEW_TOKENS,
+                        do_sample=False,
+                        streamer=AfterTokens(KILL_AFTER, lambda: os.killpg(victim.pid, signal.SIGKILL)),
+                    )
+                except Exception as exc:  # what the client and each node saw, in the report
+                    tails = "\n".join(
+                        f"{name}: {group.log_tail(started[0], 40)}" for name, started in processes.items()
+                    )
+                    raise AssertionError(f"{exc!r}\nfailovers: {session.failovers}\n{tails}") from exc
                 spare = next(name for name in ("n2", "n3") if name != last)
                 assert [by_peer[peer_id] for peer_id in session.chain.peer_ids] == ["n1", spare]
             assert victim.wait(timeout=10) == -signal.SIGKILL
