@@ -21,6 +21,7 @@
     │       └── AdapterMissingError  adapter_missing  no node (or not this node) holds the adapter a request names
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
     │   ├── SessionPreemptedError   preempted        a full node ended an idle session to admit a new one
+    │   ├── StepTimeoutError        step_timeout     a node did not compute a step within its step timeout
     │   └── ReplicaUnavailableError  replica_unavailable  a data-parallel replica sent no gradients in time
     ├── CheckpointError             checkpoint       a training checkpoint missing, damaged, or not signed by its node
     ├── NoRouteError                no_route         no chain of online nodes covers every block
@@ -176,6 +177,13 @@ class SessionPreemptedError(PeerUnavailableError):
     code = "preempted"
 
 
+class StepTimeoutError(PeerUnavailableError):
+    """A node did not compute a step within its step timeout and ended the session: the owner replaces that node
+    (where a node that could not hand a step on names its next node: peer_unavailable)."""
+
+    code = "step_timeout"
+
+
 class NoRouteError(NesaError):
     code = "no_route"
 
@@ -272,6 +280,7 @@ _BY_CODE = {
         ReplicaUnavailableError,
         PeerUnavailableError,
         SessionPreemptedError,
+        StepTimeoutError,
         NoRouteError,
         SessionStateError,
         PortInUseError,

@@ -33,7 +33,8 @@ class Channel(Protocol):
     `drain` waits until what was queued has gone to the peer's side of the connection (a peer that stops reading
     holds it: callers bound it with a timeout); `receive` returns the next frame, None when the peer ended the
     channel between frames, and raises ChannelClosedError when it broke, a RequestError when the peer sent something
-    malformed, or the typed error a libp2p stream's error frame names."""
+    malformed, or the typed error a libp2p stream's error frame names. `close` still sends what was queued to a peer
+    that reads (for a while: protocol/lane.py close_writer); `abort` drops it (a peer that stopped reading)."""
 
     closed: bool
 
@@ -44,6 +45,8 @@ class Channel(Protocol):
     async def receive(self) -> Frame | None: ...
 
     def close(self) -> None: ...
+
+    def abort(self) -> None: ...
 
 
 def frame(message: Message, tensors: Sequence[runtime_pb2.Tensor] = ()) -> Frame:
@@ -114,6 +117,9 @@ class LaneChannel:
 
     def close(self) -> None:
         self.stream.close()
+
+    def abort(self) -> None:
+        self.stream.abort()
 
 
 __all__ = ["Channel", "ChannelClosedError", "Frame", "LaneChannel", "frame", "parse_frame", "read"]

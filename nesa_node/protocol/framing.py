@@ -38,6 +38,7 @@ from nesa_node.errors import (
     error_from_code,
 )
 from nesa_node.protocol.channel import ChannelClosedError, Frame
+from nesa_node.protocol.lane import close_writer
 
 logger = logging.getLogger(__name__)
 
@@ -169,11 +170,12 @@ class StreamChannel:
         self.closed = True
 
     def close(self) -> None:
-        """End our side (if not ended) and close the stream; frames already written are still delivered."""
+        """End our side (if not ended) and close the stream; frames already written are still delivered to a peer
+        that reads (for a while: protocol/lane.py close_writer)."""
         with contextlib.suppress(Exception):
             if not self.closed:
                 self.end()
-            self.writer.close()
+            close_writer(self.writer)
         self.closed = True
 
 

@@ -111,6 +111,24 @@ def _ciphers(link_key: bytes, salt_c: bytes, salt_a: bytes) -> tuple[AESGCM, AES
     return AESGCM(okm[:KEY_BYTES]), AESGCM(okm[KEY_BYTES:])
 
 
+# a closed connection's unsent bytes wait this long for a peer that reads slowly, then the connection is aborted and
+# they are dropped (guess: a peer that reads at all takes its last frames well within it)
+CLOSE_FLUSH_S = 30.0
+
+
+def close_writer(writer: asyncio.StreamWriter, flush_s: float = CLOSE_FLUSH_S) -> None:
+    """Close `writer`: what it still buffers goes out while the peer reads, for up to `flush_s`, then the connection is
+    aborted. asyncio keeps a closed transport that has unsent bytes (and its descriptor, and stops reading it) until
+    they leave, so a peer that stops reading and never closes would hold it for ever."""
+    writer.close()
+    transport = writer.transport
+    if transport.get_write_buffer_size():
+        try:
+            asyncio.get_running_loop().call_later(flush_s, transport.abort)
+        except RuntimeError:  # no loop runs to flush them: drop them now
+            transport.abort()
+
+
 class SealedStream:
     """Frames sealed with AES-GCM over one TCP connection: `send` queues a frame, `receive` returns the next
     payload (None when the peer closed between frames). Any failure ends the connection."""
@@ -189,10 +207,17 @@ class SealedStream:
             raise LaneClosedError(f"data lane failed: {exc!r}") from None
 
     def close(self) -> None:
+        """Close the connection; frames already sent still go out to a peer that reads (close_writer)."""
         if not self.closed:
             self.closed = True
             with contextlib.suppress(Exception):
-                self.writer.close()
+                close_writer(self.writer)
+
+    def abort(self) -> None:
+        """Close the connection at once, dropping what is still buffered for the peer (a peer that does not read)."""
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.writer.transport.abort()
 
 
 async def connect(

@@ -154,9 +154,16 @@ class AdapterFetcher:
             ranges = cover(start, end, alive)
         except AdapterMissingError as exc:
             raise AdapterMissingError(f"adapter {adapter_id}: {exc.message} ({_why(failed)})") from None
-        parts = await asyncio.gather(
-            *(self._range(adapter_id, first, stop, peers, holders, failed) for first, stop, peers in ranges)
-        )
+        tasks = [
+            asyncio.create_task(self._range(adapter_id, first, stop, peers, holders, failed))
+            for first, stop, peers in ranges
+        ]
+        try:
+            parts = await asyncio.gather(*tasks)
+        except Exception:  # a range no peer could give: the others stop asking (gather would let them go on)
+            for task in tasks:
+                task.cancel()
+            raise
         return [piece for part in parts for piece in part]
 
     async def _range(

@@ -34,6 +34,7 @@ from nesa_node.errors import (
     NesaError,
     PeerUnavailableError,
     RequestError,
+    StepTimeoutError,
 )
 from nesa_node.protocol.channel import Channel, ChannelClosedError, Frame, frame, read
 from nesa_node.protocol.framing import StreamChannel
@@ -299,19 +300,20 @@ class InferenceService:
             async with asyncio.timeout(self.limits.step_timeout_s):
                 await channel.drain()
         except TimeoutError:
-            channel.close()
+            channel.abort()  # what it did not read is dropped, not kept for it
             raise ChannelClosedError(f"the peer read nothing for {self.limits.step_timeout_s} s") from None
 
     async def _step(self, session: ServerSession, request: Frame, step: Step) -> bool:
         """Compute a step and hand its output on; False when it missed the step timeout (the session ends). The
         step's counters are taken once its output has left: nothing down the chain waits for them."""
+        pushing = False  # whether the step's time ran out handing it on (the next node did not take it)
         try:
             async with asyncio.timeout(self.limits.step_timeout_s):
                 output, seconds = await self._compute_step(session, request, step)
                 tensors = [tensor_to_proto(output, session.output_codec)]
                 compute_s = seconds + step.compute_s  # this node's and those before it
                 if not step.replay and session.next_peer is not None:
-                    pushed = time.perf_counter()
+                    pushed, pushing = time.perf_counter(), True
                     try:
                         await self.push.push(session, Step(
                             step_id=step.step_id,
@@ -329,8 +331,15 @@ class InferenceService:
                     return True
         except TimeoutError:
             logger.info("session %s: step over %.1f s, closing", session.session_id, self.limits.step_timeout_s)
-            error = PeerUnavailableError(
-                f"step not done within this node's step timeout of {self.limits.step_timeout_s} s; session closed"
+            timeout_s = self.limits.step_timeout_s
+            # the client replaces the node this names: the next one when it did not take the step, else this one
+            error = (
+                PeerUnavailableError(
+                    f"next node {session.next_peer} did not take the step within this node's step timeout of "
+                    f"{timeout_s} s; session closed"
+                )
+                if pushing
+                else StepTimeoutError(f"step not done within this node's step timeout of {timeout_s} s; session closed")
             )
             with contextlib.suppress(ChannelClosedError):
                 session.reply.send(frame(ErrorReply.of(error, step.step_id)))

@@ -212,6 +212,12 @@ class LaneServer:
                 if request is None:
                     return
                 channel.send(await self.forward(request))
+                try:  # a client that does not read its answers cannot make the node buffer them without bound
+                    async with asyncio.timeout(self.network.peer_timeout_s):
+                        await channel.drain()
+                except TimeoutError:
+                    channel.abort()
+                    return
         finally:
             self.forward_lanes[owner] -= 1
             if not self.forward_lanes[owner]:
@@ -232,14 +238,28 @@ class LaneServer:
         await serve_steps(channel, session, self.sessions, sender=None)
 
 
-async def serve_steps(channel: Channel, session_of, sessions: SessionTable, *, sender: str | None) -> None:
+async def serve_steps(
+    channel: Channel, session_of, sessions: SessionTable, *, sender: str | None, first_frame_s: float | None = None
+) -> None:
     """Steps arriving on a channel into their session's queue, until the channel ends; each refused one is answered on
     the channel (its sender reports it to the client) and the channel goes on. `session_of`: the session (a lane is
-    bound to one at its handshake), or None to take it from each step's session_id (a libp2p push stream)."""
+    bound to one at its handshake), or None for a libp2p push stream, which is bound to the session its first step
+    names: a stream whose first step does not come within `first_frame_s`, or names no session of which the sender is
+    the upstream, ends, and a later step naming another session is refused. The session's end closes its push stream, and so does a newer push stream of the
+    same session (its upstream reopened its channel): a peer holds no more push streams than sessions it feeds."""
+    bound = session_of
     while True:
         step_id = None
         try:
-            request = await channel.receive()
+            if bound is None and first_frame_s is not None:
+                try:
+                    async with asyncio.timeout(first_frame_s):
+                        request = await channel.receive()
+                except TimeoutError:
+                    logger.debug("push stream from %s: no step within %.0f s", sender, first_frame_s)
+                    return
+            else:
+                request = await channel.receive()
             if request is None:
                 return
             message = read(request, PUSHED)
@@ -248,13 +268,22 @@ async def serve_steps(channel: Channel, session_of, sessions: SessionTable, *, s
                 session = session_of
             else:
                 session = sessions.find(message.session_id, message.owner, sender=sender)
+                if bound is not None and session is not bound:
+                    raise BadRequestError("a push stream carries the steps of one session only")
             if not sessions.holds(session) or channel.closed:
                 return
+            if bound is None:
+                if sender != session.upstream_peer:  # before it may close the upstream's own push stream
+                    raise BadRequestError("push from a peer that is not this session's upstream")
+                bound = session
+                session.take_push_stream(channel)
             await sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
         except RequestError as exc:
             if channel.closed:  # the channel cannot go on (a frame over the limit): its handler ends it
                 raise
             channel.send(frame(ErrorReply.of(exc, step_id)))
+            if bound is None:  # a push stream whose first step names no session it may feed serves none
+                return
 
 
 def _session_key(session: ServerSession | None, role: int) -> bytes | None:

@@ -153,8 +153,11 @@ class NodeRpc:
             return frame(ErrorReply.of(exc))
 
     async def rpc_push_stream(self, channel: StreamChannel, context: P2PContext) -> None:
-        """Steps pushed by the upstream node over one long-lived stream (no per-step stream set-up)."""
-        await serve_steps(channel, None, self.sessions, sender=context.remote_id.to_base58())
+        """Steps of one session pushed by its upstream node over one long-lived stream (no per-step stream set-up);
+        its first step within the peer timeout, and the stream ends with the session (server/lanes.py serve_steps)."""
+        sender = context.remote_id.to_base58()
+        timeout_s = self.inference.network.peer_timeout_s
+        await serve_steps(channel, None, self.sessions, sender=sender, first_frame_s=timeout_s)
 
     async def rpc_lane_ticket(self, request: Frame, context: P2PContext) -> Frame:
         try:

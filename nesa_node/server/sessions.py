@@ -96,6 +96,7 @@ class ServerSession:
     downstream: Channel | None = None  # to the next node (a push stream or lane), opened at the first push
     downstream_reader: asyncio.Task | None = None
     inbound: set = field(default_factory=set)  # data lanes carrying steps into the session
+    push_stream: Channel | None = None  # the libp2p push stream carrying steps into the session (server/lanes.py)
     reserved_tokens: int = 0  # tokens per row the reservation covers
     last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
     busy: bool = False  # a step is being computed or handed on
@@ -138,11 +139,21 @@ class ServerSession:
             self.downstream_reader.cancel()
         self.downstream = self.downstream_reader = None
 
+    def take_push_stream(self, channel: Channel) -> None:
+        """`channel` carries the session's pushes from now on; the push stream that did before is closed."""
+        if self.push_stream is not None and self.push_stream is not channel:
+            self.push_stream.close()
+        self.push_stream = channel
+
     def close_channels(self) -> None:
-        """Close every channel but the client's stream: inbound lanes, the output lane, the downstream."""
+        """Close every channel but the client's stream: inbound lanes and push stream, the output lane, the
+        downstream."""
         for channel in list(self.inbound):
             channel.close()
         self.inbound.clear()
+        if self.push_stream is not None:
+            self.push_stream.close()
+            self.push_stream = None
         if self.output is not None:
             self.output.close()
             self.output = None

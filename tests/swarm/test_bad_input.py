@@ -7,9 +7,11 @@ same blocks, while the node holds no session but the honest one.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import select
 import socket
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -25,7 +27,7 @@ from nesa_node.client.model import SyncSession
 from nesa_node.errors import QuotaExceededError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Frame
-from nesa_node.protocol.framing import call_on_stream, open_stream
+from nesa_node.protocol.framing import StreamChannel, call_on_stream, open_stream
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.server.lanes import MAX_TICKETS_PER_PEER
 from nesa_node.server.node import max_frame_bytes
@@ -529,6 +531,60 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
 
     error = target.call(run())
     assert (error["code"], error["message"]) == ("bad_request", "push from a peer that is not this session's upstream")
+
+
+def test_g6_push_streams_end_unless_they_feed_a_session_and_a_session_keeps_one(target, monkeypatch):
+    """Push streams (one session's steps from its upstream node, server/lanes.py serve_steps): one that sends nothing
+    ends at the node's peer timeout; one whose first step names no session, or a session the sender does not feed,
+    is refused and ends; a session's push stream is closed by a newer one of the same session and by the session's
+    end. A peer holds no more push streams than sessions it feeds."""
+    network = dataclasses.replace(target.node.inference.network, peer_timeout_s=1.0)
+    monkeypatch.setattr(target.node.inference, "network", network)
+    session_id, me = uuid.uuid4().hex, target.attacker.swarm.peer_id
+
+    async def push_stream() -> StreamChannel:
+        return await open_stream(target.p2p, target.node.peer_id, rpc.PUSH_STREAM, max_frame_bytes=1 << 20)
+
+    async def until_ended(channel: StreamChannel) -> list[dict]:
+        """The node's answers on `channel` until it ends the stream (within 10 s)."""
+        answers = []
+        async with asyncio.timeout(10):
+            while (answer := await channel.receive()) is not None:
+                answers.append(answer_of(answer))
+        return answers
+
+    async def run():
+        started = time.monotonic()
+        idle = await push_stream()
+        assert await until_ended(idle) == []
+        idle_s = time.monotonic() - started
+        ended = {}
+        for name, session in (("unknown", uuid.uuid4().hex), ("not fed", target.honest.session_id)):
+            stray = await push_stream()
+            stray.send(step(0, session_id=session))
+            ended[name] = await until_ended(stray)
+        opened = await held_stream(target, opening(session_id=session_id, upstream=me))
+        try:
+            assert answer_of(await anext(opened))["kind"] == "opened"
+            older, newer = await push_stream(), await push_stream()
+            answers = []
+            for position, channel in enumerate((older, newer)):
+                channel.send(step(position, session_id=session_id))
+                answers.append(answer_of(await anext(opened))["kind"])
+            ended["older"] = await until_ended(older)
+        finally:
+            await opened.aclose()
+        ended["newer"] = await until_ended(newer)
+        return idle_s, answers, ended
+
+    idle_s, answers, ended = target.call(run())
+    assert 0.9 <= idle_s < 10, idle_s
+    assert [answer["code"] for answer in ended["unknown"]] == ["unknown_session"], ended
+    assert [answer["message"] for answer in ended["not fed"]] == [
+        "push from a peer that is not this session's upstream"
+    ], ended
+    assert answers == ["result", "result"]  # each stream's step was taken
+    assert ended["older"] == [] and ended["newer"] == [], ended
 
 
 # ---- data lanes ---------------------------------------------------------------------------------------------------

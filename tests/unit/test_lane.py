@@ -248,3 +248,47 @@ def test_parse_key_refuses_malformed_keys(key):
 def test_parse_key_round_trips():
     key = lane.new_key()
     assert lane.parse_key(key.hex(), "in") == key
+
+
+@pytest.mark.parametrize("reads", [True, False], ids=["peer-reads", "peer-never-reads"])
+def test_a_closed_connection_flushes_to_a_reading_peer_and_is_aborted_for_one_that_never_reads(reads):
+    """close_writer: bytes still buffered when a connection is closed reach a peer that reads them; for a peer that
+    neither reads nor closes, the connection is aborted after the flush time (asyncio would keep it, unread and
+    with its descriptor, for ever)."""
+    size = 16 << 20  # far over what the kernel's socket buffers take at once
+    flush_s = 1.0
+
+    async def run() -> tuple[int, bool]:
+        closed = asyncio.Event()
+        transports = []
+
+        async def handle(reader, writer) -> None:
+            transports.append(writer.transport)
+            writer.write(b"x" * size)
+            lane.close_writer(writer, flush_s=flush_s)
+            closed.set()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            await closed.wait()
+            transport = transports[0]
+            assert transport.is_closing() and transport.get_write_buffer_size() > 0  # the bytes wait for the peer
+            received = 0
+            if reads:
+                with contextlib.suppress(ConnectionError):
+                    while chunk := await reader.read(1 << 20):
+                        received += len(chunk)
+            else:
+                await asyncio.sleep(flush_s * 3)  # reads nothing, closes nothing
+            # the transport let go of its socket: flushed and closed, or aborted
+            return received, transport.get_extra_info("socket").fileno() == -1
+        finally:
+            writer.close()
+            server.close()
+            await server.wait_closed()
+
+    received, released = asyncio.run(run())
+    assert released
+    assert received == (size if reads else 0)
