@@ -34,6 +34,7 @@ from nesa_node.errors import (
     QuotaExceededError,
     SessionPreemptedError,
     SessionStateError,
+    StepTimeoutError,
 )
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import ErrorReply, Step, StepResult
@@ -220,11 +221,16 @@ class InferenceSession:
         while True:
             try:
                 # a replacement that fails while its cache is rebuilt fails like any node; a chain kept (slow, not
-                # gone: see Failover.recover) gets the step again and the request timeout for it, once a step
-                if failure is not None and not await self.failover.recover(
-                    failure, position=self.position, inputs=self._inputs, may_keep=not kept
-                ):
-                    kept, deadline_s = True, max(deadline_s, self.swarm.request_timeout_s)
+                # gone: see Failover.recover) gets the step again, once a step. Either way the step sent again gets
+                # the request timeout: the kept chain was slow, and a replacement's first step is a cold one (new
+                # channels to and from it, its first compute), which a deadline of recent warm steps would take for
+                # a failure of the replacement
+                if failure is not None:
+                    if not await self.failover.recover(
+                        failure, position=self.position, inputs=self._inputs, may_keep=not kept
+                    ):
+                        kept = True
+                    deadline_s = max(deadline_s, self.swarm.request_timeout_s)
                 output, compute_s, sent, received, inputs = await self._step(hidden, deadline_s)
                 break
             except LinkFailed as failed:
@@ -327,13 +333,14 @@ class InferenceSession:
 
     def _raise_step_error(self, answered, message) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
-        peer_unavailable: that next node failed. A node that ended the session (preempted it while idle) or cannot
-        grow its cache for it failed itself: it is replaced like a lost node. A node of a direct chain that refuses
+        peer_unavailable: that next node failed. A node that ended the session (preempted it while idle, or did not
+        compute a step within its step timeout) or cannot grow its cache for it failed itself: it is replaced like a
+        lost node. A node of a direct chain that refuses
         a pushed step blames the node that pushed it."""
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
-        if isinstance(error, SessionPreemptedError | CacheBudgetError | QuotaExceededError):
+        if isinstance(error, SessionPreemptedError | StepTimeoutError | CacheBudgetError | QuotaExceededError):
             raise LinkFailed(error.message, answered)  # this node dropped the session, or has no cache left for it
         links = self.links.links
         index = links.index(answered) if answered in links else -1

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.config import ClientConfig
+from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.errors import NoRouteError, PeerUnavailableError
 from tests.support.swarm import wait_for_chain, wait_until
 
@@ -99,3 +100,71 @@ def test_a_node_that_answers_pings_but_never_a_step_is_waited_for_once(local_swa
             elapsed = time.monotonic() - started
         assert [(entry["failed"], entry["kept"]) for entry in session.failovers] == [(None, True)]  # kept once
         assert elapsed < 12, elapsed  # the 1 s deadline, then the 3 s request timeout once, and the probes
+
+
+def test_a_replacements_slow_first_step_is_not_taken_for_its_failure(local_swarm, tiny_llama, reference):
+    """A replacement's first step is a cold one (channels to and from it opened anew, its first compute): the step
+    sent again after a failover gets the request timeout, not the deadline of the warm steps before, so a healthy
+    replacement slow at it is not probed, kept or banned as if it had failed (a second recovery would follow)."""
+    local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=PREFIX)
+    spans = [local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=PREFIX) for _ in range(2)]
+    with connect(local_swarm, tiny_llama) as model:
+        wait_for_chain(model, hops=2)
+        wait_until(lambda: len(model.call(model.swarm.node_records(True))) == 3)
+        with model.inference_session(max_length=32) as session:
+            lost = next(node for node in spans if node.peer_id == session.chain.peer_ids[-1])
+            spare = next(node for node in spans if node is not lost)
+            honest_run, slowed = spare.compute.run, []
+
+            async def slow_first_step(hidden, cache, position, blocks, adapter=None):
+                if hidden.shape[1] == 1 and not slowed:  # its first decode step, after the replayed prefix
+                    slowed.append(position)
+                    await asyncio.sleep(2.5)  # over the warm steps' deadline (1 s), far under the request timeout
+                return await honest_run(hidden, cache, position, blocks, adapter)
+
+            spare.compute.run = slow_first_step
+            output = model.generate(  # the lost node stops (ending its sessions) before the 5th token's step
+                PROMPT,
+                max_new_tokens=6,
+                min_new_tokens=6,
+                do_sample=False,
+                streamer=AfterTokens(4, lambda: local_swarm.stop_node(lost)),
+            )
+            assert torch.equal(output, reference)
+            assert slowed, "the spare took no decode step"
+            assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [
+                (lost.peer_id, [spare.peer_id])
+            ], session.failovers
+
+
+def test_a_node_over_its_step_timeout_is_replaced_not_its_next_node(local_swarm, tiny_llama, reference):
+    """A node whose own compute of a step runs past its step timeout ends the session with step_timeout: the client
+    replaces that node. (A node that could not hand a step on names its next node, peer_unavailable.)"""
+    firsts = [local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=PREFIX, step_timeout_s=1.0) for _ in range(2)]
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=PREFIX)
+    config = ClientConfig(step_timeout_s=30.0)  # the client waits for the node's own answer
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=PREFIX, compression="none", config=config
+    ) as model:
+        wait_for_chain(model, hops=2)
+        wait_until(lambda: len(model.call(model.swarm.node_records(True))) == 3)
+        with model.inference_session(max_length=32) as session:
+            slow = next(node for node in firsts if node.peer_id == session.chain.peer_ids[0])
+            spare = next(node for node in firsts if node is not slow)
+            assert session.chain.peer_ids[1] == last.peer_id
+            honest_run, slowed = slow.compute.run, []
+
+            async def over_the_step_timeout(hidden, cache, position, blocks, adapter=None):
+                if position >= PROMPT.shape[1] + 2 and not slowed:
+                    slowed.append(position)
+                    await asyncio.sleep(3.0)
+                return await honest_run(hidden, cache, position, blocks, adapter)
+
+            slow.compute.run = over_the_step_timeout
+            output = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert torch.equal(output, reference)
+            assert slowed
+            assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [
+                (slow.peer_id, [spare.peer_id])
+            ], session.failovers
+            assert last.peer_id not in model.swarm.banned()
