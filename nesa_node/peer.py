@@ -31,6 +31,9 @@ from nesa_node.protocol.identity import ensure_identity, load_private_key
 logger = logging.getLogger(__name__)
 
 SHUTDOWN_STEP_S = 2.0  # per network step of a shutdown (guess: a healthy DHT leave takes well under 1 s)
+# rounds of DHT pings to the initial peers when joining: each waits hivemind's 3 s RPC timeout, and a busy peer (a
+# flood of stores, a loaded host) can miss one and answer the next (guess)
+DHT_JOIN_ROUNDS = 3
 
 
 @dataclass
@@ -145,22 +148,41 @@ async def start_peer(
         if identity_tmp is not None:
             identity_tmp.cleanup()
         raise
+    dht = None
     try:
         dht = await DHTNode.create(
             p2p=p2p,
             initial_peers=list(initial_peers),
             client_mode=client_mode,
             record_validator=make_validator(signature_validator, list(dht_prefixes)),
+            ensure_bootstrap_success=False,  # its one round of pings: join_dht asks again
         )
-    except BaseException as exc:
+        if initial_peers and not await join_dht(dht, initial_peers):  # p2pd reached them, their DHT did not answer
+            raise InitialPeersError(_no_initial_peer_answered(initial_peers))
+    except BaseException:
         with contextlib.suppress(Exception):
+            if dht is not None:
+                await asyncio.wait_for(dht.shutdown(), timeout=SHUTDOWN_STEP_S)
             await asyncio.wait_for(p2p.shutdown(), timeout=SHUTDOWN_STEP_S)
         if identity_tmp is not None:
             identity_tmp.cleanup()
-        if "none of the initial_peers responded" in str(exc):  # hivemind's RuntimeError: p2pd answered, the DHT not
-            raise InitialPeersError(_no_initial_peer_answered(initial_peers)) from exc
         raise
     return Peer(p2p, dht, signature_validator, tuple(initial_peers), identity_tmp)
+
+
+async def join_dht(dht: DHTNode, initial_peers, rounds: int = DHT_JOIN_ROUNDS) -> bool:
+    """Whether `dht` joined through `initial_peers`: one of them answered a validated DHT ping (it is a DHT peer, its
+    clock agrees, and a server-mode node is reachable back: hivemind's own checks), within `rounds` rounds of pings
+    to all of them; then the node looks up its own neighbours. hivemind's DHTNode.create pings once, and a busy
+    initial peer missing that one ping would fail a node's or client's start."""
+    peer_ids = [PeerID.from_base58(str(Multiaddr(str(address))["p2p"])) for address in initial_peers]
+    for attempt in range(rounds):
+        answers = await asyncio.gather(*(dht.protocol.call_ping(peer, validate=True) for peer in peer_ids))
+        if any(answer is not None for answer in answers):
+            await dht.find_nearest_nodes([dht.node_id])  # fills the routing table beyond the initial peers
+            return True
+        logger.info("no initial peer answered a DHT ping (round %d of %d)", attempt + 1, rounds)
+    return False
 
 
 def check_initial_peers(initial_peers) -> None:

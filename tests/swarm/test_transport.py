@@ -6,11 +6,13 @@ The capture needs tcpdump and root (CAP_NET_RAW); `make test` installs tcpdump w
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 
@@ -19,6 +21,8 @@ import pytest
 import torch
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.devtools.launcher import ProcessGroup
+from nesa_node.peer import start_peer
 from nesa_node.protocol import lane
 from nesa_node.protocol.channel import LaneChannel
 from tests.support.swarm import wait_for_chain
@@ -178,3 +182,33 @@ def test_p2pd_runs_its_gc_at_the_peer_modules_target_unless_the_operator_sets_go
 
     expected = operator_gogc or peer.P2PD_GOGC
     assert asyncio.run(spawned_gogc()) == expected
+
+
+def test_a_peer_joins_through_an_initial_peer_whose_dht_misses_the_first_pings(tmp_path):
+    """An initial peer whose DHT is busy (here its process is stopped while its p2pd, a process of its own, still
+    takes connections) misses the joiner's first DHT pings; the joiner pings again (peer.join_dht) and joins once it
+    answers, where one missed ping used to fail a node's or client's start."""
+
+    async def join(peers: list[str]) -> bool:
+        peer = await start_peer(initial_peers=peers, client_mode=True)
+        try:
+            return bool(peer.dht.protocol.routing_table.uid_to_peer_id)  # it knows the bootstrap's DHT now
+        finally:
+            await peer.shutdown()
+
+    with ProcessGroup(str(tmp_path)) as group:
+        bootstrap = group.start("dht", ["dht"])
+        peers = group.wait_address(*bootstrap)
+        process = bootstrap[0]
+        os.kill(process.pid, signal.SIGSTOP)
+        resume = threading.Timer(4.5, os.kill, (process.pid, signal.SIGCONT))  # after the first round of pings
+        resume.start()
+        try:
+            started = time.monotonic()
+            joined = asyncio.run(join(peers))
+            took_s = time.monotonic() - started
+        finally:
+            resume.cancel()
+            os.kill(process.pid, signal.SIGCONT)
+    assert joined
+    assert took_s > 4.0, took_s  # it did wait for the stopped DHT
