@@ -425,26 +425,41 @@ def test_g1_a_gradient_of_the_wrong_shape_is_refused_and_the_step_can_still_be_t
     assert isinstance(answers[6], TrainGrad) and answers[6].step == 1  # the saved input survived the refusals
 
 
-def test_an_optimizer_step_that_fails_after_its_answer_ends_the_session_typed(target):
+@pytest.mark.parametrize("sends_next", [False, True], ids=["waiting", "sending-the-next-step"])
+def test_an_optimizer_step_that_fails_after_its_answer_ends_the_session_typed(target, sends_next):
     """The node answers a backward pass before it takes the step: a step that then fails leaves the slice unusable,
-    so the node sends a typed error and ends the stream (the client fails over to its checkpoint)."""
+    so the node sends a typed error and ends the stream (the client fails over to its checkpoint). A client that
+    keeps sending its next steps meanwhile, which the node does not read, still gets the error before the end."""
+    session_id = f"failing-step-{sends_next}"
 
     async def run() -> list[Message | None]:
         channel = await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
         try:
-            answers = [await ask(channel, opening(session_id="failing-step"))]
+            answers = [await ask(channel, opening(session_id=session_id))]
             answers.append(await ask(channel, forward("s1", hidden(1, 4))))
-            session = target.node.training.sessions[(target.attacker.peer_id.to_base58(), "failing-step")]
+            session = target.node.training.sessions[(target.attacker.peer_id.to_base58(), session_id)]
 
             def failing_step(*args, **kwargs):
+                time.sleep(0.5)  # the client's next step arrives meanwhile
                 raise RuntimeError("device lost")
 
             session.optimizer.step = failing_step
             answers.append(await ask(channel, backward("s1", hidden(1, 4, seed=1), apply=True)))
-            async with asyncio.timeout(20):  # unasked: the node tells the session's end, then ends the stream
-                for _ in range(2):
-                    answer = await channel.receive()
-                    answers.append(None if answer is None else read(answer, FROM_TRAINING))
+
+            async def next_steps() -> None:  # a client that does not wait: its next steps, one every 50 ms
+                for index in range(2, 200):
+                    channel.send(forward(f"s{index}", hidden(1, 4, seed=index)))
+                    await asyncio.sleep(0.05)
+
+            sending = asyncio.create_task(next_steps()) if sends_next else None
+            try:
+                async with asyncio.timeout(20):  # unasked: the node tells the session's end, then ends the stream
+                    for _ in range(2):
+                        answer = await channel.receive()
+                        answers.append(None if answer is None else read(answer, FROM_TRAINING))
+            finally:
+                if sending is not None:
+                    sending.cancel()
             return answers
         finally:
             channel.close()
@@ -453,7 +468,7 @@ def test_an_optimizer_step_that_fails_after_its_answer_ends_the_session_typed(ta
     assert isinstance(answers[2], TrainGrad) and answers[2].step == 1, answers
     assert code(answers[3]) == "adapter" and "optimizer step failed" in answers[3].message
     assert answers[4] is None  # the stream ended
-    assert not any(key[1] == "failing-step" for key in target.node.training.sessions)
+    assert not any(key[1] == session_id for key in target.node.training.sessions)
 
 
 def test_g1_passes_over_the_token_limit_or_malformed_are_refused(target):
