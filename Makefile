@@ -72,8 +72,8 @@ HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py t
 # `make test` runs in passes. First every test but those marked `serial`, in TEST_WORKERS pytest-xdist workers, each
 # given whole test files (their module-scoped swarms stay in one worker); then the `serial` ones alone: they measure
 # time or throughput (recovery bounds, link measurements, a shaped link's speed-up), which another worker's load
-# would skew. On 2 cores `make test` takes about 21 minutes this way (lint 0.3, parallel pass 14.5, serial 5, `-O`
-# 1.5). TEST_WORKERS=0: one process for all.
+# would skew. On 2 cores `make test` takes about 25 minutes this way (lint 0.3, parallel pass 16-18, serial 5.5, `-O`
+# 1.8). TEST_WORKERS=0: one process for all.
 TEST_WORKERS ?= 2
 PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
