@@ -33,8 +33,7 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_STEP_S = 2.0  # per network step of a shutdown (guess: a healthy DHT leave takes well under 1 s)
 # rounds of DHT pings to the initial peers when joining: each waits hivemind's 3 s RPC timeout, and a busy peer (a
 # flood of stores, a loaded host) can miss one and answer the next (guess)
-DHT_JOIN_ROUNDS = 4
-JOIN_LOOKUP_S = 3.0  # the new peer's lookup of its own neighbours once joined, as hivemind's join bounds it
+DHT_JOIN_ROUNDS = 3
 
 
 @dataclass
@@ -151,10 +150,12 @@ async def start_peer(
         raise
     dht = None
     try:
-        dht = await DHTNode.create(  # no initial peers: its join pings them once, join_dht up to DHT_JOIN_ROUNDS times
+        dht = await DHTNode.create(
             p2p=p2p,
+            initial_peers=list(initial_peers),
             client_mode=client_mode,
             record_validator=make_validator(signature_validator, list(dht_prefixes)),
+            ensure_bootstrap_success=False,  # its one round of pings: join_dht asks again
         )
         if initial_peers and not await join_dht(dht, initial_peers):  # p2pd reached them, their DHT did not answer
             raise InitialPeersError(_no_initial_peer_answered(initial_peers))
@@ -170,16 +171,15 @@ async def start_peer(
 
 
 async def join_dht(dht: DHTNode, initial_peers, rounds: int = DHT_JOIN_ROUNDS) -> bool:
-    """Whether `dht` joined through `initial_peers`, as hivemind's DHTNode.create joins: one of them answered a
-    validated DHT ping (a DHT peer whose clock agrees, and that reaches a server-mode node back), and the node then
-    looks up its own neighbours (for up to JOIN_LOOKUP_S). hivemind pings once, and a busy initial peer missing that
-    one ping would fail a node's or client's start: here each round pings them all again, `rounds` at most."""
+    """Whether `dht` joined through `initial_peers`: one of them answered a validated DHT ping (it is a DHT peer, its
+    clock agrees, and a server-mode node is reachable back: hivemind's own checks), within `rounds` rounds of pings
+    to all of them; then the node looks up its own neighbours. hivemind's DHTNode.create pings once, and a busy
+    initial peer missing that one ping would fail a node's or client's start."""
     peer_ids = [PeerID.from_base58(str(Multiaddr(str(address))["p2p"])) for address in initial_peers]
     for attempt in range(rounds):
         answers = await asyncio.gather(*(dht.protocol.call_ping(peer, validate=True) for peer in peer_ids))
         if any(answer is not None for answer in answers):
-            with contextlib.suppress(TimeoutError):  # the routing table fills on as answers come
-                await asyncio.wait_for(dht.find_nearest_nodes([dht.node_id]), timeout=JOIN_LOOKUP_S)
+            await dht.find_nearest_nodes([dht.node_id])  # fills the routing table beyond the initial peers
             return True
         logger.info("no initial peer answered a DHT ping (round %d of %d)", attempt + 1, rounds)
     return False

@@ -245,19 +245,21 @@ async def serve_steps(
     the channel (its sender reports it to the client) and the channel goes on. `session_of`: the session (a lane is
     bound to one at its handshake), or None for a libp2p push stream, which is bound to the session its first step
     names: a stream whose first step does not come within `first_frame_s`, or names no session of which the sender is
-    the upstream, ends, and a later step naming another session is refused. The session's end closes its push
-    stream, and so does a newer push stream of the same session (its upstream reopened its channel): a peer holds
-    no more push streams than sessions it feeds."""
+    the upstream, ends, and a later step naming another session is refused. The session's end closes its push stream, and so does a newer push stream of the
+    same session (its upstream reopened its channel): a peer holds no more push streams than sessions it feeds."""
     bound = session_of
     while True:
         step_id = None
         try:
-            try:
-                async with asyncio.timeout(first_frame_s if bound is None else None):
-                    request = await channel.receive()
-            except TimeoutError:
-                logger.debug("push stream from %s: no step within %.0f s", sender, first_frame_s)
-                return
+            if bound is None and first_frame_s is not None:
+                try:
+                    async with asyncio.timeout(first_frame_s):
+                        request = await channel.receive()
+                except TimeoutError:
+                    logger.debug("push stream from %s: no step within %.0f s", sender, first_frame_s)
+                    return
+            else:
+                request = await channel.receive()
             if request is None:
                 return
             message = read(request, PUSHED)
