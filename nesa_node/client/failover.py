@@ -9,7 +9,10 @@ that node's chance just as silence does (RELIABILITY.md G5).
 A node that went quiet (the step's deadline passed and it missed the short probe) while no other node can take its
 span is asked again with a longer probe before the session gives up: a node on a loaded host (a flood of DHT stores,
 a busy machine) is slow, not gone. If it answers, it is not banned and the chain stays as it is: the session sends
-the step again under the same step id and waits longer for it.
+the step again under the same step id and waits longer for it. A node named by the failure (its channel broke, or it
+failed the step) that no other node can replace gets the same longer probe: if it answers, the session opens there
+again, as on a replacement (a node ends its owner's old session of the same id at the reopen). A node that sent
+something wrong never gets either chance.
 
 `Failover` works on the session's links only through SessionChain (client/session_chain.py); it gets the rest of the
 session's state (position, the inputs the client kept) as arguments.
@@ -109,18 +112,27 @@ class Failover:
             )
             try:
                 with self._timed("route"):
-                    replacement = await self.reroute(request)  # raises NoRouteError naming the missing blocks
+                    hops = (await self.reroute(request)).hops  # raises NoRouteError naming the missing blocks
             except NoRouteError:
-                quiet = failure.link is None and attempt == 0 and may_keep
-                if not quiet or not await self._answers_longer(lost.peer_id) or not self.swarm.unban(lost.peer_id):
-                    raise  # gone, or banned meanwhile for a fault (another session's finding)
-                logger.info("node %s was slow, not gone, and no other node serves its blocks: kept", lost.peer_id)
-                self._record(lost, [], position, started, kept=True)
-                return False
+                quiet = failure.link is None and may_keep  # slow, maybe: the chain may stay as it is
+                named = failure.link is not None and not failure.fault  # its channel broke, or its step failed
+                if attempt > 0 or not (quiet or named) or not await self._answers_longer(lost.peer_id):
+                    raise
+                if not self.swarm.unban(lost.peer_id):
+                    raise  # banned meanwhile for a fault (another session's finding)
+                if quiet:
+                    logger.info("node %s was slow, not gone, and no other node serves its blocks: kept", lost.peer_id)
+                    self._record(lost, [], position, started, kept=True)
+                    return False
+                # it answers, and no other node serves its blocks: the session opens there again (the node ends its
+                # old session of this id when the owner reopens it) and its cache is rebuilt from the history
+                logger.info("node %s answers and no other node serves its blocks: the session opens there again",
+                            lost.peer_id)  # fmt: skip
+                hops = (lost,)
             limit_s = self.swarm.request_timeout_s * 4
             try:
                 async with asyncio.timeout(limit_s):
-                    await self._replace(index, replacement.hops, position, inputs)
+                    await self._replace(index, hops, position, inputs)
                 break
             except TimeoutError:
                 message = f"replacing blocks {lost.start_block}:{lost.end_block} took over {limit_s} s"
@@ -129,7 +141,7 @@ class Failover:
                 if failed.link is not chain.links[index] or attempt + 1 == self.max_replacement_attempts:
                     raise
                 logger.info("replacement for blocks %d:%d failed: %s", lost.start_block, lost.end_block, failed)
-        self._record(lost, [hop.peer_id for hop in replacement.hops], position, started, kept=False)
+        self._record(lost, [hop.peer_id for hop in hops], position, started, kept=False)
         return True
 
     def _record(self, lost: Hop | None, replacements: list[str], position: int, started: float, *, kept: bool) -> None:

@@ -92,6 +92,7 @@ class StreamChannel:
         self.max_frame_bytes = max_frame_bytes
         self.closed = False
         self.peer_ended = False  # the peer ended its side (end frame or close): nothing more to read
+        self.on_settled: Callable[[], None] | None = None  # frees the stream's place among opening ones (`settled`)
 
     def send(self, frame: Frame) -> None:
         if self.closed or self.writer.is_closing():
@@ -212,6 +213,16 @@ async def open_stream(p2p: P2P, peer_id: str, name: str, *, max_frame_bytes: int
     return StreamChannel(reader, writer, max_frame_bytes)
 
 
+def settled(channel: object) -> None:
+    """`channel` has said what it is for (its session opened, its push stream bound): from now on that session's own
+    limits hold it, and its place among its peer's streams still opening is freed (server/rpc.py opening_streams).
+    Once per stream; a no-op for a channel that holds no such place (a data lane is admitted at its handshake)."""
+    hook = getattr(channel, "on_settled", None)
+    if hook is not None:
+        channel.on_settled = None
+        hook()
+
+
 UnaryHandler = Callable[[Frame, P2PContext], Awaitable[Frame]]
 
 
@@ -271,4 +282,5 @@ __all__ = [
     "open_stream",
     "read_frame",
     "serve_stream",
+    "settled",
 ]

@@ -1,11 +1,14 @@
 """Admission of peers' streams of one kind, decided before a byte of them is read (RELIABILITY.md G6): a peer
 that opens streams and holds them, or opens them over and over, is refused with a typed error once it has its share,
-and all peers together are bounded too."""
+and all peers together are bounded too (AnswerGate). Streams that become long-lived once they say what they are for
+are bounded while they have not yet said it (OpeningGate)."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 from nesa_node.errors import QuotaExceededError
 
@@ -67,4 +70,44 @@ class AnswerGate:
         return leave
 
 
-__all__ = ["AnswerGate"]
+class OpeningGate:
+    """Streams from their opening until they settle (say what they are for, after which limits of their own hold
+    them): at most `max_per_peer` of one peer, a stream over that refused with a typed error, and `max_opening` in
+    all. A stream over the total evicts one instead of being refused: the oldest of the peer with the most streams
+    opening (its `evict` call is made). An honest peer's streams settle within milliseconds of opening, so the ones
+    evicted are those held idle, and identities that fill the node cannot keep another peer's streams out."""
+
+    def __init__(self, *, max_opening: int, max_per_peer: int, what: str = "streams opening"):
+        self.max_opening, self.max_per_peer, self.what = max_opening, max_per_peer, what
+        self.opening: dict[int, tuple[str, Callable[[], None]]] = {}  # token -> (peer, evict), oldest first
+        self.per_peer: Counter[str] = Counter()
+        self.evicted = 0
+        self._tokens = itertools.count()
+
+    def enter(self, peer: str, evict: Callable[[], None]) -> Callable[[], None]:
+        """Admit a stream of `peer`: the call that settles it (idempotent). `evict` ends the stream when a newer one
+        needs its place. Raises QuotaExceededError when `peer` already has its most streams opening."""
+        if self.per_peer[peer] >= self.max_per_peer:
+            raise QuotaExceededError(f"a peer may have {self.max_per_peer} {self.what} at once")
+        while len(self.opening) >= self.max_opening:
+            heaviest = max(self.per_peer.values())
+            token = next(token for token, (owner, _) in self.opening.items() if self.per_peer[owner] == heaviest)
+            _, victim = self._remove(token)
+            self.evicted += 1
+            victim()
+        token = next(self._tokens)
+        self.opening[token] = (peer, evict)
+        self.per_peer[peer] += 1
+        return lambda: self._remove(token)
+
+    def _remove(self, token: int):
+        entry = self.opening.pop(token, None)
+        if entry is not None:
+            peer = entry[0]
+            self.per_peer[peer] -= 1
+            if not self.per_peer[peer]:
+                del self.per_peer[peer]
+        return entry
+
+
+__all__ = ["AnswerGate", "OpeningGate"]

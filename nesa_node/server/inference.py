@@ -37,7 +37,7 @@ from nesa_node.errors import (
     StepTimeoutError,
 )
 from nesa_node.protocol.channel import Channel, ChannelClosedError, Frame, frame, read
-from nesa_node.protocol.framing import StreamChannel
+from nesa_node.protocol.framing import StreamChannel, settled
 from nesa_node.protocol.messages import (
     FORWARD,
     TO_SESSION,
@@ -140,6 +140,7 @@ class InferenceService:
                 upload, first = first, await self._next_frame(channel)
                 if first is None:
                     return
+            settled(channel)  # the frames an open needs are in: the session's own limits hold it from here
             session = await self._open(first, channel, context.remote_id.to_base58(), upload)
             upload = first = None  # an adapter's bytes live in the store now, not in this frame for the session's life
         except RequestError as exc:

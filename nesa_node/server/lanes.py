@@ -33,6 +33,7 @@ from nesa_node.errors import (
 )
 from nesa_node.protocol import lane
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
+from nesa_node.protocol.framing import settled
 from nesa_node.protocol.messages import PUSHED, ErrorReply, LaneTicket, Step
 from nesa_node.server.config import NetworkConfig
 from nesa_node.server.lane_gate import LaneAdmission, LaneGate
@@ -277,6 +278,7 @@ async def serve_steps(
                     raise BadRequestError("push from a peer that is not this session's upstream")
                 bound = session
                 session.take_push_stream(channel)
+                settled(channel)  # one push stream per session from here (server/rpc.py opening_streams)
             await sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
         except RequestError as exc:
             if channel.closed:  # the channel cannot go on (a frame over the limit): its handler ends it

@@ -16,13 +16,13 @@ from collections.abc import Callable
 
 from hivemind.p2p import P2P, P2PContext
 
-from nesa_node.errors import MessageTooLargeError, RequestError
+from nesa_node.errors import MessageTooLargeError, QuotaExceededError, RequestError
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Frame, frame, is_error_reply, read
-from nesa_node.protocol.framing import StreamChannel, answer_one_frame, serve_stream
+from nesa_node.protocol.framing import StreamChannel, answer_one_frame, serve_stream, settled
 from nesa_node.protocol.messages import PUSHED, ErrorReply, InfoReply
 from nesa_node.protocol.records import NodeInfo
-from nesa_node.protocol.stream_gate import AnswerGate
+from nesa_node.protocol.stream_gate import AnswerGate, OpeningGate
 from nesa_node.server.adapter_fetch import adapter_answer_gate, answer_adapter_request
 from nesa_node.server.inference import InferenceService
 from nesa_node.server.lanes import LaneServer, serve_steps
@@ -32,6 +32,11 @@ from nesa_node.server.training import TrainingService
 MAX_FORWARD_STREAMS = 8  # large forwards a node reads and runs at once (each up to a frame of its limit in memory)
 MAX_FORWARD_STREAMS_PER_PEER = 2  # a client sends one at a time to a node; one more for a retry after a failure
 MAX_FORWARD_STREAMS_PER_MINUTE = 120  # per peer (guess: a long prompt's forward takes a second or more)
+# session, push, training and sync streams that have not yet said what they are for, each reading a frame of up to
+# the node's limit at most: an honest peer's settle within milliseconds of opening (its first frame goes out with the
+# stream), so these bounds are met only by streams held idle (a peer's own may be as many as its sessions here)
+MAX_OPENING_STREAMS = 128
+MAX_OPENING_STREAMS_PER_PEER = 32
 
 
 class NodeRpc:
@@ -66,6 +71,10 @@ class NodeRpc:
             what="large forwards",
             hint="ask again later or ask another node",
         )
+        # peers' streams from their opening until they say what they are for (framing.settled: a session opened, a
+        # push stream bound to its session; a training sync's stream is counted to its end): these kinds are bounded
+        # by limits of their own only once settled, so until then they are bounded here, per peer and in all
+        self.opening_streams = OpeningGate(max_opening=MAX_OPENING_STREAMS, max_per_peer=MAX_OPENING_STREAMS_PER_PEER)
 
     async def register(self, p2p: P2P) -> None:
         for name, handler in (
@@ -77,12 +86,12 @@ class NodeRpc:
         ):
             await p2p.add_protobuf_handler(name, self._counted(name, handler), Frame)
         streams = (
-            (rpc.INFERENCE, self.inference.serve_session),
+            (rpc.INFERENCE, self._opening(self.inference.serve_session)),
             (rpc.FORWARD_STREAM, self.rpc_forward_stream),
-            (rpc.PUSH_STREAM, self.rpc_push_stream),
+            (rpc.PUSH_STREAM, self._opening(self.rpc_push_stream)),
             (rpc.ADAPTER, self.rpc_adapter),
-            (rpc.TRAIN, self.training.serve_training),
-            (rpc.TRAIN_SYNC, self.training.sync.serve),
+            (rpc.TRAIN, self._opening(self.training.serve_training)),
+            (rpc.TRAIN_SYNC, self._opening(self.training.sync.serve)),
         )
         for name, handler in streams:
             await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)
@@ -91,6 +100,24 @@ class NodeRpc:
         """A peer fetching an adapter this node announces (server/adapter_fetch.py)."""
         peer = context.remote_id.to_base58()
         await answer_adapter_request(channel, self.inference.adapters, peer, self.adapter_answers)
+
+    def _opening(self, handler):
+        """`handler`, admitted by `opening_streams` before a byte of its stream is read (refused with a typed error
+        when the peer has its most streams opening) and holding its place there until it settles; evicted, the
+        stream is answered with a typed error and closed."""
+
+        async def opening(channel: StreamChannel, context: P2PContext) -> None:
+            def evict() -> None:
+                channel.refuse(QuotaExceededError("this node has its most streams opening; the idlest one is closed"))
+                channel.close()
+
+            channel.on_settled = self.opening_streams.enter(context.remote_id.to_base58(), evict)
+            try:
+                await handler(channel, context)
+            finally:
+                settled(channel)
+
+        return opening
 
     def _counted(self, name: str, handler):
         """`handler`, counting its answers by status (an ErrorReply is "error") when the node has metrics."""

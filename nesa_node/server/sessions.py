@@ -13,6 +13,8 @@ id). Any chain member learns a session's id from the steps it sees, and could op
 might replace a failing one; scoped, its sessions sit beside the owner's and take none of its steps. Every way into a
 session names it unambiguously: the owner's own stream is bound to it at open, a push names the owner and must come
 from the session's upstream (`find`), and a data lane is matched by the key its handshake proves (server/lanes.py).
+The owner opening an id it has open here again (its failover back to this node after its channel broke) ends the
+old session of that id once no step of it is under way.
 """
 
 from __future__ import annotations
@@ -217,14 +219,18 @@ class SessionTable:
         self, request: OpenSession, *, client_peer: str, blocks: tuple[int, int], cache, reply: Channel
     ) -> ServerSession:
         """Reserve the session's first chunk of cache and register it, preempting idle sessions when the node is
-        full. Raises TooManySessionsError (draining, node limit), BadRequestError (an id this peer already has open
-        here, batch or length out of range), QuotaExceededError (the peer's share), CacheBudgetError (the node's
-        budget)."""
+        full. An id this peer already has open here ends that session when it has no step under way (the owner opens
+        it again after losing its channel: failover to the same node); with one under way, BadRequestError. Raises
+        TooManySessionsError (draining, node limit), BadRequestError (batch or length out of range),
+        QuotaExceededError (the peer's share), CacheBudgetError (the node's budget)."""
         limits = self.limits
         if self.draining:
             raise TooManySessionsError("node is draining and accepts no new sessions")
-        if (client_peer, request.session_id) in self.sessions:
-            raise BadRequestError(f"session {request.session_id!r} is already open on this node")
+        if (old := self.sessions.get((client_peer, request.session_id))) is not None:
+            if old.busy or not old.inbox.empty():
+                raise BadRequestError(f"session {request.session_id!r} is already open on this node, a step under way")
+            logger.info("session %s of %s opened again by its owner: the old one ended", old.session_id, client_peer)
+            self._end(old, BadRequestError(f"session {old.session_id!r} was opened again by its owner"))
         if request.batch > limits.max_batch:
             raise BadRequestError(f"batch must be in 1..{limits.max_batch}, got {request.batch}")
         if request.max_length > limits.max_length:
@@ -277,6 +283,11 @@ class SessionTable:
         `preempt_idle_s`) for the first to become preemptible and try again: an honest client is admitted rather
         than refused while throwaway sessions hold the node. The same errors as `open`."""
         deadline = time.monotonic() + min(self.limits.preempt_idle_s, MAX_ADMISSION_WAIT_S)
+        key = (kwargs["client_peer"], request.session_id)
+        while (old := self.sessions.get(key)) is not None and (old.busy or not old.inbox.empty()):
+            if time.monotonic() > deadline:  # the owner's old session of this id: its step ends, or it is refused
+                break
+            await asyncio.sleep(0.01)
         while True:
             try:
                 return self.open(request, **kwargs)
@@ -387,12 +398,16 @@ class SessionTable:
         """End an idle session at once to make room: its owner is told (typed), its cache freed."""
         error = SessionPreemptedError(f"session idle for {idle_s:.0f} s was ended to admit another: the node is full")
         logger.info("session %s of %s idle for %.0f s: preempted", session.session_id, session.client_peer, idle_s)
+        self._end(session, error)
+        if self.metrics is not None:
+            self.metrics.preempted_sessions_total.inc()
+
+    def _end(self, session: ServerSession, error: Exception) -> None:
+        """End a session with no step under way at once: its owner is told (typed), its cache freed."""
         with contextlib.suppress(Exception):  # the owner may be gone already
             session.reply.send(frame(ErrorReply.of(error)))
         session.inbox.put_nowait(END_OF_SESSION)
         self.close(session)
-        if self.metrics is not None:
-            self.metrics.preempted_sessions_total.inc()
 
     def close(self, session: ServerSession) -> None:
         """Free the session's cache and channels (the client's stream is its handler's to close)."""

@@ -63,7 +63,7 @@ from nesa_node.errors import (
     TooManySessionsError,
 )
 from nesa_node.protocol.channel import Channel, Frame, frame, read
-from nesa_node.protocol.framing import StreamChannel
+from nesa_node.protocol.framing import StreamChannel, settled
 from nesa_node.protocol.messages import (
     TO_TRAINING,
     ErrorReply,
@@ -197,6 +197,7 @@ class TrainingService:
             channel.send(frame(ErrorReply.of(exc)))
             return
         session.channel = channel
+        settled(channel)  # the node's training session limits hold it from here (server/rpc.py opening_streams)
         try:
             channel.send(frame(TrainOpened(step=session.step)))
             timeout_s = self.limits.first_step_timeout_s  # opening costs nothing: a session must use its place

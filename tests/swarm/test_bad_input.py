@@ -474,21 +474,29 @@ def test_d_batch_size_changed_mid_session(target):
     )
 
 
-def test_d_duplicate_session_id(target):
-    first = opening()
+def test_d_duplicate_session_id_ends_the_owners_idle_session_of_that_id(target):
+    """A peer opening an id it already has open here (as a client failing over to the same node, once its channel
+    to it broke) ends that session, typed on its stream, and opens anew. Only its own: the id's sessions of other
+    peers are untouched (the honest session lives on: others_undisturbed)."""
+    first = opening(session_id=target.honest.session_id)  # the honest client's id, opened by another peer
 
     async def run():
-        stream = await held_stream(target, first)  # the first session stays open while a second tries the same id
+        stream = await held_stream(target, first)  # idle after its open
         try:
             opened = answer_of(await anext(stream))
-            assert opened["kind"] == "opened"
-            return await asyncio.to_thread(refusal, target, [first], answers=1)
+            again = await asyncio.to_thread(converse, target, [first], answers=1)
+            async with asyncio.timeout(10):
+                told = answer_of(await anext(stream))
+            return opened, again, told
         finally:
             await stream.aclose()
 
-    error = target.call(run())
-    assert error["code"] == "bad_request"
-    assert error["message"] == f"session {msgpack.unpackb(first.metadata)['session_id']!r} is already open on this node"
+    opened, again, told = target.call(run())
+    assert opened["kind"] == again[0]["kind"] == "opened", (opened, again)
+    assert (told["code"], told["message"]) == (
+        "bad_request",
+        f"session {target.honest.session_id!r} was opened again by its owner",
+    ), told
 
 
 @pytest.mark.parametrize(
@@ -585,6 +593,81 @@ def test_g6_push_streams_end_unless_they_feed_a_session_and_a_session_keeps_one(
     ], ended
     assert answers == ["result", "result"]  # each stream's step was taken
     assert ended["older"] == [] and ended["newer"] == [], ended
+
+
+def test_g6_streams_that_do_not_say_what_they_are_for_are_capped_and_the_idlest_is_evicted(target, monkeypatch):
+    """Session, push, training and sync streams are held by limits of their own only once they say what they are for
+    (a session opened, a push stream bound): until then a node keeps a few of one peer (more are refused with a typed
+    error before a byte is read) and a few in all, and a stream over the total closes the oldest of the peer holding
+    the most. Identities holding idle streams cannot keep another peer's session out."""
+    gate = target.node.rpc.opening_streams
+    monkeypatch.setattr(gate, "max_opening", 4)
+    monkeypatch.setattr(gate, "max_per_peer", 3)
+    attacker, honest = target.attacker.swarm.peer_id, target.honest_client.swarm.peer_id
+
+    async def hold(p2p: P2P, names: list[str]) -> list:
+        return [await p2p.call_binary_stream_handler(target.peer, name) for name in names]
+
+    async def close_all(streams: list) -> None:
+        for _, _, writer in streams:
+            writer.close()
+
+    async def refused(name: str) -> str:
+        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, name)
+        try:
+            return await error_frame(reader)
+        finally:
+            writer.close()
+
+    held = target.call(hold(target.p2p, [rpc.INFERENCE, rpc.PUSH_STREAM, rpc.TRAIN]))
+    honest_held = []
+    try:
+        wait_until(lambda: gate.per_peer[attacker] == 3)
+        over_share = target.call(refused(rpc.TRAIN_SYNC))
+        honest_held = target.honest_client.call(hold(target.honest_client.swarm.p2p, [rpc.INFERENCE]))
+        wait_until(lambda: dict(gate.per_peer) == {attacker: 3, honest: 1})
+        session = target.honest_client.session_on(target.chain, batch=1, max_length=64, failover=False)
+        try:
+            hidden = torch.randn(1, 3, HIDDEN, generator=torch.Generator().manual_seed(5))
+            expected = target.reference(hidden, target.reference.new_cache(), 0)
+            assert torch.allclose(session.step(hidden), expected, atol=1e-5)
+        finally:
+            session.close()
+
+        async def first_frames() -> list[str | None]:
+            """Each held stream's error frame, or None when it has none within 2 s."""
+
+            async def one(reader) -> str | None:
+                try:
+                    async with asyncio.timeout(2):
+                        return await error_frame(reader)
+                except TimeoutError:
+                    return None
+
+            return await asyncio.gather(*(one(reader) for _, reader, _ in held))
+
+        evicted = [text for text in target.call(first_frames()) if text is not None]  # one of the attacker's
+        assert dict(gate.per_peer) == {attacker: 2, honest: 1}
+        assert gate.evicted == 1
+
+        async def open_on_a_new_stream() -> tuple[dict, dict]:
+            opened = await held_stream(target, opening())
+            try:
+                answer = answer_of(await anext(opened))
+                return answer, dict(gate.per_peer)  # settled once its session opened: its place is free again
+            finally:
+                await opened.aclose()
+
+        answer, while_open = target.call(open_on_a_new_stream())
+    finally:
+        target.call(close_all(held))  # each on its own client's loop
+        target.honest_client.call(close_all(honest_held))
+    assert over_share == "[quota] a peer may have 3 streams opening at once"
+    assert evicted == ["[quota] this node has its most streams opening; the idlest one is closed"]
+    assert answer["kind"] == "opened", answer
+    assert while_open == {attacker: 2, honest: 1}, while_open
+    wait_until(lambda: not gate.opening, timeout_s=15)  # every place freed as its stream ended
+    assert not gate.per_peer
 
 
 # ---- data lanes ---------------------------------------------------------------------------------------------------

@@ -168,3 +168,31 @@ def test_a_node_over_its_step_timeout_is_replaced_not_its_next_node(local_swarm,
                 (slow.peer_id, [spare.peer_id])
             ], session.failovers
             assert last.peer_id not in model.swarm.banned()
+
+
+def test_the_only_node_of_a_span_whose_channel_broke_is_opened_again_not_given_up(local_swarm, tiny_llama, reference):
+    """The client's channel to a node breaks while the node lives on, and no other node serves its blocks: the
+    session opens again on that node (its cache rebuilt from the history) instead of ending with no_route."""
+    first = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=PREFIX)
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=PREFIX)
+    with connect(local_swarm, tiny_llama) as model:
+        wait_for_chain(model, hops=2)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids == (first.peer_id, last.peer_id)
+            honest_run, broken = last.compute.run, []
+
+            async def breaking_the_clients_stream(hidden, cache, position, blocks, adapter=None):
+                if position >= PROMPT.shape[1] + 2 and not broken:
+                    (server_session,) = last.sessions.sessions.values()
+                    broken.append(position)
+                    server_session.reply.abort()  # the client's session stream to this node, cut
+                return await honest_run(hidden, cache, position, blocks, adapter)
+
+            last.compute.run = breaking_the_clients_stream
+            output = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            assert torch.equal(output, reference)
+            assert broken
+            assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [
+                (last.peer_id, [last.peer_id])
+            ], session.failovers
+            assert last.peer_id not in model.swarm.banned()

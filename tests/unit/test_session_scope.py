@@ -3,6 +3,7 @@ by several peers at once, and every lookup names one session unambiguously."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import multihash
@@ -12,7 +13,7 @@ from hivemind.p2p import PeerID
 from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server.config import LimitsConfig
-from nesa_node.server.sessions import SessionTable
+from nesa_node.server.sessions import END_OF_SESSION, SessionTable
 from nesa_node.sharding.kv_cache import CacheBudget
 
 
@@ -42,11 +43,40 @@ def test_one_id_opened_by_two_peers_gives_two_sessions():
     assert sessions.named("s1") == [owner, squatter]
 
 
-def test_the_same_peer_cannot_open_an_id_twice():
+def test_the_owner_opening_an_id_again_ends_its_idle_session_there_but_not_one_with_a_step_under_way():
     sessions = table()
-    open_session(sessions, OWNER)
-    with pytest.raises(BadRequestError, match="already open"):
+    first = open_session(sessions, OWNER)
+    squatter = open_session(sessions, SQUATTER)
+    first.busy = True
+    with pytest.raises(BadRequestError, match="already open on this node, a step under way"):
         open_session(sessions, OWNER)
+    first.busy = False
+    second = open_session(sessions, OWNER)  # as after losing its channel to this node: failover to the same node
+    assert second is not first and sessions.get(OWNER, "s1") is second
+    assert not sessions.holds(first) and first.inbox.get_nowait() is END_OF_SESSION
+    assert sessions.get(SQUATTER, "s1") is squatter  # another peer's session of that id is untouched
+    assert sessions.budget.used_bytes == second.reserved_bytes + squatter.reserved_bytes
+    sessions.close(first)  # the old session's handler closing it later leaves the new one open
+    assert sessions.get(OWNER, "s1") is second and len(sessions) == 2
+
+
+def test_a_reopen_waits_for_the_old_sessions_step_to_end():
+    sessions = table()
+    first = open_session(sessions, OWNER)
+    first.busy = True
+
+    async def reopen():
+        request = OpenSession(session_id="s1", start_block=0, end_block=1, batch=1, max_length=64, upstream=PREVIOUS)
+        reopened = asyncio.create_task(
+            sessions.open_when_room(request, client_peer=OWNER, blocks=(0, 1), cache=None, reply=None)
+        )
+        await asyncio.sleep(0.2)
+        assert not reopened.done()  # the step under way is not cut off
+        first.busy = False
+        return await asyncio.wait_for(reopened, 5)
+
+    second = asyncio.run(reopen())
+    assert sessions.get(OWNER, "s1") is second and not sessions.holds(first)
 
 
 def test_a_push_naming_the_owner_finds_its_session_whatever_else_shares_the_id():
