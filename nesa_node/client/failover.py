@@ -115,7 +115,8 @@ class Failover:
                     hops = (await self.reroute(request)).hops  # raises NoRouteError naming the missing blocks
             except NoRouteError:
                 quiet = failure.link is None and may_keep  # slow, maybe: the chain may stay as it is
-                named = failure.link is not None and not failure.fault  # its channel broke, or its step failed
+                # its channel broke, or it failed the step (not: sent something wrong, or has no room for the session)
+                named = failure.link is not None and not failure.fault and not failure.full
                 if attempt > 0 or not (quiet or named) or not await self._answers_longer(lost.peer_id):
                     raise
                 if not self.swarm.unban(lost.peer_id):

@@ -341,7 +341,8 @@ class InferenceSession:
             return
         error = message.error()
         if isinstance(error, SessionPreemptedError | StepTimeoutError | CacheBudgetError | QuotaExceededError):
-            raise LinkFailed(error.message, answered)  # this node dropped the session, or has no cache left for it
+            full = isinstance(error, CacheBudgetError | QuotaExceededError)
+            raise LinkFailed(error.message, answered, full=full)  # this node dropped the session, or has no room
         links = self.links.links
         index = links.index(answered) if answered in links else -1
         if isinstance(error, BadRequestError) and self.links.direct and index > 0:

@@ -72,8 +72,8 @@ class AnswerGate:
 
 class OpeningGate:
     """Streams from their opening until they settle (say what they are for, after which limits of their own hold
-    them): at most `max_per_peer` of one peer, a stream over that refused with a typed error, and `max_opening` in
-    all. A stream over the total evicts one instead of being refused: the oldest of the peer with the most streams
+    them): at most `max_per_peer` of one peer (of the kinds capped), a stream over that refused with a typed error,
+    and `max_opening` in all. A stream over the total evicts one instead of being refused: the oldest of the peer with the most streams
     opening (its `evict` call is made). An honest peer's streams settle within milliseconds of opening, so the ones
     evicted are those held idle, and identities that fill the node cannot keep another peer's streams out."""
 
@@ -84,10 +84,11 @@ class OpeningGate:
         self.evicted = 0
         self._tokens = itertools.count()
 
-    def enter(self, peer: str, evict: Callable[[], None]) -> Callable[[], None]:
+    def enter(self, peer: str, evict: Callable[[], None], *, capped: bool = True) -> Callable[[], None]:
         """Admit a stream of `peer`: the call that settles it (idempotent). `evict` ends the stream when a newer one
-        needs its place. Raises QuotaExceededError when `peer` already has its most streams opening."""
-        if self.per_peer[peer] >= self.max_per_peer:
+        needs its place. Raises QuotaExceededError when `peer` already has its most streams opening, unless not
+        `capped` (a kind an honest peer may open many of at once: it still counts toward the peer's weight)."""
+        if capped and self.per_peer[peer] >= self.max_per_peer:
             raise QuotaExceededError(f"a peer may have {self.max_per_peer} {self.what} at once")
         while len(self.opening) >= self.max_opening:
             heaviest = max(self.per_peer.values())

@@ -140,8 +140,8 @@ class InferenceService:
                 upload, first = first, await self._next_frame(channel)
                 if first is None:
                     return
-            settled(channel)  # the frames an open needs are in: the session's own limits hold it from here
             session = await self._open(first, channel, context.remote_id.to_base58(), upload)
+            settled(channel)  # open: the session's own limits hold it from here
             upload = first = None  # an adapter's bytes live in the store now, not in this frame for the session's life
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
@@ -153,7 +153,8 @@ class InferenceService:
         finally:
             reader.cancel()
             self.sessions.close(session)
-            self.compute.forget(session.key, last=not self.sessions.sessions)
+            if session.key not in self.sessions.sessions:  # not opened again by its owner meanwhile
+                self.compute.forget(session.key, last=not self.sessions.sessions)
             session.close_channels()  # also when the node dropped the session first (a move): a push opened since
             # the reader gone before the stream lingers: a read still waiting on the socket makes the linger's read
             # fail at once, and a stream closed with the client's steps unread resets, losing the answers not yet read
@@ -437,7 +438,10 @@ class InferenceService:
             return frame(History(position=message.position), [tensor_to_proto(history)])
         given = message.model_fields_set
         if message.upstream is not None:
+            # a replaced upstream, or the same node opened again: either resends the last step recomputed from a
+            # replayed cache (see _compute_step), its content may differ in the last bits
             session.upstream_peer = message.upstream
+            session.last_upstream = None
         if "next" in given:
             session.end_downstream()
             session.next_peer = message.next

@@ -85,13 +85,15 @@ class NodeRpc:
             (rpc.LANE_TICKET, self.rpc_lane_ticket),
         ):
             await p2p.add_protobuf_handler(name, self._counted(name, handler), Frame)
+        # a node is the upstream of many sessions, or syncs many replicas, and may open their streams in one burst:
+        # those kinds only weigh in the total's eviction; a client opens no more sessions here than its quota
         streams = (
             (rpc.INFERENCE, self._opening(self.inference.serve_session)),
             (rpc.FORWARD_STREAM, self.rpc_forward_stream),
-            (rpc.PUSH_STREAM, self._opening(self.rpc_push_stream)),
+            (rpc.PUSH_STREAM, self._opening(self.rpc_push_stream, capped=False)),
             (rpc.ADAPTER, self.rpc_adapter),
             (rpc.TRAIN, self._opening(self.training.serve_training)),
-            (rpc.TRAIN_SYNC, self._opening(self.training.sync.serve)),
+            (rpc.TRAIN_SYNC, self._opening(self.training.sync.serve, capped=False)),
         )
         for name, handler in streams:
             await serve_stream(p2p, name, self._counted_stream(name, handler), max_frame_bytes=self.max_frame_bytes)
@@ -101,17 +103,17 @@ class NodeRpc:
         peer = context.remote_id.to_base58()
         await answer_adapter_request(channel, self.inference.adapters, peer, self.adapter_answers)
 
-    def _opening(self, handler):
+    def _opening(self, handler, *, capped: bool = True):
         """`handler`, admitted by `opening_streams` before a byte of its stream is read (refused with a typed error
-        when the peer has its most streams opening) and holding its place there until it settles; evicted, the
-        stream is answered with a typed error and closed."""
+        when the peer has its most streams opening, if `capped`) and holding its place there until it settles;
+        evicted, the stream is answered with a typed error and closed."""
 
         async def opening(channel: StreamChannel, context: P2PContext) -> None:
             def evict() -> None:
                 channel.refuse(QuotaExceededError("this node has its most streams opening; the idlest one is closed"))
                 channel.close()
 
-            channel.on_settled = self.opening_streams.enter(context.remote_id.to_base58(), evict)
+            channel.on_settled = self.opening_streams.enter(context.remote_id.to_base58(), evict, capped=capped)
             try:
                 await handler(channel, context)
             finally:

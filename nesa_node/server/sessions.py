@@ -46,6 +46,7 @@ from nesa_node.sharding.kv_cache import CacheBudget
 logger = logging.getLogger(__name__)
 
 END_OF_SESSION = object()  # put in a session's inbox when its stream ends or the node ends it
+REOPEN_POLL_S = 0.05  # how often a reopen looks whether the old session's step has ended
 MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
 RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
 
@@ -175,6 +176,7 @@ class SessionTable:
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.sessions: dict[SessionKey, ServerSession] = {}
         self.draining = False  # refuse new sessions (the node is stopping or moving)
+        self._reopening: set[SessionKey] = set()  # owners' reopens waiting for their old session's step to end
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
         self.use_budget(budget)
@@ -227,7 +229,7 @@ class SessionTable:
         if self.draining:
             raise TooManySessionsError("node is draining and accepts no new sessions")
         if (old := self.sessions.get((client_peer, request.session_id))) is not None:
-            if old.busy or not old.inbox.empty():
+            if self._step_under_way(old):
                 raise BadRequestError(f"session {request.session_id!r} is already open on this node, a step under way")
             logger.info("session %s of %s opened again by its owner: the old one ended", old.session_id, client_peer)
             self._end(old, BadRequestError(f"session {old.session_id!r} was opened again by its owner"))
@@ -284,10 +286,17 @@ class SessionTable:
         than refused while throwaway sessions hold the node. The same errors as `open`."""
         deadline = time.monotonic() + min(self.limits.preempt_idle_s, MAX_ADMISSION_WAIT_S)
         key = (kwargs["client_peer"], request.session_id)
-        while (old := self.sessions.get(key)) is not None and (old.busy or not old.inbox.empty()):
-            if time.monotonic() > deadline:  # the owner's old session of this id: its step ends, or it is refused
-                break
-            await asyncio.sleep(0.01)
+        if (old := self.sessions.get(key)) is not None and self._step_under_way(old):
+            # the owner's old session of this id has a step under way: one reopen waits for it to end
+            if key in self._reopening:
+                raise BadRequestError(f"session {request.session_id!r} is already being opened again on this node")
+            self._reopening.add(key)
+            try:
+                # a flag and a queue, not an event: polled, by one waiter a session, for seconds at most
+                while self._step_under_way(old) and time.monotonic() < deadline:  # noqa: ASYNC110
+                    await asyncio.sleep(REOPEN_POLL_S)
+            finally:
+                self._reopening.discard(key)
         while True:
             try:
                 return self.open(request, **kwargs)
@@ -297,6 +306,9 @@ class SessionTable:
                 if never or self.draining or wait_s is None or time.monotonic() + wait_s > deadline:
                     raise
             await asyncio.sleep(wait_s + 0.01)
+
+    def _step_under_way(self, session: ServerSession) -> bool:
+        return self.holds(session) and (session.busy or not session.inbox.empty())
 
     def _next_preemptible_s(self) -> float | None:
         """Seconds until the first session not working now has been idle `preempt_idle_s`; None if none."""

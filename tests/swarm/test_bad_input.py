@@ -623,7 +623,7 @@ def test_g6_streams_that_do_not_say_what_they_are_for_are_capped_and_the_idlest_
     honest_held = []
     try:
         wait_until(lambda: gate.per_peer[attacker] == 3)
-        over_share = target.call(refused(rpc.TRAIN_SYNC))
+        over_share = target.call(refused(rpc.INFERENCE))
         honest_held = target.honest_client.call(hold(target.honest_client.swarm.p2p, [rpc.INFERENCE]))
         wait_until(lambda: dict(gate.per_peer) == {attacker: 3, honest: 1})
         session = target.honest_client.session_on(target.chain, batch=1, max_length=64, failover=False)

@@ -170,29 +170,37 @@ def test_a_node_over_its_step_timeout_is_replaced_not_its_next_node(local_swarm,
             assert last.peer_id not in model.swarm.banned()
 
 
-def test_the_only_node_of_a_span_whose_channel_broke_is_opened_again_not_given_up(local_swarm, tiny_llama, reference):
+@pytest.mark.parametrize("broken", [1, 2], ids=["middle", "last"])
+def test_the_only_node_of_a_span_whose_channel_broke_is_opened_again_not_given_up(
+    local_swarm, tiny_llama, reference, broken
+):
     """The client's channel to a node breaks while the node lives on, and no other node serves its blocks: the
-    session opens again on that node (its cache rebuilt from the history) instead of ending with no_route."""
-    first = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=PREFIX)
-    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=PREFIX)
+    session opens again on that node (its cache rebuilt from the history) instead of ending with no_route. The node
+    after it takes the step the reopened node sends again, recomputed from the replayed cache, as from any
+    replacement: the tokens are the reference."""
+    nodes = [
+        local_swarm.start_node(tiny_llama, start, end, dht_prefix=PREFIX) for start, end in ((0, 1), (1, 3), (3, 4))
+    ]
     with connect(local_swarm, tiny_llama) as model:
-        wait_for_chain(model, hops=2)
+        wait_for_chain(model, hops=3)
         with model.inference_session(max_length=32) as session:
-            assert session.chain.peer_ids == (first.peer_id, last.peer_id)
-            honest_run, broken = last.compute.run, []
+            assert session.chain.peer_ids == tuple(node.peer_id for node in nodes)
+            node = nodes[broken]
+            honest_run, cut = node.compute.run, []
 
             async def breaking_the_clients_stream(hidden, cache, position, blocks, adapter=None):
-                if position >= PROMPT.shape[1] + 2 and not broken:
-                    (server_session,) = last.sessions.sessions.values()
-                    broken.append(position)
-                    server_session.reply.abort()  # the client's session stream to this node, cut
-                return await honest_run(hidden, cache, position, blocks, adapter)
+                output = await honest_run(hidden, cache, position, blocks, adapter)
+                if position >= PROMPT.shape[1] + 2 and not cut:
+                    (server_session,) = node.sessions.sessions.values()
+                    cut.append(position)
+                    server_session.reply.abort()  # the client's session stream to this node, cut after the step
+                return output
 
-            last.compute.run = breaking_the_clients_stream
+            node.compute.run = breaking_the_clients_stream
             output = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
             assert torch.equal(output, reference)
-            assert broken
+            assert cut
             assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [
-                (last.peer_id, [last.peer_id])
+                (node.peer_id, [node.peer_id])
             ], session.failovers
-            assert last.peer_id not in model.swarm.banned()
+            assert not model.swarm.banned()

@@ -29,6 +29,18 @@ def test_a_peer_over_its_share_is_refused_and_a_stream_over_the_total_evicts_the
     assert evicted == ["a1", "a3"]
 
 
+def test_uncapped_kinds_pass_the_peers_share_but_weigh_in_the_eviction():
+    gate = OpeningGate(max_opening=4, max_per_peer=2)
+    evicted: list[str] = []
+    gate.enter("b", lambda: evicted.append("b1"))
+    for index in range(3):  # a node pushing the first steps of many sessions at once
+        gate.enter("a", lambda index=index: evicted.append(f"a{index}"), capped=False)
+    with pytest.raises(QuotaExceededError):
+        gate.enter("a", lambda: None)  # a capped kind: over its share
+    gate.enter("c", lambda: evicted.append("c1"))
+    assert evicted == ["a0"] and gate.per_peer == {"a": 2, "b": 1, "c": 1}
+
+
 actions = st.lists(st.one_of(st.tuples(st.just("open"), st.sampled_from("abcd")), st.tuples(st.just("settle"),
                    st.integers(0, 40))), max_size=60)  # fmt: skip
 
