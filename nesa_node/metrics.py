@@ -64,6 +64,14 @@ class NodeMetrics:
         self.preempted_sessions_total = Counter(
             "nesa_node_preempted_sessions_total", "Idle sessions ended to admit new ones", registry=registry
         )
+        self.opening_streams_refused_total = Counter(
+            "nesa_node_opening_streams_refused_total",
+            "Streams ended before they said what they were for: over their peer's share, or evicted past the total",
+            ["reason"],
+            registry=registry,
+        )
+        for reason in ("peer_share", "evicted"):
+            self.opening_streams_refused_total.labels(reason)
         self.adapters = Gauge(
             "nesa_node_adapters",
             "LoRA adapters on this node, by state (resident: held; pinned: used by an open session)",

@@ -112,14 +112,23 @@ class NodeRpc:
             def evict() -> None:
                 channel.refuse(QuotaExceededError("this node has its most streams opening; the idlest one is closed"))
                 channel.close()
+                self._count_refused("evicted")
 
-            channel.on_settled = self.opening_streams.enter(context.remote_id.to_base58(), evict, capped=capped)
+            try:
+                channel.on_settled = self.opening_streams.enter(context.remote_id.to_base58(), evict, capped=capped)
+            except QuotaExceededError:
+                self._count_refused("peer_share")
+                raise
             try:
                 await handler(channel, context)
             finally:
                 settled(channel)
 
         return opening
+
+    def _count_refused(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.opening_streams_refused_total.labels(reason).inc()
 
     def _counted(self, name: str, handler):
         """`handler`, counting its answers by status (an ErrorReply is "error") when the node has metrics."""

@@ -605,6 +605,13 @@ def test_g6_streams_that_do_not_say_what_they_are_for_are_capped_and_the_idlest_
     monkeypatch.setattr(gate, "max_per_peer", 3)
     attacker, honest = target.attacker.swarm.peer_id, target.honest_client.swarm.peer_id
 
+    def refusals() -> dict[str, float]:  # the node's metric, by reason
+        registry = target.node.metrics.registry
+        name = "nesa_node_opening_streams_refused_total"
+        return {reason: registry.get_sample_value(name, {"reason": reason}) for reason in ("peer_share", "evicted")}
+
+    refused_before = refusals()
+
     async def hold(p2p: P2P, names: list[str]) -> list:
         return [await p2p.call_binary_stream_handler(target.peer, name) for name in names]
 
@@ -666,6 +673,10 @@ def test_g6_streams_that_do_not_say_what_they_are_for_are_capped_and_the_idlest_
     assert evicted == ["[quota] this node has its most streams opening; the idlest one is closed"]
     assert answer["kind"] == "opened", answer
     assert while_open == {attacker: 2, honest: 1}, while_open
+    assert {reason: count - refused_before[reason] for reason, count in refusals().items()} == {
+        "peer_share": 1,
+        "evicted": 1,
+    }
     wait_until(lambda: not gate.opening, timeout_s=15)  # every place freed as its stream ended
     assert not gate.per_peer
 

@@ -244,7 +244,9 @@ def test_metrics_exist_and_move_during_a_generation(served):
     node_before, gateway_before = scrape(node.metrics_url), scrape(gateway.url + "/metrics")
     for name in ("nesa_node_sessions", "nesa_node_queued_steps", "nesa_node_kv_cache_usage_ratio", "nesa_node_dht_peers",
                  'nesa_node_kv_cache_bytes{state="free"}', "nesa_node_push_duration_seconds_count",
-                 "nesa_node_replayed_steps_total", "nesa_node_preempted_sessions_total"):  # fmt: skip
+                 "nesa_node_replayed_steps_total", "nesa_node_preempted_sessions_total",
+                 'nesa_node_opening_streams_refused_total{reason="evicted"}',
+                 'nesa_node_opening_streams_refused_total{reason="peer_share"}'):  # fmt: skip
         assert name in node_before, name
     for name in ("nesa_gateway_requests_running", "nesa_gateway_requests_waiting"):
         assert name in gateway_before, name
