@@ -34,6 +34,35 @@ def connect(swarm, path: str) -> DistributedModelForCausalLM:
     )
 
 
+def fail_once(node, failure, *, after_compute: bool = False) -> list[int]:
+    """Make the in-process `node` await `failure()` once, at its second decode step (before or after computing
+    it); the positions it did so at."""
+    honest_run, failed = node.compute.run, []
+
+    async def run(hidden, cache, position, blocks, adapter=None):
+        due = position >= PROMPT.shape[1] + 2 and not failed
+        if due and not after_compute:
+            failed.append(position)
+            await failure()
+        output = await honest_run(hidden, cache, position, blocks, adapter)
+        if due and after_compute:
+            failed.append(position)
+            await failure()
+        return output
+
+    node.compute.run = run
+    return failed
+
+
+def generate_through_one_failover(model, session, reference, failed: str, replacement: str) -> None:
+    """Generate in `session`: the reference tokens, through one failover from `failed` to `replacement`."""
+    output = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+    assert torch.equal(output, reference)
+    assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [(failed, [replacement])], (
+        session.failovers
+    )
+
+
 def test_the_last_node_banned_after_a_failure_gets_a_second_chance_when_it_answers(local_swarm, tiny_llama, reference):
     node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX)
     with connect(local_swarm, tiny_llama) as model:
@@ -152,21 +181,9 @@ def test_a_node_over_its_step_timeout_is_replaced_not_its_next_node(local_swarm,
             slow = next(node for node in firsts if node.peer_id == session.chain.peer_ids[0])
             spare = next(node for node in firsts if node is not slow)
             assert session.chain.peer_ids[1] == last.peer_id
-            honest_run, slowed = slow.compute.run, []
-
-            async def over_the_step_timeout(hidden, cache, position, blocks, adapter=None):
-                if position >= PROMPT.shape[1] + 2 and not slowed:
-                    slowed.append(position)
-                    await asyncio.sleep(3.0)
-                return await honest_run(hidden, cache, position, blocks, adapter)
-
-            slow.compute.run = over_the_step_timeout
-            output = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-            assert torch.equal(output, reference)
+            slowed = fail_once(slow, lambda: asyncio.sleep(3.0))  # over the node's step timeout
+            generate_through_one_failover(model, session, reference, slow.peer_id, spare.peer_id)
             assert slowed
-            assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [
-                (slow.peer_id, [spare.peer_id])
-            ], session.failovers
             assert last.peer_id not in model.swarm.banned()
 
 
@@ -186,21 +203,12 @@ def test_the_only_node_of_a_span_whose_channel_broke_is_opened_again_not_given_u
         with model.inference_session(max_length=32) as session:
             assert session.chain.peer_ids == tuple(node.peer_id for node in nodes)
             node = nodes[broken]
-            honest_run, cut = node.compute.run, []
 
-            async def breaking_the_clients_stream(hidden, cache, position, blocks, adapter=None):
-                output = await honest_run(hidden, cache, position, blocks, adapter)
-                if position >= PROMPT.shape[1] + 2 and not cut:
-                    (server_session,) = node.sessions.sessions.values()
-                    cut.append(position)
-                    server_session.reply.abort()  # the client's session stream to this node, cut after the step
-                return output
+            async def cut() -> None:  # the client's session stream to this node, once the step is computed
+                (server_session,) = node.sessions.sessions.values()
+                server_session.reply.abort()
 
-            node.compute.run = breaking_the_clients_stream
-            output = model.generate(PROMPT, max_new_tokens=6, min_new_tokens=6, do_sample=False)
-            assert torch.equal(output, reference)
-            assert cut
-            assert [(entry["failed"], entry["replacements"]) for entry in session.failovers] == [
-                (node.peer_id, [node.peer_id])
-            ], session.failovers
+            was_cut = fail_once(node, cut, after_compute=True)
+            generate_through_one_failover(model, session, reference, node.peer_id, node.peer_id)
+            assert was_cut
             assert not model.swarm.banned()
