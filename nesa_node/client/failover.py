@@ -32,7 +32,7 @@ from nesa_node.client.chain_links import ChainLink, LinkFailed
 from nesa_node.client.routing import LAST_NODES_PROBE_FACTOR
 from nesa_node.client.session_chain import SessionChain
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import NoRouteError, PeerUnavailableError, RequestError
+from nesa_node.errors import CacheBudgetError, NoRouteError, PeerUnavailableError, QuotaExceededError, RequestError
 from nesa_node.protocol.messages import LaneSettings, Retarget
 from nesa_node.routing.chain import ChainRequest, Hop
 
@@ -210,7 +210,8 @@ class Failover:
             if failed not in {hop.peer_id for hop in hops}:
                 raise
             self.swarm.ban(failed, fault=getattr(failure, "fault", False))
-            raise LinkFailed(f"replacement {failed} failed: {failure.message}", chain.links[index]) from None
+            full = getattr(failure, "full", False) or isinstance(failure, CacheBudgetError | QuotaExceededError)
+            raise LinkFailed(f"replacement {failed} failed: {failure.message}", chain.links[index], full=full) from None
         except BaseException:
             chain.close_links(new_links)
             raise

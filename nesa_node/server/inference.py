@@ -140,8 +140,8 @@ class InferenceService:
                 upload, first = first, await self._next_frame(channel)
                 if first is None:
                     return
+            settled(channel)  # the frames an open needs are in: the session limits hold it from here (_open)
             session = await self._open(first, channel, context.remote_id.to_base58(), upload)
-            settled(channel)  # open: the session's own limits hold it from here
             upload = first = None  # an adapter's bytes live in the store now, not in this frame for the session's life
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
@@ -199,19 +199,20 @@ class InferenceService:
             raise BadRequestError("this node signs no hop records (it has no identity key)")
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
-        adapter, release = None, None
-        if upload is not None or message.adapter is not None:  # held (never evicted) until the session closes
-            adapter, release = await self._hold_adapter(message, blocks, upload, client_peer)
-        try:
-            if adapter is not None:  # the node may have begun moving while the adapter came
-                self.compute.check_blocks(message.start_block, message.end_block)
-            session = await self.sessions.open_when_room(
-                message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
-            )
-        except BaseException:
-            if release is not None:
-                release()
-            raise
+        with self.sessions.opening(client_peer, message.session_id):  # bounded while it waits
+            adapter, release = None, None
+            if upload is not None or message.adapter is not None:  # held (never evicted) until the session closes
+                adapter, release = await self._hold_adapter(message, blocks, upload, client_peer)
+            try:
+                if adapter is not None:  # the node may have begun moving while the adapter came
+                    self.compute.check_blocks(message.start_block, message.end_block)
+                session = await self.sessions.open_when_room(
+                    message, client_peer=client_peer, blocks=blocks, cache=self.compute.span.new_cache(), reply=channel
+                )
+            except BaseException:
+                if release is not None:
+                    release()
+                raise
         session.adapter, session.release_adapter = adapter, release
         if message.commit_hop is not None:
             session.window_log = WindowLog(

@@ -18,7 +18,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from nesa_node.errors import NesaError, PeerUnavailableError, SessionNotFoundError
+from nesa_node.errors import NesaError, PeerUnavailableError, QuotaExceededError, SessionNotFoundError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
@@ -113,6 +113,8 @@ class PushSender:
                     error = message.error()
                     if isinstance(error, SessionNotFoundError):  # it dropped the session (moved, restarted): failed
                         error = PeerUnavailableError(f"next node {session.next_peer} lost the session: {error.message}")
+                    elif isinstance(error, QuotaExceededError):  # its queue, or its streams, full: it is the one
+                        error = PeerUnavailableError(f"next node {session.next_peer} refused: {error.message}")
                     session.report(error)
             ending = "ended"
         except Exception as exc:

@@ -177,6 +177,7 @@ class SessionTable:
         self.sessions: dict[SessionKey, ServerSession] = {}
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self._reopening: set[SessionKey] = set()  # owners' reopens waiting for their old session's step to end
+        self._opens: Counter[str] = Counter()  # opens under way (an adapter coming, a wait for room), by peer
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
         self.use_budget(budget)
@@ -279,6 +280,29 @@ class SessionTable:
             "opened session %s (batch %d, max_length %d)", session.session_id, session.batch, session.max_length
         )
         return session
+
+    @contextlib.contextmanager
+    def opening(self, client_peer: str, session_id: str):
+        """A place for an open under way, which may wait (for its adapter, for room): a peer holds no more sessions
+        and opens under way here than its session quota, and the node no more opens under way than its session
+        limit. QuotaExceededError or TooManySessionsError at once otherwise."""
+        limits = self.limits
+        held = len(self._of_peer(client_peer)) - ((client_peer, session_id) in self.sessions)  # a reopen ends one
+        if held + (waiting := self._opens[client_peer]) >= limits.max_sessions_per_peer:
+            under_way = f" and {waiting} opens under way" if waiting else ""
+            raise QuotaExceededError(
+                f"peer already has {held} open sessions here{under_way}, the per-peer limit (node setting "
+                "max_sessions_per_peer)"
+            )
+        if sum(self._opens.values()) >= limits.max_sessions:
+            raise TooManySessionsError(f"node has {limits.max_sessions} opens under way, its session limit")
+        self._opens[client_peer] += 1
+        try:
+            yield
+        finally:
+            self._opens[client_peer] -= 1
+            if not self._opens[client_peer]:
+                del self._opens[client_peer]
 
     async def open_when_room(self, request: OpenSession, **kwargs) -> ServerSession:
         """`open`, but when the node is full of sessions that are about to count as idle, wait (at most

@@ -597,9 +597,10 @@ def test_g6_push_streams_end_unless_they_feed_a_session_and_a_session_keeps_one(
 
 def test_g6_streams_that_do_not_say_what_they_are_for_are_capped_and_the_idlest_is_evicted(target, monkeypatch):
     """Session, push, training and sync streams are held by limits of their own only once they say what they are for
-    (a session opened, a push stream bound): until then a node keeps a few of one peer (more are refused with a typed
-    error before a byte is read) and a few in all, and a stream over the total closes the oldest of the peer holding
-    the most. Identities holding idle streams cannot keep another peer's session out."""
+    (a session's open read, a push stream bound): until then a node keeps a few session or training streams of one
+    peer (more are refused with a typed error before a byte is read; push streams only count) and a few in all, and a
+    stream over the total closes the oldest of the peer holding the most. Identities holding idle streams cannot keep
+    another peer's session out."""
     gate = target.node.rpc.opening_streams
     monkeypatch.setattr(gate, "max_opening", 4)
     monkeypatch.setattr(gate, "max_per_peer", 3)
