@@ -210,7 +210,10 @@ class Failover:
             if failed not in {hop.peer_id for hop in hops}:
                 raise
             self.swarm.ban(failed, fault=getattr(failure, "fault", False))
-            full = getattr(failure, "full", False) or isinstance(failure, CacheBudgetError | QuotaExceededError)
+            # without room for the session: marks the lost node's link only when it was the node opened again
+            full = failed == chain.links[index].peer_id and (
+                getattr(failure, "full", False) or isinstance(failure, CacheBudgetError | QuotaExceededError)
+            )
             raise LinkFailed(f"replacement {failed} failed: {failure.message}", chain.links[index], full=full) from None
         except BaseException:
             chain.close_links(new_links)

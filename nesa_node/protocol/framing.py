@@ -214,9 +214,9 @@ async def open_stream(p2p: P2P, peer_id: str, name: str, *, max_frame_bytes: int
 
 
 def settled(channel: object) -> None:
-    """`channel` has said what it is for (its session opened, its push stream bound): from now on that session's own
-    limits hold it, and its place among its peer's streams still opening is freed (server/rpc.py opening_streams).
-    Once per stream; a no-op for a channel that holds no such place (a data lane is admitted at its handshake)."""
+    """`channel` has said what it is for (its session's open read, its push stream bound): from now on limits of its
+    own hold it, and its place among its peer's streams still opening is freed (server/rpc.py opening_streams). Once
+    per stream; a no-op for a channel that holds no such place (a data lane is admitted at its handshake)."""
     hook = getattr(channel, "on_settled", None)
     if hook is not None:
         channel.on_settled = None

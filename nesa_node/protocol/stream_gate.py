@@ -73,9 +73,10 @@ class AnswerGate:
 class OpeningGate:
     """Streams from their opening until they settle (say what they are for, after which limits of their own hold
     them): at most `max_per_peer` of one peer (of the kinds capped), a stream over that refused with a typed error,
-    and `max_opening` in all. A stream over the total evicts one instead of being refused: the oldest of the peer with the most streams
-    opening (its `evict` call is made). An honest peer's streams settle within milliseconds of opening, so the ones
-    evicted are those held idle, and identities that fill the node cannot keep another peer's streams out."""
+    and `max_opening` in all. A stream over the total evicts one instead of being refused: the oldest of the peer
+    with the most streams opening (its `evict` call is made). An honest peer's streams settle within milliseconds of
+    opening, so the ones evicted are those held idle, and identities that fill the node cannot keep another peer's
+    streams out."""
 
     def __init__(self, *, max_opening: int, max_per_peer: int, what: str = "streams opening"):
         self.max_opening, self.max_per_peer, self.what = max_opening, max_per_peer, what

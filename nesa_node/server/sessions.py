@@ -177,7 +177,7 @@ class SessionTable:
         self.sessions: dict[SessionKey, ServerSession] = {}
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self._reopening: set[SessionKey] = set()  # owners' reopens waiting for their old session's step to end
-        self._opens: Counter[str] = Counter()  # opens under way (an adapter coming, a wait for room), by peer
+        self._opens: dict[str, Counter[str]] = {}  # peer -> ids it is opening (an adapter coming, a wait for room)
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
         self.use_budget(budget)
@@ -283,26 +283,27 @@ class SessionTable:
 
     @contextlib.contextmanager
     def opening(self, client_peer: str, session_id: str):
-        """A place for an open under way, which may wait (for its adapter, for room): a peer holds no more sessions
-        and opens under way here than its session quota, and the node no more opens under way than its session
-        limit. QuotaExceededError or TooManySessionsError at once otherwise."""
-        limits = self.limits
-        held = len(self._of_peer(client_peer)) - ((client_peer, session_id) in self.sessions)  # a reopen ends one
-        if held + (waiting := self._opens[client_peer]) >= limits.max_sessions_per_peer:
-            under_way = f" and {waiting} opens under way" if waiting else ""
+        """A place for an open under way, which may wait (for its adapter, for room): the session ids a peer has open
+        here and is opening stay within its session quota (QuotaExceededError at once otherwise). No bound in all:
+        that would let identities that wait hold every place; each is bounded by its own wait."""
+        under_way = self._opens.setdefault(client_peer, Counter())
+        ids = {key[1] for key in self.sessions if key[0] == client_peer} | set(under_way) | {session_id}
+        if len(ids) > self.limits.max_sessions_per_peer:
+            held = len(self._of_peer(client_peer))
+            waiting = f" and {len(under_way)} opens under way" if under_way else ""
             raise QuotaExceededError(
-                f"peer already has {held} open sessions here{under_way}, the per-peer limit (node setting "
+                f"peer already has {held} open sessions here{waiting}, the per-peer limit (node setting "
                 "max_sessions_per_peer)"
             )
-        if sum(self._opens.values()) >= limits.max_sessions:
-            raise TooManySessionsError(f"node has {limits.max_sessions} opens under way, its session limit")
-        self._opens[client_peer] += 1
+        under_way[session_id] += 1
         try:
             yield
         finally:
-            self._opens[client_peer] -= 1
-            if not self._opens[client_peer]:
-                del self._opens[client_peer]
+            under_way[session_id] -= 1
+            if not under_way[session_id]:
+                del under_way[session_id]
+            if not under_way:
+                self._opens.pop(client_peer, None)
 
     async def open_when_room(self, request: OpenSession, **kwargs) -> ServerSession:
         """`open`, but when the node is full of sessions that are about to count as idle, wait (at most

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 
@@ -90,9 +91,13 @@ class Attackers:
                 answers.append(msgpack.unpackb(response.metadata))
                 if not first.done():
                     first.set_result(answers[0])
-        except Exception as exc:  # the node ended the stream
+        except Exception as exc:  # the node ended the stream: refused before reading it (typed), or failed
+            typed = re.search(r"\[([a-z_]{1,32})\] (.*)'\)$", repr(exc))
+            answer = {"kind": "error", "code": typed[1], "message": typed[2]} if typed else None
             if not first.done():
-                first.set_result({"kind": "stream_failed", "error": repr(exc)})
+                first.set_result(answer or {"kind": "stream_failed", "error": repr(exc)})
+            if answer is not None:
+                answers.append(answer)
         if not first.done():
             first.set_result({"kind": "no_answer"})
 
