@@ -89,16 +89,23 @@ def test_the_last_node_of_its_span_is_kept_only_if_it_answers_the_longer_probe()
 
 
 def test_a_broken_stream_or_a_second_silence_in_a_step_is_never_kept():
-    swarm = FakeSwarm()
+    swarm = FakeSwarm(silent={"b"})
     chain = chain_of("a", "b")
     failover = Failover(chain, swarm, no_route, max_replacement_attempts=2, probe_timeout_s=1.0)
     with pytest.raises(NoRouteError):
         recover(failover, LinkFailed("stream to b failed: reset", chain.links[1]))
-    assert swarm.bans == {"b"} and swarm.pinged == []  # a broken stream is a failure: no longer probe
+    # a broken stream is a failure: the node is never kept; the longer ping asks whether it can be opened again
+    # there (tests/swarm/test_bans.py), and silent, it is banned
+    assert swarm.bans == {"b"} and swarm.pinged == [("b", 4.0)] and failover.recoveries == []
     assert swarm.faults == set()
+    swarm.pinged = []
+    for full in ("no cache left for the session", "a peer may have 32 streams opening at once"):
+        with pytest.raises(NoRouteError):  # no room there: not opened again, not even pinged
+            recover(failover, LinkFailed(f"b: {full}", chain.links[1], full=True))
+    assert swarm.pinged == []
     with pytest.raises(NoRouteError):
         recover(failover, LinkFailed("node a sent hidden states with NaN", chain.links[0], fault=True))
-    assert swarm.bans == {"a", "b"} and swarm.faults == {"a"}  # banned for its fault
+    assert swarm.bans == {"a", "b"} and swarm.faults == {"a"} and swarm.pinged == []  # banned for its fault
     swarm.bans.clear()
     swarm.slow, swarm.pinged = {"a", "b"}, []
     with pytest.raises(NoRouteError):
