@@ -71,8 +71,8 @@ class NodeRpc:
             what="large forwards",
             hint="ask again later or ask another node",
         )
-        # peers' streams from their opening until they say what they are for (framing.settled: a session opened, a
-        # push stream bound to its session; a training sync's stream is counted to its end): these kinds are bounded
+        # peers' streams from their opening until they say what they are for (framing.settled: a session's open read,
+        # a push stream bound to its session; a training sync's stream is counted to its end): these kinds are bounded
         # by limits of their own only once settled, so until then they are bounded here, per peer and in all
         self.opening_streams = OpeningGate(max_opening=MAX_OPENING_STREAMS, max_per_peer=MAX_OPENING_STREAMS_PER_PEER)
 

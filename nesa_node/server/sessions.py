@@ -286,15 +286,15 @@ class SessionTable:
         """A place for an open under way, which may wait (for its adapter, for room): the session ids a peer has open
         here and is opening stay within its session quota (QuotaExceededError at once otherwise). No bound in all:
         that would let identities that wait hold every place; each is bounded by its own wait."""
-        under_way = self._opens.setdefault(client_peer, Counter())
-        ids = {key[1] for key in self.sessions if key[0] == client_peer} | set(under_way) | {session_id}
-        if len(ids) > self.limits.max_sessions_per_peer:
-            held = len(self._of_peer(client_peer))
+        under_way = self._opens.get(client_peer, Counter())  # kept only while the peer has an open under way
+        held = {key[1] for key in self.sessions if key[0] == client_peer}
+        if len(held | set(under_way) | {session_id}) > self.limits.max_sessions_per_peer:
             waiting = f" and {len(under_way)} opens under way" if under_way else ""
             raise QuotaExceededError(
-                f"peer already has {held} open sessions here{waiting}, the per-peer limit (node setting "
+                f"peer already has {len(held)} open sessions here{waiting}, the per-peer limit (node setting "
                 "max_sessions_per_peer)"
             )
+        self._opens[client_peer] = under_way
         under_way[session_id] += 1
         try:
             yield

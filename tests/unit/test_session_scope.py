@@ -139,4 +139,9 @@ def test_opens_under_way_count_toward_the_peers_quota():
         with pytest.raises(QuotaExceededError, match="1 open sessions here and 1 opens under way"):
             with sessions.opening(OWNER, "s4"):
                 pass
+    open_session(sessions, OWNER, "s2")
+    for attempt in range(3):  # refused at once, with nothing kept for the refused peer
+        with pytest.raises(QuotaExceededError, match="2 open sessions here, the per-peer"):
+            with sessions.opening(OWNER, f"more{attempt}"):
+                pass
     assert not sessions._opens  # every place given back
