@@ -43,6 +43,11 @@ logger = logging.getLogger(__name__)
 
 MAX_TICKETS_PER_PEER = 8  # unused FORWARD lane tickets one peer may hold (a client keeps one lane per node)
 MAX_TICKETS = 1024
+# Connections the kernel completes for the lane before the node's loop accepts them (capped by net.core.somaxconn).
+# asyncio's default of 100 let a burst of connects, a flood or many sessions opening at once, overflow the accept
+# queue: the kernel then drops the handshake's last ACK, so the connector holds a connection the node never sees,
+# never gated and never closed, for as long as the connector waits on it.
+LANE_BACKLOG = 4096
 
 Forward = Callable[[Frame], Awaitable[Frame]]
 
@@ -78,7 +83,9 @@ class LaneServer:
         """Listen on the node's host and lane port; returns the address to announce (`visible_host` names the
         address peers reach the node on, when it listens on every interface)."""
         try:
-            self._server = await asyncio.start_server(self.serve, self.network.host, self.network.lane_port)
+            self._server = await asyncio.start_server(
+                self.serve, self.network.host, self.network.lane_port, backlog=LANE_BACKLOG
+            )
         except OSError as exc:
             if exc.errno == errno.EADDRINUSE:
                 raise PortInUseError(

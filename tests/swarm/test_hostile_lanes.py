@@ -186,6 +186,45 @@ def test_g6_a_connection_that_does_not_finish_its_hello_is_closed_after_the_hell
     wait_until(lambda: not node.lanes.gate.pending, timeout_s=5)
 
 
+def test_g6_a_burst_of_connects_while_the_node_is_busy_is_taken_and_closed_not_left_hanging(local_swarm, tiny_llama):
+    """240 connections (within every cap) arrive while the node's loop is busy for 2 s: the kernel completes their
+    handshakes meanwhile, so each must wait in the lane's accept queue; once the loop is free the node takes every
+    one and closes it after the hello timeout. An accept queue shorter than the burst leaves connectors holding
+    connections the node never saw (never closed: each waits the full 20 s here)."""
+    hello_timeout_s = 1.5
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="lane-burst", lane_hello_timeout_s=hello_timeout_s)
+    host, port = lane.parse_address(node.lane_address)
+    connectors = [source for source in FLOOD_SOURCES[:8] for _ in range(30)]
+    assert len(connectors) <= node.config.network.max_pending_lanes
+
+    async def held_open_s(source: str) -> float:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, local_addr=(source, 0)), 20)
+        opened = time.monotonic()
+        try:
+            try:
+                assert await asyncio.wait_for(reader.read(), 20) == b""
+            except ConnectionResetError:
+                pass
+            return time.monotonic() - opened
+        finally:
+            writer.close()
+
+    async def burst() -> list:
+        return await asyncio.gather(*(held_open_s(source) for source in connectors), return_exceptions=True)
+
+    runner = LoopThread("lane-burst", loop_factory=asyncio.new_event_loop)
+    try:
+        local_swarm.loop.call_soon_threadsafe(time.sleep, 2.0)  # the node's loop, busy with a long step
+        time.sleep(0.2)
+        results = runner.call(burst(), timeout=60)
+    finally:
+        runner.stop()
+    failed = [result for result in results if not isinstance(result, float)]
+    assert failed == [], f"{len(failed)} of {len(results)} connections not closed by the node: {failed[0]!r}"
+    assert max(results) < 2.0 + hello_timeout_s + 5.0, max(results)
+    wait_until(lambda: not node.lanes.gate.pending, timeout_s=5)
+
+
 def test_g1_a_node_sending_an_oversized_frame_is_banned_and_its_span_rerouted(local_swarm, tiny_llama, caplog):
     """The last node of the chain answers a step with a frame far longer than any hidden states of the session can
     be: the client refuses the frame before reading it, fails the node (banned, its span re-routed to a spare whose
