@@ -460,11 +460,22 @@ class TrainState(BlockRange):
 M = TypeVar("M", bound=Message)
 
 
+_KINDS: dict[int, tuple[str, ...]] = {}  # id of a union -> the kinds it accepts
+
+
 def _union(*models: type[Message]) -> TypeAdapter:
     """What a receiver accepts: one of `models`, chosen by the message's `kind`."""
     if len(models) == 1:
-        return TypeAdapter(models[0])
-    return TypeAdapter(Annotated[functools.reduce(operator.or_, models), Field(discriminator="kind")])
+        union = TypeAdapter(models[0])
+    else:
+        union = TypeAdapter(Annotated[functools.reduce(operator.or_, models), Field(discriminator="kind")])
+    _KINDS[id(union)] = tuple(model.model_fields["kind"].default for model in models)
+    return union
+
+
+def accepted_kinds(union: TypeAdapter) -> tuple[str, ...]:
+    """The kinds a union of this module (TO_SESSION, FROM_TRAINING, ...) decodes."""
+    return _KINDS[id(union)]
 
 
 # what each receiver accepts, by direction
@@ -518,6 +529,7 @@ def expect(message: Message, model: type[M]) -> M:
 
 
 __all__ = [
+    "accepted_kinds",
     "ADAPTER_ANSWERS",
     "ADAPTER_REQUESTS",
     "AdapterBlocks",

@@ -189,3 +189,20 @@ def test_bytes_where_text_belongs_is_a_typed_error():
             decode(raw(value), TO_SESSION)
     with pytest.raises(BadRequestError):
         decode(raw({**STEP, b"replay": True}), TO_SESSION)
+
+
+def test_the_design_document_lists_the_kinds_each_receiver_accepts():
+    """docs/ARCHITECTURE.md's table of unions names exactly the kinds each union of messages.py decodes."""
+    import re
+    from pathlib import Path
+
+    from pydantic import TypeAdapter
+
+    from nesa_node.protocol import messages
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "ARCHITECTURE.md").read_text()
+    rows = re.findall(r"^\| `([A-Z_]+)` \| [^|]+ \| ([^|]+) \|$", text, flags=re.M)
+    documented = {name: set(re.findall(r"`(\w+)`", kinds)) for name, kinds in rows}
+    unions = {name: value for name, value in vars(messages).items() if isinstance(value, TypeAdapter)}
+    assert set(documented) == set(unions)
+    assert {name: set(messages.accepted_kinds(union)) for name, union in unions.items()} == documented
