@@ -198,14 +198,14 @@ def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(hostile
     local_swarm = hostile_swarm
     first = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, announce_period_s=1.0)
     peers = [first.dht, local_swarm.bootstrap.dht] + [peer.dht for peer in dht_peers.peers]  # 11 DHT peers
-    # the dying fifth: of the extra peers, the two nearest to the model key, i.e. replicas of its records
+    # the dying fifth (and more): of the extra peers, the three nearest to the model key, i.e. replicas of its records
     key = DHTID.generate(source=model_key(PREFIX))
-    dying = sorted(dht_peers.peers, key=lambda peer: peer.dht.node_id.xor_distance(key))[:2]
+    dying = sorted(dht_peers.peers, key=lambda peer: peer.dht.node_id.xor_distance(key))[:3]
     with SyncSwarm(local_swarm.initial_peers, dht_prefix=PREFIX) as swarm:
         wait_until(lambda: first.peer_id in {r.info.peer_id for r in swarm.node_records()}, timeout_s=30)
         for peer in dying:
             dht_peers.kill(peer)
-        assert len(dying) / len(peers) >= 0.18
+        assert len(dying) / len(peers) >= 0.2
         # store: a node that starts now is found; get: fresh reads (not the client's cache) see both nodes
         second = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix=PREFIX, announce_period_s=1.0)
         started = time.monotonic()
@@ -215,7 +215,9 @@ def test_b_store_and_get_keep_working_while_a_fifth_of_the_dht_peers_die(hostile
             return {first.peer_id, second.peer_id} <= {record.info.peer_id for record in fresh}
 
         wait_until(both_found, timeout_s=30)
-        print(f"\nwith 2 of 11 DHT peers dead, a new node's record was read after {time.monotonic() - started:.2f} s")
+        print(
+            f"\nwith {len(dying)} of {len(peers)} DHT peers dead, a new node's record was read after {time.monotonic() - started:.2f} s"
+        )
         # and it keeps working: ten more fresh reads in a row each see both
         for _ in range(10):
             assert both_found()

@@ -1,6 +1,7 @@
 """Typed peer messages (nesa_node.protocol.messages): every kind round-trips, and `decode` refuses what a hostile peer
 sends (unknown keys, wrong types, oversized fields, deep nesting, extension types, too many bytes) with a typed error
-before any model is built. The same checks against a live node are in tests/swarm/test_messages_live.py."""
+before any model is built. The same checks against a live node are tests/swarm/test_bad_input.py's
+`test_g_*_messages_refuse_*`."""
 
 from __future__ import annotations
 

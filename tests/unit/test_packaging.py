@@ -155,3 +155,35 @@ def test_the_design_document_names_only_paths_that_exist():
     assert len(paths) > 30
     missing = sorted(path for path in paths if not (root / path).exists())
     assert missing == []
+
+
+def test_the_reliability_document_names_only_tests_that_exist():
+    """docs/RELIABILITY.md names the tests of each requirement: `file::test` (or `::test` after a file named earlier in
+    the same table cell), and bare test names in test_bad_input.py's table."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "docs" / "RELIABILITY.md").read_text()
+    sources = {path: path.read_text() for path in (root / "tests").rglob("test_*.py")}
+    defined_anywhere = {name for source in sources.values() for name in re.findall(r"^def (test_\w+)", source, re.M)}
+    named, missing = 0, []
+    for cell in re.split(r"\||\n", text):
+        current: Path | None = None
+        for token in re.findall(r"`([^`]+)`", cell):
+            path, _, test = token.partition("::")
+            if path.startswith("tests/") and path.endswith(".py"):
+                current = root / path
+                if not current.is_file():
+                    missing.append(path)
+            elif path or not test:
+                if re.fullmatch(r"test_\w+", token) and token not in defined_anywhere:
+                    missing.append(token)
+                named += bool(re.fullmatch(r"test_\w+", token))
+                continue
+            if test:
+                named += 1
+                if current is None or not re.search(rf"^def {re.escape(test)}\(", sources.get(current, ""), re.M):
+                    missing.append(f"{current}::{test}")
+    assert named > 80
+    assert missing == []

@@ -10,7 +10,7 @@ import multihash
 import pytest
 from hivemind.p2p import PeerID
 
-from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError
+from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError, TooManySessionsError
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server.config import LimitsConfig
 from nesa_node.server.sessions import END_OF_SESSION, SessionTable
@@ -145,3 +145,17 @@ def test_opens_under_way_count_toward_the_peers_quota():
             with sessions.opening(OWNER, f"more{attempt}"):
                 pass
     assert not sessions._opens  # every place given back
+
+
+def test_a_draining_table_refuses_new_sessions_and_keeps_the_open_ones():
+    """RELIABILITY.md A6: once the node drains (SIGTERM, or a move), opens are refused with a typed error the client
+    re-routes on, while the sessions it holds stay open to finish their steps."""
+    sessions = table()
+    held = open_session(sessions, OWNER)
+    sessions.draining = True
+    for by, session_id in ((OTHER, "s2"), (OWNER, "s2")):
+        with pytest.raises(TooManySessionsError, match="draining") as refused:
+            open_session(sessions, by, session_id)
+        assert refused.value.code == "too_many_sessions"
+    assert sessions.get(OWNER, "s1") is held and len(sessions) == 1
+    assert sessions.budget.used_bytes == held.reserved_bytes
