@@ -147,6 +147,13 @@ class WeightsManifestError(NesaError):
     code = "weights_manifest"
 
 
+class CanaryFileError(NesaError):
+    """A known-answer canary file (`nesa-node model canaries`, verification/canaries.py) that cannot be read, is not
+    one, or is of another model (other number of blocks or hidden size); or verify="canary:P" without one."""
+
+    code = "canaries"
+
+
 class SchemaBookError(NesaError):
     """A topology schema book (`nesa-node schema build`, topology/schemas.py) or a swarm recording (`nesa-node schema
     record`) that cannot be read, is not one, or does not fit the model (another number of blocks)."""

@@ -218,13 +218,18 @@ class GatewayMetrics:
             "nesa_gateway_verification_checks_total",
             'Output checks, by result: of voted spans (--verify majority:N) "agreed", "outvoted" (a replica outvoted '
             'and banned) or "no_consensus" (the request failed); of audited windows (--verify audit:P) "passed", '
-            '"failed", "inconclusive" (the auditors disagreed) or "unrecorded" (a hop sent no record)',
+            '"failed", "inconclusive" (the auditors disagreed) or "unrecorded" (a hop sent no record); of nodes sent '
+            'a canary (--verify canary:P) "passed", "failed", "inconclusive" (a second canary passed), "skipped" '
+            '(quantized weights) or "unanswered"',
             ["result"],
             registry=registry,
         )
         for state in ("running", "waiting"):
             self.adapter_requests.labels("base", state)
-        for result in ("agreed", "outvoted", "no_consensus", "passed", "failed", "inconclusive", "unrecorded"):
+        for result in (
+            "agreed", "outvoted", "no_consensus", "passed", "failed", "inconclusive", "unrecorded", "skipped",
+            "unanswered",
+        ):  # fmt: skip
             self.verification_checks_total.labels(result)
 
 

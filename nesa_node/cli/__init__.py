@@ -138,6 +138,25 @@ def build_parser() -> argparse.ArgumentParser:
     manifest.add_argument(
         "--out", default=None, metavar="FILE", help="where to write it (default: PATH/weights-manifest.json)"
     )
+    canaries = model.add_parser(
+        "canaries",
+        help='write known-answer canaries (hidden states at every block boundary) for verify="canary:P"',
+        description="Run every block of a model folder, one block in memory at a time, over random token sequences "
+        "and write the hidden states at each block boundary: for any node's span the input and its known output. A "
+        'client with verify="canary:P" sends them to the nodes of its chains as ordinary sessions and bans a node '
+        "whose outputs differ. Keep the file away from nodes: one that holds it knows every canary by its input. "
+        "The seed is random unless given, and is not written.",
+    )
+    canaries.add_argument("path", help="Hugging Face model folder")
+    canaries.add_argument(
+        "--out", default=None, metavar="FILE", help="where to write them (default: PATH/canaries.safetensors)"
+    )
+    canaries.add_argument("--count", type=int, default=8, help="canaries, one sequence each (default 8)")
+    canaries.add_argument("--tokens", type=int, default=32, help="tokens per canary (default 32)")
+    canaries.add_argument("--seed", type=int, default=None, help="seed of the token ids (default: a random one)")
+    canaries.add_argument(
+        "--device", default="cpu", help="where the blocks run (default cpu; the states are kept in float32)"
+    )
 
     run = commands.add_parser(
         "run",
@@ -414,6 +433,7 @@ def _generate(args) -> int:
         private_edges=args.private_edges,
         boundary_noise=args.boundary_noise,
         verify=args.verify,
+        canaries=args.canaries,
     ) as model:
         input_ids = tokenizer(args.prompt, return_tensors="pt").input_ids
         sampling = {"do_sample": True, "temperature": args.temperature} if args.sample else {"do_sample": False}
@@ -488,6 +508,22 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _write_canaries(args) -> int:
+    from nesa_node.sharding.blocks import load_config
+    from nesa_node.verification.canaries import FILE_NAME, build_canaries
+
+    blocks = load_config(args.path).num_hidden_layers
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rblock {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
+
+    canaries = build_canaries(args.path, count=args.count, tokens=args.tokens, seed=args.seed, device=args.device,
+                              progress=progress)  # fmt: skip
+    out = canaries.write(Path(args.out) if args.out else Path(args.path) / FILE_NAME)
+    print(f"wrote {out}: {canaries.count} canaries of {canaries.tokens} tokens over {blocks} blocks (owner-only)")
+    return 0
+
+
 def _dispatch(args) -> int:
     from nesa_node.cli.preflight import check
 
@@ -503,6 +539,8 @@ def _dispatch(args) -> int:
         manifest.write(out)
         print(f"wrote {out}: {manifest.num_blocks} blocks, whole model {manifest.span_hash(0, manifest.num_blocks)}")
         return 0
+    if args.command == "model" and args.model_command == "canaries":
+        return _write_canaries(args)
     if args.command == "model":
         from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 

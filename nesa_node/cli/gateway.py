@@ -108,6 +108,7 @@ async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
         private_edges=args.private_edges,
         boundary_noise=args.boundary_noise,
         verify=args.verify,
+        canaries=args.canaries,
     )
     app = create_app(
         Gateway(

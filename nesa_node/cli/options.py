@@ -67,7 +67,7 @@ def parse_verify(text: str) -> str:
 
 
 def add_verify_arg(parser: argparse.ArgumentParser) -> None:
-    """--verify, for the commands that run a client (generate, gateway)."""
+    """--verify and --canaries, for the commands that run a client (generate, gateway)."""
     parser.add_argument(
         "--verify",
         type=parse_verify,
@@ -75,8 +75,17 @@ def add_verify_arg(parser: argparse.ArgumentParser) -> None:
         metavar="POLICY",
         help='check the nodes\' outputs: "off" (default); "audit:P" (nodes sign a commitment per 32-token window, a '
         "fraction P of the windows is re-executed on other nodes, a node caught is banned and the generation run "
-        'again); or "majority:N" (each span run by N disjoint nodes, a strict majority deciding; "majority:N@A:B" '
+        'again); "canary:P" (after a generation each node of its chain is, with chance P, sent a known-answer canary '
+        "(--canaries); a node failing two is banned and the generation run again; checks the only node of a span "
+        'too); or "majority:N" (each span run by N disjoint nodes, a strict majority deciding; "majority:N@A:B" '
         "for the spans of blocks A:B only; costs N times their compute, and two colluding nodes of three still win)",
+    )
+    parser.add_argument(
+        "--canaries",
+        default=None,
+        metavar="FILE",
+        help="known answers for --verify canary:P (`nesa-node model canaries MODEL` writes them; default: the "
+        "model folder's canaries.safetensors)",
     )
 
 

@@ -27,6 +27,7 @@ import torch
 
 from nesa_node.client.adapter_lookup import AdapterLookup, adapter_id_of_folder, own_adapter_of_folder
 from nesa_node.client.audit import Auditor, AuditOutcome
+from nesa_node.client.canaries import CanaryChecker, CanaryOutcome
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig, client_codec
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
@@ -42,6 +43,7 @@ from nesa_node.errors import (
     AdapterError,
     AdapterHashError,
     CacheBudgetError,
+    CanaryFileError,
     PeerUnavailableError,
     QuotaExceededError,
     SessionStateError,
@@ -55,6 +57,8 @@ from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
 from nesa_node.sharding.weights_manifest import FILE_NAME as MANIFEST_FILE
 from nesa_node.sharding.weights_manifest import WeightsManifest
+from nesa_node.verification.canaries import FILE_NAME as CANARIES_FILE
+from nesa_node.verification.canaries import CanarySet
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +152,8 @@ class AsyncDistributedModel(AdapterLookup):
         self.generation_config = generation_config
         verify = config.verify
         self.auditor = Auditor(self, verify.rate) if verify.mode == "audit" else None
-        self.last_verification: dict | None = None  # what the last generation's checks found (audit or majority)
+        self.canary_checker: CanaryChecker | None = None  # verify="canary:P": set by from_pretrained with the file
+        self.last_verification: dict | None = None  # what the last generation's checks found (audit, canary, majority)
         self.last_receipts = None  # the last audited session's SessionReceipts (verification/receipts.py)
         # next-token scores of concurrent sessions in shared LM head passes
         self.head = HeadBatcher(self._last_scores, window_s=config.head_batch_window_ms / 1000)
@@ -164,6 +169,7 @@ class AsyncDistributedModel(AdapterLookup):
         device: str = "cpu",
         adapter: str | None = None,
         weights_manifest: str | Path | WeightsManifest | None = None,
+        canaries: str | Path | CanarySet | None = None,
         private_edges: tuple[int, int] | None = None,
         boundary_noise: float = 0.0,
         config: ClientConfig | None = None,
@@ -180,6 +186,9 @@ class AsyncDistributedModel(AdapterLookup):
         WeightsManifest; default the folder's weights-manifest.json when it has one): only nodes announcing those
         weights for their span are routed to (sharding/weights_manifest.py). WeightsManifestError for a manifest that
         cannot be read or is of a model with another number of blocks.
+        `canaries`: with verify="canary:P", the known answers nodes are checked with (`nesa-node model canaries`; a
+        path or a CanarySet; default the folder's canaries.safetensors). CanaryFileError when there is none, it
+        cannot be read or is of another model; ValueError when given with another verify policy.
         `private_edges` (a, b): the client also runs decoder blocks [0, a) and [L-b, L) itself; nodes serve only the
         middle and never see token ids or vocabulary-sized tensors (client/private_edges.py; what this hides is
         measured by `nesa-node privacy-check`). `boundary_noise`: Gaussian noise of this sigma (relative to each
@@ -200,6 +209,10 @@ class AsyncDistributedModel(AdapterLookup):
         if private_edges is not None:
             private_edges = check_private_edges(private_edges, model_config.num_hidden_layers)
         manifest = await asyncio.to_thread(_weights_manifest, weights_manifest, model_path, model_config)
+        if config.verify.mode == "canary":
+            canaries = await asyncio.to_thread(_canaries, canaries, model_path, model_config)
+        elif canaries is not None:
+            raise ValueError(f'canaries= are for verify="canary:P"; this client verifies "{config.verify}"')
         swarm = await Swarm.create(
             list(initial_peers),
             dht_prefix=dht_prefix or default_dht_prefix(model_path),
@@ -231,6 +244,8 @@ class AsyncDistributedModel(AdapterLookup):
                 model_config, edges, swarm, config, generation_config=generation_config, edge_blocks=edge_blocks
             )
             model.router.weights_manifest = manifest
+            if canaries is not None:
+                model.canary_checker = CanaryChecker(model, config.verify.rate, canaries)
             model.adapter = await model.resolve_model_adapter(adapter) if adapter is not None else None
         except BaseException:
             await swarm.close()
@@ -523,9 +538,10 @@ class AsyncDistributedModel(AdapterLookup):
         """`input_ids` (batch, seq) followed by the generated tokens (batch, seq + new); options as for `stream`.
 
         With verify="audit:P" and no `session` given, the generation's sampled windows are audited before it returns
-        (client/audit.py); when an audit blames a node (banned), the generation runs again on other nodes, up to
-        MAX_AUDITED_RUNS times; `last_verification` says what the audits found."""
-        if self.auditor is None or options.get("session") is not None:
+        (client/audit.py), and with verify="canary:P" the nodes of its chain are checked with known answers
+        (client/canaries.py); when a check blames a node (banned), the generation runs again on other nodes, up to
+        MAX_AUDITED_RUNS times; `last_verification` says what the checks found."""
+        if not self.checks_generations or options.get("session") is not None:
             return await self._generate(input_ids, max_new_tokens, options)
         if max_new_tokens is None:
             max_new_tokens = default_new_tokens(self.generation_config, input_ids.shape[1])
@@ -538,12 +554,12 @@ class AsyncDistributedModel(AdapterLookup):
                 adapter=options.pop("adapter", None),
             ) as session:
                 output = await self._generate(input_ids, max_new_tokens, {**options, "session": session})
-                outcome = await self.audit(session)
+                outcome = await self.check(session)
             blamed.extend(blame.peer_id for blame in outcome.blamed)
             self.last_verification = {**outcome.report(), "blamed": blamed}
             if outcome.clean:
                 return output
-        raise PeerUnavailableError(f"every one of {MAX_AUDITED_RUNS} chains tried failed its audit (blamed: {blamed})")
+        raise PeerUnavailableError(f"every one of {MAX_AUDITED_RUNS} chains tried failed its checks (blamed: {blamed})")
 
     async def _generate(self, input_ids: torch.Tensor, max_new_tokens: int | None, options: dict) -> torch.Tensor:
         tokens = [token async for token in self.stream(input_ids, max_new_tokens=max_new_tokens, **options)]
@@ -560,6 +576,45 @@ class AsyncDistributedModel(AdapterLookup):
         outcome = await self.auditor.audit(session)
         self.last_receipts = outcome.receipts
         return outcome
+
+    @property
+    def checks_generations(self) -> bool:
+        """Whether a generation is checked once it ends (verify="audit:P" or "canary:P"): see `check`."""
+        return self.auditor is not None or self.canary_checker is not None
+
+    async def check(self, session) -> AuditOutcome | CanaryOutcome:
+        """The checks of an open session this model's verify policy makes when its generation ends: an audit
+        (audit:P) or canaries to its chain's nodes (canary:P); call it before closing the session."""
+        if self.auditor is not None:
+            return await self.audit(session)
+        return await self.check_canaries(session)
+
+    async def check_canaries(self, session) -> CanaryOutcome:
+        """Check the nodes of a session's chain with known answers (verify="canary:P"; client/canaries.py): each
+        with chance P, in sessions of their own; blamed nodes are banned."""
+        if self.canary_checker is None:
+            raise SessionStateError('this model checks no canaries: from_pretrained(..., verify="canary:P")')
+        while isinstance(session, EdgeSession):
+            session = session.session
+        return await self.canary_checker.check(session.chain)
+
+
+def _canaries(given, model_path: str, model_config) -> CanarySet:
+    """The canary set `given` names, or the model folder's own; CanaryFileError without one or for another model."""
+    if isinstance(given, CanarySet):
+        if (given.num_blocks, given.hidden_size) != (model_config.num_hidden_layers, model_config.hidden_size):
+            raise CanaryFileError(
+                f"canaries of {given.num_blocks} blocks of hidden size {given.hidden_size}, not this model's "
+                f"{model_config.num_hidden_layers} of {model_config.hidden_size}"
+            )
+        return given
+    path = Path(given) if given is not None else Path(model_path) / CANARIES_FILE
+    if given is None and not path.is_file():
+        raise CanaryFileError(
+            f'verify="canary:P" needs known answers: none at {path}; `nesa-node model canaries {model_path}` writes '
+            "them there, or pass canaries=FILE"
+        )
+    return CanarySet.read(path, num_blocks=model_config.num_hidden_layers, hidden_size=model_config.hidden_size)
 
 
 def _weights_manifest(given, model_path: str, model_config) -> WeightsManifest | None:

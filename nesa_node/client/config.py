@@ -21,29 +21,31 @@ def client_codec(name: str) -> WireCodec:
 @dataclass(frozen=True)
 class VerifyPolicy:
     """What a client checks of the nodes' outputs: "off"; "audit:P" (nodes sign a commitment per window, a fraction
-    P of the windows is re-executed on other nodes: client/audit.py); or "majority:N[@A:B]" (the spans overlapping
-    blocks [A, B), default all, run by N disjoint replicas each, a strict majority deciding: client/majority.py)."""
+    P of the windows is re-executed on other nodes: client/audit.py); "canary:P" (after a generation, each node of
+    its chain is sent a known-answer canary with probability P: client/canaries.py); or "majority:N[@A:B]" (the
+    spans overlapping blocks [A, B), default all, run by N disjoint replicas each, a strict majority deciding:
+    client/majority.py)."""
 
     mode: str = "off"
     replicas: int = 1
     blocks: tuple[int, int] | None = None
-    rate: float = 0.0  # audit: the fraction of windows re-executed
+    rate: float = 0.0  # audit: the fraction of windows re-executed; canary: the chance each node is checked
 
     @classmethod
     def parse(cls, text: str) -> VerifyPolicy:
-        """The policy `text` names; ValueError for anything but "off", "audit:P" with 0 < P <= 1, or
+        """The policy `text` names; ValueError for anything but "off", "audit:P" or "canary:P" with 0 < P <= 1, or
         "majority:N[@A:B]" with N >= 3."""
         text = str(text).strip()
         if text == "off":
             return cls()
         kind, _, rest = text.partition(":")
-        if kind == "audit":
+        if kind in ("audit", "canary"):
             try:
                 rate = float(rest)
             except ValueError:
                 rate = 0.0
             if 0 < rate <= 1:
-                return cls("audit", rate=rate)
+                return cls(kind, rate=rate)
         if kind == "majority":
             count, _, blocks = rest.partition("@")
             span = None
@@ -57,15 +59,16 @@ class VerifyPolicy:
             if replicas >= 3 and (span is None or 0 <= span[0] < span[1]):
                 return cls("majority", replicas, span)
         raise ValueError(
-            f'verify must be "off", "audit:P" (a fraction 0 < P <= 1 of windows re-executed) or "majority:N" (N >= 3 '
-            f'replicas, optionally "@A:B" for the spans of blocks A:B), got {text!r}'
+            f'verify must be "off", "audit:P" (a fraction 0 < P <= 1 of windows re-executed), "canary:P" (each node '
+            f'checked with a known answer with chance 0 < P <= 1) or "majority:N" (N >= 3 replicas, optionally "@A:B" '
+            f"for the spans of blocks A:B), got {text!r}"
         )
 
     def __str__(self) -> str:
         if self.mode == "off":
             return "off"
-        if self.mode == "audit":
-            return f"audit:{self.rate:g}"
+        if self.mode in ("audit", "canary"):
+            return f"{self.mode}:{self.rate:g}"
         return f"majority:{self.replicas}" + (f"@{self.blocks[0]}:{self.blocks[1]}" if self.blocks else "")
 
 

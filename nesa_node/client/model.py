@@ -216,6 +216,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         lanes: bool | None = None,
         adapter: str | Path | None = None,
         weights_manifest: str | Path | None = None,
+        canaries: str | Path | None = None,
         private_edges: tuple[int, int] | None = None,
         boundary_noise: float = 0.0,
         verify: str | None = None,
@@ -240,8 +241,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         `private_edges` (a, b): the client runs decoder blocks [0, a) and [L-b, L) itself, nodes only the middle;
         `boundary_noise`: Gaussian noise (sigma relative to each token's RMS) on what leaves the client. See
         client/private_edges.py and `nesa-node privacy-check` for what each hides.
-        `verify`: "off", or "majority:N[@A:B]": the spans of blocks A:B (default all) run on N disjoint replicas
-        and a strict majority decides each output (client/majority.py; NoConsensusError when none has one).
+        `verify`: "off"; "audit:P": nodes sign a commitment per 32-token window and a fraction P of the windows is
+        re-executed on other nodes (client/audit.py); "canary:P": after each generation every node of its chain is,
+        with chance P, sent a known-answer canary (client/canaries.py; `canaries` names the file, default the
+        folder's canaries.safetensors that `nesa-node model canaries` writes); or "majority:N[@A:B]": the spans of
+        blocks A:B (default all) run on N disjoint replicas and a strict majority decides each output
+        (client/majority.py; NoConsensusError when none has one). A node a check catches is banned and the
+        generation runs again on other nodes; `client.last_verification` says what the checks found.
         `config`: a ClientConfig for the other settings; mode, compression, request_timeout_s, routing_params, lanes
         and verify given as keywords override its fields, and those not given keep its values (or the defaults:
         direct, auto, 30 s, untuned, lanes on, off). An unknown keyword raises TypeError.
@@ -266,6 +272,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                     device=device,
                     adapter=None if adapter is None else str(adapter),
                     weights_manifest=weights_manifest,
+                    canaries=canaries,
                     private_edges=private_edges,
                     boundary_noise=boundary_noise,
                     config=settings,
@@ -365,9 +372,9 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
 
         Outside `inference_session` a session sized for this call is opened and closed, with LoRA `adapter=` when
         given (default the model's); inside one, the session's adapter applies. `inputs` may repeat the session's
-        tokens or hold only new ones: the session's tokens are then put in front. With verify="audit:P", a call
-        outside a session is audited before it returns and run again on other nodes when an audit blames one (see
-        AsyncDistributedModel.generate; `client.last_verification` has the outcome).
+        tokens or hold only new ones: the session's tokens are then put in front. With verify="audit:P" or
+        "canary:P", a call outside a session is checked before it returns and run again on other nodes when a check
+        blames one (see AsyncDistributedModel.generate; `client.last_verification` has the outcome).
         """
         input_ids = inputs if inputs is not None else kwargs.pop("input_ids", None)
         adapter = kwargs.pop("adapter", None)
@@ -386,19 +393,19 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
             raise SessionStateError("generate needs input_ids outside an inference session")
         max_length = self._session_length(input_ids.shape[1], kwargs)
         blamed: list[str] = []
-        for _ in range(MAX_AUDITED_RUNS if self.client.auditor is not None else 1):
+        for _ in range(MAX_AUDITED_RUNS if self.client.checks_generations else 1):
             with self.inference_session(
                 max_length=max_length, batch=input_ids.shape[0], prompt_tokens=input_ids.shape[1], adapter=adapter
             ) as session:
                 output = super().generate(input_ids, *args, **kwargs)
-                if self.client.auditor is None:
+                if not self.client.checks_generations:
                     return output
-                outcome = self.call(self.client.audit(session.session))  # before the nodes drop the session
+                outcome = self.call(self.client.check(session.session))  # before the nodes drop the session
             blamed.extend(blame.peer_id for blame in outcome.blamed)
             self.client.last_verification = {**outcome.report(), "blamed": blamed}
             if outcome.clean:
                 return output
-        raise PeerUnavailableError(f"every one of {MAX_AUDITED_RUNS} chains tried failed its audit (blamed: {blamed})")
+        raise PeerUnavailableError(f"every one of {MAX_AUDITED_RUNS} chains tried failed its checks (blamed: {blamed})")
 
     def _session_length(self, prompt: int, kwargs: dict) -> int:
         """The tokens a session for one generate call must hold, read as transformers reads its length settings:

@@ -315,6 +315,11 @@ class Swarm(Bans, RoundTripMeter):
         record = self._records.get(peer_id)
         return record is not None and any(info.adapter_id == adapter_id for info in record.info.adapters)
 
+    def announced(self, peer_id: str) -> NodeInfo | None:
+        """What node `peer_id`'s record at hand announces (None without one)."""
+        record = self._records.get(peer_id)
+        return record.info if record is not None else None
+
     def answer_dtypes(self, peer_id: str) -> tuple[str, ...]:
         """The dtypes hidden states from node `peer_id` may arrive in: exactly the one its record announces, since a
         node runs its blocks in that dtype and sends their outputs in it whatever the codec (a codec keeps the

@@ -113,7 +113,7 @@ class Generation:
     completion_tokens: int = 0
     finish_reason: str | None = None
     pieces: list[str] = field(default_factory=list)
-    verification: dict | None = None  # what the session's checks found (client/majority.py); None: no checks
+    verification: dict | None = None  # what the checks found (majority, audit, canary); None: no checks
 
 
 class Gateway:
@@ -279,6 +279,10 @@ class Gateway:
                         yield generation, piece
             if self.model.auditor is not None:  # verify="audit:P": checked before the nodes drop the session
                 generation.verification = (await self.model.audit(session)).report()
+            elif (
+                self.model.canary_checker is not None
+            ):  # verify="canary:P": the chain's nodes, in sessions of their own
+                generation.verification = (await self.model.check_canaries(session)).report()
         finally:  # no await here: a request whose client went away is cancelled again at each one
             self.slots.release()
             metrics.requests_running.dec()

@@ -1,0 +1,185 @@
+"""Known-answer canaries live (verify="canary:P", client/canaries.py): honest nodes pass every canary; each cheat of
+devtools/malicious.py is caught, the node banned; and the only node of a span, which no audit can judge, is checked
+too: caught, the user gets an error rather than its tokens, and with an honest node back the reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.canaries import CanaryChecker
+from nesa_node.client.config import ClientConfig
+from nesa_node.devtools.malicious import make_malicious
+from nesa_node.errors import CanaryFileError, NoRouteError, PeerUnavailableError
+from nesa_node.routing.snapshot import Chain, Hop
+from nesa_node.verification.canaries import build_canaries
+from tests.support.swarm import wait_until
+
+PREFIX = "canaries"
+SPANS = [(0, 2), (2, 4)]
+PROMPT = torch.randint(3, 1000, (1, 12), generator=torch.Generator().manual_seed(5))
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def canary_file(tiny_llama, tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("canaries") / "canaries.safetensors"
+    build_canaries(tiny_llama, count=6, tokens=24, seed=11).write(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def honest_nodes(module_swarm, tiny_llama):
+    nodes = [module_swarm.start_node(tiny_llama, *span, dht_prefix=PREFIX) for span in SPANS for _ in range(2)]
+    yield nodes
+    for node in nodes:
+        module_swarm.stop_node(node)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama):
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def connect(module_swarm, tiny_llama, nodes, prefix=PREFIX, **options):
+    model = DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, compression="none", **options
+    )
+    wanted = {node.peer_id for node in nodes}
+    wait_until(lambda: wanted <= {r.info.peer_id for r in model.call(model.swarm.node_records(fresh=True))}, 30)
+    return model
+
+
+def generate(model) -> torch.Tensor:
+    return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def hop_of(node) -> Hop:
+    info = node.current_info()
+    return Hop(node.peer_id, info.start_block, info.end_block)
+
+
+def test_honest_nodes_pass_every_canary_and_the_generation_is_the_reference(
+    module_swarm, tiny_llama, honest_nodes, canary_file, reference
+):
+    with connect(module_swarm, tiny_llama, honest_nodes, verify="canary:1.0", canaries=canary_file) as model:
+        assert torch.equal(generate(model), reference)
+        report = model.client.last_verification
+        assert report["mode"] == "canary:1"
+        assert report["checks"] == {"passed": 2, "failed": 0, "inconclusive": 0, "skipped": 0, "unanswered": 0}
+        assert report["blamed"] == [] and "2 of 2 nodes" in report["checked"]
+        # every canary through every node, and the node's span split as a chain may use it: no false alarm
+        checker = CanaryChecker(model.client, 1.0, model.client.canary_checker.canaries, random.Random(1))
+        passed = 0
+        for node in honest_nodes:
+            for _ in range(3):
+                outcome = model.call(checker.check(Chain(hops=(hop_of(node),))))
+                assert outcome.checks["failed"] == 0 and outcome.clean, outcome
+                passed += outcome.checks["passed"]
+        assert passed == 3 * len(honest_nodes)
+        assert not model.swarm.banned()
+
+
+def test_the_gateway_checks_each_answer_with_canaries_and_counts_the_checks(
+    module_swarm, tiny_llama, honest_nodes, canary_file
+):
+    from transformers import AutoTokenizer
+
+    from nesa_node.client.async_model import AsyncDistributedModel
+    from nesa_node.gateway.app import Gateway
+    from tests.support.gateway import Served, complete, metrics_text
+
+    model = module_swarm.run(
+        AsyncDistributedModel.from_pretrained(
+            tiny_llama,
+            initial_peers=module_swarm.initial_peers,
+            dht_prefix=PREFIX,
+            verify="canary:1.0",
+            canaries=canary_file,
+        )
+    )
+    served = Served(module_swarm, Gateway(model, AutoTokenizer.from_pretrained(tiny_llama), model_name="tiny"))
+    try:
+        wanted = {node.peer_id for node in honest_nodes}
+        wait_until(
+            lambda: wanted <= {r.info.peer_id for r in module_swarm.run(model.swarm.node_records(fresh=True))}, 30
+        )
+        answer = complete(served, {"model": "tiny", "prompt": "import os", "max_tokens": 6, "temperature": 0})
+        report = answer["nesa"]["verification"]
+        assert report["mode"] == "canary:1" and report["blamed"] == []
+        assert report["checks"]["passed"] == 2 and report["checks"]["failed"] == 0  # each node of the chain
+        metrics = metrics_text(served)
+        assert 'nesa_gateway_verification_checks_total{result="passed"} 2.0' in metrics
+        assert 'nesa_gateway_verification_checks_total{result="unanswered"} 0.0' in metrics
+    finally:
+        served.close()
+        module_swarm.run(model.close())
+
+
+@pytest.mark.parametrize("mode", ["perturbed", "nf4_as_announced", "skip_block", "noisy", "lazy"])
+def test_each_cheat_fails_its_canaries_and_is_banned(module_swarm, tiny_llama, honest_nodes, canary_file, mode):
+    cheat = module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=PREFIX)
+    make_malicious(cheat, mode, seed=3, **({"rate": 0.5, "scale": 0.05} if mode == "noisy" else {}))
+    try:
+        options = {"verify": "canary:1.0", "canaries": canary_file, "config": ClientConfig(step_timeout_s=60.0)}
+        with connect(module_swarm, tiny_llama, honest_nodes + [cheat], **options) as model:
+            checker = CanaryChecker(model.client, 1.0, model.client.canary_checker.canaries, random.Random(2))
+            honest = next(node for node in honest_nodes if node.current_info().start_block == 0)
+            outcome = model.call(checker.check(Chain(hops=(hop_of(honest), hop_of(cheat)))))
+            assert [blame.peer_id for blame in outcome.blamed] == [cheat.peer_id]
+            assert outcome.checks["passed"] == 1 and outcome.checks["failed"] == 1
+            assert all("canary" in reason for reason in outcome.blamed[0].reasons)
+            assert set(model.swarm.banned()) == {cheat.peer_id}
+    finally:
+        module_swarm.stop_node(cheat)
+
+
+def test_the_only_node_of_a_span_is_checked_where_no_audit_can_be(module_swarm, tiny_llama, canary_file, reference):
+    prefix = "canaries-solo"
+    first = module_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    cheat = module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    make_malicious(cheat, "skip_block", seed=3)
+    spare = None
+    try:
+        # an audit needs another node of the span to re-execute it: with none, it concludes nothing
+        with connect(module_swarm, tiny_llama, [first, cheat], prefix, verify="audit:1.0") as model:
+            assert not torch.equal(generate(model), reference)  # the cheat's tokens go through unseen
+            assert model.client.last_verification["checks"]["inconclusive"] > 0
+            assert model.client.last_verification["blamed"] == []
+        options = {"verify": "canary:1.0", "canaries": canary_file, "config": ClientConfig(step_timeout_s=60.0)}
+        with connect(module_swarm, tiny_llama, [first, cheat], prefix, **options) as model:
+            with pytest.raises((NoRouteError, PeerUnavailableError)):  # blamed, banned: no node left for 2:4
+                generate(model)
+            assert model.client.last_verification["blamed"] == [cheat.peer_id]
+            assert cheat.peer_id in model.swarm.banned()
+            spare = module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+            wait_until(lambda: spare.peer_id in {r.info.peer_id for r in model.call(model.swarm.node_records(True))})
+            assert torch.equal(generate(model), reference)
+            assert (
+                model.client.last_verification["blamed"] == []
+                and not model.client.last_verification["checks"]["failed"]
+            )
+    finally:
+        for node in (first, cheat, spare):
+            if node is not None:
+                module_swarm.stop_node(node)
+
+
+def test_canary_settings_are_checked_before_joining(tiny_llama, tmp_path, canary_file):
+    with pytest.raises(CanaryFileError, match="nesa-node model canaries"):
+        DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[], verify="canary:0.5")
+    other = tmp_path / "other.safetensors"
+    build_canaries(tiny_llama, count=1, tokens=4, seed=1).write(other)
+    data = bytearray(other.read_bytes())
+    data[data.index(b"nesa-canaries/1") + 14] = ord("9")  # another format version
+    other.write_bytes(bytes(data))
+    with pytest.raises(CanaryFileError, match="not a canary file"):
+        DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[], verify="canary:0.5", canaries=other)
+    with pytest.raises(ValueError, match="canary"):
+        DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[], canaries=canary_file)

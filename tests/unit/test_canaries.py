@@ -1,0 +1,119 @@
+"""Known-answer canary files (nesa_node.verification.canaries): every block boundary equals what the model computes,
+any span's answer is the span run on its input, the file round-trips and a file that is not one (or of another
+model) is refused with a typed error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from nesa_node.client.config import VerifyPolicy
+from nesa_node.errors import CanaryFileError
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
+from nesa_node.verification.canaries import FORMAT, CanarySet, build_canaries
+from nesa_node.verification.commitment import commit_window, compare, tolerance_for
+
+
+@pytest.fixture(scope="module")
+def canaries(tiny_llama) -> CanarySet:
+    return build_canaries(tiny_llama, count=3, tokens=10, seed=7)
+
+
+def test_every_boundary_is_the_models_own_hidden_states(tiny_llama, canaries):
+    ids = torch.randint(0, 1024, (3, 10), generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        hidden_states = AutoModelForCausalLM.from_pretrained(tiny_llama).model(ids, output_hidden_states=True)
+    assert canaries.states.shape == (3, 5, 10, 64) and canaries.states.dtype == torch.float32
+    for block in range(4):  # transformers' last entry is after the final norm: the span test below covers block 4
+        torch.testing.assert_close(canaries.states[:, block], hidden_states.hidden_states[block], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("start,end", [(0, 4), (1, 3), (3, 4), (0, 1)])
+def test_any_span_maps_its_input_to_its_answer(tiny_llama, canaries, start, end):
+    span = load_block_span(tiny_llama, SpanSpec(start, end))
+    for index in range(canaries.count):
+        given, answer = canaries.case(index, start, end)
+        with torch.inference_mode():
+            output = span(given)
+        assert compare(commit_window(answer), output, tolerance_for("float32", "float32")).matches
+        torch.testing.assert_close(output, answer, rtol=1e-4, atol=1e-5)
+    noisy = output + 0.02 * output.pow(2).mean().sqrt() * torch.randn(output.shape, generator=torch.Generator())
+    assert not compare(commit_window(answer), noisy, tolerance_for("float32", "float32")).matches
+
+
+def test_the_seed_decides_the_canaries(tiny_llama, canaries):
+    assert torch.equal(build_canaries(tiny_llama, count=3, tokens=10, seed=7).states, canaries.states)
+    assert not torch.equal(build_canaries(tiny_llama, count=3, tokens=10, seed=8).states, canaries.states)
+    assert not torch.equal(build_canaries(tiny_llama, count=3, tokens=10).states, canaries.states)  # random seed
+    with pytest.raises(ValueError, match="count"):
+        build_canaries(tiny_llama, count=0)
+    with pytest.raises(ValueError, match="span"):
+        canaries.case(0, 2, 9)
+
+
+def test_a_file_round_trips_owner_only_and_fits_its_model(tmp_path, canaries):
+    path = canaries.write(tmp_path / "c.safetensors")
+    assert path.stat().st_mode & 0o077 == 0
+    read = CanarySet.read(path, num_blocks=4, hidden_size=64)
+    assert torch.equal(read.states, canaries.states)
+    with pytest.raises(CanaryFileError, match="of a model of 4 blocks, not 8"):
+        CanarySet.read(path, num_blocks=8)
+    with pytest.raises(CanaryFileError, match="hidden size 64, not 128"):
+        CanarySet.read(path, hidden_size=128)
+    with pytest.raises(CanaryFileError, match="no canary file"):
+        CanarySet.read(tmp_path / "absent.safetensors")
+
+
+def _saved(tmp_path, tensors: dict, metadata: dict):
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["garbage", "other format", "two tensors", "rank 3", "metadata disagrees", "float16", "nan"],
+)
+def test_a_file_that_is_not_a_canary_file_is_refused(tmp_path, case):
+    states = torch.zeros(2, 5, 4, 8)
+    metadata = {"format": FORMAT, "num_blocks": "4", "hidden_size": "8"}
+    if case == "garbage":
+        path = tmp_path / "bad.safetensors"
+        path.write_bytes(b"\xff" * 64)
+    elif case == "other format":
+        path = _saved(tmp_path, {"states": states}, {**metadata, "format": "nesa-canaries/2"})
+    elif case == "two tensors":
+        path = _saved(tmp_path, {"states": states, "ids": torch.zeros(2)}, metadata)
+    elif case == "rank 3":
+        path = _saved(tmp_path, {"states": states[0]}, metadata)
+    elif case == "metadata disagrees":
+        path = _saved(tmp_path, {"states": states}, {**metadata, "num_blocks": "3"})
+    elif case == "float16":
+        path = _saved(tmp_path, {"states": states.half()}, metadata)
+    else:
+        states[1, 2, 3, 4] = float("nan")
+        path = _saved(tmp_path, {"states": states}, metadata)
+    with pytest.raises(CanaryFileError) as refused:
+        CanarySet.read(path)
+    assert refused.value.code == "canaries" and str(path) in str(refused.value)
+
+
+def test_the_canary_policy_parses_like_audits():
+    policy = VerifyPolicy.parse("canary:0.25")
+    assert (policy.mode, policy.rate, str(policy)) == ("canary", 0.25, "canary:0.25")
+    for text in ("canary:0", "canary:1.5", "canary:", "canary:x"):
+        with pytest.raises(ValueError, match="canary:P"):
+            VerifyPolicy.parse(text)
+
+
+def test_the_command_writes_a_file_the_client_reads(tiny_llama, tmp_path, capsys):
+    from nesa_node.cli import main
+
+    out = tmp_path / "known.safetensors"
+    assert main(["model", "canaries", tiny_llama, "--out", str(out), "--count", "2", "--tokens", "6"]) == 0
+    assert f"wrote {out}: 2 canaries of 6 tokens over 4 blocks" in capsys.readouterr().out
+    assert CanarySet.read(out, num_blocks=4, hidden_size=64).states.shape == (2, 5, 6, 64)
+    assert main(["model", "canaries", str(tmp_path / "nowhere")]) != 0  # a typed error, told plainly
+    assert "Traceback" not in capsys.readouterr().err
