@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import urllib.request
 
@@ -28,6 +29,31 @@ class Served:
     def close(self) -> None:
         self.server.should_exit = True
         self.task.result(timeout=30)
+
+
+@contextlib.contextmanager
+def gateway_over(swarm, model_path: str, nodes, *, dht_prefix: str, **client_options):
+    """A Served gateway over a new AsyncDistributedModel of `model_path` (`client_options`: from_pretrained's), once
+    its client sees the records of every node of `nodes`; both closed on exit."""
+    from transformers import AutoTokenizer
+
+    from nesa_node.client.async_model import AsyncDistributedModel
+
+    model = swarm.run(
+        AsyncDistributedModel.from_pretrained(
+            model_path, initial_peers=swarm.initial_peers, dht_prefix=dht_prefix, **client_options
+        )
+    )
+    served = None
+    try:
+        served = Served(swarm, Gateway(model, AutoTokenizer.from_pretrained(model_path), model_name="tiny"))
+        wanted = {node.peer_id for node in nodes}
+        wait_until(lambda: wanted <= {r.info.peer_id for r in swarm.run(model.swarm.node_records(fresh=True))}, 30)
+        yield served
+    finally:
+        if served is not None:
+            served.close()
+        swarm.run(model.close())
 
 
 def complete(served: Served, body: dict) -> dict:

@@ -124,3 +124,20 @@ class SyncSwarm:
 
     def __exit__(self, *exc_info) -> None:
         self.close()
+
+
+def client_seeing(swarm: LocalSwarm, model_path: str, nodes, *, dht_prefix: str, **options):
+    """A DistributedModelForCausalLM of `model_path` on `swarm` (`options`: from_pretrained's), returned once the
+    records of every node of `nodes` are among those it reads."""
+    from nesa_node import DistributedModelForCausalLM
+
+    model = DistributedModelForCausalLM.from_pretrained(
+        model_path, initial_peers=swarm.initial_peers, dht_prefix=dht_prefix, **options
+    )
+    wanted = {node.peer_id for node in nodes}
+    try:
+        wait_until(lambda: wanted <= {r.info.peer_id for r in model.call(model.swarm.node_records(fresh=True))}, 30)
+    except BaseException:
+        model.close()
+        raise
+    return model

@@ -10,16 +10,15 @@ import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.session import InferenceSession
 from nesa_node.devtools.malicious import make_malicious
 from nesa_node.verification.audit import audit as audit_receipts
 from nesa_node.verification.audit import audit_file
 from tests.support.adapters import save_random_adapter
-from tests.support.swarm import wait_until
+from tests.support.models import greedy_tokens
+from tests.support.swarm import client_seeing
 
 PREFIX = "audits"
 SPANS = [(0, 1), (1, 3), (3, 4)]
@@ -47,18 +46,11 @@ def audit_swarm(module_swarm, tiny_llama, adapter):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    with torch.inference_mode():
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return greedy_tokens(tiny_llama, PROMPT, NEW_TOKENS)
 
 
 def connect(module_swarm, tiny_llama, nodes, **options):
-    model = DistributedModelForCausalLM.from_pretrained(
-        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX, **options
-    )
-    wanted = {node.peer_id for node in nodes}
-    wait_until(lambda: wanted <= {r.info.peer_id for r in model.call(model.swarm.node_records(fresh=True))}, 30)
-    return model
+    return client_seeing(module_swarm, tiny_llama, nodes, dht_prefix=PREFIX, **options)
 
 
 def generate(model) -> torch.Tensor:
@@ -149,23 +141,9 @@ def test_honest_nodes_raise_no_false_alarm_over_thousands_of_windows(module_swar
 
 
 def test_the_gateway_audits_each_answer_and_counts_the_checks(module_swarm, tiny_llama, audit_swarm):
-    from transformers import AutoTokenizer
+    from tests.support.gateway import complete, gateway_over, metrics_text
 
-    from nesa_node.client.async_model import AsyncDistributedModel
-    from nesa_node.gateway.app import Gateway
-    from tests.support.gateway import Served, complete, metrics_text
-
-    model = module_swarm.run(
-        AsyncDistributedModel.from_pretrained(
-            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=PREFIX, verify="audit:1.0"
-        )
-    )
-    served = Served(module_swarm, Gateway(model, AutoTokenizer.from_pretrained(tiny_llama), model_name="tiny"))
-    try:
-        wanted = {node.peer_id for node in audit_swarm}
-        wait_until(
-            lambda: wanted <= {r.info.peer_id for r in module_swarm.run(model.swarm.node_records(fresh=True))}, 30
-        )
+    with gateway_over(module_swarm, tiny_llama, audit_swarm, dht_prefix=PREFIX, verify="audit:1.0") as served:
         answer = complete(served, {"model": "tiny", "prompt": "import os", "max_tokens": 40, "temperature": 0})
         report = answer["nesa"]["verification"]
         assert report["mode"] == "audit:1" and report["blamed"] == []
@@ -173,9 +151,6 @@ def test_the_gateway_audits_each_answer_and_counts_the_checks(module_swarm, tiny
         assert passed >= 3 and report["checks"]["failed"] == 0  # every window of every hop
         metrics = metrics_text(served)
         assert f'nesa_gateway_verification_checks_total{{result="passed"}} {float(passed)}' in metrics
-    finally:
-        served.close()
-        module_swarm.run(model.close())
 
 
 def test_a_generation_whose_audit_blames_a_node_is_run_again_and_returns_the_reference(

@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.canaries import CanaryChecker
@@ -17,7 +16,8 @@ from nesa_node.devtools.malicious import make_malicious
 from nesa_node.errors import CanaryFileError, NoRouteError, PeerUnavailableError
 from nesa_node.routing.snapshot import Chain, Hop
 from nesa_node.verification.canaries import build_canaries
-from tests.support.swarm import wait_until
+from tests.support.models import greedy_tokens
+from tests.support.swarm import client_seeing, wait_until
 
 PREFIX = "canaries"
 SPANS = [(0, 2), (2, 4)]
@@ -42,18 +42,11 @@ def honest_nodes(module_swarm, tiny_llama):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
-    with torch.inference_mode():
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    return greedy_tokens(tiny_llama, PROMPT, NEW_TOKENS)
 
 
 def connect(module_swarm, tiny_llama, nodes, prefix=PREFIX, **options):
-    model = DistributedModelForCausalLM.from_pretrained(
-        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, compression="none", **options
-    )
-    wanted = {node.peer_id for node in nodes}
-    wait_until(lambda: wanted <= {r.info.peer_id for r in model.call(model.swarm.node_records(fresh=True))}, 30)
-    return model
+    return client_seeing(module_swarm, tiny_llama, nodes, dht_prefix=prefix, compression="none", **options)
 
 
 def generate(model) -> torch.Tensor:
@@ -89,27 +82,10 @@ def test_honest_nodes_pass_every_canary_and_the_generation_is_the_reference(
 def test_the_gateway_checks_each_answer_with_canaries_and_counts_the_checks(
     module_swarm, tiny_llama, honest_nodes, canary_file
 ):
-    from transformers import AutoTokenizer
+    from tests.support.gateway import complete, gateway_over, metrics_text
 
-    from nesa_node.client.async_model import AsyncDistributedModel
-    from nesa_node.gateway.app import Gateway
-    from tests.support.gateway import Served, complete, metrics_text
-
-    model = module_swarm.run(
-        AsyncDistributedModel.from_pretrained(
-            tiny_llama,
-            initial_peers=module_swarm.initial_peers,
-            dht_prefix=PREFIX,
-            verify="canary:1.0",
-            canaries=canary_file,
-        )
-    )
-    served = Served(module_swarm, Gateway(model, AutoTokenizer.from_pretrained(tiny_llama), model_name="tiny"))
-    try:
-        wanted = {node.peer_id for node in honest_nodes}
-        wait_until(
-            lambda: wanted <= {r.info.peer_id for r in module_swarm.run(model.swarm.node_records(fresh=True))}, 30
-        )
+    options = {"verify": "canary:1.0", "canaries": canary_file}
+    with gateway_over(module_swarm, tiny_llama, honest_nodes, dht_prefix=PREFIX, **options) as served:
         answer = complete(served, {"model": "tiny", "prompt": "import os", "max_tokens": 6, "temperature": 0})
         report = answer["nesa"]["verification"]
         assert report["mode"] == "canary:1" and report["blamed"] == []
@@ -117,9 +93,6 @@ def test_the_gateway_checks_each_answer_with_canaries_and_counts_the_checks(
         metrics = metrics_text(served)
         assert 'nesa_gateway_verification_checks_total{result="passed"} 2.0' in metrics
         assert 'nesa_gateway_verification_checks_total{result="unanswered"} 0.0' in metrics
-    finally:
-        served.close()
-        module_swarm.run(model.close())
 
 
 @pytest.mark.parametrize("mode", ["perturbed", "nf4_as_announced", "skip_block", "noisy", "lazy"])

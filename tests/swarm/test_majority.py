@@ -144,35 +144,19 @@ def test_the_vote_is_a_strict_majority():
 
 
 def test_the_gateway_reports_the_vote_in_the_answer_and_its_metrics(module_swarm, tiny_llama):
-    from transformers import AutoTokenizer
-
-    from nesa_node.client.async_model import AsyncDistributedModel
-    from nesa_node.gateway.app import Gateway
-    from tests.support.gateway import Served, complete, metrics_text
+    from tests.support.gateway import complete, gateway_over, metrics_text
 
     prefix = "majority-gateway"
     nodes = swarm_with(module_swarm, tiny_llama, prefix, [(0, 4)] * 3, {2: {"mode": "lazy"}})
-    model = module_swarm.run(
-        AsyncDistributedModel.from_pretrained(
-            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, verify="majority:3"
-        )
-    )
-    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
-    served = Served(module_swarm, Gateway(model, tokenizer, model_name="tiny"))
     try:
-        wanted = {node.peer_id for node in nodes}
-        wait_until(
-            lambda: wanted <= {r.info.peer_id for r in module_swarm.run(model.swarm.node_records(fresh=True))}, 30
-        )
-        answer = complete(served, {"model": "tiny", "prompt": "import os", "max_tokens": 4, "temperature": 0})
-        report = answer["nesa"]["verification"]
-        assert report["mode"] == "majority:3" and report["outvoted"] == [nodes[2].peer_id]
-        assert report["checks"] == {"agreed": 3, "outvoted": 1, "no_consensus": 0}
-        metrics = metrics_text(served)
-        assert 'nesa_gateway_verification_checks_total{result="outvoted"} 1.0' in metrics
-        assert 'nesa_gateway_verification_checks_total{result="agreed"} 3.0' in metrics
+        with gateway_over(module_swarm, tiny_llama, nodes, dht_prefix=prefix, verify="majority:3") as served:
+            answer = complete(served, {"model": "tiny", "prompt": "import os", "max_tokens": 4, "temperature": 0})
+            report = answer["nesa"]["verification"]
+            assert report["mode"] == "majority:3" and report["outvoted"] == [nodes[2].peer_id]
+            assert report["checks"] == {"agreed": 3, "outvoted": 1, "no_consensus": 0}
+            metrics = metrics_text(served)
+            assert 'nesa_gateway_verification_checks_total{result="outvoted"} 1.0' in metrics
+            assert 'nesa_gateway_verification_checks_total{result="agreed"} 3.0' in metrics
     finally:
-        served.close()
-        module_swarm.run(model.close())
         for node in nodes:
             module_swarm.stop_node(node)
