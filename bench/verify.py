@@ -28,8 +28,16 @@ adapter (for `wrong_adapter`). Clients are AsyncDistributedModels on a loop thre
    generate's own audits from run 1). The replay prefill runs to the last sampled window: cost falls much less than p.
 5. Majority of 3: decode tokens/s with verify="majority:3" against "off" (alternating), the vote's counts, and the
    largest difference between honest replicas (relative to RMS) against the vote's tolerance.
+6. Known-answer canaries (verify="canary:P", client/canaries.py): --canary-count canaries of 32 tokens built from the
+   model folder; false positives: every honest node sent canaries for --canary-rounds rounds (target 0 failed); per
+   cheat of run 2 but wrong_adapter (canaries run the base weights), a fresh cheater of the middle span sent
+   --canary-attacks canaries: d = failed / sent, and since a node is blamed only when two canaries in a row fail,
+   P(blamed per check) = d^2 (independent draws) and P(blamed within 20 generations at p = --rate) =
+   1 - (1 - p d^2)^20; `CanaryChecker.check` must then blame that node alone. Cost: one node's canary check (wall
+   time) against a generation of --canary-generation-tokens through the 3-hop chain.
 
-One JSON line on stdout, progress on stderr. Defaults: 3-4 min on a shared 2-core CPU (run 1, 10,080 windows: ~1 min).
+One JSON line on stdout, progress on stderr. Defaults: about 10 min on a shared 2-core CPU (run 1, 10,080 windows: ~2 min;
+noisy@0.01 of run 2: ~4 min; run 6: ~1 min).
 
     python bench/verify.py [--honest-windows 10000] [--layers 4] [--hidden 64] [--attack-windows 32]
 """
@@ -56,14 +64,17 @@ from nesa_node.bootstrap import BootstrapPeer  # noqa: E402
 from nesa_node.client import majority  # noqa: E402
 from nesa_node.client.async_model import AsyncDistributedModel  # noqa: E402
 from nesa_node.client.audit import Auditor  # noqa: E402
+from nesa_node.client.canaries import CanaryChecker  # noqa: E402
 from nesa_node.client.model import LoopThread  # noqa: E402
 from nesa_node.client.session import InferenceSession  # noqa: E402
 from nesa_node.devtools.malicious import make_malicious  # noqa: E402
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model  # noqa: E402
 from nesa_node.errors import NesaError  # noqa: E402
+from nesa_node.routing.snapshot import Chain, Hop  # noqa: E402
 from nesa_node.server.config import NodeConfig  # noqa: E402
 from nesa_node.server.node import Node  # noqa: E402
 from nesa_node.server.window_log import WindowLog  # noqa: E402
+from nesa_node.verification.canaries import build_canaries  # noqa: E402
 from nesa_node.verification.commitment import (  # noqa: E402
     WINDOW_TOKENS,
     InputHasher,
@@ -524,6 +535,69 @@ def majority_cost(args, clients: Clients, plain, voting) -> dict:
     }  # fmt: skip
 
 
+# -- 6. known-answer canaries ------------------------------------------------------------------------------------
+def hop_of(node) -> Hop:
+    info = node.current_info()
+    return Hop(node.peer_id, info.start_block, info.end_block)
+
+
+def canary_figures(args, swarm: InProcessSwarm, clients: Clients, model, honest, middle: tuple[int, int]) -> dict:
+    canaries = build_canaries(clients.path, count=args.canary_count, tokens=WINDOW_TOKENS, seed=7)
+    checker = CanaryChecker(model, 1.0, canaries, random.Random(3))
+    sent = failed = 0
+    began = time.perf_counter()
+    for _ in range(args.canary_rounds):
+        for node in honest:
+            reasons = clients.call(checker.failures(hop_of(node), checker.rng.randrange(canaries.count), "float32"))
+            sent += 1
+            failed += reasons is None or bool(reasons)
+    check_s = (time.perf_counter() - began) / max(sent, 1)
+    generator = torch.Generator().manual_seed(9)
+    generation_s = []
+    for _ in range(3):
+        prompt = random_prompt(generator, WINDOW_TOKENS)
+        began = time.perf_counter()
+        clients.call(model.generate(prompt, max_new_tokens=args.canary_generation_tokens, do_sample=False))
+        generation_s.append(time.perf_counter() - began)
+    honest_figures = {
+        "canaries_sent": sent, "failed_or_unanswered": failed, "check_ms_per_node": round(1000 * check_s, 1),
+        "generation_ms": round(1000 * statistics.median(generation_s), 1),
+        "check_per_node_vs_generation": ratio(check_s, statistics.median(generation_s)),
+    }  # fmt: skip
+    log(f"6. canaries, honest: {honest_figures}")
+    modes = {}
+    for name, mode, settings in CASES:
+        if mode == "wrong_adapter":
+            continue
+        if mode == "noisy":
+            settings = {**settings, "scale": args.noise_scale}
+        cheat = swarm.start_node(clients.path, *middle)
+        try:
+            make_malicious(cheat, mode, seed=2, **settings)
+            clients.call(wait_for_peers(model, {cheat.peer_id}))
+            hop = hop_of(cheat)
+            fails = sum(
+                bool(clients.call(checker.failures(hop, checker.rng.randrange(canaries.count), "float32")))
+                for _ in range(args.canary_attacks)
+            )
+            outcome = clients.call(checker.check(Chain(hops=(hop,))))
+        except Exception as error:  # a crash of the code under test is a finding: reported, the other modes run
+            log(f"canaries {name} failed: {error!r}")
+            modes[name] = {"error": repr(error)[:300]}
+            continue
+        finally:
+            swarm.stop_node(cheat)
+        d = fails / args.canary_attacks
+        modes[name] = {
+            "failed": f"{fails}/{args.canary_attacks}", "d_per_canary": round(d, 4), "p_blamed_per_check": round(d * d, 4),
+            "p_blamed_within_20_generations": round(1 - (1 - args.rate * d * d) ** 20, 4),
+            "check_blamed_it": [blame.peer_id for blame in outcome.blamed] == [cheat.peer_id],
+        }  # fmt: skip
+        log(f"6. canaries, {name}: {modes[name]}")
+    return {"count": canaries.count, "tokens": canaries.tokens, "rate": args.rate, "honest": honest_figures,
+            "modes": modes}  # fmt: skip
+
+
 # -- main --------------------------------------------------------------------------------------------------------
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -548,6 +622,12 @@ def parse_args() -> argparse.Namespace:
     add("--audit-generations", type=int, default=10, help="explicit audited generations per rate")
     add("--majority-repeats", type=int, default=3, help="majority / off pairs timed")
     add("--majority-tokens", type=int, default=64, help="new tokens of each majority / off run")
+    add("--canary-count", type=int, default=8, help="canaries of 32 tokens built for run 6")
+    add("--canary-rounds", type=int, default=30, help="canaries sent to each honest node")
+    add("--canary-attacks", type=int, default=16, help="canaries sent to each cheater")
+    add(
+        "--canary-generation-tokens", type=int, default=32, help="new tokens of the generation a check is timed against"
+    )
     args = parser.parse_args()
     if args.layers < 4:
         parser.error("--layers must be 4 or more (the middle span needs two blocks for skip_block)")
@@ -584,6 +664,7 @@ def main() -> None:
             commit_figures["hidden_4096"] = commit_cost_4096(args)
             log(f"3. commitment cost: {commit_figures}")
             detection_figures = detection(args, swarm, clients, audited["none"], adapter, spans[1])
+            canary_results = canary_figures(args, swarm, clients, plain, honest, spans[1])
         finally:
             if clients is not None:
                 clients.close()
@@ -591,7 +672,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "verify", "layers": args.layers, "hidden": args.hidden, "spans": spans, "nodes_per_span": COPIES,
         "false_positives": fp_figures, "detection": detection_figures, "commitment": commit_figures,
-        "audit_compute": audit_figures, "majority": majority_figures, "seconds": round(time.perf_counter() - started, 1),
+        "audit_compute": audit_figures, "majority": majority_figures, "canaries": canary_results, "seconds": round(time.perf_counter() - started, 1),
     }))  # fmt: skip
 
 

@@ -219,8 +219,8 @@ class GatewayMetrics:
             'Output checks, by result: of voted spans (--verify majority:N) "agreed", "outvoted" (a replica outvoted '
             'and banned) or "no_consensus" (the request failed); of audited windows (--verify audit:P) "passed", '
             '"failed", "inconclusive" (the auditors disagreed) or "unrecorded" (a hop sent no record); of nodes sent '
-            'a canary (--verify canary:P) "passed", "failed", "inconclusive" (a second canary passed), "skipped" '
-            '(quantized weights) or "unanswered"',
+            'canaries (--verify canary:P) "passed", "failed" (blamed: two failed), "inconclusive" (one of two '
+            'failed), "skipped" (quantized, or no record) or "unanswered"',
             ["result"],
             registry=registry,
         )

@@ -151,9 +151,19 @@ def build_parser() -> argparse.ArgumentParser:
     canaries.add_argument(
         "--out", default=None, metavar="FILE", help="where to write them (default: PATH/canaries.safetensors)"
     )
-    canaries.add_argument("--count", type=int, default=8, help="canaries, one sequence each (default 8)")
+    canaries.add_argument(
+        "--count", type=int, default=16, help="canaries, one sequence each (default 16; more repeat less often)"
+    )
     canaries.add_argument("--tokens", type=int, default=32, help="tokens per canary (default 32)")
-    canaries.add_argument("--seed", type=int, default=None, help="seed of the token ids (default: a random one)")
+    canaries.add_argument(
+        "--text",
+        action="append",
+        default=None,
+        metavar="FILE",
+        help="take each canary's tokens (after BOS) from a random place of these text files, like prompts (default: "
+        "random token ids, which a node serving the first blocks can tell from prose); may be repeated",
+    )
+    canaries.add_argument("--seed", type=int, default=None, help="seed of the token choice (default: a random one)")
     canaries.add_argument(
         "--device", default="cpu", help="where the blocks run (default cpu; the states are kept in float32)"
     )
@@ -517,10 +527,20 @@ def _write_canaries(args) -> int:
     def progress(done: int, total: int) -> None:
         print(f"\rblock {done}/{total}", end="" if done < total else "\n", file=sys.stderr, flush=True)
 
-    canaries = build_canaries(args.path, count=args.count, tokens=args.tokens, seed=args.seed, device=args.device,
-                              progress=progress)  # fmt: skip
+    texts = None
+    if args.text:
+        try:
+            texts = [Path(name).read_text(errors="replace") for name in args.text]
+        except OSError as error:
+            raise ValueError(f"--text: {error}") from None
+    canaries = build_canaries(args.path, count=args.count, tokens=args.tokens, seed=args.seed, texts=texts,
+                              device=args.device, progress=progress)  # fmt: skip
     out = canaries.write(Path(args.out) if args.out else Path(args.path) / FILE_NAME)
-    print(f"wrote {out}: {canaries.count} canaries of {canaries.tokens} tokens over {blocks} blocks (owner-only)")
+    errors = ", ".join(f"{dtype} {max(values):.2g}" for dtype, values in canaries.honest_error.items())
+    print(
+        f"wrote {out}: {canaries.count} canaries of {canaries.tokens} tokens over {blocks} blocks (owner-only); "
+        f"largest honest error of a block: {errors}"
+    )
     return 0
 
 

@@ -212,7 +212,10 @@ class AsyncDistributedModel(AdapterLookup):
         if config.verify.mode == "canary":
             canaries = await asyncio.to_thread(_canaries, canaries, model_path, model_config)
         elif canaries is not None:
-            raise ValueError(f'canaries= are for verify="canary:P"; this client verifies "{config.verify}"')
+            raise ValueError(
+                f'known answers (canaries=, --canaries) are for verify="canary:P"; this client verifies '
+                f'"{config.verify}"'
+            )
         swarm = await Swarm.create(
             list(initial_peers),
             dht_prefix=dht_prefix or default_dht_prefix(model_path),
@@ -546,15 +549,23 @@ class AsyncDistributedModel(AdapterLookup):
         if max_new_tokens is None:
             max_new_tokens = default_new_tokens(self.generation_config, input_ids.shape[1])
         blamed: list[str] = []
+        adapter = options.pop("adapter", None)  # every run's: a run again after a blame is the same request
         for _ in range(MAX_AUDITED_RUNS):
             async with self.inference_session(
                 max_length=input_ids.shape[1] + max_new_tokens,
                 batch=input_ids.shape[0],
                 prompt_tokens=input_ids.shape[1],
-                adapter=options.pop("adapter", None),
+                adapter=adapter,
             ) as session:
                 output = await self._generate(input_ids, max_new_tokens, {**options, "session": session})
-                outcome = await self.check(session)
+                if self.auditor is not None:  # before the nodes drop the session: its records are fetched
+                    outcome = await self.audit(session)
+                else:
+                    chain = session_of(session).chain
+            if self.auditor is None:  # canaries go in sessions of their own, once the generation's is closed
+                outcome = await self.check_canaries(
+                    chain, max_length=input_ids.shape[1] + max_new_tokens, prompt_tokens=input_ids.shape[1]
+                )
             blamed.extend(blame.peer_id for blame in outcome.blamed)
             self.last_verification = {**outcome.report(), "blamed": blamed}
             if outcome.clean:
@@ -579,24 +590,25 @@ class AsyncDistributedModel(AdapterLookup):
 
     @property
     def checks_generations(self) -> bool:
-        """Whether a generation is checked once it ends (verify="audit:P" or "canary:P"): see `check`."""
-        return self.auditor is not None or self.canary_checker is not None
+        """Whether a generation is checked once it ends (verify="audit:P" or "canary:P")."""
+        return self.config.verify.mode in ("audit", "canary")
 
-    async def check(self, session) -> AuditOutcome | CanaryOutcome:
-        """The checks of an open session this model's verify policy makes when its generation ends: an audit
-        (audit:P) or canaries to its chain's nodes (canary:P); call it before closing the session."""
-        if self.auditor is not None:
-            return await self.audit(session)
-        return await self.check_canaries(session)
-
-    async def check_canaries(self, session) -> CanaryOutcome:
-        """Check the nodes of a session's chain with known answers (verify="canary:P"; client/canaries.py): each
-        with chance P, in sessions of their own; blamed nodes are banned."""
+    async def check_canaries(self, chain: Chain, *, max_length: int = 0, prompt_tokens: int = 0) -> CanaryOutcome:
+        """Check the nodes of a generation's `chain` with known answers (verify="canary:P"; client/canaries.py): each
+        with chance P, in sessions of their own shaped like the generation's (`max_length`, `prompt_tokens`); blamed
+        nodes are banned. Call it once the generation's session is closed."""
         if self.canary_checker is None:
-            raise SessionStateError('this model checks no canaries: from_pretrained(..., verify="canary:P")')
-        while isinstance(session, EdgeSession):
-            session = session.session
-        return await self.canary_checker.check(session.chain)
+            raise SessionStateError(
+                'this model checks no canaries: from_pretrained(..., verify="canary:P") loads the known answers'
+            )
+        return await self.canary_checker.check(chain, max_length=max_length, prompt_tokens=prompt_tokens)
+
+
+def session_of(session) -> InferenceSession | MajoritySession:
+    """The swarm session under a private-edges session (`session` itself otherwise)."""
+    while isinstance(session, EdgeSession):
+        session = session.session
+    return session
 
 
 def _canaries(given, model_path: str, model_config) -> CanarySet:

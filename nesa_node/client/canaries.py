@@ -1,25 +1,30 @@
 """Known-answer canaries (verify="canary:P"): each node of a generation's chain is checked, with probability P, on
 hidden states whose outputs the client knows (verification/canaries.py), with no other node involved.
 
-After a generation, for each node sampled, the client opens a fresh lossless session on that node alone for its
-blocks and sends a canary the way a generation goes: a prompt of random length, then one-token steps to the
-canary's end. The outputs are compared with the known answer under the tolerance audits use for the node's
-announced dtype against float32 (verification/commitment.py `compare`). A node that fails is sent a second canary;
-failing both, it is blamed (banned for an hour, its routing reliability cut: Swarm.blame) and the caller runs the
-generation again on other nodes (AsyncDistributedModel.generate). A node failing one canary of two is counted
-"inconclusive" and kept: one check out of tolerance is not proof, and an honest node of a long bfloat16 span is the
-likeliest to show one.
+Once a generation's session is closed, each node sampled gets a fresh lossless session of its own for its blocks,
+opened with the generation's length, and one canary sent the way that generation went: its prompt length (within
+the canary), then one-token steps to the canary's end. The outputs are compared with the known answer
+(verification/commitment.py `compare`) under the file's tolerance for the span, the node's announced dtype and the
+dtype the client sends in (`CanarySet.tolerance`: the audits' calibration, widened for long spans in bfloat16 or
+float16 by the rounding error measured when the file was built). A node that fails gets a second canary; failing
+it too, or not answering it, the node is blamed (banned for an hour, its routing reliability cut: Swarm.blame) and
+the caller runs the generation again on other nodes (AsyncDistributedModel.generate). Each sampled node counts once:
+"passed", "failed" (blamed), "inconclusive" (one canary of two failed: kept), "skipped" (it announces quantized
+weights, whose honest error is not calibrated, or no record is at hand to say what it computes in) or "unanswered"
+(no answer within CANARY_TIMEOUT_S, a refusal: not proof of anything). Nodes are checked concurrently.
 
-What the checks say and do not: a node that passes computed its announced blocks on the canary's session; it may
-still cheat on sessions it can tell apart (longer ones, adapters: canaries run the base weights; or every session,
-if it holds the canary file). Audits (audit:P) check the sessions themselves but need other nodes serving the same
-blocks; canaries check the only node of a span too. Nodes announcing quantized weights are skipped (their honest
-error against float32 is not calibrated). The report says "checked with known answers at rate P", never
-"verified".
+What the checks say and do not: a node that passes computed its announced blocks on the canary's session. It may
+still cheat on sessions it can tell apart: a node holding the file knows every canary; one that sees the same few
+canaries often may learn them (more canaries, `--count`, repeat less; a canary from random token ids is told from
+prose by a node of the first blocks: build them from text, `--text`); and canaries run the base weights, so a node
+cheating on adapters only is not seen. Audits (audit:P) check the sessions themselves but need other nodes serving
+the same blocks; canaries check the only node of a span too. The report says "checked with known answers at rate
+P", never "verified".
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from dataclasses import dataclass, field
@@ -32,14 +37,17 @@ from nesa_node.client.session import InferenceSession
 from nesa_node.errors import NesaError
 from nesa_node.routing.snapshot import Chain, Hop
 from nesa_node.verification.canaries import CanarySet
-from nesa_node.verification.commitment import commit_window, compare, tolerance_for
+from nesa_node.verification.commitment import commit_window, compare
 
 logger = logging.getLogger(__name__)
+
+RESULTS = ("passed", "failed", "inconclusive", "skipped", "unanswered")
+CANARY_TIMEOUT_S = 60.0  # one canary session, open to last step (a healthy node takes a step's time per token)
 
 
 @dataclass
 class CanaryBlame:
-    """A node that failed two canaries, with what each comparison measured."""
+    """A node that failed a canary and then failed or did not answer a second, with what was measured."""
 
     peer_id: str
     blocks: tuple[int, int]
@@ -49,14 +57,12 @@ class CanaryBlame:
 
 @dataclass
 class CanaryOutcome:
-    """What one round of canary checks of a chain found."""
+    """What one round of canary checks of a chain found: one result per sampled node."""
 
     rate: float
     nodes: int = 0  # distinct nodes in the chain
     sampled: int = 0  # nodes sampled for a check
-    checks: dict = field(
-        default_factory=lambda: {"passed": 0, "failed": 0, "inconclusive": 0, "skipped": 0, "unanswered": 0}
-    )
+    checks: dict = field(default_factory=lambda: dict.fromkeys(RESULTS, 0))
     blamed: list[CanaryBlame] = field(default_factory=list)
 
     @property
@@ -84,73 +90,88 @@ class CanaryChecker:
         self.rate = rate
         self.canaries = canaries
         self.rng = rng if rng is not None else random.Random()
+        self.timeout_s = CANARY_TIMEOUT_S
 
-    async def check(self, chain: Chain) -> CanaryOutcome:
-        """Check the nodes of `chain` (see the module docstring); blamed nodes are banned before this returns."""
+    async def check(self, chain: Chain, *, max_length: int = 0, prompt_tokens: int = 0) -> CanaryOutcome:
+        """Check the nodes of `chain` (see the module docstring), whose generation opened its session for
+        `max_length` tokens with a prompt of `prompt_tokens` (0: unknown, drawn at random); blamed nodes are banned
+        before this returns."""
         outcome = CanaryOutcome(self.rate)
-        seen: set[str] = set()
-        for hop in chain.hops:
-            if hop.peer_id in seen:
-                continue
-            seen.add(hop.peer_id)
-            outcome.nodes += 1
-            if self.rng.random() >= self.rate:
-                continue
-            outcome.sampled += 1
-            info = self.model.swarm.announced(hop.peer_id)
-            if info is not None and info.quantization != "none":
-                outcome.checks["skipped"] += 1
-                continue
-            dtype = info.dtype if info is not None else str(self.model.dtype).removeprefix("torch.")
-            first = self.rng.randrange(self.canaries.count)
-            reasons = await self._failed(hop, first, dtype)
-            if reasons is None:
-                outcome.checks["unanswered"] += 1
-            elif not reasons:
-                outcome.checks["passed"] += 1
-            else:
-                outcome.checks["failed"] += 1
-                second = self.rng.choice([index for index in range(self.canaries.count) if index != first] or [first])
-                again = await self._failed(hop, second, dtype)
-                if not again:  # passed, or no answer: nothing proven
-                    outcome.checks["inconclusive"] += 1
-                    continue
-                self.model.swarm.blame(hop.peer_id, ban_s=BLAME_BAN_S)
-                blame = CanaryBlame(hop.peer_id, (hop.start_block, hop.end_block), (first, second), reasons + again)
+        hops = list({hop.peer_id: hop for hop in chain.hops}.values())  # a node of two hops: its last
+        outcome.nodes = len(hops)
+        sampled = [hop for hop in hops if self.rng.random() < self.rate]
+        outcome.sampled = len(sampled)
+        count = self.canaries.count
+        plans = []
+        for hop in sampled:
+            first = self.rng.randrange(count)
+            second = self.rng.choice([index for index in range(count) if index != first] or [first])
+            tokens = self.canaries.tokens
+            prompt = min(prompt_tokens, tokens - 1) if prompt_tokens > 0 else self.rng.randint(1, max(1, tokens // 2))
+            plans.append((hop, (first, second), max(prompt, 1)))
+        results = await asyncio.gather(
+            *(self._check_node(hop, indices, prompt, max(max_length, self.canaries.tokens)) for hop, indices, prompt in plans)
+        )  # fmt: skip
+        for result, blame in results:
+            outcome.checks[result] += 1
+            if blame is not None:
+                self.model.swarm.blame(blame.peer_id, ban_s=BLAME_BAN_S)
                 outcome.blamed.append(blame)
                 logger.warning(
-                    "canaries: %s (blocks %d:%d) failed canaries %d and %d: %s; banned",
-                    hop.peer_id, hop.start_block, hop.end_block, first, second, "; ".join(blame.reasons),
+                    "canaries: %s (blocks %d:%d) failed canary %d, then %d: %s; banned",
+                    blame.peer_id, *blame.blocks, *blame.canaries, "; ".join(blame.reasons),
                 )  # fmt: skip
         return outcome
 
-    async def _failed(self, hop: Hop, index: int, dtype: str) -> tuple[str, ...] | None:
-        """Run canary `index` through `hop`'s node alone: () when its outputs match the known answer, the reasons
-        when they do not, None when the node did not answer."""
+    async def _check_node(
+        self, hop: Hop, indices: tuple[int, int], prompt: int, max_length: int
+    ) -> tuple[str, CanaryBlame | None]:
+        info = self.model.swarm.announced(hop.peer_id)
+        if info is None or info.quantization != "none":
+            return "skipped", None
+        first = await self.failures(hop, indices[0], info.dtype, prompt=prompt, max_length=max_length)
+        if first is None:
+            return "unanswered", None
+        if not first:
+            return "passed", None
+        second = await self.failures(hop, indices[1], info.dtype, prompt=prompt, max_length=max_length)
+        if second == ():
+            return "inconclusive", None
+        reasons = first + (second or (f"canary {indices[1]}: no answer after a failed canary",))
+        return "failed", CanaryBlame(hop.peer_id, (hop.start_block, hop.end_block), indices, reasons)
+
+    async def failures(
+        self, hop: Hop, index: int, dtype: str, *, prompt: int = 0, max_length: int = 0
+    ) -> tuple[str, ...] | None:
+        """Run canary `index` through `hop`'s node alone (which computes in `dtype`), its first `prompt` tokens as one
+        step (0: drawn at random) in a session of `max_length` tokens (at least the canary's): () when the outputs
+        match the known answer, the reasons when they do not, None when the node did not answer."""
         given, answer = self.canaries.case(index, hop.start_block, hop.end_block)
         tokens = given.shape[1]
-        prompt = self.rng.randint(max(1, tokens // 4), max(1, tokens // 2))
+        prompt = prompt if 0 < prompt < tokens else self.rng.randint(1, max(1, tokens // 2))
         given = given.to(self.model.dtype)
         session = InferenceSession(
             self.model.swarm,
             Chain(hops=(hop,)),
             self.model.config.replace(compression=LOSSLESS),
             batch=1,
-            max_length=tokens,
+            max_length=max(max_length, tokens),
         )
         outputs = []
         try:
-            async with session:
+            async with asyncio.timeout(self.timeout_s), session:
                 outputs.append(await session.step(given[:, :prompt]))
                 for position in range(prompt, tokens):
                     outputs.append(await session.step(given[:, position : position + 1]))
-        except (NesaError, LinkFailed) as error:
-            logger.info("canary %d on %s (blocks %d:%d) got no answer: %s", index, hop.peer_id,
+        except (NesaError, LinkFailed, TimeoutError) as error:
+            logger.info("canary %d on %s (blocks %d:%d) got no answer: %r", index, hop.peer_id,
                         hop.start_block, hop.end_block, error)  # fmt: skip
             return None
         output = torch.cat(outputs, dim=1).float().cpu()
-        report = compare(commit_window(answer), output, tolerance_for(dtype, "float32"))
+        sent = str(given.dtype).removeprefix("torch.")
+        tolerance = self.canaries.tolerance(hop.start_block, hop.end_block, dtype, sent)
+        report = compare(commit_window(answer), output, tolerance)
         return () if report.matches else tuple(f"canary {index}: {reason}" for reason in report.reasons)
 
 
-__all__ = ["CanaryBlame", "CanaryChecker", "CanaryOutcome"]
+__all__ = ["CANARY_TIMEOUT_S", "RESULTS", "CanaryBlame", "CanaryChecker", "CanaryOutcome"]

@@ -24,12 +24,19 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from nesa_node import event_loop
-from nesa_node.client.async_model import DEFAULT_NEW_TOKENS, MAX_AUDITED_RUNS, AsyncDistributedModel, client_config
+from nesa_node.client.async_model import (
+    DEFAULT_NEW_TOKENS,
+    MAX_AUDITED_RUNS,
+    AsyncDistributedModel,
+    client_config,
+    session_of,
+)
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.session import InferenceSession
 from nesa_node.errors import PeerUnavailableError, SessionStateError
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.chain import Chain, RoutingParams, SwarmSnapshot
+from nesa_node.verification.canaries import CanarySet
 
 T = TypeVar("T")
 
@@ -216,7 +223,7 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         lanes: bool | None = None,
         adapter: str | Path | None = None,
         weights_manifest: str | Path | None = None,
-        canaries: str | Path | None = None,
+        canaries: str | Path | CanarySet | None = None,
         private_edges: tuple[int, int] | None = None,
         boundary_noise: float = 0.0,
         verify: str | None = None,
@@ -400,7 +407,14 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
                 output = super().generate(input_ids, *args, **kwargs)
                 if not self.client.checks_generations:
                     return output
-                outcome = self.call(self.client.check(session.session))  # before the nodes drop the session
+                if self.client.auditor is not None:
+                    outcome = self.call(self.client.audit(session.session))  # before the nodes drop the session
+                else:
+                    chain = session_of(session.session).chain
+            if self.client.auditor is None:  # canaries go in sessions of their own, once the generation's is closed
+                outcome = self.call(
+                    self.client.check_canaries(chain, max_length=max_length, prompt_tokens=input_ids.shape[1])
+                )
             blamed.extend(blame.peer_id for blame in outcome.blamed)
             self.client.last_verification = {**outcome.report(), "blamed": blamed}
             if outcome.clean:

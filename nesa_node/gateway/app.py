@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from nesa_node.client.async_model import AsyncDistributedModel
+from nesa_node.client.async_model import AsyncDistributedModel, session_of
 from nesa_node.errors import (
     AdapterBudgetError,
     AdapterError,
@@ -242,7 +242,7 @@ class Gateway:
         metrics.requests_running.inc()
         metrics.adapter_requests.labels(label, "running").inc()
         metrics.prompt_tokens_total.inc(len(ids))
-        session, failovers = None, 0
+        session, failovers, canary_chain = None, 0, None
         try:
             session = await self.model.open_session(
                 max_length=len(ids) + max_new, prompt_tokens=len(ids), adapter=prepared.adapter
@@ -279,10 +279,8 @@ class Gateway:
                         yield generation, piece
             if self.model.auditor is not None:  # verify="audit:P": checked before the nodes drop the session
                 generation.verification = (await self.model.audit(session)).report()
-            elif (
-                self.model.canary_checker is not None
-            ):  # verify="canary:P": the chain's nodes, in sessions of their own
-                generation.verification = (await self.model.check_canaries(session)).report()
+            elif self.model.canary_checker is not None:  # verify="canary:P": once this session is closed, below
+                canary_chain = session_of(session).chain
         finally:  # no await here: a request whose client went away is cancelled again at each one
             self.slots.release()
             metrics.requests_running.dec()
@@ -294,6 +292,12 @@ class Gateway:
                 closing = asyncio.ensure_future(session.close())  # the nodes free its cache now, in a task of its own
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
+        if canary_chain is not None:  # each node in a session of its own, shaped like this one
+            outcome = await self.model.check_canaries(
+                canary_chain, max_length=len(ids) + max_new, prompt_tokens=len(ids)
+            )
+            generation.verification = outcome.report()
+            self._count_report(generation.verification)
         if generation.finish_reason is None:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
@@ -315,6 +319,9 @@ class Gateway:
         if report is None:
             return
         generation.verification = report
+        self._count_report(report)
+
+    def _count_report(self, report: dict) -> None:
         for result, count in report["checks"].items():
             if count:
                 self.metrics.verification_checks_total.labels(result).inc(count)

@@ -1,49 +1,66 @@
 """Known-answer canaries: hidden states at every block boundary of a model, for checking any node on its own.
 
 `build_canaries` runs a model folder's blocks, one block in memory at a time and in float32 on the CPU by default,
-over `count` sequences of random token ids (`tokens` each), starting from the model's token embeddings, and keeps
-every boundary: states[k, b] is sequence k's input to block b (b = 0: the embeddings) and states[k, L] the output of
-the last block. For any span [s, e) of any split of the model, states[k, s] is an input and states[k, e] its known
-answer, so a client holding the file can check a node that no other node could audit (the only server of its
-span). The blocks run through the same code a node runs (sharding/blocks.py), so an honest node differs only by
-rounding: its dtype's and its batch shape's.
+over `count` sequences of `tokens` token ids, starting from the model's token embeddings, and keeps every boundary:
+states[k, b] is sequence k's input to block b (b = 0: the embeddings) and states[k, L] the output of the last block.
+For any span [s, e) of any split of the model, states[k, s] is an input and states[k, e] its known answer, so a
+client holding the file can check a node that no other node could audit (the only server of its span). The blocks
+run through the code a node runs (sharding/blocks.py), so an honest node differs only by rounding.
 
-The file (safetensors) holds one float32 tensor "states" (count, blocks + 1, tokens, hidden) and metadata naming
-the format and the numbers of blocks and hidden size. The token ids and their seed are not kept: a node that cannot
-read the file cannot tell a canary's hidden states from a prompt's. At the defaults (8 canaries of 32 tokens) a
-model of 16 blocks of hidden 2048 takes 34 MiB.
+The sequences start as a prompt does, with the model's BOS token when it has one; the rest are windows of a text the
+builder gives (`texts`, tokenized with the folder's tokenizer), else random ids of the tokenizer's vocabulary. Random
+ids are the weaker choice: a node of the first blocks sees token identities and can tell random text from prose.
 
-The client side (sending canaries, comparing, blaming) is client/canaries.py.
+Rounding is calibrated when the file is built: each block is also run in bfloat16 and in float16 on its float32
+input rounded to that dtype, and the largest relative RMS error over the canaries is kept per block and dtype
+(`honest_error`). A client checking a node that computes (or is sent inputs) in one of those dtypes bounds the
+node's honest error on a span by the sum of its blocks' errors (`tolerance`), so a long bfloat16 span is not taken
+for a cheat. Measured on the CPU that builds the file: a GPU's kernels round differently, within the margin.
+
+The file (safetensors) holds one float32 tensor "states" (count, blocks + 1, tokens, hidden) and metadata: the
+format, the numbers of blocks and hidden size, and the honest errors. Token ids and seed are not kept. At 16
+canaries of 32 tokens a model of 16 blocks of hidden 2048 takes 68 MiB. The client side (sending canaries,
+comparing, blaming) is client/canaries.py.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from nesa_node.errors import CanaryFileError, ModelLoadError
+from nesa_node.verification.commitment import Tolerance, tolerance_for
 
 logger = logging.getLogger(__name__)
 
 FORMAT = "nesa-canaries/1"
 FILE_NAME = "canaries.safetensors"  # the name a client looks for in its model folder
-DEFAULT_COUNT = 8
+DEFAULT_COUNT = 16
 DEFAULT_TOKENS = 32
 MAX_COUNT = 4096
 MAX_TOKENS = 8192
+CALIBRATED = ("bfloat16", "float16")  # dtypes whose honest error per block a file holds
+# the honest error bound of a span: this many times the sum of its blocks' measured errors (rounding errors of
+# successive blocks need not add up, and a GPU's kernels round otherwise than the CPU that built the file)
+ERROR_MARGIN = 3.0
 
 
 @dataclass(frozen=True)
 class CanarySet:
-    """Hidden states at every block boundary of `count` sequences: `states` (count, blocks + 1, tokens, hidden)."""
+    """Hidden states at every block boundary of `count` sequences: `states` (count, blocks + 1, tokens, hidden);
+    `honest_error[dtype][b]`: block b's largest relative RMS error when run in that dtype (module docstring)."""
 
     states: torch.Tensor
+    honest_error: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     @property
     def count(self) -> int:
@@ -69,28 +86,54 @@ class CanarySet:
             raise ValueError(f"canary {index} of {self.count}")
         return self.states[index, start].unsqueeze(0), self.states[index, end].unsqueeze(0)
 
+    def tolerance(self, start: int, end: int, node_dtype: str, input_dtype: str) -> Tolerance:
+        """How far an honest node computing blocks [start, end) in `node_dtype` on inputs sent in `input_dtype` may be
+        from the known answer: the audits' calibrated tolerance for those dtypes, widened to ERROR_MARGIN times the
+        span's summed honest error when the file measured that dtype and the sum is larger."""
+        base = tolerance_for(node_dtype, input_dtype)
+        rounded = [dtype for dtype in CALIBRATED if dtype in (node_dtype, input_dtype)]
+        errors = self.honest_error.get(rounded[0]) if rounded else None
+        if not errors:
+            return base
+        bound = ERROR_MARGIN * sum(errors[start:end])
+        if bound <= base.sketch:
+            return base
+        factor = bound / base.sketch
+        # top-k entries drift apart as the error grows; their values are held to the widened bound like the rest
+        return replace(
+            base, sketch=bound, scale=base.scale * factor, value=base.value * factor, overlap=min(base.overlap, 0.5)
+        )
+
     def write(self, path: str | Path) -> Path:
-        """Save as the canary file format (module docstring); readable by the owner alone: a node holding the file
-        would know every canary by its input."""
-        from safetensors.torch import save_file
+        """Save in the canary file format (module docstring), readable by the owner alone from its first byte (a node
+        holding the file would know every canary by its input); the file appears whole or not at all."""
+        from safetensors.torch import save
 
         path = Path(path)
         metadata = {
             "format": FORMAT,
             "num_blocks": str(self.num_blocks),
             "hidden_size": str(self.hidden_size),
+            "honest_error": json.dumps(self.honest_error),
         }
+        data = save({"states": self.states.contiguous()}, metadata=metadata)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(path.name + ".partial")
-        save_file({"states": self.states.contiguous()}, str(temporary), metadata=metadata)
-        temporary.chmod(0o600)
-        temporary.replace(path)
+        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
+        try:
+            with os.fdopen(descriptor, "wb") as out:
+                out.write(data)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(temporary, path)
+        except BaseException:
+            Path(temporary).unlink(missing_ok=True)
+            raise
         return path
 
     @classmethod
     def read(cls, path: str | Path, *, num_blocks: int | None = None, hidden_size: int | None = None) -> CanarySet:
         """A canary file; CanaryFileError when it cannot be read, is not one, or does not fit a model of `num_blocks`
-        blocks and `hidden_size` (when given)."""
+        blocks and `hidden_size` (when given). Shapes and dtype are checked before the states are read."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -105,8 +148,8 @@ class CanarySet:
                         f"{path} is not a canary file of format {FORMAT} (metadata {json.dumps(metadata)[:200]}, "
                         f"tensors {names[:8]})"
                     )
-                shape = tuple(handle.get_slice("states").get_shape())
-                declared = shape[1] - 1 if len(shape) == 4 else None
+                header = handle.get_slice("states")
+                shape, dtype = tuple(header.get_shape()), header.get_dtype()
                 if len(shape) != 4 or not (
                     0 < shape[0] <= MAX_COUNT and shape[1] >= 2 and 0 < shape[2] <= MAX_TOKENS and shape[3] > 0
                 ):
@@ -114,20 +157,84 @@ class CanarySet:
                         f"{path}: states of shape {shape}, not (count <= {MAX_COUNT}, blocks + 1, tokens <= "
                         f"{MAX_TOKENS}, hidden)"
                     )
+                if dtype != "F32":
+                    raise CanaryFileError(f"{path}: states in {dtype}, not float32 (F32)")
+                declared = shape[1] - 1
                 if metadata.get("num_blocks") != str(declared) or metadata.get("hidden_size") != str(shape[3]):
                     raise CanaryFileError(f"{path}: metadata {json.dumps(metadata)[:200]} disagrees with shape {shape}")
                 if num_blocks is not None and declared != num_blocks:
                     raise CanaryFileError(f"{path} holds canaries of a model of {declared} blocks, not {num_blocks}")
                 if hidden_size is not None and shape[3] != hidden_size:
                     raise CanaryFileError(f"{path} holds canaries of hidden size {shape[3]}, not {hidden_size}")
+                honest_error = _honest_error(metadata.get("honest_error", "{}"), declared, path)
                 states = handle.get_tensor("states")
         except (SafetensorError, OSError, ValueError) as error:
             raise CanaryFileError(f"{path} is not a readable canary file: {error}") from None
-        if states.dtype != torch.float32:
-            raise CanaryFileError(f"{path}: states in {states.dtype}, not float32")
         if not bool(torch.isfinite(states).all()):
             raise CanaryFileError(f"{path}: states hold non-finite values")
-        return cls(states)
+        return cls(states, honest_error)
+
+
+def _honest_error(text: str, blocks: int, path: Path) -> dict[str, tuple[float, ...]]:
+    """The metadata's honest errors: for dtypes of CALIBRATED only, one finite error of 0 or more per block."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise CanaryFileError(f"{path}: honest_error is not a JSON object")
+    errors = {}
+    for dtype, per_block in value.items():
+        if dtype not in CALIBRATED:
+            raise CanaryFileError(f"{path}: honest_error of dtype {str(dtype)[:20]!r}, not one of {CALIBRATED}")
+        if not (
+            isinstance(per_block, list)
+            and len(per_block) == blocks
+            and all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in per_block)
+        ):
+            raise CanaryFileError(f"{path}: honest_error[{dtype}] is not {blocks} finite errors of 0 or more")
+        errors[dtype] = tuple(float(x) for x in per_block)
+    return errors
+
+
+def canary_token_ids(
+    model_path: str | Path,
+    config,
+    count: int,
+    tokens: int,
+    generator: torch.Generator,
+    texts: Sequence[str] | None = None,
+) -> torch.Tensor:
+    """(count, tokens) token ids: the model's BOS first when it has one, then windows of `texts` (tokenized with the
+    folder's tokenizer, at random offsets) or random ids of the tokenizer's vocabulary. ValueError when the texts
+    are too short for one window."""
+    bos = getattr(config, "bos_token_id", None)
+    bos = bos if isinstance(bos, int) and 0 <= bos < config.vocab_size else None
+    body = tokens - (bos is not None)
+    vocabulary = config.vocab_size
+    stream = None
+    if texts is not None or body > 0:
+        try:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=False)
+            vocabulary = min(vocabulary, len(tokenizer))  # ids past the tokenizer's are padding rows, never text
+            if texts is not None:
+                stream = [i for text in texts for i in tokenizer(text, add_special_tokens=False).input_ids]
+        except (OSError, ValueError) as error:
+            if texts is not None:
+                raise ModelLoadError(f"no tokenizer in {model_path} to read the canary texts with: {error}") from None
+    rows = []
+    for _ in range(count):
+        if stream is not None:
+            if len(stream) < body:
+                raise ValueError(f"the texts give {len(stream)} tokens, fewer than the {body} of one canary")
+            start = int(torch.randint(0, len(stream) - body + 1, (1,), generator=generator))
+            row = torch.tensor(stream[start : start + body], dtype=torch.long)
+        else:
+            row = torch.randint(0, vocabulary, (body,), generator=generator)
+        rows.append(row if bos is None else torch.cat([torch.tensor([bos]), row]))
+    return torch.stack(rows)
 
 
 def build_canaries(
@@ -136,15 +243,16 @@ def build_canaries(
     count: int = DEFAULT_COUNT,
     tokens: int = DEFAULT_TOKENS,
     seed: int | None = None,
-    dtype: str = "float32",
+    texts: Sequence[str] | None = None,
     device: str = "cpu",
+    calibrate: bool = True,
     progress: Callable[[int, int], None] | None = None,
 ) -> CanarySet:
-    """Run the blocks of the model folder `model_path` over `count` random sequences of `tokens` token ids (seeded by
-    `seed`, random when None) and keep every block boundary (module docstring). `dtype` and `device`: where the
-    blocks run (the states are kept in float32); `progress(done, blocks)` after each block. Raises ModelLoadError
-    for a bad folder, ValueError for counts out of range."""
-    from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_client_edges, load_config
+    """Run the blocks of the model folder `model_path` in float32 on `device` over `count` sequences of `tokens` ids
+    (`canary_token_ids`, seeded by `seed`, random when None) and keep every block boundary; with `calibrate`, also
+    each block's honest error in bfloat16 and float16 (module docstring). `progress(done, blocks)` after each block.
+    Raises ModelLoadError for a bad folder, ValueError for counts out of range or texts too short."""
+    from nesa_node.sharding.blocks import EMBED_WEIGHT, SafetensorsIndex, SpanSpec, load_block_span, load_config
 
     if not 0 < count <= MAX_COUNT:
         raise ValueError(f"canary count must be 1..{MAX_COUNT}, got {count}")
@@ -153,23 +261,32 @@ def build_canaries(
     config = load_config(model_path)
     blocks = config.num_hidden_layers
     generator = torch.Generator().manual_seed(secrets.randbits(63) if seed is None else seed)
-    ids = torch.randint(0, config.vocab_size, (count, tokens), generator=generator)
+    ids = canary_token_ids(model_path, config, count, tokens, generator, texts)
     states = torch.empty(count, blocks + 1, tokens, config.hidden_size, dtype=torch.float32)
+    honest_error: dict[str, list[float]] = {dtype: [] for dtype in (CALIBRATED if calibrate else ())}
     with torch.inference_mode():
-        edges = load_client_edges(model_path, dtype=dtype, device=device, config=config)
-        hidden = edges.embed_tokens(ids.to(device))
-        del edges
-        states[:, 0] = hidden.float().cpu()
+        embeddings = SafetensorsIndex(model_path).read([EMBED_WEIGHT])[EMBED_WEIGHT]  # only this of the client's part
+        states[:, 0] = embeddings.float()[ids]
+        del embeddings
         for block in range(blocks):
-            span = load_block_span(model_path, SpanSpec(block, block + 1, dtype=dtype, device=device), config=config)
-            hidden = span(hidden)
+            given = states[:, block].to(device)
+            span = load_block_span(model_path, SpanSpec(block, block + 1, device=device), config=config)
+            output = span(given)
             del span
-            if not bool(torch.isfinite(hidden).all()):
-                raise ModelLoadError(f"block {block} of {model_path} gives non-finite hidden states on random tokens")
-            states[:, block + 1] = hidden.float().cpu()
+            if not bool(torch.isfinite(output).all()):
+                raise ModelLoadError(f"block {block} of {model_path} gives non-finite hidden states on its canaries")
+            states[:, block + 1] = output.float().cpu()
+            for dtype in honest_error:
+                rounded = load_block_span(
+                    model_path, SpanSpec(block, block + 1, dtype=dtype, device=device), config=config
+                )
+                error = (rounded(given.to(rounded.dtype_)).float() - output).pow(2).mean(dim=(1, 2)).sqrt()
+                error = error / output.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-30)
+                honest_error[dtype].append(float(error.max()))
+                del rounded
             if progress is not None:
                 progress(block + 1, blocks)
-    return CanarySet(states)
+    return CanarySet(states, {dtype: tuple(errors) for dtype, errors in honest_error.items()})
 
 
-__all__ = ["FILE_NAME", "FORMAT", "CanarySet", "build_canaries"]
+__all__ = ["FILE_NAME", "FORMAT", "CanarySet", "build_canaries", "canary_token_ids"]

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from nesa_node import DistributedModelForCausalLM
-from nesa_node.client.canaries import CanaryChecker
+from nesa_node.client.canaries import RESULTS, CanaryChecker
 from nesa_node.client.config import ClientConfig
 from nesa_node.devtools.malicious import make_malicious
 from nesa_node.errors import CanaryFileError, NoRouteError, PeerUnavailableError
 from nesa_node.routing.snapshot import Chain, Hop
 from nesa_node.verification.canaries import build_canaries
+from nesa_node.verification.commitment import commit_window, compare, tolerance_for
 from tests.support.models import greedy_tokens
 from tests.support.swarm import client_seeing, wait_until
 
@@ -67,16 +68,54 @@ def test_honest_nodes_pass_every_canary_and_the_generation_is_the_reference(
         assert report["mode"] == "canary:1"
         assert report["checks"] == {"passed": 2, "failed": 0, "inconclusive": 0, "skipped": 0, "unanswered": 0}
         assert report["blamed"] == [] and "2 of 2 nodes" in report["checked"]
-        # every canary through every node, and the node's span split as a chain may use it: no false alarm
+        # canaries through every node, for its whole span and each of its blocks as a chain may use them: no alarm
         checker = CanaryChecker(model.client, 1.0, model.client.canary_checker.canaries, random.Random(1))
         passed = 0
         for node in honest_nodes:
-            for _ in range(3):
-                outcome = model.call(checker.check(Chain(hops=(hop_of(node),))))
-                assert outcome.checks["failed"] == 0 and outcome.clean, outcome
-                passed += outcome.checks["passed"]
-        assert passed == 3 * len(honest_nodes)
+            whole = hop_of(node)
+            parts = [Hop(node.peer_id, block, block + 1) for block in range(whole.start_block, whole.end_block)]
+            for hop in [whole, whole, *parts]:
+                outcome = model.call(checker.check(Chain(hops=(hop,)), max_length=64, prompt_tokens=5))
+                assert outcome.checks == {**dict.fromkeys(RESULTS, 0), "passed": 1} and outcome.clean, outcome
+                passed += 1
+        assert passed == 4 * len(honest_nodes)
+        # at rate P, each node of a chain is sampled with chance P, and each sampled node counts once
+        sampling = CanaryChecker(model.client, 0.5, model.client.canary_checker.canaries, random.Random(4))
+        chain = Chain(hops=tuple(hop_of(node) for node in honest_nodes[::2]))
+        outcomes = [model.call(sampling.check(chain)) for _ in range(8)]
+        assert {outcome.nodes for outcome in outcomes} == {2}
+        assert 0 < sum(outcome.sampled for outcome in outcomes) < 16
+        assert all(sum(outcome.checks.values()) == outcome.sampled == outcome.checks["passed"] for outcome in outcomes)
         assert not model.swarm.banned()
+
+
+def test_honest_nodes_in_bfloat16_pass_within_the_files_measured_rounding(module_swarm, tiny_llama, canary_file):
+    """A bfloat16 node and a client sending bfloat16 (the swarm's dtype, by default): rounding errs several times
+    the float32 tolerance, and the file's calibration keeps it from being taken for a cheat."""
+    prefix = "canaries-bf16"
+    nodes = [module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=prefix, dtype="bfloat16")]
+    try:
+        with connect(module_swarm, tiny_llama, nodes, prefix, verify="canary:1.0", canaries=canary_file) as model:
+            assert model.client.dtype == torch.bfloat16
+            canaries = model.client.canary_checker.canaries
+            checker = CanaryChecker(model.client, 1.0, canaries, random.Random(5))
+            for _ in range(6):
+                outcome = model.call(checker.check(Chain(hops=(hop_of(nodes[0]),)), max_length=40))
+                assert outcome.checks["passed"] == 1, outcome
+            # the same outputs held to float32's tolerance would fail: the widening is what passes them
+            given, answer = canaries.case(0, 0, 4)
+            with torch.inference_mode():
+                output = model.call(model.client.remote_forward(given.to(torch.bfloat16)))
+            strict = compare(commit_window(answer), output.float(), tolerance_for("float32", "float32"))
+            assert not strict.matches
+            assert compare(
+                commit_window(answer), output.float(), canaries.tolerance(0, 4, "bfloat16", "bfloat16")
+            ).matches
+            generate(model)
+            assert model.client.last_verification["checks"]["passed"] == 1
+    finally:
+        for node in nodes:
+            module_swarm.stop_node(node)
 
 
 def test_the_gateway_checks_each_answer_with_canaries_and_counts_the_checks(
@@ -106,7 +145,7 @@ def test_each_cheat_fails_its_canaries_and_is_banned(module_swarm, tiny_llama, h
             honest = next(node for node in honest_nodes if node.current_info().start_block == 0)
             outcome = model.call(checker.check(Chain(hops=(hop_of(honest), hop_of(cheat)))))
             assert [blame.peer_id for blame in outcome.blamed] == [cheat.peer_id]
-            assert outcome.checks["passed"] == 1 and outcome.checks["failed"] == 1
+            assert outcome.checks == {**dict.fromkeys(RESULTS, 0), "passed": 1, "failed": 1}
             assert all("canary" in reason for reason in outcome.blamed[0].reasons)
             assert set(model.swarm.banned()) == {cheat.peer_id}
     finally:

@@ -11,8 +11,8 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node.client.config import VerifyPolicy
 from nesa_node.errors import CanaryFileError
-from nesa_node.sharding.blocks import SpanSpec, load_block_span
-from nesa_node.verification.canaries import FORMAT, CanarySet, build_canaries
+from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_config
+from nesa_node.verification.canaries import ERROR_MARGIN, FORMAT, CanarySet, build_canaries, canary_token_ids
 from nesa_node.verification.commitment import commit_window, compare, tolerance_for
 
 
@@ -22,12 +22,44 @@ def canaries(tiny_llama) -> CanarySet:
 
 
 def test_every_boundary_is_the_models_own_hidden_states(tiny_llama, canaries):
-    ids = torch.randint(0, 1024, (3, 10), generator=torch.Generator().manual_seed(7))
+    config = load_config(tiny_llama)
+    ids = canary_token_ids(tiny_llama, config, 3, 10, torch.Generator().manual_seed(7))
+    assert (ids[:, 0] == config.bos_token_id).all()  # a canary starts as a prompt does
+    assert int(ids.max()) < config.vocab_size and len(set(ids[:, 1:].flatten().tolist())) > 20
     with torch.inference_mode():
         hidden_states = AutoModelForCausalLM.from_pretrained(tiny_llama).model(ids, output_hidden_states=True)
     assert canaries.states.shape == (3, 5, 10, 64) and canaries.states.dtype == torch.float32
     for block in range(4):  # transformers' last entry is after the final norm: the span test below covers block 4
         torch.testing.assert_close(canaries.states[:, block], hidden_states.hidden_states[block], rtol=0, atol=1e-5)
+
+
+def test_canaries_built_from_text_are_windows_of_it(tiny_llama):
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox jumps over the lazy dog while the cat watches from the warm windowsill. " * 4
+    config = load_config(tiny_llama)
+    ids = canary_token_ids(tiny_llama, config, 4, 8, torch.Generator().manual_seed(1), [text])
+    stream = AutoTokenizer.from_pretrained(tiny_llama)(text, add_special_tokens=False).input_ids
+    for row in ids.tolist():
+        body = row[1:]
+        assert any(stream[start : start + 7] == body for start in range(len(stream) - 6)), row
+    with pytest.raises(ValueError, match="fewer than"):
+        canary_token_ids(tiny_llama, config, 1, 4096, torch.Generator(), ["short"])
+
+
+def test_each_blocks_honest_error_in_low_precision_is_measured_and_widens_long_spans(canaries):
+    for dtype in ("bfloat16", "float16"):
+        errors = canaries.honest_error[dtype]
+        assert len(errors) == 4 and all(0 < error < 0.05 for error in errors), errors
+    assert max(canaries.honest_error["bfloat16"]) > max(canaries.honest_error["float16"])  # 8 bits of mantissa vs 11
+    exact = canaries.tolerance(0, 4, "float32", "float32")
+    assert exact == tolerance_for("float32", "float32")  # float32 on both sides: the audits' calibration as it is
+    bounds = [canaries.tolerance(0, end, "bfloat16", "float32").sketch for end in (1, 2, 3, 4)]
+    assert bounds == sorted(bounds) and bounds[0] >= tolerance_for("bfloat16", "float32").sketch
+    summed = ERROR_MARGIN * sum(canaries.honest_error["bfloat16"])
+    assert bounds[-1] == pytest.approx(max(summed, tolerance_for("bfloat16", "float32").sketch))
+    # a client sending bfloat16 to a float32 node is held to bfloat16's bound too
+    assert canaries.tolerance(0, 4, "float32", "bfloat16") == canaries.tolerance(0, 4, "bfloat16", "float32")
 
 
 @pytest.mark.parametrize("start,end", [(0, 4), (1, 3), (3, 4), (0, 1)])
@@ -55,9 +87,9 @@ def test_the_seed_decides_the_canaries(tiny_llama, canaries):
 
 def test_a_file_round_trips_owner_only_and_fits_its_model(tmp_path, canaries):
     path = canaries.write(tmp_path / "c.safetensors")
-    assert path.stat().st_mode & 0o077 == 0
+    assert path.stat().st_mode & 0o077 == 0 and [p.name for p in tmp_path.iterdir()] == ["c.safetensors"]
     read = CanarySet.read(path, num_blocks=4, hidden_size=64)
-    assert torch.equal(read.states, canaries.states)
+    assert torch.equal(read.states, canaries.states) and read.honest_error == canaries.honest_error
     with pytest.raises(CanaryFileError, match="of a model of 4 blocks, not 8"):
         CanarySet.read(path, num_blocks=8)
     with pytest.raises(CanaryFileError, match="hidden size 64, not 128"):
@@ -74,7 +106,19 @@ def _saved(tmp_path, tensors: dict, metadata: dict):
 
 @pytest.mark.parametrize(
     "case",
-    ["garbage", "other format", "two tensors", "rank 3", "metadata disagrees", "float16", "nan"],
+    [
+        "garbage",
+        "other format",
+        "two tensors",
+        "rank 3",
+        "metadata disagrees",
+        "float16",
+        "nan",
+        "errors not json",
+        "errors of another dtype",
+        "errors too few",
+        "errors negative",
+    ],
 )
 def test_a_file_that_is_not_a_canary_file_is_refused(tmp_path, case):
     states = torch.zeros(2, 5, 4, 8)
@@ -92,6 +136,14 @@ def test_a_file_that_is_not_a_canary_file_is_refused(tmp_path, case):
         path = _saved(tmp_path, {"states": states}, {**metadata, "num_blocks": "3"})
     elif case == "float16":
         path = _saved(tmp_path, {"states": states.half()}, metadata)
+    elif case.startswith("errors"):
+        errors = {
+            "errors not json": "{",
+            "errors of another dtype": '{"int8": [0, 0, 0, 0]}',
+            "errors too few": '{"bfloat16": [0.01]}',
+            "errors negative": '{"float16": [0.01, -1, 0, 0]}',
+        }[case]
+        path = _saved(tmp_path, {"states": states}, {**metadata, "honest_error": errors})
     else:
         states[1, 2, 3, 4] = float("nan")
         path = _saved(tmp_path, {"states": states}, metadata)
