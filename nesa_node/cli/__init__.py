@@ -141,8 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     canaries = model.add_parser(
         "canaries",
         help='write known-answer canaries (hidden states at every block boundary) for verify="canary:P"',
-        description="Run every block of a model folder, one block in memory at a time, over random token sequences "
-        "and write the hidden states at each block boundary: for any node's span the input and its known output. A "
+        description="Run every block of a model folder, one block in memory at a time, over token sequences that "
+        "start as prompts do (windows of --text files, else random ids) and write the hidden states at each block "
+        "boundary, with each block's rounding error in bfloat16 and float16: for any node's span an input and its "
+        "known output. A "
         'client with verify="canary:P" sends them to the nodes of its chains as ordinary sessions and bans a node '
         "whose outputs differ. Keep the file away from nodes: one that holds it knows every canary by its input. "
         "The seed is random unless given, and is not written.",

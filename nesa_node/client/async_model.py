@@ -134,6 +134,7 @@ class AsyncDistributedModel(AdapterLookup):
         generation_config=None,
         adapter: str | None = None,
         edge_blocks: EdgeBlocks | None = None,
+        canaries: CanarySet | None = None,
     ):
         self.model_config = model_config
         self.adapter = adapter  # the LoRA adapter id sessions use unless a call names another (or None: base)
@@ -152,7 +153,9 @@ class AsyncDistributedModel(AdapterLookup):
         self.generation_config = generation_config
         verify = config.verify
         self.auditor = Auditor(self, verify.rate) if verify.mode == "audit" else None
-        self.canary_checker: CanaryChecker | None = None  # verify="canary:P": set by from_pretrained with the file
+        if verify.mode == "canary" and canaries is None:
+            raise ValueError('verify="canary:P" needs its known answers: canaries= (from_pretrained reads the file)')
+        self.canary_checker = CanaryChecker(self, verify.rate, canaries) if verify.mode == "canary" else None
         self.last_verification: dict | None = None  # what the last generation's checks found (audit, canary, majority)
         self.last_receipts = None  # the last audited session's SessionReceipts (verification/receipts.py)
         # next-token scores of concurrent sessions in shared LM head passes
@@ -244,11 +247,15 @@ class AsyncDistributedModel(AdapterLookup):
                     noise_sigma=boundary_noise,
                 )
             model = cls(
-                model_config, edges, swarm, config, generation_config=generation_config, edge_blocks=edge_blocks
+                model_config,
+                edges,
+                swarm,
+                config,
+                generation_config=generation_config,
+                edge_blocks=edge_blocks,
+                canaries=canaries,
             )
             model.router.weights_manifest = manifest
-            if canaries is not None:
-                model.canary_checker = CanaryChecker(model, config.verify.rate, canaries)
             model.adapter = await model.resolve_model_adapter(adapter) if adapter is not None else None
         except BaseException:
             await swarm.close()

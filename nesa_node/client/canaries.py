@@ -4,14 +4,16 @@ hidden states whose outputs the client knows (verification/canaries.py), with no
 Once a generation's session is closed, each node sampled gets a fresh lossless session of its own for its blocks,
 opened with the generation's length, and one canary sent the way that generation went: its prompt length (within
 the canary), then one-token steps to the canary's end. The outputs are compared with the known answer
-(verification/commitment.py `compare`) under the file's tolerance for the span, the node's announced dtype and the
-dtype the client sends in (`CanarySet.tolerance`: the audits' calibration, widened for long spans in bfloat16 or
-float16 by the rounding error measured when the file was built). A node that fails gets a second canary; failing
+(verification/commitment.py `compare`, token by token: verification/canaries.py `comparable`) under the file's
+tolerance for the span, the node's announced dtype and the dtype the client sends in (`CanarySet.tolerance`: the
+audits' calibration, widened for spans in bfloat16 or float16 by the rounding error measured when the file was
+built). A node that fails gets a second canary; failing
 it too, or not answering it, the node is blamed (banned for an hour, its routing reliability cut: Swarm.blame) and
 the caller runs the generation again on other nodes (AsyncDistributedModel.generate). Each sampled node counts once:
 "passed", "failed" (blamed), "inconclusive" (one canary of two failed: kept), "skipped" (it announces quantized
-weights, whose honest error is not calibrated, or no record is at hand to say what it computes in) or "unanswered"
-(no answer within CANARY_TIMEOUT_S, a refusal: not proof of anything). Nodes are checked concurrently.
+weights, whose honest error is not calibrated; no record is at hand to say what it computes in; or its span's
+calibrated rounding passes MAX_BOUND) or "unanswered" (no answer within CANARY_TIMEOUT_S of steps, a refusal: not
+proof of anything). Nodes are checked concurrently.
 
 What the checks say and do not: a node that passes computed its announced blocks on the canary's session. It may
 still cheat on sessions it can tell apart: a node holding the file knows every canary; one that sees the same few
@@ -32,11 +34,10 @@ from dataclasses import dataclass, field
 import torch
 
 from nesa_node.client.audit import BLAME_BAN_S, LOSSLESS
-from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.session import InferenceSession
 from nesa_node.errors import NesaError
 from nesa_node.routing.snapshot import Chain, Hop
-from nesa_node.verification.canaries import CanarySet
+from nesa_node.verification.canaries import CanarySet, comparable
 from nesa_node.verification.commitment import commit_window, compare
 
 logger = logging.getLogger(__name__)
@@ -110,9 +111,16 @@ class CanaryChecker:
             prompt = min(prompt_tokens, tokens - 1) if prompt_tokens > 0 else self.rng.randint(1, max(1, tokens // 2))
             plans.append((hop, (first, second), max(prompt, 1)))
         results = await asyncio.gather(
-            *(self._check_node(hop, indices, prompt, max(max_length, self.canaries.tokens)) for hop, indices, prompt in plans)
+            *(self._check_node(hop, indices, prompt, max(max_length, self.canaries.tokens)) for hop, indices, prompt in plans),
+            return_exceptions=True,
         )  # fmt: skip
-        for result, blame in results:
+        for (hop, _, _), result in zip(plans, results, strict=True):
+            if isinstance(result, BaseException):
+                if isinstance(result, asyncio.CancelledError):
+                    raise result
+                logger.warning("canaries: the check of %s failed: %r", hop.peer_id, result)
+                result = ("unanswered", None)
+            result, blame = result
             outcome.checks[result] += 1
             if blame is not None:
                 self.model.swarm.blame(blame.peer_id, ban_s=BLAME_BAN_S)
@@ -127,8 +135,11 @@ class CanaryChecker:
         self, hop: Hop, indices: tuple[int, int], prompt: int, max_length: int
     ) -> tuple[str, CanaryBlame | None]:
         info = self.model.swarm.announced(hop.peer_id)
+        sent = str(self.model.dtype).removeprefix("torch.")
         if info is None or info.quantization != "none":
             return "skipped", None
+        if self.canaries.tolerance(hop.start_block, hop.end_block, info.dtype, sent) is None:
+            return "skipped", None  # its span's rounding is as large as the cheats a check could tell
         first = await self.failures(hop, indices[0], info.dtype, prompt=prompt, max_length=max_length)
         if first is None:
             return "unanswered", None
@@ -157,20 +168,23 @@ class CanaryChecker:
             batch=1,
             max_length=max(max_length, tokens),
         )
+        sent = str(given.dtype).removeprefix("torch.")
+        tolerance = self.canaries.tolerance(hop.start_block, hop.end_block, dtype, sent)
+        if tolerance is None:
+            raise ValueError(f"blocks {hop.start_block}:{hop.end_block} in {dtype} round past what canaries can check")
         outputs = []
         try:
-            async with asyncio.timeout(self.timeout_s), session:
-                outputs.append(await session.step(given[:, :prompt]))
-                for position in range(prompt, tokens):
-                    outputs.append(await session.step(given[:, position : position + 1]))
-        except (NesaError, LinkFailed, TimeoutError) as error:
+            async with session:  # opening is bounded by the request timeout, closing by the session's own
+                async with asyncio.timeout(self.timeout_s):
+                    outputs.append(await session.step(given[:, :prompt]))
+                    for position in range(prompt, tokens):
+                        outputs.append(await session.step(given[:, position : position + 1]))
+        except (NesaError, TimeoutError) as error:  # LinkFailed is a NesaError
             logger.info("canary %d on %s (blocks %d:%d) got no answer: %r", index, hop.peer_id,
                         hop.start_block, hop.end_block, error)  # fmt: skip
             return None
-        output = torch.cat(outputs, dim=1).float().cpu()
-        sent = str(given.dtype).removeprefix("torch.")
-        tolerance = self.canaries.tolerance(hop.start_block, hop.end_block, dtype, sent)
-        report = compare(commit_window(answer), output, tolerance)
+        expected, computed = comparable(answer, torch.cat(outputs, dim=1).cpu())
+        report = compare(commit_window(expected), computed, tolerance)
         return () if report.matches else tuple(f"canary {index}: {reason}" for reason in report.reasons)
 
 

@@ -498,9 +498,11 @@ class SessionChain:
             if link.control is not None:
                 link.control.end()
         readers = [link.readers[0] for link in self.links if link.readers]
-        if readers:
-            await asyncio.wait(readers, timeout=timeout_s)
-        self.close_links(self.links)
+        try:
+            if readers:
+                await asyncio.wait(readers, timeout=timeout_s)
+        finally:  # cancelled while waiting (a caller that went away): the links are closed all the same
+            self.close_links(self.links)
 
 
 __all__ = [

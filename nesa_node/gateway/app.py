@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -43,6 +44,8 @@ from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
@@ -217,10 +220,12 @@ class Gateway:
         return Prepared(ids, stops, self.budget(request, len(ids)), adapter)
 
     async def generate(
-        self, request: CompletionRequest | ChatRequest, prepared: Prepared
+        self, request: CompletionRequest | ChatRequest, prepared: Prepared, *, wait_for_checks: bool = True
     ) -> AsyncIterator[tuple[Generation, str]]:
         """Run the request through the swarm; yields (generation, new text) as text becomes final, the last time
-        with finish_reason set."""
+        with finish_reason set. With verify="canary:P" the chain's nodes are checked once the session is closed: the
+        last update carries the outcome when `wait_for_checks`, else the checks go on after it (a streamed answer
+        does not wait for them); either way they run to their end and are counted in the metrics."""
         ids, stops, max_new = prepared.ids, prepared.stops, prepared.max_new
         generation = Generation(prompt_tokens=len(ids), text=TextStream(self._decode, stops))
         sampling: dict[str, Any] = {"do_sample": False}
@@ -293,11 +298,11 @@ class Gateway:
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
         if canary_chain is not None:  # each node in a session of its own, shaped like this one
-            outcome = await self.model.check_canaries(
-                canary_chain, max_length=len(ids) + max_new, prompt_tokens=len(ids)
-            )
-            generation.verification = outcome.report()
-            self._count_report(generation.verification)
+            checks = asyncio.ensure_future(self._check_canaries(canary_chain, len(ids) + max_new, len(ids)))
+            self._closing.add(checks)  # a request whose client went away leaves them running to their end
+            checks.add_done_callback(self._closing.discard)
+            if wait_for_checks:
+                generation.verification = await asyncio.shield(checks)
         if generation.finish_reason is None:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
@@ -320,6 +325,18 @@ class Gateway:
             return
         generation.verification = report
         self._count_report(report)
+
+    async def _check_canaries(self, chain, max_length: int, prompt_tokens: int) -> dict | None:
+        """The canary checks of a request's chain (verify="canary:P"), counted in the metrics: their report, None
+        when they could not run."""
+        try:
+            outcome = await self.model.check_canaries(chain, max_length=max_length, prompt_tokens=prompt_tokens)
+        except NesaError as error:
+            logger.warning("canary checks of a request failed: %s", error)
+            return None
+        report = outcome.report()
+        self._count_report(report)
+        return report
 
     def _count_report(self, report: dict) -> None:
         for result, count in report["checks"].items():
@@ -380,7 +397,7 @@ class Gateway:
         try:
             if chat:
                 yield chunk(None, None, role=True)
-            async for update in self.generate(request, prepared):
+            async for update in self.generate(request, prepared, wait_for_checks=False):
                 generation, piece = update
                 if piece:
                     yield chunk(piece, None)

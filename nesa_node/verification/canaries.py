@@ -7,15 +7,22 @@ For any span [s, e) of any split of the model, states[k, s] is an input and stat
 client holding the file can check a node that no other node could audit (the only server of its span). The blocks
 run through the code a node runs (sharding/blocks.py), so an honest node differs only by rounding.
 
-The sequences start as a prompt does, with the model's BOS token when it has one; the rest are windows of a text the
-builder gives (`texts`, tokenized with the folder's tokenizer), else random ids of the tokenizer's vocabulary. Random
-ids are the weaker choice: a node of the first blocks sees token identities and can tell random text from prose.
+The sequences start as a prompt does, with the tokens the folder's tokenizer puts before any text (BOS for Llama and
+Mistral, nothing for Qwen2); the rest are windows of a text the builder gives (`texts`), else random ids of the
+tokenizer's vocabulary. Random ids are the weaker choice: a node of the first blocks sees token identities and can
+tell random text from prose.
+
+Outputs are compared token by token (`comparable`): each token's hidden state is divided by the RMS of its known
+answer, so the first token's very large activations (an attention sink in trained models, the same for every
+sequence, which a node could cache) weigh as much as any other token's, not more.
 
 Rounding is calibrated when the file is built: each block is also run in bfloat16 and in float16 on its float32
-input rounded to that dtype, and the largest relative RMS error over the canaries is kept per block and dtype
-(`honest_error`). A client checking a node that computes (or is sent inputs) in one of those dtypes bounds the
-node's honest error on a span by the sum of its blocks' errors (`tolerance`), so a long bfloat16 span is not taken
-for a cheat. Measured on the CPU that builds the file: a GPU's kernels round differently, within the margin.
+input rounded to that dtype, and the largest relative RMS error (token-normalized) over the canaries is kept per
+block and dtype (`honest_error`). A client checking a node that computes (or is sent inputs) in one of those dtypes
+bounds the node's honest error on a span by ERROR_MARGIN times the root sum of squares of its blocks' errors
+(independent roundings add so), not less than the audits' calibration (`tolerance`); past MAX_BOUND a span's
+rounding hides too much to tell a cheat by, and the node is not checked. Measured on the CPU that builds the file
+(a GPU's kernels round otherwise), and on the tiny test models: calibrate on the real model before relying on it.
 
 The file (safetensors) holds one float32 tensor "states" (count, blocks + 1, tokens, hidden) and metadata: the
 format, the numbers of blocks and hidden size, and the honest errors. Token ids and seed are not kept. At 16
@@ -42,16 +49,17 @@ from nesa_node.verification.commitment import Tolerance, tolerance_for
 
 logger = logging.getLogger(__name__)
 
-FORMAT = "nesa-canaries/1"
+FORMAT = "nesa-canaries/2"
 FILE_NAME = "canaries.safetensors"  # the name a client looks for in its model folder
 DEFAULT_COUNT = 16
 DEFAULT_TOKENS = 32
 MAX_COUNT = 4096
 MAX_TOKENS = 8192
 CALIBRATED = ("bfloat16", "float16")  # dtypes whose honest error per block a file holds
-# the honest error bound of a span: this many times the sum of its blocks' measured errors (rounding errors of
-# successive blocks need not add up, and a GPU's kernels round otherwise than the CPU that built the file)
+# the honest error bound of a span: this many times the root sum of squares of its blocks' measured errors (a GPU's
+# kernels round otherwise than the CPU that built the file)
 ERROR_MARGIN = 3.0
+MAX_BOUND = 0.05  # a span whose bound would pass 5% relative error is not checked: its cheats hide in the rounding
 
 
 @dataclass(frozen=True)
@@ -86,23 +94,25 @@ class CanarySet:
             raise ValueError(f"canary {index} of {self.count}")
         return self.states[index, start].unsqueeze(0), self.states[index, end].unsqueeze(0)
 
-    def tolerance(self, start: int, end: int, node_dtype: str, input_dtype: str) -> Tolerance:
-        """How far an honest node computing blocks [start, end) in `node_dtype` on inputs sent in `input_dtype` may be
-        from the known answer: the audits' calibrated tolerance for those dtypes, widened to ERROR_MARGIN times the
-        span's summed honest error when the file measured that dtype and the sum is larger."""
+    def tolerance(self, start: int, end: int, node_dtype: str, input_dtype: str) -> Tolerance | None:
+        """How far (`comparable`) an honest node computing blocks [start, end) in `node_dtype` on inputs sent in
+        `input_dtype` may be from the known answer: the audits' calibrated tolerance for those dtypes, widened to
+        ERROR_MARGIN times the root sum of squares of the span's honest errors when the file measured a low-precision
+        dtype of the two and that is larger; None when the widened bound passes MAX_BOUND (not a check worth making)."""
         base = tolerance_for(node_dtype, input_dtype)
         rounded = [dtype for dtype in CALIBRATED if dtype in (node_dtype, input_dtype)]
         errors = self.honest_error.get(rounded[0]) if rounded else None
         if not errors:
             return base
-        bound = ERROR_MARGIN * sum(errors[start:end])
+        bound = ERROR_MARGIN * math.sqrt(sum(error * error for error in errors[start:end]))
         if bound <= base.sketch:
             return base
+        if bound > MAX_BOUND:
+            return None
         factor = bound / base.sketch
-        # top-k entries drift apart as the error grows; their values are held to the widened bound like the rest
-        return replace(
-            base, sketch=bound, scale=base.scale * factor, value=base.value * factor, overlap=min(base.overlap, 0.5)
-        )
+        # top-k entries drift apart as the error grows: a quarter of them may leave the top for each doubling
+        overlap = max(0.5, base.overlap - 0.25 * math.log2(factor))
+        return replace(base, sketch=bound, scale=base.scale * factor, value=base.value * factor, overlap=overlap)
 
     def write(self, path: str | Path) -> Path:
         """Save in the canary file format (module docstring), readable by the owner alone from its first byte (a node
@@ -190,11 +200,22 @@ def _honest_error(text: str, blocks: int, path: Path) -> dict[str, tuple[float, 
         if not (
             isinstance(per_block, list)
             and len(per_block) == blocks
-            and all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in per_block)
+            and all(
+                isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+                for x in per_block
+            )
         ):
             raise CanaryFileError(f"{path}: honest_error[{dtype}] is not {blocks} finite errors of 0 or more")
         errors[dtype] = tuple(float(x) for x in per_block)
     return errors
+
+
+def comparable(answer: torch.Tensor, output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`answer` and `output` (batch, tokens, hidden) divided, token by token, by the RMS of the answer's token (module
+    docstring), in float32: what canary comparisons and their calibration measure."""
+    answer, output = answer.float(), output.float()
+    scale = answer.pow(2).mean(dim=-1, keepdim=True).sqrt().clamp_min(1e-30)
+    return answer / scale, output / scale
 
 
 def canary_token_ids(
@@ -205,35 +226,40 @@ def canary_token_ids(
     generator: torch.Generator,
     texts: Sequence[str] | None = None,
 ) -> torch.Tensor:
-    """(count, tokens) token ids: the model's BOS first when it has one, then windows of `texts` (tokenized with the
-    folder's tokenizer, at random offsets) or random ids of the tokenizer's vocabulary. ValueError when the texts
-    are too short for one window."""
-    bos = getattr(config, "bos_token_id", None)
-    bos = bos if isinstance(bos, int) and 0 <= bos < config.vocab_size else None
-    body = tokens - (bos is not None)
+    """(count, tokens) token ids: the tokens the folder's tokenizer puts before any text, then windows of `texts` at
+    random offsets or random ids of the tokenizer's vocabulary (without a tokenizer: random ids of the model's, no
+    prefix). ValueError when the texts are too short for one window or `tokens` leaves no room after the prefix."""
+    prefix: list[int] = []
     vocabulary = config.vocab_size
     stream = None
-    if texts is not None or body > 0:
-        try:
-            from transformers import AutoTokenizer
+    try:
+        from transformers import AutoTokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=False)
-            vocabulary = min(vocabulary, len(tokenizer))  # ids past the tokenizer's are padding rows, never text
-            if texts is not None:
-                stream = [i for text in texts for i in tokenizer(text, add_special_tokens=False).input_ids]
-        except (OSError, ValueError) as error:
-            if texts is not None:
-                raise ModelLoadError(f"no tokenizer in {model_path} to read the canary texts with: {error}") from None
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path), trust_remote_code=False)
+    except (OSError, ValueError, ImportError) as error:
+        if texts is not None:
+            raise ModelLoadError(f"no tokenizer in {model_path} to read the canary texts with: {error}") from None
+        tokenizer = None
+    if tokenizer is not None:
+        vocabulary = min(vocabulary, len(tokenizer))  # ids past the tokenizer's are padding rows, never text
+        marked, plain = tokenizer("a").input_ids, tokenizer("a", add_special_tokens=False).input_ids
+        if len(marked) > len(plain) and marked[len(marked) - len(plain) :] == plain:
+            prefix = marked[: len(marked) - len(plain)]  # what the tokenizer adds in front: its BOS, when it adds one
+        if texts is not None:
+            stream = [i for text in texts for i in tokenizer(text, add_special_tokens=False).input_ids]
+    body = tokens - len(prefix)
+    if body < 1:
+        raise ValueError(f"canaries of {tokens} tokens leave none after the prompt's first {len(prefix)}")
+    if stream is not None and len(stream) < body:
+        raise ValueError(f"the texts give {len(stream)} tokens, fewer than the {body} of one canary")
     rows = []
     for _ in range(count):
         if stream is not None:
-            if len(stream) < body:
-                raise ValueError(f"the texts give {len(stream)} tokens, fewer than the {body} of one canary")
             start = int(torch.randint(0, len(stream) - body + 1, (1,), generator=generator))
             row = torch.tensor(stream[start : start + body], dtype=torch.long)
         else:
             row = torch.randint(0, vocabulary, (body,), generator=generator)
-        rows.append(row if bos is None else torch.cat([torch.tensor([bos]), row]))
+        rows.append(torch.cat([torch.tensor(prefix, dtype=torch.long), row]))
     return torch.stack(rows)
 
 
@@ -266,7 +292,7 @@ def build_canaries(
     honest_error: dict[str, list[float]] = {dtype: [] for dtype in (CALIBRATED if calibrate else ())}
     with torch.inference_mode():
         embeddings = SafetensorsIndex(model_path).read([EMBED_WEIGHT])[EMBED_WEIGHT]  # only this of the client's part
-        states[:, 0] = embeddings.float()[ids]
+        states[:, 0] = embeddings[ids].float()
         del embeddings
         for block in range(blocks):
             given = states[:, block].to(device)
@@ -280,13 +306,18 @@ def build_canaries(
                 rounded = load_block_span(
                     model_path, SpanSpec(block, block + 1, dtype=dtype, device=device), config=config
                 )
-                error = (rounded(given.to(rounded.dtype_)).float() - output).pow(2).mean(dim=(1, 2)).sqrt()
-                error = error / output.pow(2).mean(dim=(1, 2)).sqrt().clamp_min(1e-30)
-                honest_error[dtype].append(float(error.max()))
+                answer, computed = comparable(output, rounded(given.to(rounded.dtype_)))
+                honest_error[dtype].append(float((computed - answer).pow(2).mean(dim=(1, 2)).sqrt().max()))
                 del rounded
             if progress is not None:
                 progress(block + 1, blocks)
-    return CanarySet(states, {dtype: tuple(errors) for dtype, errors in honest_error.items()})
+    calibrated = {}
+    for dtype, errors in honest_error.items():
+        if all(math.isfinite(error) for error in errors):
+            calibrated[dtype] = tuple(errors)
+        else:  # overflow in that dtype: its nodes are held to the audits' tolerance, as without calibration
+            logger.warning("%s overflows in blocks of %s: its rounding is not calibrated", dtype, model_path)
+    return CanarySet(states, calibrated)
 
 
-__all__ = ["FILE_NAME", "FORMAT", "CanarySet", "build_canaries", "canary_token_ids"]
+__all__ = ["FILE_NAME", "FORMAT", "MAX_BOUND", "CanarySet", "build_canaries", "canary_token_ids", "comparable"]

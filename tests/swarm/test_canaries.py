@@ -15,7 +15,7 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.devtools.malicious import make_malicious
 from nesa_node.errors import CanaryFileError, NoRouteError, PeerUnavailableError
 from nesa_node.routing.snapshot import Chain, Hop
-from nesa_node.verification.canaries import build_canaries
+from nesa_node.verification.canaries import FORMAT, build_canaries
 from nesa_node.verification.commitment import commit_window, compare, tolerance_for
 from tests.support.models import greedy_tokens
 from tests.support.swarm import client_seeing, wait_until
@@ -91,7 +91,8 @@ def test_honest_nodes_pass_every_canary_and_the_generation_is_the_reference(
 
 def test_honest_nodes_in_bfloat16_pass_within_the_files_measured_rounding(module_swarm, tiny_llama, canary_file):
     """A bfloat16 node and a client sending bfloat16 (the swarm's dtype, by default): rounding errs several times
-    the float32 tolerance, and the file's calibration keeps it from being taken for a cheat."""
+    the float32 tolerance, and the file's calibration keeps it from being taken for a cheat, not a cheat from being
+    caught."""
     prefix = "canaries-bf16"
     nodes = [module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=prefix, dtype="bfloat16")]
     try:
@@ -113,6 +114,13 @@ def test_honest_nodes_in_bfloat16_pass_within_the_files_measured_rounding(module
             ).matches
             generate(model)
             assert model.client.last_verification["checks"]["passed"] == 1
+            # the widened bound still catches a bfloat16 node skipping a block
+            cheat = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=prefix, dtype="bfloat16")
+            nodes.append(cheat)
+            make_malicious(cheat, "skip_block", seed=3)
+            wait_until(lambda: cheat.peer_id in {r.info.peer_id for r in model.call(model.swarm.node_records(True))})
+            outcome = model.call(checker.check(Chain(hops=(hop_of(cheat),))))
+            assert [blame.peer_id for blame in outcome.blamed] == [cheat.peer_id], outcome
     finally:
         for node in nodes:
             module_swarm.stop_node(node)
@@ -189,7 +197,7 @@ def test_canary_settings_are_checked_before_joining(tiny_llama, tmp_path, canary
     other = tmp_path / "other.safetensors"
     build_canaries(tiny_llama, count=1, tokens=4, seed=1).write(other)
     data = bytearray(other.read_bytes())
-    data[data.index(b"nesa-canaries/1") + 14] = ord("9")  # another format version
+    data[data.index(FORMAT.encode()) + len(FORMAT) - 1] = ord("9")  # another format version
     other.write_bytes(bytes(data))
     with pytest.raises(CanaryFileError, match="not a canary file"):
         DistributedModelForCausalLM.from_pretrained(tiny_llama, initial_peers=[], verify="canary:0.5", canaries=other)

@@ -4,6 +4,9 @@ model) is refused with a typed error."""
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -12,7 +15,14 @@ from transformers import AutoModelForCausalLM
 from nesa_node.client.config import VerifyPolicy
 from nesa_node.errors import CanaryFileError
 from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_config
-from nesa_node.verification.canaries import ERROR_MARGIN, FORMAT, CanarySet, build_canaries, canary_token_ids
+from nesa_node.verification.canaries import (
+    ERROR_MARGIN,
+    FORMAT,
+    MAX_BOUND,
+    CanarySet,
+    build_canaries,
+    canary_token_ids,
+)
 from nesa_node.verification.commitment import commit_window, compare, tolerance_for
 
 
@@ -24,13 +34,32 @@ def canaries(tiny_llama) -> CanarySet:
 def test_every_boundary_is_the_models_own_hidden_states(tiny_llama, canaries):
     config = load_config(tiny_llama)
     ids = canary_token_ids(tiny_llama, config, 3, 10, torch.Generator().manual_seed(7))
-    assert (ids[:, 0] == config.bos_token_id).all()  # a canary starts as a prompt does
-    assert int(ids.max()) < config.vocab_size and len(set(ids[:, 1:].flatten().tolist())) > 20
+    assert int(ids.max()) < config.vocab_size and len(set(ids.flatten().tolist())) > 20
     with torch.inference_mode():
         hidden_states = AutoModelForCausalLM.from_pretrained(tiny_llama).model(ids, output_hidden_states=True)
     assert canaries.states.shape == (3, 5, 10, 64) and canaries.states.dtype == torch.float32
     for block in range(4):  # transformers' last entry is after the final norm: the span test below covers block 4
         torch.testing.assert_close(canaries.states[:, block], hidden_states.hidden_states[block], rtol=0, atol=1e-5)
+
+
+def test_a_canary_starts_as_the_tokenizer_starts_a_prompt(tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    config = load_config(tiny_llama)
+    plain = canary_token_ids(tiny_llama, config, 4, 6, torch.Generator().manual_seed(2))
+    assert not (plain[:, 0] == config.bos_token_id).all()  # this tokenizer puts nothing in front: neither do they
+    with_bos = tmp_path / "with-bos"
+    with_bos.mkdir()
+    for item in Path(tiny_llama).iterdir():
+        if not item.name.startswith("tokenizer"):
+            (with_bos / item.name).symlink_to(item)
+    AutoTokenizer.from_pretrained(tiny_llama, add_bos_token=True).save_pretrained(with_bos)
+    assert AutoTokenizer.from_pretrained(with_bos)("a").input_ids[0] == config.bos_token_id
+    ids = canary_token_ids(with_bos, config, 4, 6, torch.Generator().manual_seed(2))
+    assert (ids[:, 0] == config.bos_token_id).all() and ids.shape == (4, 6)
+    assert len(set(ids[:, 1:].flatten().tolist())) > 10
+    with pytest.raises(ValueError, match="leave none"):
+        canary_token_ids(with_bos, config, 1, 1, torch.Generator())
 
 
 def test_canaries_built_from_text_are_windows_of_it(tiny_llama):
@@ -40,9 +69,8 @@ def test_canaries_built_from_text_are_windows_of_it(tiny_llama):
     config = load_config(tiny_llama)
     ids = canary_token_ids(tiny_llama, config, 4, 8, torch.Generator().manual_seed(1), [text])
     stream = AutoTokenizer.from_pretrained(tiny_llama)(text, add_special_tokens=False).input_ids
-    for row in ids.tolist():
-        body = row[1:]
-        assert any(stream[start : start + 7] == body for start in range(len(stream) - 6)), row
+    for row in ids.tolist():  # this tokenizer puts nothing in front of a prompt: each row is a window
+        assert any(stream[start : start + 8] == row for start in range(len(stream) - 7)), row
     with pytest.raises(ValueError, match="fewer than"):
         canary_token_ids(tiny_llama, config, 1, 4096, torch.Generator(), ["short"])
 
@@ -56,10 +84,15 @@ def test_each_blocks_honest_error_in_low_precision_is_measured_and_widens_long_s
     assert exact == tolerance_for("float32", "float32")  # float32 on both sides: the audits' calibration as it is
     bounds = [canaries.tolerance(0, end, "bfloat16", "float32").sketch for end in (1, 2, 3, 4)]
     assert bounds == sorted(bounds) and bounds[0] >= tolerance_for("bfloat16", "float32").sketch
-    summed = ERROR_MARGIN * sum(canaries.honest_error["bfloat16"])
+    summed = ERROR_MARGIN * math.sqrt(sum(error**2 for error in canaries.honest_error["bfloat16"]))
     assert bounds[-1] == pytest.approx(max(summed, tolerance_for("bfloat16", "float32").sketch))
     # a client sending bfloat16 to a float32 node is held to bfloat16's bound too
     assert canaries.tolerance(0, 4, "float32", "bfloat16") == canaries.tolerance(0, 4, "bfloat16", "float32")
+    # a span rounding past MAX_BOUND is not a check worth making
+    coarse = CanarySet(canaries.states, {"bfloat16": (MAX_BOUND / 5,) * 4})
+    assert coarse.tolerance(0, 1, "bfloat16", "float32") is not None
+    assert coarse.tolerance(0, 4, "bfloat16", "float32") is None
+    assert coarse.tolerance(0, 4, "float32", "float32") == tolerance_for("float32", "float32")
 
 
 @pytest.mark.parametrize("start,end", [(0, 4), (1, 3), (3, 4), (0, 1)])
@@ -127,7 +160,7 @@ def test_a_file_that_is_not_a_canary_file_is_refused(tmp_path, case):
         path = tmp_path / "bad.safetensors"
         path.write_bytes(b"\xff" * 64)
     elif case == "other format":
-        path = _saved(tmp_path, {"states": states}, {**metadata, "format": "nesa-canaries/2"})
+        path = _saved(tmp_path, {"states": states}, {**metadata, "format": "nesa-canaries/9"})
     elif case == "two tensors":
         path = _saved(tmp_path, {"states": states, "ids": torch.zeros(2)}, metadata)
     elif case == "rank 3":
