@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from nesa_node.errors import SchemaBookError
+from nesa_node.files import write_atomically
 from nesa_node.protocol.records import NodeInfo
 from nesa_node.routing.snapshot import SwarmSnapshot
 from nesa_node.swarm_view import build_snapshot
@@ -52,18 +51,7 @@ def book_digest(book: SchemaBook) -> str:
 
 def save_book(book: SchemaBook, path: str | Path) -> None:
     """Write the book as JSON, atomically (a temporary file in the same folder, fsynced, then renamed)."""
-    path = Path(path)
-    data = json.dumps(book_to_dict(book), indent=1, allow_nan=False).encode() + b"\n"
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    write_atomically(path, json.dumps(book_to_dict(book), indent=1, allow_nan=False).encode() + b"\n")
 
 
 def _read_bounded(path: Path, limit: int, what: str) -> bytes:

@@ -35,9 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import secrets
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -45,6 +43,7 @@ from pathlib import Path
 import torch
 
 from nesa_node.errors import CanaryFileError, ModelLoadError
+from nesa_node.files import write_atomically
 from nesa_node.verification.commitment import Tolerance, tolerance_for
 
 logger = logging.getLogger(__name__)
@@ -126,19 +125,7 @@ class CanarySet:
             "hidden_size": str(self.hidden_size),
             "honest_error": json.dumps(self.honest_error),
         }
-        data = save({"states": self.states.contiguous()}, metadata=metadata)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)  # mode 0600
-        try:
-            with os.fdopen(descriptor, "wb") as out:
-                out.write(data)
-                out.flush()
-                os.fsync(out.fileno())
-            os.replace(temporary, path)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        return path
+        return write_atomically(path, save({"states": self.states.contiguous()}, metadata=metadata))  # mode 0600
 
     @classmethod
     def read(cls, path: str | Path, *, num_blocks: int | None = None, hidden_size: int | None = None) -> CanarySet:
