@@ -11,8 +11,9 @@ built). A node that fails gets a second canary; failing
 it too, or not answering it, the node is blamed (banned for an hour, its routing reliability cut: Swarm.blame) and
 the caller runs the generation again on other nodes (AsyncDistributedModel.generate). Each sampled node counts once:
 "passed", "failed" (blamed), "inconclusive" (one canary of two failed: kept), "skipped" (it announces quantized
-weights, whose honest error is not calibrated; no record is at hand to say what it computes in; or its span's
-calibrated rounding passes MAX_BOUND) or "unanswered" (no answer within CANARY_TIMEOUT_S of steps, a refusal: not
+weights, whose honest error is not calibrated; no record is at hand to say what it computes in; or even one of
+its blocks rounds past MAX_BOUND: a span that does as a whole is checked on a random part of it that does not) or
+"unanswered" (no answer within CANARY_TIMEOUT_S of steps, a refusal: not
 proof of anything). Nodes are checked concurrently.
 
 What the checks say and do not: a node that passes computed its announced blocks on the canary's session. It may
@@ -135,11 +136,11 @@ class CanaryChecker:
         self, hop: Hop, indices: tuple[int, int], prompt: int, max_length: int
     ) -> tuple[str, CanaryBlame | None]:
         info = self.model.swarm.announced(hop.peer_id)
-        sent = str(self.model.dtype).removeprefix("torch.")
         if info is None or info.quantization != "none":
             return "skipped", None
-        if self.canaries.tolerance(hop.start_block, hop.end_block, info.dtype, sent) is None:
-            return "skipped", None  # its span's rounding is as large as the cheats a check could tell
+        hop = self._checkable(hop, info.dtype)
+        if hop is None:
+            return "skipped", None  # even one of its blocks rounds as much as the cheats a check could tell
         first = await self.failures(hop, indices[0], info.dtype, prompt=prompt, max_length=max_length)
         if first is None:
             return "unanswered", None
@@ -150,6 +151,22 @@ class CanaryChecker:
             return "inconclusive", None
         reasons = first + (second or (f"canary {indices[1]}: no answer after a failed canary",))
         return "failed", CanaryBlame(hop.peer_id, (hop.start_block, hop.end_block), indices, reasons)
+
+    def _checkable(self, hop: Hop, dtype: str) -> Hop | None:
+        """`hop`, or when its whole span rounds past the canaries' bound (CanarySet.tolerance: a long span in a low
+        precision) a random part of it as long as the bound allows (a node runs any part of its span for a chain);
+        None when not even one block does."""
+        sent = str(self.model.dtype).removeprefix("torch.")
+        start, end = hop.start_block, hop.end_block
+        if self.canaries.tolerance(start, end, dtype, sent) is not None:
+            return hop
+        for length in range(end - start - 1, 0, -1):
+            starts = [first for first in range(start, end - length + 1)
+                      if self.canaries.tolerance(first, first + length, dtype, sent) is not None]  # fmt: skip
+            if starts:
+                first = self.rng.choice(starts)
+                return Hop(hop.peer_id, first, first + length, hop.codecs)
+        return None
 
     async def failures(
         self, hop: Hop, index: int, dtype: str, *, prompt: int = 0, max_length: int = 0

@@ -144,6 +144,8 @@ class Gateway:
         self.created = int(time.time())
         self.slots = asyncio.Semaphore(max_concurrency)
         self._closing: set[asyncio.Task] = set()  # sessions being closed (the loop keeps only weak references)
+        # canary checks of answers under way, as many as answers (streamed answers do not wait for theirs)
+        self._canary_slots = asyncio.Semaphore(max_concurrency)
         self.eos_token_id = tokenizer.eos_token_id
         self.max_length = int(getattr(model.model_config, "max_position_embeddings", 2048))
         self.metrics = GatewayMetrics()
@@ -326,14 +328,15 @@ class Gateway:
         generation.verification = report
         self._count_report(report)
 
-    async def _check_canaries(self, chain, max_length: int, prompt_tokens: int) -> dict | None:
-        """The canary checks of a request's chain (verify="canary:P"), counted in the metrics: their report, None
-        when they could not run."""
+    async def _check_canaries(self, chain, max_length: int, prompt_tokens: int) -> dict:
+        """The canary checks of a request's chain (verify="canary:P"), counted in the metrics, at most
+        max_concurrency requests' at once: their report (with "error" when they could not run)."""
         try:
-            outcome = await self.model.check_canaries(chain, max_length=max_length, prompt_tokens=prompt_tokens)
-        except NesaError as error:
-            logger.warning("canary checks of a request failed: %s", error)
-            return None
+            async with self._canary_slots:
+                outcome = await self.model.check_canaries(chain, max_length=max_length, prompt_tokens=prompt_tokens)
+        except Exception as error:  # a task of its own: nothing else would see it
+            logger.warning("canary checks of a request failed: %r", error, exc_info=not isinstance(error, NesaError))
+            return {"mode": str(self.model.config.verify), "error": str(error)[:300], "checks": {}, "blamed": []}
         report = outcome.report()
         self._count_report(report)
         return report

@@ -230,8 +230,12 @@ def canary_token_ids(
     if tokenizer is not None:
         vocabulary = min(vocabulary, len(tokenizer))  # ids past the tokenizer's are padding rows, never text
         marked, plain = tokenizer("a").input_ids, tokenizer("a", add_special_tokens=False).input_ids
-        if len(marked) > len(plain) and marked[len(marked) - len(plain) :] == plain:
-            prefix = marked[: len(marked) - len(plain)]  # what the tokenizer adds in front: its BOS, when it adds one
+        at = next((i for i in range(len(marked) - len(plain) + 1) if marked[i : i + len(plain)] == plain), 0)
+        prefix = marked[:at]  # what the tokenizer adds in front (its BOS, when it adds one), not what it adds behind
+        if any(not 0 <= token < config.vocab_size for token in prefix):
+            raise ModelLoadError(
+                f"{model_path}: the tokenizer starts prompts with {prefix}, outside the model's vocabulary"
+            )
         if texts is not None:
             stream = [i for text in texts for i in tokenizer(text, add_special_tokens=False).input_ids]
     body = tokens - len(prefix)

@@ -4,7 +4,9 @@ too: caught, the user gets an error rather than its tokens, and with an honest n
 
 from __future__ import annotations
 
+import json
 import random
+import urllib.request
 
 import pytest
 import torch
@@ -140,6 +142,15 @@ def test_the_gateway_checks_each_answer_with_canaries_and_counts_the_checks(
         metrics = metrics_text(served)
         assert 'nesa_gateway_verification_checks_total{result="passed"} 2.0' in metrics
         assert 'nesa_gateway_verification_checks_total{result="unanswered"} 0.0' in metrics
+        # a streamed answer ends without waiting for its checks, which run on and are counted
+        body = {"model": "tiny", "prompt": "import os", "max_tokens": 6, "temperature": 0, "stream": True}
+        request = urllib.request.Request(
+            served.url + "/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            assert answer.read().endswith(b"data: [DONE]\n\n")
+        passed = 'nesa_gateway_verification_checks_total{result="passed"} 4.0'
+        wait_until(lambda: passed in metrics_text(served), timeout_s=60)
 
 
 @pytest.mark.parametrize("mode", ["perturbed", "nf4_as_announced", "skip_block", "noisy", "lazy"])

@@ -202,3 +202,39 @@ def test_the_command_writes_a_file_the_client_reads(tiny_llama, tmp_path, capsys
     assert CanarySet.read(out, num_blocks=4, hidden_size=64).states.shape == (2, 5, 6, 64)
     assert main(["model", "canaries", str(tmp_path / "nowhere")]) != 0  # a typed error, told plainly
     assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_tokenizer_adding_bos_and_eos_gives_canaries_its_bos_only(tiny_llama, tmp_path):
+    from transformers import AutoTokenizer
+
+    config = load_config(tiny_llama)
+    folder = tmp_path / "bos-and-eos"
+    folder.mkdir()
+    for item in Path(tiny_llama).iterdir():
+        if not item.name.startswith("tokenizer"):
+            (folder / item.name).symlink_to(item)
+    AutoTokenizer.from_pretrained(tiny_llama, add_bos_token=True, add_eos_token=True).save_pretrained(folder)
+    marked = AutoTokenizer.from_pretrained(folder)("a").input_ids
+    assert marked[0] == config.bos_token_id and marked[-1] == config.eos_token_id
+    ids = canary_token_ids(folder, config, 3, 5, torch.Generator().manual_seed(1))
+    assert (ids[:, 0] == config.bos_token_id).all() and not (ids[:, -1] == config.eos_token_id).all()
+
+
+def test_a_span_rounding_past_the_bound_is_checked_on_a_part_that_does_not(canaries):
+    import random
+    from types import SimpleNamespace
+
+    from nesa_node.client.canaries import CanaryChecker
+    from nesa_node.routing.snapshot import Hop
+
+    per_block = MAX_BOUND / (ERROR_MARGIN * math.sqrt(2.5))  # two blocks fit the bound, three do not
+    coarse = CanarySet(canaries.states, {"bfloat16": (per_block,) * 4})
+    checker = CanaryChecker(SimpleNamespace(dtype=torch.bfloat16), 1.0, coarse, random.Random(0))
+    parts = {checker._checkable(Hop("node", 0, 4), "bfloat16") for _ in range(40)}
+    assert {(hop.start_block, hop.end_block) for hop in parts} == {(0, 2), (1, 3), (2, 4)}
+    assert checker._checkable(Hop("node", 1, 3), "bfloat16") == Hop("node", 1, 3)  # fits whole: checked whole
+    assert checker._checkable(Hop("node", 0, 4), "float32") is not None  # a bfloat16 client is held to bfloat16
+    hopeless = CanaryChecker(
+        SimpleNamespace(dtype=torch.bfloat16), 1.0, CanarySet(canaries.states, {"bfloat16": (1.0,) * 4})
+    )
+    assert hopeless._checkable(Hop("node", 0, 4), "bfloat16") is None
