@@ -20,7 +20,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from pathlib import Path
 
 import torch
@@ -29,7 +28,8 @@ from nesa_node.client.adapter_lookup import AdapterLookup, adapter_id_of_folder,
 from nesa_node.client.audit import Auditor, AuditOutcome
 from nesa_node.client.canaries import CanaryChecker, CanaryOutcome
 from nesa_node.client.chain_links import LinkFailed
-from nesa_node.client.config import ClientConfig, client_codec
+from nesa_node.client.config import ClientConfig, client_config
+from nesa_node.client.folder_files import read_canaries, read_weights_manifest
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
 from nesa_node.client.majority import MajoritySession, open_majority_session
 from nesa_node.client.private_edges import EdgeBlocks, EdgeSession, check_private_edges
@@ -43,52 +43,25 @@ from nesa_node.errors import (
     AdapterError,
     AdapterHashError,
     CacheBudgetError,
-    CanaryFileError,
     PeerUnavailableError,
     QuotaExceededError,
     SessionStateError,
     TooManySessionsError,
-    WeightsManifestError,
     WrongBlocksError,
 )
 from nesa_node.privacy.noise import check_sigma
 from nesa_node.protocol.dht import default_dht_prefix
-from nesa_node.routing.chain import Chain, ChainRequest, RoutingParams
+from nesa_node.routing.chain import Chain, ChainRequest
 from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
-from nesa_node.sharding.weights_manifest import FILE_NAME as MANIFEST_FILE
 from nesa_node.sharding.weights_manifest import WeightsManifest
-from nesa_node.verification.canaries import FILE_NAME as CANARIES_FILE
 from nesa_node.verification.canaries import CanarySet
 
 logger = logging.getLogger(__name__)
 
-# refusals at open that say the node's record no longer holds, not that the request is wrong
 # a node whose record no longer holds (it moved, filled up, began draining): route around it
 ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)
 # a node that cannot get or hold a session's adapter (evicted, no peer delivered it, budget full of adapters in use)
 ADAPTER_REFUSALS = (AdapterError, AdapterBudgetError)
-CONFIG_FIELDS = frozenset(item.name for item in fields(ClientConfig))
-
-
-def client_config(config: ClientConfig | None = None, **settings) -> ClientConfig:
-    """`config` (default: the defaults) with `settings` by field name. `compression` may be a codec name,
-    `routing_params` the path of a JSON file `nesa-node tune` wrote. TypeError for a name ClientConfig has not;
-    ValueError for a bad value (CodecError for an unknown codec)."""
-    unknown = sorted(set(settings) - CONFIG_FIELDS)
-    if unknown:
-        raise TypeError(f"unknown client settings {unknown}; known: {', '.join(sorted(CONFIG_FIELDS))}")
-    if isinstance(settings.get("compression"), str):
-        settings["compression"] = client_codec(settings["compression"])
-    params = settings.get("routing_params")
-    if params is not None and not isinstance(params, RoutingParams):
-        from nesa_node.routing.ga import load_params
-
-        settings["routing_params"] = load_params(params)
-    elif "routing_params" in settings and params is None:
-        settings["routing_params"] = RoutingParams()
-    return (config or ClientConfig()).replace(**settings)
-
-
 DEFAULT_NEW_TOKENS = 20  # what transformers generates when no length is set
 MAX_AUDITED_RUNS = 3  # generations tried when audits blame a node of the chain (each blamed node is banned)
 
@@ -211,9 +184,9 @@ class AsyncDistributedModel(AdapterLookup):
         boundary_noise = check_sigma(boundary_noise)
         if private_edges is not None:
             private_edges = check_private_edges(private_edges, model_config.num_hidden_layers)
-        manifest = await asyncio.to_thread(_weights_manifest, weights_manifest, model_path, model_config)
+        manifest = await asyncio.to_thread(read_weights_manifest, weights_manifest, model_path, model_config)
         if config.verify.mode == "canary":
-            canaries = await asyncio.to_thread(_canaries, canaries, model_path, model_config)
+            canaries = await asyncio.to_thread(read_canaries, canaries, model_path, model_config)
         elif canaries is not None:
             raise ValueError(
                 f'known answers (canaries=, --canaries) are for verify="canary:P"; this client verifies '
@@ -616,41 +589,6 @@ def session_of(session) -> InferenceSession | MajoritySession:
     while isinstance(session, EdgeSession):
         session = session.session
     return session
-
-
-def _canaries(given, model_path: str, model_config) -> CanarySet:
-    """The canary set `given` names, or the model folder's own; CanaryFileError without one or for another model."""
-    if isinstance(given, CanarySet):
-        if (given.num_blocks, given.hidden_size) != (model_config.num_hidden_layers, model_config.hidden_size):
-            raise CanaryFileError(
-                f"canaries of {given.num_blocks} blocks of hidden size {given.hidden_size}, not this model's "
-                f"{model_config.num_hidden_layers} of {model_config.hidden_size}"
-            )
-        return given
-    path = Path(given) if given is not None else Path(model_path) / CANARIES_FILE
-    if given is None and not path.is_file():
-        raise CanaryFileError(
-            f'verify="canary:P" needs known answers: none at {path}; `nesa-node model canaries {model_path}` writes '
-            "them there, or pass canaries=FILE"
-        )
-    return CanarySet.read(path, num_blocks=model_config.num_hidden_layers, hidden_size=model_config.hidden_size)
-
-
-def _weights_manifest(given, model_path: str, model_config) -> WeightsManifest | None:
-    """The manifest `given` names, or the model folder's own when it has one; None without either."""
-    if isinstance(given, WeightsManifest):
-        manifest = given
-    elif given is not None:
-        manifest = WeightsManifest.read(given)
-    elif (Path(model_path) / MANIFEST_FILE).is_file():
-        manifest = WeightsManifest.read(Path(model_path) / MANIFEST_FILE)
-    else:
-        return None
-    if manifest.num_blocks != model_config.num_hidden_layers:
-        raise WeightsManifestError(
-            f"the weights manifest lists {manifest.num_blocks} blocks, the model has {model_config.num_hidden_layers}"
-        )
-    return manifest
 
 
 __all__ = [

@@ -138,4 +138,26 @@ class ClientConfig:
         return dataclasses.replace(self, **changes)
 
 
-__all__ = ["MODES", "ClientConfig", "VerifyPolicy", "client_codec"]
+CONFIG_FIELDS = frozenset(item.name for item in dataclasses.fields(ClientConfig))
+
+
+def client_config(config: ClientConfig | None = None, **settings) -> ClientConfig:
+    """`config` (default: the defaults) with `settings` by field name. `compression` may be a codec name,
+    `routing_params` the path of a JSON file `nesa-node tune` wrote. TypeError for a name ClientConfig has not;
+    ValueError for a bad value (CodecError for an unknown codec)."""
+    unknown = sorted(set(settings) - CONFIG_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown client settings {unknown}; known: {', '.join(sorted(CONFIG_FIELDS))}")
+    if isinstance(settings.get("compression"), str):
+        settings["compression"] = client_codec(settings["compression"])
+    params = settings.get("routing_params")
+    if params is not None and not isinstance(params, RoutingParams):
+        from nesa_node.routing.ga import load_params
+
+        settings["routing_params"] = load_params(params)
+    elif "routing_params" in settings and params is None:
+        settings["routing_params"] = RoutingParams()
+    return (config or ClientConfig()).replace(**settings)
+
+
+__all__ = ["client_config", "MODES", "ClientConfig", "VerifyPolicy", "client_codec"]
