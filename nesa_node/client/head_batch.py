@@ -166,7 +166,10 @@ def choose_tokens(
         return scores.argmax(dim=-1)
     if not temperature > 0:
         raise ValueError(f"temperature must be above 0, got {temperature}")
-    scores = scores / temperature
+    # from the row's best score down, by a temperature no smaller than the scores' dtype holds: one near 0 sends the
+    # others to -inf, never the best past +inf or to 0/0 (the softmax would be NaN)
+    temperature = max(temperature, torch.finfo(scores.dtype).tiny)
+    scores = (scores - scores.amax(dim=-1, keepdim=True)) / temperature
     if top_k > 0:
         kth = torch.topk(scores, min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]  # (batch, 1)
         scores = scores.masked_fill(scores < kth, -torch.inf)

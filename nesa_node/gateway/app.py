@@ -19,6 +19,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -33,10 +34,13 @@ from nesa_node.errors import (
     AdapterBudgetError,
     AdapterError,
     AdapterMissingError,
+    CacheBudgetError,
     NesaError,
     NoRouteError,
     PeerUnavailableError,
+    QuotaExceededError,
     RequestError,
+    TooManySessionsError,
 )
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.auth import ApiKeys, is_loopback
@@ -44,11 +48,39 @@ from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
+from nesa_node.protocol.records import NodeState
 
 logger = logging.getLogger(__name__)
 
+# refusals for want of room on the nodes (the session's cache, the caller's share, an adapter budget in use): the
+# swarm's state, not the request's fault
+CAPACITY = (AdapterBudgetError, CacheBudgetError, QuotaExceededError, TooManySessionsError)
+
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 256  # each stop string: every token's text is searched for the starts of each one
+# a prompt (or a chat's messages together) has at most this many characters per token of the model's context: far
+# more than any tokenizer's longest token, so nothing that fits the context is refused, while a prompt that cannot
+# fit is refused before the tokenizer spends seconds on it
+MAX_CHARS_PER_TOKEN = 32
+# request bodies: the prompt's characters at up to 4 bytes each in UTF-8 (JSON escapes of control characters aside),
+# plus room for the rest of the request
+BODY_HEADROOM_BYTES = 1 << 20
+# what OpenAI's API offers that this gateway does not do, and the value that asks for nothing: a request naming
+# another value is refused, as its answer would mean something else than it asked
+UNSUPPORTED = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "logit_bias": ({},),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
 
 
 class ApiError(Exception):
@@ -68,7 +100,8 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields this gateway does not use (user, ...)
+    # OpenAI clients send fields this gateway does not use (user, ...): kept aside, those of UNSUPPORTED checked
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -76,7 +109,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what a torch generator's seed takes
     n: int = Field(1, ge=1, le=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -86,11 +119,18 @@ class CompletionRequest(_Sampling):
     prompt: str | list[str]
 
 
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
 
 class ChatRequest(_Sampling):
@@ -143,11 +183,19 @@ class Gateway:
         self.chat_template = chat_template
         self.created = int(time.time())
         self.slots = asyncio.Semaphore(max_concurrency)
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenizer")
         self._closing: set[asyncio.Task] = set()  # sessions being closed (the loop keeps only weak references)
         # canary checks of answers under way, as many as answers (streamed answers do not wait for theirs)
         self._canary_slots = asyncio.Semaphore(max_concurrency)
         self.eos_token_id = tokenizer.eos_token_id
+        # a generation ends at any of the model's end tokens: the tokenizer's, and those of its generation config
+        # (instruct models often end a turn with another token than the tokenizer's end of sequence)
+        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        configured = configured if isinstance(configured, list | tuple) else [configured]
+        self.eos_token_ids = frozenset(int(i) for i in [self.eos_token_id, *configured] if isinstance(i, int))
         self.max_length = int(getattr(model.model_config, "max_position_embeddings", 2048))
+        self.max_prompt_chars = MAX_CHARS_PER_TOKEN * self.max_length
+        self.max_body_bytes = 4 * self.max_prompt_chars + BODY_HEADROOM_BYTES
         self.metrics = GatewayMetrics()
         dht = model.swarm.dht
         self.metrics.dht_peers.set_function(lambda: len(dht.protocol.routing_table.uid_to_peer_id))
@@ -177,6 +225,7 @@ class Gateway:
             if len(prompt) != 1:
                 raise ApiError(400, "this gateway takes one prompt per request", param="prompt")
             prompt = prompt[0]
+        self._check_chars(len(prompt), "prompt")
         ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
@@ -193,6 +242,7 @@ class Gateway:
                 code="no_chat_template",
             )
         messages = [{"role": message.role, "content": _content_text(message.content)} for message in request.messages]
+        self._check_chars(sum(len(message["content"]) for message in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, chat_template=template, add_generation_prompt=True, tokenize=False
@@ -201,24 +251,68 @@ class Gateway:
             raise ApiError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
+    def _check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise ApiError(
+                400,
+                f"the {param} has {chars} characters: more than the model's context of {self.max_length} tokens "
+                f"can hold (at most {self.max_prompt_chars})",
+                param=param,
+                code="context_length_exceeded",
+            )
+
+    def swarm_max_length(self) -> int:
+        """The longest session a chain of the nodes at hand takes, at most the model's limit: for each block the
+        longest session any online node serving it accepts (a node announcing none: the model's limit), the
+        shortest of those over the blocks. The model's limit when no record is at hand yet."""
+        longest: dict[int, int] = {}
+        for record in self.model.swarm.records_at_hand():
+            info = record.info
+            if info.state != NodeState.online:
+                continue
+            accepted = min(info.max_length or self.max_length, self.max_length)
+            for block in info.blocks:
+                longest[block] = max(longest.get(block, 0), accepted)
+        return min(longest.values(), default=self.max_length)
+
     def budget(self, request: CompletionRequest | ChatRequest, prompt_tokens: int) -> int:
+        """New tokens for the request: what it asks (completions: 16 unless it says), at most what the swarm's longest
+        session leaves after the prompt (a chat that names no limit: all of that)."""
         asked = request.max_completion_tokens or request.max_tokens
-        room = self.max_length - prompt_tokens
+        limit = self.swarm_max_length()
+        room = limit - prompt_tokens
         if room < 1:
-            raise ApiError(400, f"the prompt has {prompt_tokens} tokens, the model's limit is {self.max_length}")
+            where = "the model's limit" if limit == self.max_length else "the longest session the swarm's nodes take"
+            raise ApiError(
+                400,
+                f"the prompt has {prompt_tokens} tokens; {where} is {limit}",
+                param="messages" if isinstance(request, ChatRequest) else "prompt",
+                code="context_length_exceeded",
+            )
         if asked is None:
             return min(room, DEFAULT_MAX_TOKENS if isinstance(request, CompletionRequest) else room)
         return min(asked, room)
 
     # ---- generation --------------------------------------------------------------------------------------------------
 
-    def prepare(self, request: CompletionRequest | ChatRequest, adapter: str | None = None) -> Prepared:
+    async def prepare(self, request: CompletionRequest | ChatRequest, adapter: str | None = None) -> Prepared:
         """The prompt's tokens, the stop strings and the token budget; ApiError (a 400) for anything wrong, so a
-        streamed request is refused before its stream starts."""
-        ids = self.prompt_ids(request)
+        streamed request is refused before its stream starts. The tokenizer runs on a thread of its own (a long
+        prompt takes it a while), one prompt at a time."""
+        unsupported = _unsupported(request)
+        if unsupported is not None:
+            raise ApiError(
+                400,
+                f"`{unsupported}` is not supported by this gateway (leave it out, or at its default)",
+                param=unsupported,
+                code="unsupported_parameter",
+            )
         stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
         if len(stops) > MAX_STOPS:
             raise ApiError(400, f"at most {MAX_STOPS} stop strings", param="stop")
+        if any(len(stop) > MAX_STOP_CHARS for stop in stops):
+            raise ApiError(400, f"a stop string has at most {MAX_STOP_CHARS} characters", param="stop")
+        ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompt_ids, request)
         return Prepared(ids, stops, self.budget(request, len(ids)), adapter)
 
     async def generate(
@@ -274,7 +368,7 @@ class Gateway:
                     metrics.generation_tokens_total.inc()
                     token = int(column[0])
                     generation.completion_tokens += 1
-                    if token == self.eos_token_id:
+                    if token in self.eos_token_ids:
                         generation.finish_reason = "stop"
                         break
                     piece = generation.text.push(token)
@@ -409,16 +503,34 @@ class Gateway:
                 yield _event({**base, "choices": [], "usage": _usage(generation)})
         except NesaError as exc:
             yield _event({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+        except Exception as exc:  # the stream has started: the error goes in it, and the stream still ends
+            logger.exception("a streamed answer failed")
+            yield _event({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
+                                    "param": None, "code": "internal"}})  # fmt: skip
         yield b"data: [DONE]\n\n"
 
 
-def _content_text(content) -> str:
-    """A message's text: a string, or the text parts of a list of parts."""
+def _content_text(content: str | list[ContentPart] | None) -> str:
+    """A message's text: a string, or its parts' texts; ApiError for a part that is not text (an image, audio: a
+    language model's swarm would answer as if it had not been sent)."""
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    return "".join(part.get("text", "") for part in content if isinstance(part, dict) and part.get("type") == "text")
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"only text parts are read here, not {part.type[:40]!r}", param="messages")
+    return "".join(part.text for part in content)
+
+
+def _unsupported(request: CompletionRequest | ChatRequest) -> str | None:
+    """The first field of UNSUPPORTED the request sets to another value than null or its defaults, or None."""
+    extra = request.model_extra or {}
+    for name, defaults in UNSUPPORTED.items():
+        value = extra.get(name)
+        if value is not None and not any(value == default and type(value) is type(default) for default in defaults):
+            return name
+    return None
 
 
 def _id(chat: bool) -> str:
@@ -470,6 +582,49 @@ class _CountRequests:
             self.metrics.requests_total.labels(endpoint, status).inc()
 
 
+class _LimitBody:
+    """ASGI middleware reading each request's body before the app does, at most `max_bytes` of it: a larger one is
+    refused with 413 (at once when its Content-Length says so), never held whole in memory nor parsed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: the app sees it
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def body_then_rest():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, body_then_rest, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        message = f"the request body is larger than this gateway takes ({self.max_bytes} bytes)"
+        await ApiError(413, message, code="request_too_large").response()(scope, receive, send)
+
+
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app of `gateway`."""
     app = FastAPI(title="nesa-node gateway", docs_url=None, redoc_url=None)
@@ -481,6 +636,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            error = (first.get("ctx") or {}).get("error", "")
+            return ApiError(400, f"the request body is not valid JSON: {error}".rstrip(": ")).response()
         param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
         return ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param).response()
 
@@ -495,12 +653,21 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(NesaError)
     async def refused(request: Request, exc: NesaError) -> JSONResponse:
         """Any other typed error: a node's refusal of what this request asks (its adapter, its length) is the
-        request's (400); the swarm's capacity (an adapter budget full of adapters in use) and the rest are 503."""
-        status = 400 if isinstance(exc, RequestError) and not isinstance(exc, AdapterBudgetError) else 503
+        request's (400); the swarm's capacity (no room for the session, the adapter or the caller's share of either:
+        worth trying again later) and the rest are 503."""
+        status = 400 if isinstance(exc, RequestError) and not isinstance(exc, CAPACITY) else 503
         kind = "invalid_request_error" if status == 400 else "server_error"
         return ApiError(status, exc.message, kind=kind, code=exc.code).response()
 
-    app.add_middleware(_CountRequests, metrics=gateway.metrics)
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:
+        """A fault of the gateway's own, in OpenAI's shape (its traceback goes to the log, not to the caller)."""
+        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        message = f"internal error: {type(exc).__name__}"
+        return ApiError(500, message, kind="server_error", code="internal").response()
+
+    app.add_middleware(_LimitBody, max_bytes=gateway.max_body_bytes)
+    app.add_middleware(_CountRequests, metrics=gateway.metrics)  # outermost: refused bodies are counted too
 
     async def authorized(request: Request) -> None:
         if gateway.api_keys is not None and not gateway.api_keys.allows(request.headers.get("authorization")):
@@ -563,7 +730,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     async def answer(request: CompletionRequest | ChatRequest):
         adapter = await gateway.resolve_model(request.model)
-        prepared = gateway.prepare(request, adapter)
+        prepared = await gateway.prepare(request, adapter)
         if request.stream:
             return StreamingResponse(
                 gateway.events(request, prepared),

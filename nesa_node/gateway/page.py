@@ -29,7 +29,9 @@ decides)</span></h2><div id="change-status" class="muted"></div><svg id="change"
 <h2>Events</h2><ul id="events" class="muted"></ul>
 <script>
 "use strict";
-const short = id => id.slice(-8);
+// every string of the document comes from peers' records: escaped before it goes into markup
+const esc = v => String(v).replace(/[&<>"']/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;"})[c]);
+const short = id => esc(String(id).slice(-8));
 const NS = "http://www.w3.org/2000/svg";
 function el(tag, attrs, text) {
   const node = document.createElementNS(NS, tag);
@@ -45,20 +47,20 @@ function coverage(doc) {
       const cls = inside ? (n.state === "online" ? "on" : "dr") : "";
       cells.push(`<td class="${cls}"></td>`);
     }
-    return `<tr data-peer="${n.peer_id}"><th>${short(n.peer_id)}</th>${cells.join("")}</tr>`;
+    return `<tr data-peer="${esc(n.peer_id)}"><th>${short(n.peer_id)}</th>${cells.join("")}</tr>`;
   });
-  const counts = doc.coverage.map((s, b) => `<td class="${s.length ? "on" : "gap"}" title="block ${b}">${s.length}</td>`);
+  const counts = doc.coverage.map((s, b) => `<td class="${s.length ? "on" : "gap"}" title="block ${b}">${esc(s.length)}</td>`);
   const head = [...Array(doc.num_blocks).keys()].map(b => `<td>${b}</td>`).join("");
   document.getElementById("coverage").innerHTML =
     `<table class="cov"><tr><th>block</th>${head}</tr>${rows.join("")}<tr><th>servers</th>${counts.join("")}</tr></table>` +
-    (doc.gaps.length ? `<p class="gap" id="gaps">no node serves blocks ${doc.gaps.join(", ")}</p>` : "");
+    (doc.gaps.length ? `<p class="gap" id="gaps">no node serves blocks ${esc(doc.gaps.join(", "))}</p>` : "");
 }
 function nodes(doc) {
   document.querySelector("#nodes tbody").innerHTML = doc.nodes.map(n =>
-    `<tr class="node" data-peer="${n.peer_id}"><td title="${n.peer_id}">${short(n.peer_id)}</td><td>${n.state}</td>` +
-    `<td>${n.blocks[0]}:${n.blocks[1]}</td><td>${n.block_ms === null ? "unknown" :
-    `${n.block_ms} <span class="muted">(${n.speed_source})</span>`}</td><td>${n.cache_tokens_left}</td><td>${n.queue}</td>` +
-    `<td>${n.codecs.join(" ")}</td><td>${n.quantization}</td></tr>`).join("");
+    `<tr class="node" data-peer="${esc(n.peer_id)}"><td title="${esc(n.peer_id)}">${short(n.peer_id)}</td><td>${esc(n.state)}</td>` +
+    `<td>${esc(n.blocks[0])}:${esc(n.blocks[1])}</td><td>${n.block_ms === null ? "unknown" :
+    `${esc(n.block_ms)} <span class="muted">(${esc(n.speed_source)})</span>`}</td><td>${esc(n.cache_tokens_left)}</td><td>${esc(n.queue)}</td>` +
+    `<td>${esc(n.codecs.join(" "))}</td><td>${esc(n.quantization)}</td></tr>`).join("");
 }
 function graph(topo) {
   const svg = document.getElementById("graph"); svg.replaceChildren();
@@ -136,7 +138,7 @@ async function refresh() {
     document.getElementById("chains").innerHTML = doc.chains.length ?
       doc.chains.map(c => `<div class="chain">${c.map(short).join(" &rarr; ")}</div>`).join("") : "no open session";
     document.getElementById("events").innerHTML = doc.events.map(e =>
-      `<li>${new Date(e.time * 1000).toLocaleTimeString()} ${e.peer_id ? short(e.peer_id) : "swarm"} ${e.event}</li>`).join("");
+      `<li>${new Date(e.time * 1000).toLocaleTimeString()} ${e.peer_id ? short(e.peer_id) : "swarm"} ${esc(e.event)}</li>`).join("");
     status.textContent = `${doc.nodes.length} nodes, ${doc.num_blocks} blocks; updated ${new Date(doc.time * 1000).toLocaleTimeString()}`;
     status.className = "muted"; document.body.dataset.updated = String(doc.time);
   } catch (error) { status.textContent = `no answer from the gateway: ${error}`; status.className = "stale"; }

@@ -18,7 +18,7 @@ class Served:
     127.0.0.1 for 0.0.0.0)."""
 
     def __init__(self, swarm, gateway: Gateway, host: str = "127.0.0.1"):
-        self.swarm = swarm
+        self.swarm, self.gateway = swarm, gateway
         self.server = uvicorn.Server(uvicorn.Config(create_app(gateway), host=host, port=0, log_level="warning"))
         self.server.capture_signals = lambda: _nothing()
         self.task = asyncio.run_coroutine_threadsafe(self.server.serve(), swarm.loop)

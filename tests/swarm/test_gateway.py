@@ -186,6 +186,50 @@ def test_errors_in_openai_shape(served):
     assert json.loads(raw_request(served[0], "GET", "/v1/models").read())["data"][0]["id"] == NAME
 
 
+def test_hostile_or_odd_requests_get_typed_errors_never_a_500(served, reference):
+    """Requests a careless or hostile caller sends: each refused in OpenAI's shape with its parameter named (or
+    answered as asked), before a token is generated; the gateway serves the next request as before."""
+    gateway = served[0]
+    chat = {"model": NAME, "max_tokens": 2}
+    cases = [
+        ({**chat, "messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content"),
+        ({**chat, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages"),
+    ]
+    for body, param in cases:
+        response = raw_request(gateway, "POST", "/v1/chat/completions", body)
+        assert response.status == 400 and json.loads(response.read())["error"]["param"].startswith(param), body
+    completion = {"model": NAME, "prompt": PROMPT, "max_tokens": 2}
+    refused = {
+        "seed": ({"seed": 2**70}, "seed"),
+        "logprobs": ({"logprobs": 3}, "logprobs"),
+        "logit_bias": ({"logit_bias": {"5": 100}}, "logit_bias"),
+        "echo": ({"echo": True}, "echo"),
+        "presence_penalty": ({"presence_penalty": 1.0}, "presence_penalty"),
+        "stop": ({"stop": ["x" * 300]}, "stop"),
+        "prompt": ({"prompt": "word " * 20_000}, "prompt"),  # more characters than the context can hold
+    }
+    for name, (change, param) in refused.items():
+        response = raw_request(gateway, "POST", "/v1/completions", {**completion, **change})
+        error = json.loads(response.read())["error"]
+        assert response.status == 400 and error["param"] == param, (name, response.status, error)
+    # defaults that ask for nothing are taken
+    asked = {**completion, "logprobs": None, "echo": False, "presence_penalty": 0, "logit_bias": {}}
+    assert raw_request(gateway, "POST", "/v1/completions", asked).status == 200
+    # a body larger than any prompt the model takes: refused whole, unread
+    huge = json.dumps({**completion, "prompt": "a" * (gateway.gateway.max_body_bytes + 1)}).encode()
+    connection = httplib.HTTPConnection(gateway.url.removeprefix("http://"), timeout=60)
+    connection.request("POST", "/v1/completions", body=huge, headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 413 and json.loads(response.read())["error"]["code"] == "request_too_large"
+    connection = httplib.HTTPConnection(gateway.url.removeprefix("http://"), timeout=60)
+    connection.request("POST", "/v1/completions", body=b'{"model": ', headers={"Content-Type": "application/json"})
+    response = connection.getresponse()
+    assert response.status == 400 and "not valid JSON" in json.loads(response.read())["error"]["message"]
+    # a temperature too small for float32 samples the best token: the greedy text, not a NaN's 500
+    answer = client(gateway).completions.create(model=NAME, prompt=PROMPT, max_tokens=12, temperature=1e-300)
+    assert answer.choices[0].text == reference[0]
+
+
 def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
     gateway, _, node, *_ = served
     body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0, "stream": True}

@@ -132,3 +132,13 @@ def test_greedy_choice_is_the_argmax_and_sampling_checks_its_temperature():
     generator = torch.Generator().manual_seed(0)
     sampled = choose_tokens(scores, True, 1.0, 1, 1.0, generator)  # top-1 sampling is the argmax
     assert sampled.tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-45, 1e-8])
+def test_a_temperature_near_zero_samples_the_argmax_not_nan(temperature):
+    """Scores divided by a tiny temperature overflow (and 0/0 where it rounds to zero in float32): sampling goes from
+    the best score down, so such a temperature is greedy, not an error."""
+    generator = torch.Generator().manual_seed(0)
+    scores = torch.randn(4, 1000, generator=generator) * 20
+    for top_k, top_p in ((0, 1.0), (5, 0.9)):
+        assert torch.equal(choose_tokens(scores, True, temperature, top_k, top_p, generator), scores.argmax(dim=-1))
