@@ -7,7 +7,7 @@ string where a number belongs.
 from __future__ import annotations
 
 import enum
-from typing import NewType
+from typing import Annotated, NewType
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,6 +17,15 @@ BlockIndex = NewType("BlockIndex", int)
 
 MAX_RECORD_BYTES = 32 * 1024  # a record with every list full stays far below this
 MAX_LIST_ITEMS = 64  # codecs, adapters, links: enough for any real node, small enough to bound a record
+# names a node chooses (dtype, quantization, codecs, version): a word of letters, digits and `_.+-`, nothing that a
+# page or a log line could read as markup or as a second line
+NAME = r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$"
+# every integer has a ceiling: routing packs them in int64 arrays and sums and multiplies them (a record claiming
+# 10**400 steps queued or 2**63 cache tokens must be refused here, not overflow in every client's routing)
+MAX_COUNT = 1 << 31  # queued steps, sessions, session lengths
+MAX_BLOCKS = 1 << 20  # block indices
+MAX_CACHE_TOKENS = 1 << 40
+LANE_ADDRESS = r"^[0-9A-Za-z.:\[\]-]+$"  # host:port, [v6]:port
 
 
 class NodeState(enum.StrEnum):
@@ -32,8 +41,8 @@ class LoadInfo(BaseModel):
     model_config = ConfigDict(frozen=True, strict=True, extra="ignore")
     cpu_percent: float = Field(0.0, ge=0, le=100 * 1024)  # summed over cores
     gpu_percent: float = Field(0.0, ge=0, le=100)
-    queue: int = Field(0, ge=0)  # steps waiting
-    sessions: int = Field(0, ge=0)  # open inference sessions
+    queue: int = Field(0, ge=0, le=MAX_COUNT)  # steps waiting
+    sessions: int = Field(0, ge=0, le=MAX_COUNT)  # open inference sessions
 
 
 class LinkInfo(BaseModel):
@@ -66,11 +75,13 @@ class NodeInfo(BaseModel):
 
     peer_id: str = Field(min_length=1, max_length=128)
     state: NodeState
-    start_block: int = Field(ge=0)
-    end_block: int = Field(ge=1)
-    dtype: str = Field(max_length=16)
-    quantization: str = Field("none", max_length=16)
-    codecs: tuple[str, ...] = Field(("none",), max_length=MAX_LIST_ITEMS)  # hidden-state codecs it accepts
+    start_block: int = Field(ge=0, lt=MAX_BLOCKS)
+    end_block: int = Field(ge=1, le=MAX_BLOCKS)
+    dtype: str = Field(max_length=16, pattern=NAME)
+    quantization: str = Field("none", max_length=16, pattern=NAME)
+    codecs: tuple[Annotated[str, Field(max_length=32, pattern=NAME)], ...] = Field(
+        ("none",), max_length=MAX_LIST_ITEMS
+    )  # hidden-state codecs it accepts
     weights_hash: str = Field("", max_length=64)
     # the span's weights as stored in the checkpoint, before quantization: what a weights manifest predicts
     # (sharding/weights_manifest.py)
@@ -83,16 +94,16 @@ class NodeInfo(BaseModel):
     forward_tps: float = Field(0.0, ge=0, allow_inf_nan=False)  # tokens/s, batch forward
     inference_tps: float = Field(0.0, ge=0, allow_inf_nan=False)  # tokens/s, one token at a time
     block_ms: float = Field(0.0, ge=0, allow_inf_nan=False)  # ms per block of a one-token step, per-call part apart
-    cache_tokens_left: int = Field(0, ge=0)
+    cache_tokens_left: int = Field(0, ge=0, le=MAX_CACHE_TOKENS)
     uptime_s: float = Field(0.0, ge=0, allow_inf_nan=False)
     reputation: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
     adapters: tuple[AdapterInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)  # LoRA adapters resident on the node
-    version: str = Field("", max_length=32)
+    version: str = Field("", max_length=32, pattern=r"^$|" + NAME)
     location: tuple[float, float] | None = None  # (lat, lon)
     links: tuple[LinkInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)
-    max_length: int = Field(0, ge=0)  # longest session the node accepts, tokens
+    max_length: int = Field(0, ge=0, le=MAX_COUNT)  # longest session the node accepts, tokens
     lane: str | None = Field(
-        None, max_length=64
+        None, max_length=64, pattern=LANE_ADDRESS
     )  # "ip:port" of the node's data lane (nesa_node.protocol.lane); None: none
 
     @model_validator(mode="after")

@@ -50,6 +50,19 @@ def test_adapters_round_trip():
         {"adapters": [ADAPTER | {"rank": 0}]},
         {"adapters": [ADAPTER | {"name": "x" * 65}]},
         {"reputation": 2.0},
+        # integers past what routing packs in int64 or sums: refused here, not an OverflowError in every client
+        {"load": {"queue": 10**400}},
+        {"load": {"sessions": 2**31 + 1}},
+        {"cache_tokens_left": 2**63},
+        {"max_length": 2**63},
+        {"start_block": 2**62, "end_block": 2**62 + 1},
+        # names a page or a log shows: one word, no markup, no second line
+        {"codecs": ["none", '<img src=x onerror="alert(1)">']},
+        {"codecs": ["x" * 33]},
+        {"dtype": "float32\nforged log line"},
+        {"quantization": "<b>"},
+        {"version": "0.1 <script>"},
+        {"lane": "127.0.0.1:80/<svg>"},
     ],
 )
 def test_schema_violations_are_rejected(change):
