@@ -118,6 +118,17 @@ class OwnAdapter:
         return frame(AdapterBlocks(adapter_id=self.adapter_id, start_block=start, end_block=end), tensors)
 
 
+def deadline_in(timeout_s: float) -> float:
+    """The event loop's time `timeout_s` from now: one bound for an exchange of several answers."""
+    return asyncio.get_running_loop().time() + timeout_s
+
+
+def time_left(until: float) -> float:
+    """Seconds left before `until` (a `deadline_in`), at least 0: a node that keeps sending answers nobody waits for
+    (other steps, stale reports) cannot keep the wait for the awaited one open past it."""
+    return max(0.0, until - asyncio.get_running_loop().time())
+
+
 class SessionChain:
     """The links of session `session_id` and the queue of their answers."""
 
@@ -249,10 +260,11 @@ class SessionChain:
             link.readers.append(asyncio.create_task(self._read(link, link.control, "the session")))
         # every node acknowledges the open (cache reserved) or refuses it with a typed error
         pending = {id(link): link for link in links}
+        until = deadline_in(timeout_s)  # for the whole exchange: answers nobody waits for do not extend it
         try:
             while pending:
                 try:
-                    answered, message, _ = await self.next_answer(timeout_s)
+                    answered, message, _ = await self.next_answer(time_left(until))
                 except LinkFailed as silent:
                     if silent.link is not None:
                         raise
@@ -409,7 +421,10 @@ class SessionChain:
         """The outputs `link`'s node kept for the first `position` tokens (batch, position, hidden), lossless."""
         link.send(frame(HistoryRequest(position=position)))
         _, answer = await self._control_answer(link, History)
-        return self.read_hidden(link, answer, NO_CODEC, position * self.batch * MAX_HIDDEN)
+        # of the session's exact shape once a step showed its width: a history that is not would make every honest
+        # replacement refuse the replay (each banned in turn) while its sender went on unblamed
+        shape = None if self.hidden_size is None else (self.batch, position, self.hidden_size)
+        return self.read_hidden(link, answer, NO_CODEC, position * self.batch * MAX_HIDDEN, shape)
 
     async def records(self, link: ChainLink, final: bool = False) -> tuple[bytes, list[HopRecord]]:
         """The node's public key (DER) and its signed hop records of this session not fetched yet (`final`: the window
@@ -444,8 +459,9 @@ class SessionChain:
         await self._control_answer(link, Retargeted)
 
     async def _control_answer(self, link: ChainLink, model: type[Message]) -> tuple[Message, Frame]:
+        until = deadline_in(self.swarm.request_timeout_s)  # for the whole exchange, whatever else the nodes send
         while True:
-            answered, message, answer = await self.next_answer(self.swarm.request_timeout_s)
+            answered, message, answer = await self.next_answer(time_left(until))
             if isinstance(message, ErrorReply):
                 if message.code == PeerUnavailableError.code:
                     continue  # a node reporting that its next node is gone: the failure being recovered from
@@ -465,9 +481,10 @@ class SessionChain:
                 chunk = history[:, start : start + REPLAY_CHUNK_TOKENS]  # (batch, <= chunk, hidden)
                 step_id = f"{self.session_id}:replay:{start}"
                 link.send(frame(Step(step_id=step_id, position=start, replay=True), [tensor_to_proto(chunk)]))
+                until = deadline_in(self.swarm.request_timeout_s)
                 while True:
                     try:
-                        answered, message, answer = await self.next_answer(self.swarm.request_timeout_s)
+                        answered, message, answer = await self.next_answer(time_left(until))
                     except LinkFailed as failure:  # only the replayed node owes an answer now: silence is its
                         raise LinkFailed(failure.message, failure.link or link) from None
                     if stale_report(answered, message, [link]):

@@ -23,6 +23,7 @@ from nesa_node.client.bans import Bans
 from nesa_node.client.round_trips import RoundTripMeter
 from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.timings import NodeTimings
+from nesa_node.compression.codec import all_finite
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
 from nesa_node.peer import Peer, start_peer
 from nesa_node.protocol import lane, rpc
@@ -479,15 +480,23 @@ class Swarm(Bans, RoundTripMeter):
             else:
                 answer = await self.unary(peer_id, rpc.FORWARD, request)
         result = check_answer(read(answer, FORWARD_ANSWERS), ForwardResult)
-        if len(answer.tensors) != 1:
-            raise PeerUnavailableError(f"peer {peer_id} sent a malformed answer to a forward")
-        output = tensor_from_proto(
-            answer.tensors[0],
-            allowed_dtypes=self.answer_dtypes(peer_id),
-            max_elements=hidden.numel(),
-            rank=3,
-            codec=result.codec,
-        )
+        try:
+            if len(answer.tensors) != 1:
+                raise BadRequestError("not one tensor")
+            output = tensor_from_proto(
+                answer.tensors[0],
+                allowed_dtypes=self.answer_dtypes(peer_id),
+                max_elements=hidden.numel(),
+                rank=3,
+                codec=result.codec,
+            )
+            if output.shape != hidden.shape:
+                raise BadRequestError(f"hidden states of shape {tuple(output.shape)} for {tuple(hidden.shape)}")
+            if not all_finite(output):
+                raise BadRequestError("hidden states with NaN or infinite values")
+        except BadRequestError as exc:  # the node's answer, not the caller's request, is wrong: it is banned for it
+            self.ban(peer_id, fault=True)
+            raise PeerUnavailableError(f"peer {peer_id} sent a malformed answer to a forward: {exc.message}") from None
         return output, result.compute_s
 
     async def _forward_lane(self, peer_id: str) -> LaneChannel | None:

@@ -20,7 +20,7 @@ from nesa_node.client.session_chain import (
 from nesa_node.errors import PeerUnavailableError
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
-from nesa_node.protocol.messages import StepResult
+from nesa_node.protocol.messages import History, StepResult
 from nesa_node.protocol.tensors import NO_CODEC, tensor_to_proto
 from nesa_node.routing.chain import Hop
 
@@ -114,3 +114,61 @@ def test_a_failed_read_names_the_node():
     with pytest.raises(LinkFailed) as failed:
         asyncio.run(take_one())
     assert failed.value.link is link and "lane frame of" in failed.value.message
+
+
+class TalkingChannel(Channel):
+    """A channel that takes what the client sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def test_answers_nobody_waits_for_do_not_extend_an_exchange_past_its_deadline():
+    """A node that keeps sending answers of other steps, each just within the wait for one answer, cannot hold an
+    exchange open: its deadline holds for the whole exchange (here a history request), not for each answer."""
+    chain, link = chain_with_link()
+    link.control = TalkingChannel()
+    chain.swarm.request_timeout_s = 0.6
+    other = frame(StepResult(step_id="s:other", position=0), [tensor_to_proto(torch.zeros(2, 1, 64))])
+
+    async def exchange() -> float:
+        async def chatter():
+            while True:
+                await asyncio.sleep(0.1)  # well within the 0.6 s a single answer may take
+                chain._queue_answer(link, other, link.control)
+
+        talker = asyncio.create_task(chatter())
+        started = asyncio.get_running_loop().time()
+        try:
+            with pytest.raises(LinkFailed, match="no answer from the chain"):
+                async with asyncio.timeout(5.0):  # without the exchange's deadline: waits for ever
+                    await chain.history(link, 3)
+        finally:
+            talker.cancel()
+        return asyncio.get_running_loop().time() - started
+
+    waited = asyncio.run(exchange())
+    assert 0.5 < waited < 2.0, waited
+    assert len(link.control.sent) == 1  # one history request, answered by nothing but chatter
+
+
+def test_a_history_of_another_shape_than_the_sessions_fails_its_sender():
+    """Once a step showed the model's width, a node's history must be (batch, position, hidden) exactly: one of the
+    same number of values in another shape would be refused by every honest replacement it is replayed into."""
+    chain, link = chain_with_link()
+    link.control = TalkingChannel()
+    chain.swarm.request_timeout_s = 5.0
+    chain.read_hidden(link, answer(torch.randn(2, 1, 64)), NO_CODEC, 2 * 64, (2, 1, 64))  # a step: width 64
+
+    async def history_answered_with(hidden: torch.Tensor) -> torch.Tensor:
+        chain._queue_answer(link, frame(History(position=3), [tensor_to_proto(hidden)]), link.control)
+        return await chain.history(link, 3)
+
+    assert asyncio.run(history_answered_with(torch.randn(2, 3, 64))).shape == (2, 3, 64)
+    with pytest.raises(LinkFailed, match="expected \\(2, 3, 64\\)") as failed:
+        asyncio.run(history_answered_with(torch.randn(2, 3 * 64, 1)))
+    assert failed.value.link is link and failed.value.fault
