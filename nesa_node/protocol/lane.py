@@ -342,7 +342,11 @@ async def accept_any(
     for link_key in link_keys:
         from_peer, to_peer = _ciphers(link_key, salt_c, salt_a)
         streams.append(SealedStream(reader, writer, to_peer, from_peer, max_frame_bytes))
-    sealed = await streams[0].read_sealed()
+    streams[0].max_frame_bytes = 0  # the proof is an empty frame: nothing larger is read before a key opens it
+    try:
+        sealed = await streams[0].read_sealed()
+    finally:
+        streams[0].max_frame_bytes = max_frame_bytes
     for index, stream in enumerate(streams):
         if sealed is not None and stream.unseal(sealed) == b"":
             return stream, index

@@ -261,6 +261,8 @@ class InferenceService:
                 return
             if item.from_peer:
                 session.room.release()
+            elif item.frame is None:
+                session.reports_queued -= 1
             step_id = item.message.step_id if isinstance(item.message, Step) else None
             session.busy = True
             try:
@@ -269,10 +271,14 @@ class InferenceService:
                 if isinstance(item.message, HistoryRequest | Retarget | RecordsRequest):
                     await self._answer(session.reply, self._control(session, item.message))
                     continue
+                position = session.position
                 if not await self._step(session, item.frame, expect(item.message, Step)):
                     return  # a step not done within the step timeout: the session is closed
-                session.refused_in_a_row = 0
-                session.last_active = time.monotonic()
+                if session.position != position:
+                    # only a step that advanced the session keeps it alive: a duplicate answered from its record
+                    # (a retry) costs nothing, and resent every few seconds would hold the cache for ever
+                    session.refused_in_a_row = 0
+                    session.last_active = time.monotonic()
             except ChannelClosedError:  # the client's stream is gone, or it stopped reading: so is the session
                 return
             except NesaError as exc:

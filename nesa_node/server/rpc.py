@@ -32,6 +32,11 @@ from nesa_node.server.training import TrainingService
 MAX_FORWARD_STREAMS = 8  # large forwards a node reads and runs at once (each up to a frame of its limit in memory)
 MAX_FORWARD_STREAMS_PER_PEER = 2  # a client sends one at a time to a node; one more for a retry after a failure
 MAX_FORWARD_STREAMS_PER_MINUTE = 120  # per peer (guess: a long prompt's forward takes a second or more)
+# forwards that fit a unary call (up to p2pd's 4 MiB each): each waits for the one compute thread, holding its request
+# and answer, so they are bounded like the large ones, with room for the short calls a busy client makes
+MAX_FORWARD_CALLS = 16
+MAX_FORWARD_CALLS_PER_PEER = 2
+MAX_FORWARD_CALLS_PER_MINUTE = 3600  # per peer
 # session, push, training and sync streams that have not yet said what they are for, each reading a frame of up to
 # the node's limit at most: an honest peer's settle within milliseconds of opening (its first frame goes out with the
 # stream), so these bounds are met only by streams held idle (a peer's own may be as many as its sessions here)
@@ -69,6 +74,14 @@ class NodeRpc:
             max_per_window=MAX_FORWARD_STREAMS_PER_MINUTE,
             window_s=60.0,
             what="large forwards",
+            hint="ask again later or ask another node",
+        )
+        self.forward_calls = AnswerGate(
+            max_running=MAX_FORWARD_CALLS,
+            max_running_per_peer=MAX_FORWARD_CALLS_PER_PEER,
+            max_per_window=MAX_FORWARD_CALLS_PER_MINUTE,
+            window_s=60.0,
+            what="forwards",
             hint="ask again later or ask another node",
         )
         # peers' streams from their opening until they say what they are for (framing.settled: a session's open read,
@@ -167,6 +180,18 @@ class NodeRpc:
         return Frame()
 
     async def rpc_forward(self, request: Frame, context: P2PContext) -> Frame:
+        """A cacheless forward in one unary call: a few at once per peer and in all (`forward_calls`); others are
+        refused at once rather than queued behind the compute thread's sessions."""
+        try:
+            leave = self.forward_calls.enter(context.remote_id.to_base58())
+        except QuotaExceededError as exc:
+            return frame(ErrorReply.of(exc))
+        try:
+            return await self.inference.forward(request)
+        finally:
+            leave()
+
+    async def _forward_on_stream(self, request: Frame, context: P2PContext) -> Frame:
         return await self.inference.forward(request)
 
     async def rpc_forward_stream(self, channel: StreamChannel, context: P2PContext) -> None:
@@ -175,7 +200,9 @@ class NodeRpc:
         streams at once per peer and in all (`forward_streams`); others are refused before a byte is read."""
         leave = self.forward_streams.enter(context.remote_id.to_base58())
         try:
-            await answer_one_frame(channel, context, self.rpc_forward, timeout_s=self.inference.network.peer_timeout_s)
+            await answer_one_frame(
+                channel, context, self._forward_on_stream, timeout_s=self.inference.network.peer_timeout_s
+            )
         finally:
             leave()
 

@@ -64,6 +64,9 @@ class Inbound:
     from_peer: bool = True  # took a place in the queue (a report from this node does not)
 
 
+MAX_QUEUED_REPORTS = 4  # a session's reports of its next node's failures waiting to be answered to the client
+
+
 @dataclass
 class ServerSession:
     session_id: str
@@ -90,6 +93,7 @@ class ServerSession:
     # free places for peers' messages in `inbox` (the node's own reports always fit): LimitsConfig.max_queued_steps
     room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
     refused_in_a_row: int = 0  # consecutive refused steps; the session ends at LimitsConfig.max_step_errors
+    reports_queued: int = 0  # this node's own reports in the inbox (`report`), at most MAX_QUEUED_REPORTS
     # data lanes (protocol/lane.py), when the client asked for them: the keys of the links into and out of this node
     # and the next node's lane address
     lane_in: bytes | None = None  # steps from the upstream peer (the client, or the previous node)
@@ -162,10 +166,16 @@ class ServerSession:
             self.output = None
         self.end_downstream()
 
-    def report(self, error: Exception) -> None:
+    def report(self, error: Exception) -> bool:
         """A failure this node met on the session's behalf (its next node refused or went away): answered to the
-        client in order with the steps."""
+        client in order with the steps. At most MAX_QUEUED_REPORTS wait at once (the first already fails the hop
+        for the client; a next node sending refusals without end cannot fill this node's memory with them): whether
+        this one was queued."""
+        if self.reports_queued >= MAX_QUEUED_REPORTS:
+            return False
+        self.reports_queued += 1
         self.inbox.put_nowait(Inbound(frame=None, error=error, from_peer=False))
+        return True
 
 
 class SessionTable:
@@ -288,8 +298,12 @@ class SessionTable:
         that would let identities that wait hold every place; each is bounded by its own wait."""
         under_way = self._opens.get(client_peer, Counter())  # kept only while the peer has an open under way
         held = {key[1] for key in self.sessions if key[0] == client_peer}
-        if len(held | set(under_way) | {session_id}) > self.limits.max_sessions_per_peer:
-            waiting = f" and {len(under_way)} opens under way" if under_way else ""
+        repeats = sum(under_way.values()) - len(under_way)  # opens of an id already being opened: each holds a place
+        if (
+            len(held | set(under_way) | {session_id}) + repeats + (session_id in under_way)
+            > self.limits.max_sessions_per_peer
+        ):
+            waiting = f" and {sum(under_way.values())} opens under way" if under_way else ""
             raise QuotaExceededError(
                 f"peer already has {len(held)} open sessions here{waiting}, the per-peer limit (node setting "
                 "max_sessions_per_peer)"

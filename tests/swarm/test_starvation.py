@@ -21,9 +21,9 @@ from transformers import AutoModelForCausalLM
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.errors import QuotaExceededError
 from nesa_node.protocol import rpc
-from nesa_node.protocol.channel import frame, read
+from nesa_node.protocol.channel import Frame, frame, read
 from nesa_node.protocol.framing import call_on_stream
-from nesa_node.protocol.messages import FORWARD_ANSWERS, ForwardRequest, ForwardResult, expect
+from nesa_node.protocol.messages import FORWARD_ANSWERS, ForwardRequest, ForwardResult, Step, expect
 from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
@@ -232,6 +232,50 @@ def test_g3_sessions_reserve_cache_as_they_use_it_and_one_that_never_steps_is_cl
         module_swarm.stop_node(node)
 
 
+def test_g3_a_session_kept_busy_with_one_step_resent_is_closed_at_its_timeout(module_swarm, tiny_llama):
+    """A peer that takes one step, then sends the same step again every few tenths of a second (each a duplicate,
+    answered from its record at no cost) does not keep its session, and its cache, past the session timeout."""
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="starve-resent", session_timeout_s=1.5)
+    hidden = torch.randn(1, 4, 64)
+    step = frame(Step(step_id="resent:0", position=0), [tensor_to_proto(hidden)])
+    opening = {"kind": "open", "session_id": "resent", "start_block": 0, "end_block": 4, "batch": 1, "max_length": 64}
+    peers = module_swarm.peers_with(node)
+
+    async def keep_resending() -> tuple[list[str], float]:
+        p2p = await P2P.create(initial_peers=peers)
+        kinds: list[str] = []
+        started = time.monotonic()
+
+        async def requests():
+            yield runtime_pb2.ExpertRequest(metadata=msgpack.packb(opening))
+            while time.monotonic() - started < 10:
+                yield step
+                await asyncio.sleep(0.3)
+
+        try:
+            stream = await p2p.iterate_protobuf_handler(
+                PeerID.from_base58(node.peer_id), rpc.INFERENCE, requests(), runtime_pb2.ExpertResponse
+            )
+            async for response in stream:
+                kinds.append(msgpack.unpackb(response.metadata)["kind"])
+                if not node.sessions.sessions and "result" in kinds:
+                    break
+        except Exception:  # the node ended the stream with the session
+            pass
+        finally:
+            await p2p.shutdown()
+        return kinds, time.monotonic() - started
+
+    try:
+        kinds, seconds = module_swarm.run(keep_resending(), timeout=60)
+        assert kinds[:2] == ["opened", "result"], kinds
+        assert kinds.count("result") > 3  # the duplicates were answered, from the record
+        assert not node.sessions.sessions and seconds < 8.0, (seconds, kinds)
+        assert node.budget.used_bytes == 0
+    finally:
+        module_swarm.stop_node(node)
+
+
 def test_g3_identities_holding_every_large_forward_slot_free_it_within_the_peer_timeout(module_swarm, tiny_llama):
     """Throwaway identities, two streams each (a peer's most), take every slot a node has for large forwards and
     never send on them: another peer's large forward is refused at once with a typed quota error (it does not wait
@@ -285,3 +329,34 @@ def test_g3_identities_holding_every_large_forward_slot_free_it_within_the_peer_
     assert refused_s < 2.0
     assert freed_s <= peer_timeout_s + 3.0
     assert torch.allclose(output, expected, atol=1e-5)
+
+
+def test_g3_a_burst_of_unary_forwards_from_one_peer_runs_two_at_once_and_refuses_the_rest(module_swarm, tiny_llama):
+    """Forwards small enough for one unary call are bounded like the large ones: a peer firing many at once gets two
+    run (its share) and the others refused at once with a typed quota error, not queued behind the sessions'
+    steps; once they are done it is served again."""
+    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="starve-calls", inject_delay_ms=500.0)
+    request = frame(ForwardRequest(start_block=0, end_block=4), [tensor_to_proto(torch.randn(1, 8, 64))])
+    peers = module_swarm.peers_with(node)
+
+    async def burst(count: int) -> list[str]:
+        p2p = await P2P.create(initial_peers=peers)
+        try:
+            answers = await asyncio.gather(
+                *(
+                    p2p.call_protobuf_handler(PeerID.from_base58(node.peer_id), rpc.FORWARD, request, Frame)
+                    for _ in range(count)
+                )
+            )
+            messages = [read(answer, FORWARD_ANSWERS) for answer in answers]
+            return [message.kind if message.kind != "error" else f"error:{message.code}" for message in messages]
+        finally:
+            await p2p.shutdown()
+
+    try:
+        answers = module_swarm.run(burst(10), timeout=60)
+        assert sorted(answers) == ["error:quota"] * 8 + ["forward_result"] * 2, answers
+        assert module_swarm.run(burst(1), timeout=60) == ["forward_result"]
+        assert not node.rpc.forward_calls.running
+    finally:
+        module_swarm.stop_node(node)

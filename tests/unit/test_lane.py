@@ -171,6 +171,24 @@ def test_an_oversized_frame_is_refused_before_its_payload_is_read():
     run(main())
 
 
+def test_a_handshake_proof_longer_than_an_empty_frame_is_refused_unread():
+    """Before a key opens it, a connection's proof may be no more than the empty frame it is: a header claiming a
+    frame within the lane's limit (kilobytes, megabytes) is refused there, its bytes never waited for or held."""
+
+    async def main():
+        acceptor = Acceptor("s1", lane.new_key(), max_frame_bytes=1 << 20)
+        async with serving(acceptor) as address:
+            reader, writer = await asyncio.open_connection(*lane.parse_address(address))
+            writer.write(lane.MAGIC + bytes((lane.ROLE_SEND, 2)) + b"s1" + b"\0" * lane.SALT_BYTES)
+            await reader.readexactly(lane.SALT_BYTES)
+            writer.write((1 << 19).to_bytes(4, "big"))  # half a MiB of proof announced, none sent
+            await acceptor.done.wait()
+            writer.close()
+        assert isinstance(acceptor.errors[0], MessageTooLargeError)
+
+    run(main())
+
+
 def test_garbage_hello_is_refused():
     async def main():
         acceptor = Acceptor("s1", lane.new_key())

@@ -10,10 +10,16 @@ import multihash
 import pytest
 from hivemind.p2p import PeerID
 
-from nesa_node.errors import BadRequestError, QuotaExceededError, SessionNotFoundError, TooManySessionsError
+from nesa_node.errors import (
+    BadRequestError,
+    PeerUnavailableError,
+    QuotaExceededError,
+    SessionNotFoundError,
+    TooManySessionsError,
+)
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server.config import LimitsConfig
-from nesa_node.server.sessions import END_OF_SESSION, SessionTable
+from nesa_node.server.sessions import END_OF_SESSION, MAX_QUEUED_REPORTS, SessionTable
 from nesa_node.sharding.kv_cache import CacheBudget
 
 
@@ -147,6 +153,17 @@ def test_opens_under_way_count_toward_the_peers_quota():
     assert not sessions._opens  # every place given back
 
 
+def test_opens_of_one_id_at_once_each_take_a_place():
+    """One id opened many times at once (each open waiting for an adapter, say) holds as many places: a peer cannot
+    keep more opens under way than its quota by naming one id."""
+    sessions = table(max_sessions_per_peer=2)
+    with sessions.opening(OWNER, "same"), sessions.opening(OWNER, "same"):
+        with pytest.raises(QuotaExceededError, match="0 open sessions here and 2 opens under way"):
+            with sessions.opening(OWNER, "same"):
+                pass
+    assert not sessions._opens
+
+
 def test_a_draining_table_refuses_new_sessions_and_keeps_the_open_ones():
     """RELIABILITY.md A6: once the node drains (SIGTERM, or a move), opens are refused with a typed error the client
     re-routes on, while the sessions it holds stay open to finish their steps."""
@@ -159,3 +176,12 @@ def test_a_draining_table_refuses_new_sessions_and_keeps_the_open_ones():
         assert refused.value.code == "too_many_sessions"
     assert sessions.get(OWNER, "s1") is held and len(sessions) == 1
     assert sessions.budget.used_bytes == held.reserved_bytes
+
+
+def test_a_sessions_own_reports_of_its_next_node_are_bounded():
+    """A next node that sends refusals without end (each one a report to answer the client) fills at most
+    MAX_QUEUED_REPORTS places in the session's queue; taking one makes room for the next."""
+    session = open_session(table(), OWNER)
+    queued = [session.report(PeerUnavailableError(f"refusal {index}")) for index in range(MAX_QUEUED_REPORTS + 50)]
+    assert queued == [True] * MAX_QUEUED_REPORTS + [False] * 50
+    assert session.inbox.qsize() == MAX_QUEUED_REPORTS
