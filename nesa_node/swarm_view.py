@@ -48,7 +48,11 @@ def reliability(info: NodeInfo, uptime_s: float | None = None) -> float:
 
 def link_measurements(infos: Iterable[NodeInfo], client_rtt_ms: Mapping[str, float]) -> list[tuple[str, str, float]]:
     """Every round trip at hand, as (endpoint, endpoint, ms): the nodes' published links and the client's own."""
-    measurements = [(info.peer_id, link.peer_id, link.rtt_ms) for info in infos for link in info.links]
+    infos = list(infos)
+    recorded = {info.peer_id for info in infos}  # links to peers without a record tell routing nothing it uses
+    measurements = [
+        (info.peer_id, link.peer_id, link.rtt_ms) for info in infos for link in info.links if link.peer_id in recorded
+    ]
     measurements += [(CLIENT, peer_id, rtt) for peer_id, rtt in client_rtt_ms.items()]
     return measurements
 
@@ -82,6 +86,10 @@ def build_snapshot(
             if link.bandwidth_mbps:
                 for peer_id in (info.peer_id, link.peer_id):
                     bandwidth[peer_id] = max(bandwidth.get(peer_id, 0.0), link.bandwidth_mbps)
+    # the peers routing knows only: a record naming links to made-up peers would otherwise add entries to every
+    # snapshot and pull the median its own claim is capped by
+    recorded = {info.peer_id for info in infos}
+    bandwidth = {peer_id: mbps for peer_id, mbps in bandwidth.items() if peer_id in recorded}
     bandwidth = capped_bandwidths(bandwidth)
     speeds = trusted_speeds(
         [SpeedClaim(info.peer_id, info.start_block, info.end_block, info.inference_tps) for info in infos],

@@ -65,6 +65,31 @@ def _median(values: Sequence[float]) -> float | None:
     return float(np.median(values)) if values else None
 
 
+def medians_of_the_others(values: Sequence[float]) -> list[float | None]:
+    """For each value, the median of all the others (None for a lone value): one sort, O(n log n), where taking each
+    median afresh would be quadratic in the number of nodes."""
+    count = len(values)
+    if count < 2:
+        return [None] * count
+    order = np.argsort(np.asarray(values, dtype=np.float64), kind="stable")
+    ordered = np.asarray(values, dtype=np.float64)[order]
+    rank = np.empty(count, dtype=np.int64)
+    rank[order] = np.arange(count)
+    rest = count - 1  # values left once one is taken out
+
+    def nth(position: int, removed: int) -> float:  # the position-th smallest of the others
+        return float(ordered[position if position < removed else position + 1])
+
+    medians: list[float | None] = []
+    for index in range(count):
+        removed = int(rank[index])
+        if rest % 2:
+            medians.append(nth(rest // 2, removed))
+        else:
+            medians.append((nth(rest // 2 - 1, removed) + nth(rest // 2, removed)) / 2)
+    return medians
+
+
 def peer_median_block_ms(claims: Sequence[SpeedClaim]) -> dict[str, float | None]:
     """Per node, the median claimed block time of the other nodes serving any of its blocks (all other nodes when
     none does); None when no other node claims anything."""
@@ -106,19 +131,19 @@ def capped_uptimes(claimed: Mapping[str, float], seen_s: Mapping[str, float]) ->
     """Each node's uptime as routing counts it: its claim, at most the larger of the other nodes' median claim
     and how long this client has seen it (seconds)."""
     capped: dict[str, float] = {}
-    for peer, uptime in claimed.items():
-        others = [value for other, value in claimed.items() if other != peer]
-        ceiling = max(_median(others) or 0.0, seen_s.get(peer, 0.0))
-        capped[peer] = min(uptime, ceiling) if others or peer in seen_s else uptime
+    medians = medians_of_the_others(list(claimed.values()))
+    for (peer, uptime), median in zip(claimed.items(), medians, strict=True):
+        ceiling = max(median or 0.0, seen_s.get(peer, 0.0))
+        capped[peer] = min(uptime, ceiling) if median is not None or peer in seen_s else uptime
     return capped
 
 
 def capped_bandwidths(claimed: Mapping[str, float]) -> dict[str, float]:
     """Each node's bandwidth, at most CLAIM_CAP times the median of the other nodes' (Mbit/s)."""
     capped: dict[str, float] = {}
-    for peer, bandwidth in claimed.items():
-        others = [value for other, value in claimed.items() if other != peer]
-        capped[peer] = min(bandwidth, CLAIM_CAP * _median(others)) if others else bandwidth
+    medians = medians_of_the_others(list(claimed.values()))
+    for (peer, bandwidth), median in zip(claimed.items(), medians, strict=True):
+        capped[peer] = min(bandwidth, CLAIM_CAP * median) if median is not None else bandwidth
     return capped
 
 
@@ -131,6 +156,7 @@ __all__ = [
     "TrustedSpeed",
     "capped_bandwidths",
     "capped_uptimes",
+    "medians_of_the_others",
     "peer_median_block_ms",
     "trusted_speeds",
 ]

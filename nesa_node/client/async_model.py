@@ -58,10 +58,8 @@ from nesa_node.verification.canaries import CanarySet
 
 logger = logging.getLogger(__name__)
 
-# a node whose record no longer holds (it moved, filled up, began draining): route around it
-ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)
-# a node that cannot get or hold a session's adapter (evicted, no peer delivered it, budget full of adapters in use)
-ADAPTER_REFUSALS = (AdapterError, AdapterBudgetError)
+ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)  # moved, full...
+ADAPTER_REFUSALS = (AdapterError, AdapterBudgetError)  # cannot get or hold a session's adapter: route around it
 DEFAULT_NEW_TOKENS = 20  # what transformers generates when no length is set
 MAX_AUDITED_RUNS = 3  # generations tried when audits blame a node of the chain (each blamed node is banned)
 
@@ -342,6 +340,7 @@ class AsyncDistributedModel(AdapterLookup):
                 own_adapter=self.own_adapters.get(adapter_id) if adapter_id is not None else None,
                 adapter_block_bytes=block_bytes,
                 commit=self.auditor is not None,
+                hidden_size=self.model_config.hidden_size,
             )
             try:
                 return self.with_edges(await session.open())

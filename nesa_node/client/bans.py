@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import time
 
+PRUNE_AT = 4096  # bans kept before those over for an hour (longer than any ban's doubling looks back) are dropped
+FORGET_AFTER_S = 3600.0
+
 
 class Bans:
     """Bans by peer id, with their lengths and which were for a fault (see the module docstring)."""
@@ -26,6 +29,8 @@ class Bans:
         if fault:
             self._faulty.add(peer_id)
         now = time.monotonic()
+        if len(self._bans) >= PRUNE_AT:  # bans long over, of identities that came and went: forgotten
+            self._bans = {peer: ban for peer, ban in self._bans.items() if ban[0] > now - FORGET_AFTER_S}
         until, last = self._bans.get(peer_id, (0.0, 0.0))
         length = min(max_s, last * 2) if until > now - max_s and last else base_s
         self._bans[peer_id] = (now + length, length)

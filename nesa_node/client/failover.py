@@ -91,6 +91,11 @@ class Failover:
             index = await self._find_failed(failure)
         if index is None:
             if not may_keep:
+                # one of them takes steps and never answers them, which no probe tells: each gets a failure's ban
+                # (lifted when no chain is left without it: client/routing.py), so the next session is not routed
+                # through the same chain at once
+                for link in chain.links:
+                    self.swarm.ban(link.peer_id)
                 raise PeerUnavailableError(f"{failure.message}; every node of the chain still answers")
             logger.info("the chain went quiet (%s) yet every node answers: kept", failure)
             self._record(None, [], position, started, kept=True)

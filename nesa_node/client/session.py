@@ -76,6 +76,7 @@ class InferenceSession:
         own_adapter: OwnAdapter | None = None,
         adapter_block_bytes: float = 0.0,
         commit: bool = False,
+        hidden_size: int | None = None,
     ):
         self.swarm = swarm
         self.config = config
@@ -94,6 +95,7 @@ class InferenceSession:
             own_adapter=own_adapter,
             adapter_block_bytes=adapter_block_bytes,
             commit=commit,
+            hidden_size=hidden_size,  # the model's, when the caller knows it: every answer bounded from the first
         )
         self.commit = commit  # nodes sign hop records of each window; `fetch_records` collects them (client/audit.py)
         self.records: list[HopRecord] = []  # every record fetched, checked, in arrival order

@@ -144,6 +144,7 @@ class SessionChain:
         own_adapter: OwnAdapter | None = None,
         adapter_block_bytes: float = 0.0,
         commit: bool = False,
+        hidden_size: int | None = None,
     ):
         self.swarm = swarm
         self.config = config
@@ -159,11 +160,13 @@ class SessionChain:
         self.lanes = config.lanes and self.direct
         self.links: list[ChainLink] = []
         self.answers: asyncio.Queue = asyncio.Queue()  # (link, frame or exception), from every channel
-        # the model's hidden size is learnt from the first answer checked against a shape the client sent; until then
-        # frames are bounded for the widest hidden state accepted
+        # the model's hidden size, given by a client that knows its model, else learnt from the first answer checked
+        # against a shape the client sent; until then frames are bounded for the widest hidden state accepted
         self.hidden_size: int | None = None
         self.output_codecs: dict[str, str] = {}  # peer id -> the codec its outputs are sent with
         self.max_answer_bytes = answer_frame_bytes(batch, max_length, MAX_HIDDEN)
+        if hidden_size is not None:
+            self._learn_hidden_size(hidden_size)
 
     @property
     def hops(self) -> tuple[Hop, ...]:

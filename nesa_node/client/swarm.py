@@ -257,8 +257,11 @@ class Swarm(Bans, RoundTripMeter):
         return {peer: record for peer, record in self._records.items() if record.expiration_time > now}
 
     def hold(self, records: list[NodeRecord]) -> None:
-        """Merge `records` into the records at hand: per node, the one that expires last."""
-        held = dict(self._records)
+        """Merge `records` into the records at hand: per node, the one that expires last. Records expired more than
+        RECENT_RECORD_S ago are dropped, with when their nodes were first seen: identities that come and go do not
+        grow a long-running client."""
+        horizon = get_dht_time() - RECENT_RECORD_S
+        held = {peer: record for peer, record in self._records.items() if record.expiration_time > horizon}
         now = time.monotonic()
         for record in records:
             self._first_seen.setdefault(record.info.peer_id, now)
@@ -266,6 +269,8 @@ class Swarm(Bans, RoundTripMeter):
             if known is None or record.expiration_time >= known.expiration_time:
                 held[record.info.peer_id] = record
         self._records = held
+        if len(self._first_seen) > len(held):
+            self._first_seen = {peer: seen for peer, seen in self._first_seen.items() if peer in held}
 
     def records_at_hand(self) -> list[NodeRecord]:
         """The unexpired records this client holds now (no DHT read)."""

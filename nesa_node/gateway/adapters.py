@@ -13,6 +13,8 @@ without keys are answered only on this machine (gateway/auth.py).
 from __future__ import annotations
 
 import asyncio
+import math
+import time
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -21,6 +23,9 @@ from nesa_node.errors import AdapterError, AdapterMissingError
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"  # as records.AdapterInfo.name allows, and no ':'
 MAX_LOADED = 64  # adapters loaded into one gateway at once (each is held whole in its memory)
+# names no node announces: at most one DHT read for them per period (requests naming made-up models in a loop would
+# otherwise each read the swarm's records afresh); within it such names are looked up in the records at hand
+FRESH_READ_PERIOD_S = 1.0
 
 
 class LoadAdapter(BaseModel):
@@ -45,6 +50,7 @@ class GatewayAdapters:
         self.adapter_dir = Path(adapter_dir).resolve() if adapter_dir else None
         self.loaded: dict[str, str] = {}  # name -> adapter id, loaded here from a folder
         self._loading = asyncio.Lock()
+        self._fresh_read_at = -math.inf  # monotonic s of the last DHT read for a name that turned out missing
 
     async def resolve(self, requested: str) -> str | None:
         """The adapter id a request's `model` names; None for the base model. Raises AdapterMissingError for a
@@ -55,7 +61,19 @@ class GatewayAdapters:
         name = requested[len(prefix) :] if requested.startswith(prefix) else requested
         if name in self.loaded:
             return self.loaded[name]
-        return await self.model.adapter_by_name(name)
+        now = time.monotonic()
+        if now - self._fresh_read_at < FRESH_READ_PERIOD_S:  # a name just read for and not found, or made up:
+            ids = (await self.model.announced_adapters()).get(name, set())  # the records at hand, no new read
+            if len(ids) == 1:
+                return next(iter(ids))
+            raise AdapterMissingError(
+                f"adapter {name!r}: no node announces it (as of {now - self._fresh_read_at:.1f} s ago)"
+            )
+        try:
+            return await self.model.adapter_by_name(name)
+        except AdapterMissingError:
+            self._fresh_read_at = now  # names nobody announces cost the DHT one read a period, however many come
+            raise
 
     def label(self, adapter_id: str | None) -> str:
         """The metrics label of a request's adapter: "base", the name it was loaded here under, or "swarm" (an

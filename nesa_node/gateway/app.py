@@ -14,20 +14,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 
 from nesa_node.client.async_model import AsyncDistributedModel, session_of
 from nesa_node.errors import (
@@ -43,9 +40,23 @@ from nesa_node.errors import (
     TooManySessionsError,
 )
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
+from nesa_node.gateway.answers import Generation, Prepared, answer_id, event, usage
 from nesa_node.gateway.auth import ApiKeys, is_loopback
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
+from nesa_node.gateway.middleware import CountRequests, LimitBody
 from nesa_node.gateway.page import PAGE
+from nesa_node.gateway.requests import (
+    BODY_HEADROOM_BYTES,
+    DEFAULT_MAX_TOKENS,
+    MAX_CHARS_PER_TOKEN,
+    MAX_STOP_CHARS,
+    MAX_STOPS,
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    content_text,
+    unsupported_parameter,
+)
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
 from nesa_node.protocol.records import NodeState
@@ -55,108 +66,8 @@ logger = logging.getLogger(__name__)
 # refusals for want of room on the nodes (the session's cache, the caller's share, an adapter budget in use): the
 # swarm's state, not the request's fault
 CAPACITY = (AdapterBudgetError, CacheBudgetError, QuotaExceededError, TooManySessionsError)
-
-DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
-MAX_STOPS = 4  # OpenAI's limit on stop strings
-MAX_STOP_CHARS = 256  # each stop string: every token's text is searched for the starts of each one
-# a prompt (or a chat's messages together) has at most this many characters per token of the model's context: far
-# more than any tokenizer's longest token, so nothing that fits the context is refused, while a prompt that cannot
-# fit is refused before the tokenizer spends seconds on it
-MAX_CHARS_PER_TOKEN = 32
-# request bodies: the prompt's characters at up to 4 bytes each in UTF-8 (JSON escapes of control characters aside),
-# plus room for the rest of the request
-BODY_HEADROOM_BYTES = 1 << 20
-# what OpenAI's API offers that this gateway does not do, and the value that asks for nothing: a request naming
-# another value is refused, as its answer would mean something else than it asked
-UNSUPPORTED = {
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
-    "echo": (False,),
-    "suffix": ("",),
-    "best_of": (1,),
-    "logit_bias": ({},),
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "tools": ([],),
-    "functions": ([],),
-    "response_format": ({"type": "text"},),
-}
-
-
-class ApiError(Exception):
-    """An error answered in OpenAI's shape."""
-
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-class StreamOptions(BaseModel):
-    include_usage: bool | None = None
-
-
-class _Sampling(BaseModel):
-    # OpenAI clients send fields this gateway does not use (user, ...): kept aside, those of UNSUPPORTED checked
-    model_config = ConfigDict(extra="allow")
-
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what a torch generator's seed takes
-    n: int = Field(1, ge=1, le=1)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[str]
-
-
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    text: str | None = None
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-
-
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request checked and tokenized once."""
-
-    ids: list[int]
-    stops: list[str]
-    max_new: int
-    adapter: str | None = None  # the LoRA adapter id the request's model names; None: the base model
-
-
-@dataclass
-class Generation:
-    """One request's generation: its text so far, tokens and why it ended."""
-
-    prompt_tokens: int
-    text: TextStream
-    completion_tokens: int = 0
-    finish_reason: str | None = None
-    pieces: list[str] = field(default_factory=list)
-    verification: dict | None = None  # what the checks found (majority, audit, canary); None: no checks
+WAITING_PER_SLOT = 4  # requests that may wait for a generation slot, per slot (--max-concurrency): past them, 429
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
 class Gateway:
@@ -183,6 +94,8 @@ class Gateway:
         self.chat_template = chat_template
         self.created = int(time.time())
         self.slots = asyncio.Semaphore(max_concurrency)
+        self.max_waiting = WAITING_PER_SLOT * max_concurrency
+        self._waiting = 0  # requests waiting for a slot
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenizer")
         self._closing: set[asyncio.Task] = set()  # sessions being closed (the loop keeps only weak references)
         # canary checks of answers under way, as many as answers (streamed answers do not wait for theirs)
@@ -241,7 +154,7 @@ class Gateway:
                 param="messages",
                 code="no_chat_template",
             )
-        messages = [{"role": message.role, "content": _content_text(message.content)} for message in request.messages]
+        messages = [{"role": message.role, "content": content_text(message.content)} for message in request.messages]
         self._check_chars(sum(len(message["content"]) for message in messages), "messages")
         try:
             text = self.tokenizer.apply_chat_template(
@@ -299,7 +212,7 @@ class Gateway:
         """The prompt's tokens, the stop strings and the token budget; ApiError (a 400) for anything wrong, so a
         streamed request is refused before its stream starts. The tokenizer runs on a thread of its own (a long
         prompt takes it a while), one prompt at a time."""
-        unsupported = _unsupported(request)
+        unsupported = unsupported_parameter(request)
         if unsupported is not None:
             raise ApiError(
                 400,
@@ -333,11 +246,14 @@ class Gateway:
         metrics = self.metrics
         label = self.adapters.label(prepared.adapter)
         arrived = last = time.perf_counter()
+        self.check_room()
         metrics.requests_waiting.inc()
         metrics.adapter_requests.labels(label, "waiting").inc()
+        self._waiting += 1
         try:
             await self.slots.acquire()
         finally:
+            self._waiting -= 1
             metrics.requests_waiting.dec()
             metrics.adapter_requests.labels(label, "waiting").dec()
         metrics.requests_running.inc()
@@ -403,6 +319,32 @@ class Gateway:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
 
+    def check_room(self) -> None:
+        """ApiError 429 when every slot is taken and `max_waiting` requests already wait for one."""
+        if self.slots.locked() and self._waiting >= self.max_waiting:
+            raise ApiError(
+                429,
+                f"the gateway is generating its most answers at once and {self._waiting} requests wait: retry later",
+                kind="rate_limit_error",
+                code="overloaded",
+            )
+
+    async def complete_while_connected(self, request, prepared: Prepared, raw: Request) -> dict | None:
+        """`complete`, cancelled (its session closed, its slot freed) once the client has gone away: None then."""
+        answer = asyncio.ensure_future(self.complete(request, prepared))
+        try:
+            while True:
+                done, _ = await asyncio.wait({answer}, timeout=DISCONNECT_POLL_S)
+                if done:
+                    return answer.result()
+                if await raw.is_disconnected():
+                    logger.info("a client went away before its answer: its generation is stopped")
+                    return None
+        finally:
+            if not answer.done():
+                answer.cancel()
+                await asyncio.gather(answer, return_exceptions=True)
+
     def _count_failovers(self, session, counted: int) -> int:
         """Count the session's node replacements after the first `counted`, with their recovery times; returns how
         many recoveries are seen now (a kept chain is not a replacement)."""
@@ -457,12 +399,12 @@ class Gateway:
         else:
             choice["text"] = text
         return {
-            "id": _id(chat),
+            "id": answer_id(chat),
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
             "model": request.model,
             "choices": [choice],
-            "usage": _usage(generation),
+            "usage": usage(generation),
             "nesa": {"verification": generation.verification or {"mode": "off"}},
         }
 
@@ -471,7 +413,7 @@ class Gateway:
         chat = isinstance(request, ChatRequest)
         include_usage = bool(request.stream_options and request.stream_options.include_usage)
         base = {
-            "id": _id(chat),
+            "id": answer_id(chat),
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": request.model,
@@ -488,7 +430,7 @@ class Gateway:
             body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
-            return _event(body)
+            return event(body)
 
         generation = None
         try:
@@ -500,129 +442,16 @@ class Gateway:
                     yield chunk(piece, None)
             yield chunk(None, generation.finish_reason)
             if include_usage:
-                yield _event({**base, "choices": [], "usage": _usage(generation)})
+                yield event({**base, "choices": [], "usage": usage(generation)})
         except NesaError as exc:
-            yield _event({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+            yield event({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
+        except ApiError as exc:  # no room left after all (check_room)
+            yield event({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
         except Exception as exc:  # the stream has started: the error goes in it, and the stream still ends
             logger.exception("a streamed answer failed")
-            yield _event({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
+            yield event({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
                                     "param": None, "code": "internal"}})  # fmt: skip
         yield b"data: [DONE]\n\n"
-
-
-def _content_text(content: str | list[ContentPart] | None) -> str:
-    """A message's text: a string, or its parts' texts; ApiError for a part that is not text (an image, audio: a
-    language model's swarm would answer as if it had not been sent)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise ApiError(400, f"only text parts are read here, not {part.type[:40]!r}", param="messages")
-    return "".join(part.text for part in content)
-
-
-def _unsupported(request: CompletionRequest | ChatRequest) -> str | None:
-    """The first field of UNSUPPORTED the request sets to another value than null or its defaults, or None."""
-    extra = request.model_extra or {}
-    for name, defaults in UNSUPPORTED.items():
-        value = extra.get(name)
-        if value is not None and not any(value == default and type(value) is type(default) for default in defaults):
-            return name
-    return None
-
-
-def _id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def _usage(generation: Generation) -> dict:
-    return {
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": generation.completion_tokens,
-        "total_tokens": generation.prompt_tokens + generation.completion_tokens,
-    }
-
-
-def _event(body: dict) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-ENDPOINTS = frozenset(
-    {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
-    | {"/v1/adapters/load", "/v1/adapters/unload"}
-)
-
-
-class _CountRequests:
-    """ASGI middleware counting answered requests by endpoint and status. Any other path counts as "other": the
-    label's values stay bounded whatever paths clients make up. (Starlette's BaseHTTPMiddleware would copy every
-    streamed chunk through a queue of its own.)"""
-
-    def __init__(self, app, metrics: GatewayMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        status = "500"  # unless the app starts a response
-
-        async def counted(message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = str(message["status"])
-            await send(message)
-
-        try:
-            await self.app(scope, receive, counted)
-        finally:
-            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
-            self.metrics.requests_total.labels(endpoint, status).inc()
-
-
-class _LimitBody:
-    """ASGI middleware reading each request's body before the app does, at most `max_bytes` of it: a larger one is
-    refused with 413 (at once when its Content-Length says so), never held whole in memory nor parsed."""
-
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.max_bytes:
-            await self._too_large(scope, receive, send)
-            return
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away: the app sees it
-                break
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def body_then_rest():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()
-
-        await self.app(scope, body_then_rest, send)
-
-    async def _too_large(self, scope, receive, send) -> None:
-        message = f"the request body is larger than this gateway takes ({self.max_bytes} bytes)"
-        await ApiError(413, message, code="request_too_large").response()(scope, receive, send)
 
 
 def create_app(gateway: Gateway) -> FastAPI:
@@ -666,8 +495,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         message = f"internal error: {type(exc).__name__}"
         return ApiError(500, message, kind="server_error", code="internal").response()
 
-    app.add_middleware(_LimitBody, max_bytes=gateway.max_body_bytes)
-    app.add_middleware(_CountRequests, metrics=gateway.metrics)  # outermost: refused bodies are counted too
+    app.add_middleware(LimitBody, max_bytes=gateway.max_body_bytes)
+    app.add_middleware(CountRequests, metrics=gateway.metrics)  # outermost: refused bodies are counted too
 
     async def authorized(request: Request) -> None:
         if gateway.api_keys is not None and not gateway.api_keys.allows(request.headers.get("authorization")):
@@ -728,24 +557,26 @@ def create_app(gateway: Gateway) -> FastAPI:
         except AdapterMissingError as exc:
             raise ApiError(404, exc.message, param="name", code=exc.code) from None
 
-    async def answer(request: CompletionRequest | ChatRequest):
+    async def answer(request: CompletionRequest | ChatRequest, raw: Request):
         adapter = await gateway.resolve_model(request.model)
         prepared = await gateway.prepare(request, adapter)
+        gateway.check_room()  # a stream refused with a status while it can be
         if request.stream:
             return StreamingResponse(
                 gateway.events(request, prepared),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
-        return await gateway.complete(request, prepared)
+        answered = await gateway.complete_while_connected(request, prepared, raw)
+        return Response(status_code=499) if answered is None else answered  # 499: nobody is there to read it
 
     @app.post("/v1/completions", dependencies=v1)
-    async def completions(request: CompletionRequest):
-        return await answer(request)
+    async def completions(request: CompletionRequest, raw: Request):
+        return await answer(request, raw)
 
     @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(request: ChatRequest):
-        return await answer(request)
+    async def chat_completions(request: ChatRequest, raw: Request):
+        return await answer(request, raw)
 
     return app
 

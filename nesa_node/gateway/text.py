@@ -2,7 +2,10 @@
 
 `TextStream` turns token ids into text pieces as they come: a piece is released once the decoded text is stable
 (no half of a multi-byte character at its end) and cannot be the start of a stop string still being completed; when
-a stop string appears, the text before it is the last piece and the stream is finished. Streaming every piece and
+a stop string appears, the text before it is the last piece and the stream is finished. Each token is decoded in a
+short window of the tokens before it (the text of the window's tokens up to the new ones, then with them: the
+difference is the new text), so a token costs the same at the end of a long generation as at its start, where
+decoding the whole output each time would cost the square of its length. Streaming every piece and
 decoding the whole output at once give the same text (the property tests check this over random stop strings
 crossing token boundaries).
 """
@@ -23,25 +26,36 @@ class TextStream:
         self.tokens: list[int] = []
         self.released = 0  # characters of the decoded text already given out
         self.stopped = False  # a stop string was found: nothing more comes
-        self._text = ""
+        self._text = ""  # the text of tokens[:_read]
+        self._prefix = 0  # the window: tokens[_prefix:_read] give the context the next tokens are decoded in
+        self._read = 0
 
     def push(self, token: int) -> str:
         """Add a token; the text that can be released now ('' while it may still be part of a stop string)."""
         if self.stopped:
             return ""
         self.tokens.append(token)
-        text = self.decode(self.tokens)
-        if text.endswith(REPLACEMENT):  # a character split across tokens: wait for the rest of it
+        new = self._new_text()
+        if new.endswith(REPLACEMENT):  # a character split across tokens: wait for the rest of it
             return ""
-        self._text = text
+        self._take(new)
         return self._release(final=False)
 
     def finish(self) -> str:
         """The text held back at the end of the generation (a partial stop string that never completed)."""
         if self.stopped:
             return ""
-        self._text = self.decode(self.tokens)
+        self._take(self._new_text())
         return self._release(final=True)
+
+    def _new_text(self) -> str:
+        """The text of the tokens not yet read, decoded after those of the window before them."""
+        context = self.decode(self.tokens[self._prefix : self._read])
+        return self.decode(self.tokens[self._prefix :])[len(context) :]
+
+    def _take(self, new: str) -> None:
+        self._text += new
+        self._prefix, self._read = self._read, len(self.tokens)
 
     @property
     def text(self) -> str:

@@ -243,6 +243,13 @@ async def answer_adapter_request(channel: StreamChannel, adapters, peer: str, ga
             channel.send(frame(message_of(message), blocks))
         except NesaError as exc:
             channel.send(frame(ErrorReply.of(exc)))
+        # the answer (a whole slice) counts against the gate until it has left: a peer that does not read it has the
+        # stream aborted and its bytes dropped, so requests never read cannot pin slices in memory
+        try:
+            async with asyncio.timeout(adapters.request_timeout_s):
+                await channel.drain()
+        except TimeoutError:
+            channel.abort()
     finally:
         leave()
 

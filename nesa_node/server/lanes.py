@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from nesa_node.errors import (
     BadRequestError,
     NesaError,
+    PeerUnavailableError,
     PortInUseError,
     QuotaExceededError,
     RequestError,
@@ -41,6 +42,7 @@ from nesa_node.server.sessions import Inbound, ServerSession, SessionTable
 
 logger = logging.getLogger(__name__)
 
+REFUSAL_DRAIN_S = 10.0  # how long a refusal of a pushed step may wait to leave before its channel is dropped
 MAX_TICKETS_PER_PEER = 8  # unused FORWARD lane tickets one peer may hold (a client keeps one lane per node)
 MAX_TICKETS = 1024
 # Connections the kernel completes for the lane before the node's loop accepts them (capped by net.core.somaxconn).
@@ -75,7 +77,7 @@ class LaneServer:
         self.injected_delay = injected_delay
         self.address: str | None = None  # "ip:port" once listening; announced in the node's record
         self.tickets: dict[str, tuple[bytes, str, float]] = {}  # FORWARD lane tickets: id -> (key, peer, issued)
-        self.forward_lanes: dict[str, int] = {}  # open FORWARD lanes per peer
+        self.ticket_lanes: dict[str, int] = {}  # open FORWARD and TRAIN lanes per peer (those opened by tickets)
         self.gate = LaneGate(network)
         self._server: asyncio.Server | None = None
 
@@ -123,12 +125,12 @@ class LaneServer:
 
     def _take_ticket(self, ticket: str) -> tuple[bytes, str]:
         """(key, peer) of an unexpired ticket, which is used up. SessionNotFoundError for any other ticket, and
-        QuotaExceededError when its peer already holds MAX_TICKETS_PER_PEER open forward lanes."""
+        QuotaExceededError when its peer already holds MAX_TICKETS_PER_PEER open FORWARD and TRAIN lanes."""
         key, owner, issued = self.tickets.pop(ticket, (None, None, 0.0))
         if key is None or time.monotonic() - issued > self.network.peer_timeout_s:
             raise SessionNotFoundError("no such lane ticket (unknown, used or expired)")
-        if self.forward_lanes.get(owner, 0) >= MAX_TICKETS_PER_PEER:
-            raise QuotaExceededError(f"peer already has {MAX_TICKETS_PER_PEER} forward lanes open here")
+        if self.ticket_lanes.get(owner, 0) >= MAX_TICKETS_PER_PEER:
+            raise QuotaExceededError(f"peer already has {MAX_TICKETS_PER_PEER} forward and training lanes open here")
         return key, owner
 
     # ---- connections --------------------------------------------------------------------------------------------
@@ -167,11 +169,8 @@ class LaneServer:
                     stream, session = await self._accept_session(reader, writer, role, session_id, salt)
                 channel = LaneChannel(stream, "frame on a data lane")
             admission.authenticated()
-            if role == lane.ROLE_FORWARD:
-                await self._serve_forwards(channel, owner)
-            elif role == lane.ROLE_TRAIN:
-                lane.confirm(channel.stream)
-                await self.train(channel, owner)
+            if role in (lane.ROLE_FORWARD, lane.ROLE_TRAIN):
+                await self._serve_ticket_lane(channel, role, owner)
             elif self.sessions.holds(session):
                 if role == lane.ROLE_RECEIVE:
                     await self._serve_output(channel, session)
@@ -202,34 +201,43 @@ class LaneServer:
         stream, index = await lane.accept_any(reader, writer, role, salt, keys, self.max_frame_bytes)
         return stream, candidates[index]
 
-    async def _serve_forwards(self, channel: LaneChannel, owner: str) -> None:
-        """Forward calls answered in order on the lane, until the client closes it or leaves it idle for the session
-        timeout."""
-        self.forward_lanes[owner] = self.forward_lanes.get(owner, 0) + 1
+    async def _serve_ticket_lane(self, channel: LaneChannel, role: int, owner: str) -> None:
+        """A FORWARD or TRAIN lane, counted among its peer's (at most MAX_TICKETS_PER_PEER at once: `_take_ticket`)
+        until it ends."""
+        self.ticket_lanes[owner] = self.ticket_lanes.get(owner, 0) + 1
         try:
             lane.confirm(channel.stream)
-            while True:
-                try:
-                    async with asyncio.timeout(self.session_timeout_s):
-                        request = await channel.receive()
-                except TimeoutError:
-                    return
-                except BadRequestError as exc:  # an unparseable frame: refused, the lane goes on
-                    channel.send(frame(ErrorReply.of(exc)))
-                    continue
+            if role == lane.ROLE_FORWARD:
+                await self._serve_forwards(channel)
+            else:
+                await self.train(channel, owner)
+        finally:
+            self.ticket_lanes[owner] -= 1
+            if not self.ticket_lanes[owner]:
+                del self.ticket_lanes[owner]
+
+    async def _serve_forwards(self, channel: LaneChannel) -> None:
+        """Forward calls answered in order on the lane, until the client closes it or leaves it idle for the session
+        timeout."""
+        while True:
+            try:
+                async with asyncio.timeout(self.session_timeout_s):
+                    request = await channel.receive()
+            except TimeoutError:
+                return
+            except BadRequestError as exc:  # an unparseable frame: refused, the lane goes on
+                answer = frame(ErrorReply.of(exc))
+            else:
                 if request is None:
                     return
-                channel.send(await self.forward(request))
-                try:  # a client that does not read its answers cannot make the node buffer them without bound
-                    async with asyncio.timeout(self.network.peer_timeout_s):
-                        await channel.drain()
-                except TimeoutError:
-                    channel.abort()
-                    return
-        finally:
-            self.forward_lanes[owner] -= 1
-            if not self.forward_lanes[owner]:
-                del self.forward_lanes[owner]
+                answer = await self.forward(request)
+            channel.send(answer)
+            try:  # a client that does not read its answers (or refusals) cannot make the node buffer them
+                async with asyncio.timeout(self.network.peer_timeout_s):
+                    await channel.drain()
+            except TimeoutError:
+                channel.abort()
+                return
 
     async def _serve_output(self, channel: LaneChannel, session: ServerSession) -> None:
         """The client takes the session's outputs here; it sends nothing more, so wait for its close."""
@@ -291,6 +299,12 @@ async def serve_steps(
             if channel.closed:  # the channel cannot go on (a frame over the limit): its handler ends it
                 raise
             channel.send(frame(ErrorReply.of(exc, step_id)))
+            try:  # a sender of junk that never reads the refusals cannot make the node buffer them
+                async with asyncio.timeout(REFUSAL_DRAIN_S):
+                    await channel.drain()
+            except (TimeoutError, PeerUnavailableError):
+                channel.abort()
+                return
             if bound is None:  # a push stream whose first step names no session it may feed serves none
                 return
 

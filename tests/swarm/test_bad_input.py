@@ -865,7 +865,7 @@ def test_d_forward_lanes_per_peer_are_bounded(target):
                 refused = True
             held.pop(0).close()
             for _ in range(100):  # the node notices the close on its next read
-                if target.node.lanes.forward_lanes.get(target.attacker.swarm.peer_id, 0) < MAX_TICKETS_PER_PEER:
+                if target.node.lanes.ticket_lanes.get(target.attacker.swarm.peer_id, 0) < MAX_TICKETS_PER_PEER:
                     break
                 await asyncio.sleep(0.05)
             held.append(await open_forward_lane())

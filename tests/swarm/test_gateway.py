@@ -250,6 +250,21 @@ def test_a_client_gone_mid_stream_frees_its_session_on_the_node(served):
     wait_until(lambda: scrape(gateway.url + "/metrics")["nesa_gateway_requests_running"] == 0, timeout_s=5)
 
 
+def test_a_client_gone_before_its_answer_stops_its_generation(served):
+    """Not streamed: the gateway notices the client left within its poll and stops the generation, so the nodes and
+    the gateway's slot are free long before the 2000 tokens asked would have been generated."""
+    gateway, _, node, *_ = served
+    body = {"model": NAME, "prompt": PROMPT, "max_tokens": 2000, "temperature": 0}
+    connection = httplib.HTTPConnection(gateway.url.removeprefix("http://"), timeout=60)
+    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    wait_until(lambda: node.sessions.sessions, timeout_s=20)  # generating
+    connection.close()  # the client goes away, its answer not read
+    closed = time.monotonic()
+    wait_until(lambda: not node.sessions.sessions, timeout_s=10)
+    print(f"session freed {time.monotonic() - closed:.2f} s after the client went away")
+    wait_until(lambda: scrape(gateway.url + "/metrics")["nesa_gateway_requests_running"] == 0, timeout_s=5)
+
+
 def scrape_text(url: str) -> str:
     with urllib.request.urlopen(url, timeout=10) as response:
         return response.read().decode()

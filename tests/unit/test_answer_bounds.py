@@ -172,3 +172,11 @@ def test_a_history_of_another_shape_than_the_sessions_fails_its_sender():
     with pytest.raises(LinkFailed, match="expected \\(2, 3, 64\\)") as failed:
         asyncio.run(history_answered_with(torch.randn(2, 3 * 64, 1)))
     assert failed.value.link is link and failed.value.fault
+
+
+def test_a_client_that_knows_its_models_width_bounds_answers_by_it_from_the_first():
+    """Before any answer, a session opened by a client that knows the model's hidden size bounds every frame by it,
+    not by the widest hidden state accepted (a hostile first answer cannot be 1000 times an honest one)."""
+    chain = SessionChain(Swarm(), ClientConfig(), session_id="s", batch=2, max_length=32, hidden_size=64)
+    assert chain.hidden_size == 64
+    assert chain.max_answer_bytes == 2 * 32 * 64 * 4 + ANSWER_HEADROOM_BYTES

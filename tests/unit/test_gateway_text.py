@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
 from nesa_node.gateway.text import TextStream
 
@@ -65,3 +69,20 @@ def test_text_held_back_for_a_stop_that_never_completes_comes_at_the_end():
     assert stream.push(3) == "abc"  # "abc" cannot
     assert stream.push(0) == ""
     assert stream.finish() == "a"
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_windowed_decoding_gives_the_whole_decode_with_the_models_own_tokenizer(tiny_models, arch):
+    """With a real tokenizer (SentencePiece spaces, byte fallback, special tokens skipped): the pieces of random ids,
+    decoded a window at a time, join to the text of the whole output decoded at once."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models[arch])
+
+    def decode(tokens: list[int]) -> str:
+        return tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    generator = random.Random(7)
+    for _ in range(20):
+        tokens = [generator.randrange(len(tokenizer)) for _ in range(generator.randint(1, 60))]
+        stream = TextStream(decode)
+        streamed = "".join(stream.push(token) for token in tokens) + stream.finish()
+        assert streamed == decode(tokens)

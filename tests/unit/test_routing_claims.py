@@ -3,12 +3,14 @@ timings (client/timings.py)."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from nesa_node.client.timings import WINDOW, NodeTimings, RoundTrips
-from nesa_node.protocol.records import NodeInfo, NodeState
+from nesa_node.protocol.records import LinkInfo, NodeInfo, NodeState
 from nesa_node.routing.chain import ChainRequest, select_chain
 from nesa_node.routing.claims import (
     CLAIM_CAP,
@@ -18,10 +20,11 @@ from nesa_node.routing.claims import (
     SpeedClaim,
     capped_bandwidths,
     capped_uptimes,
+    medians_of_the_others,
     trusted_speeds,
 )
 from nesa_node.routing.cost import RoutingParams
-from nesa_node.swarm_view import build_snapshot
+from nesa_node.swarm_view import build_snapshot, link_measurements
 
 
 def full_span(peer: str, tps: float) -> SpeedClaim:
@@ -170,3 +173,24 @@ def test_round_trips_keep_the_least_recent_ping_and_drop_old_ones():
     assert rtts["a"] == 4.0
     rtts.forget("b")
     assert "b" not in rtts and rtts.get("b") is None and len(rtts) == 1
+
+
+@given(st.lists(st.floats(0.0, 1e6, allow_nan=False), max_size=40))
+def test_each_values_median_of_the_others_is_that_of_the_list_without_it(values):
+    expected = [statistics.median(values[:index] + values[index + 1 :]) if len(values) > 1 else None
+                for index in range(len(values))]  # fmt: skip
+    assert medians_of_the_others(values) == pytest.approx(expected)
+
+
+def test_links_to_peers_without_a_record_neither_add_entries_nor_move_the_bandwidth_cap():
+    """A record listing links to made-up peers at huge bandwidths: they do not enter the median its own claim is
+    capped by (the node stays within CLAIM_CAP of the recorded nodes), nor the latency fit."""
+    honest = [record(f"honest{index}", 100.0, links=(LinkInfo(peer_id="liar", rtt_ms=1.0, bandwidth_mbps=100.0),))
+              for index in range(3)]  # fmt: skip
+    fakes = [LinkInfo(peer_id=f"fake{index}", rtt_ms=0.1, bandwidth_mbps=1e6) for index in range(5)]
+    liar = record("liar", 100.0, links=tuple(fakes))
+    snapshot = build_snapshot([*honest, liar], 4)
+    claimed = {node.peer_id: node.bandwidth_mbps for node in snapshot.nodes}
+    assert set(claimed) == {"honest0", "honest1", "honest2", "liar"}
+    assert claimed["liar"] <= CLAIM_CAP * 100.0
+    assert all(pair[1] in claimed for pair in link_measurements([*honest, liar], {}))

@@ -1,0 +1,84 @@
+"""The gateway app's ASGI middleware: requests counted by endpoint and status, bodies bounded before they are read."""
+
+from __future__ import annotations
+
+from nesa_node.gateway.requests import ApiError
+from nesa_node.metrics import GatewayMetrics
+
+ENDPOINTS = frozenset(
+    {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
+    | {"/v1/adapters/load", "/v1/adapters/unload"}
+)
+
+
+class CountRequests:
+    """ASGI middleware counting answered requests by endpoint and status. Any other path counts as "other": the
+    label's values stay bounded whatever paths clients make up. (Starlette's BaseHTTPMiddleware would copy every
+    streamed chunk through a queue of its own.)"""
+
+    def __init__(self, app, metrics: GatewayMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = "500"  # unless the app starts a response
+
+        async def counted(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = str(message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counted)
+        finally:
+            endpoint = scope["path"] if scope["path"] in ENDPOINTS else "other"
+            self.metrics.requests_total.labels(endpoint, status).inc()
+
+
+class LimitBody:
+    """ASGI middleware reading each request's body before the app does, at most `max_bytes` of it: a larger one is
+    refused with 413 (at once when its Content-Length says so), never held whole in memory nor parsed."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
+        if not declared.isdigit() or int(declared) > self.max_bytes:
+            await self._too_large(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away: the app sees it
+                break
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await self._too_large(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def body_then_rest():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, body_then_rest, send)
+
+    async def _too_large(self, scope, receive, send) -> None:
+        message = f"the request body is larger than this gateway takes ({self.max_bytes} bytes)"
+        await ApiError(413, message, code="request_too_large").response()(scope, receive, send)
+
+
+__all__ = ["ENDPOINTS", "CountRequests", "LimitBody"]

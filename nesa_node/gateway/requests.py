@@ -1,0 +1,130 @@
+"""What the gateway's HTTP API takes (gateway/app.py): OpenAI's request bodies as pydantic models, the limits a request
+is held to before anything runs, and the errors in OpenAI's shape."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
+MAX_STOPS = 4  # OpenAI's limit on stop strings
+MAX_STOP_CHARS = 256  # each stop string: every token's text is searched for the starts of each one
+# a prompt (or a chat's messages together) has at most this many characters per token of the model's context: far
+# more than any tokenizer's longest token, so nothing that fits the context is refused, while a prompt that cannot
+# fit is refused before the tokenizer spends seconds on it
+MAX_CHARS_PER_TOKEN = 32
+# request bodies: the prompt's characters at up to 4 bytes each in UTF-8 (JSON escapes of control characters aside),
+# plus room for the rest of the request
+BODY_HEADROOM_BYTES = 1 << 20
+# what OpenAI's API offers that this gateway does not do, and the value that asks for nothing: a request naming
+# another value is refused, as its answer would mean something else than it asked
+UNSUPPORTED = {
+    "logprobs": (False, 0),
+    "top_logprobs": (0,),
+    "echo": (False,),
+    "suffix": ("",),
+    "best_of": (1,),
+    "logit_bias": ({},),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "tools": ([],),
+    "functions": ([],),
+    "response_format": ({"type": "text"},),
+}
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = None
+
+
+class _Sampling(BaseModel):
+    # OpenAI clients send fields this gateway does not use (user, ...): kept aside, those of UNSUPPORTED checked
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)  # what a torch generator's seed takes
+    n: int = Field(1, ge=1, le=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def content_text(content: str | list[ContentPart] | None) -> str:
+    """A message's text: a string, or its parts' texts; ApiError for a part that is not text (an image, audio: a
+    language model's swarm would answer as if it had not been sent)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise ApiError(400, f"only text parts are read here, not {part.type[:40]!r}", param="messages")
+    return "".join(part.text for part in content)
+
+
+def unsupported_parameter(request: CompletionRequest | ChatRequest) -> str | None:
+    """The first field of UNSUPPORTED the request sets to another value than null or its defaults, or None."""
+    extra = request.model_extra or {}
+    for name, defaults in UNSUPPORTED.items():
+        value = extra.get(name)
+        if value is not None and not any(value == default and type(value) is type(default) for default in defaults):
+            return name
+    return None
+
+
+__all__ = [
+    "BODY_HEADROOM_BYTES",
+    "DEFAULT_MAX_TOKENS",
+    "MAX_CHARS_PER_TOKEN",
+    "MAX_STOPS",
+    "MAX_STOP_CHARS",
+    "UNSUPPORTED",
+    "ApiError",
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "ContentPart",
+    "StreamOptions",
+    "content_text",
+    "unsupported_parameter",
+]
