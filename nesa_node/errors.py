@@ -262,14 +262,13 @@ class ReceiptError(NesaError):
     code = "receipt"
 
 
+# what a peer may say it refused with: the request's faults, a full node, a lost or ended session or replica. A code
+# of an error only this process can meet (a model folder, a device, routing, a port, a local file) is not taken
+# from a peer as that error: it becomes a plain RequestError carrying the code, so a peer cannot make a client
+# report, say, that no route exists or that its own model failed to load
 _BY_CODE = {
     cls.code: cls
     for cls in (
-        ModelLoadError,
-        UnsupportedModelError,
-        QuantizationUnsupportedError,
-        SparsityUnsupportedError,
-        DeviceUnavailableError,
         RequestError,
         BadRequestError,
         MessageTooLargeError,
@@ -283,22 +282,17 @@ _BY_CODE = {
         UnsupportedAdapterError,
         AdapterHashError,
         AdapterMissingError,
-        CheckpointError,
         ReplicaUnavailableError,
         PeerUnavailableError,
         SessionPreemptedError,
         StepTimeoutError,
-        NoRouteError,
-        SessionStateError,
-        PortInUseError,
-        InitialPeersError,
-        IdentityFileError,
     )
 }
 
 
 def error_from_code(code: str, message: str) -> NesaError:
-    """Rebuild an error received from a peer; unknown codes become a generic RequestError."""
+    """Rebuild an error received from a peer; unknown codes, and those of errors a peer cannot cause here (see
+    _BY_CODE), become a generic RequestError that keeps the code."""
     cls = _BY_CODE.get(code, RequestError)
     error = cls(message)
     if cls is RequestError and code != RequestError.code:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nesa_node.errors import BadRequestError
+from nesa_node.errors import BadRequestError, QuotaExceededError, RequestError
 from nesa_node.protocol.messages import (
     FORWARD,
     FORWARD_ANSWERS,
@@ -207,3 +207,12 @@ def test_the_design_document_lists_the_kinds_each_receiver_accepts():
     unions = {name: value for name, value in vars(messages).items() if isinstance(value, TypeAdapter)}
     assert set(documented) == set(unions)
     assert {name: set(messages.accepted_kinds(union)) for name, union in unions.items()} == documented
+
+
+@pytest.mark.parametrize("code", ["no_route", "model_load", "device", "port_in_use", "identity", "session_state"])
+def test_a_peer_cannot_name_an_error_only_this_process_can_meet(code):
+    """A node's ErrorReply naming, say, `no_route` is a refusal of the request by that node, not the client's own
+    finding that no route exists: it is rebuilt as a RequestError that keeps the code."""
+    error = ErrorReply(code=code, message="from a peer").error()
+    assert type(error) is RequestError and error.code == code
+    assert type(ErrorReply(code="quota", message="full").error()) is QuotaExceededError

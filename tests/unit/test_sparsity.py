@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node.devtools.tiny_model import TinyModelSpec, build_config
-from nesa_node.errors import SparsityUnsupportedError, error_from_code
+from nesa_node.errors import RequestError, SparsityUnsupportedError, error_from_code
 from nesa_node.sharding import sparsity
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
@@ -223,7 +223,9 @@ def test_a_silu_model_is_refused(tmp_path):
     with pytest.raises(SparsityUnsupportedError, match="'silu'") as caught:
         sparsity.install_sparsity(span, [sparsity.oracle_mask] * 2)
     assert caught.value.code == "unsupported_sparsity"
-    assert type(error_from_code(caught.value.code, caught.value.message)) is SparsityUnsupportedError
+    # a node's own model error: a peer naming its code gets no such error rebuilt, only a request error with it
+    rebuilt = error_from_code(caught.value.code, caught.value.message)
+    assert type(rebuilt) is RequestError and rebuilt.code == "unsupported_sparsity"
     assert all("forward" not in layer.mlp.__dict__ for layer in span.layers)
 
 
