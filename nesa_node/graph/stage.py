@@ -65,13 +65,7 @@ class GraphStageHandler:
 
     def __init__(self, stages: dict[tuple[str, int], Stage], max_elements: int):
         self.stages, self.max_elements = stages, max_elements  # (plan DHT key, stage index) -> Stage
-        self.streams = AnswerGate(
-            max_running=MAX_STREAMS,
-            max_running_per_peer=STREAMS_PER_PEER,
-            max_per_window=STREAMS_PER_PEER_PER_MINUTE,
-            window_s=60.0,
-            what="stage calls",
-        )
+        self.streams = AnswerGate.per_minute(MAX_STREAMS, STREAMS_PER_PEER, STREAMS_PER_PEER_PER_MINUTE, "stage calls")
         self.locks = {key: asyncio.Lock() for key in stages}  # one forward per stage at a time: a pipeline slot
         self.requests_served = 0
 

@@ -37,6 +37,18 @@ class AnswerGate:
         self.running: Counter[str] = Counter()
         self.recent: dict[str, deque[float]] = {}  # peer -> when its streams in the window started
 
+    @classmethod
+    def per_minute(cls, running: int, per_peer: int, per_minute: int, what: str, hint: str = "ask again later"):
+        """A gate of `running` streams at once, `per_peer` of one peer, `per_minute` started by one peer a minute."""
+        return cls(
+            max_running=running,
+            max_running_per_peer=per_peer,
+            max_per_window=per_minute,
+            window_s=60.0,
+            what=what,
+            hint=hint,
+        )
+
     def enter(self, peer: str):
         """Admit one stream of `peer`: the call that ends it (once). Raises QuotaExceededError, naming the limit,
         when the node serves its most streams at once, the peer its share, or the peer asked its most this window."""

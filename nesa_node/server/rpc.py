@@ -68,21 +68,16 @@ class NodeRpc:
         self.adapter_answers = adapter_answer_gate()  # peers' ADAPTER streams: bounded per peer and in all
         # peers' FORWARD_STREAMs, each up to a frame of the node's limit in memory: bounded the same way (a client
         # sends its forwards to a node one at a time)
-        self.forward_streams = AnswerGate(
-            max_running=MAX_FORWARD_STREAMS,
-            max_running_per_peer=MAX_FORWARD_STREAMS_PER_PEER,
-            max_per_window=MAX_FORWARD_STREAMS_PER_MINUTE,
-            window_s=60.0,
-            what="large forwards",
-            hint="ask again later or ask another node",
+        elsewhere = "ask again later or ask another node"
+        self.forward_streams = AnswerGate.per_minute(
+            MAX_FORWARD_STREAMS,
+            MAX_FORWARD_STREAMS_PER_PEER,
+            MAX_FORWARD_STREAMS_PER_MINUTE,
+            "large forwards",
+            elsewhere,
         )
-        self.forward_calls = AnswerGate(
-            max_running=MAX_FORWARD_CALLS,
-            max_running_per_peer=MAX_FORWARD_CALLS_PER_PEER,
-            max_per_window=MAX_FORWARD_CALLS_PER_MINUTE,
-            window_s=60.0,
-            what="forwards",
-            hint="ask again later or ask another node",
+        self.forward_calls = AnswerGate.per_minute(  # the unary ones
+            MAX_FORWARD_CALLS, MAX_FORWARD_CALLS_PER_PEER, MAX_FORWARD_CALLS_PER_MINUTE, "forwards", elsewhere
         )
         # peers' streams from their opening until they say what they are for (framing.settled: a session's open read,
         # a push stream bound to its session; a training sync's stream is counted to its end): these kinds are bounded
