@@ -325,7 +325,7 @@ class InferenceSession:
             expected = link if relay else links[-1]
             until = deadline_in(deadline_s)  # for this answer, however many others come first
             while True:
-                answered, message, answer = await self.links.next_answer(time_left(until))
+                answered, message, answer = await self.links.next_answer(time_left(until), of_s=deadline_s)
                 self._raise_step_error(answered, message)
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break

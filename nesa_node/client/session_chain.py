@@ -267,7 +267,7 @@ class SessionChain:
         try:
             while pending:
                 try:
-                    answered, message, _ = await self.next_answer(time_left(until))
+                    answered, message, _ = await self.next_answer(time_left(until), of_s=timeout_s)
                 except LinkFailed as silent:
                     if silent.link is not None:
                         raise
@@ -357,15 +357,16 @@ class SessionChain:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
 
-    async def next_answer(self, timeout_s: float) -> tuple[ChainLink, Message, Frame]:
+    async def next_answer(self, timeout_s: float, *, of_s: float | None = None) -> tuple[ChainLink, Message, Frame]:
         """The next answer from any link still open: (link, message, frame). LinkFailed when a link's channel broke,
-        a node sent something malformed, or nothing came within `timeout_s` (link None)."""
+        a node sent something malformed, or nothing came within `timeout_s` (link None; the message names `of_s`,
+        the whole exchange's bound, when given)."""
         while True:
             try:
                 async with asyncio.timeout(timeout_s):  # no task per step, unlike wait_for
                     link, item = await self.answers.get()
             except TimeoutError:
-                raise LinkFailed(f"no answer from the chain within {timeout_s} s", None) from None
+                raise LinkFailed(f"no answer from the chain within {of_s or timeout_s} s", None) from None
             if not isinstance(item, BaseException):
                 link.queued_answers -= 1
                 link.queued_bytes -= item.ByteSize()
@@ -464,7 +465,7 @@ class SessionChain:
     async def _control_answer(self, link: ChainLink, model: type[Message]) -> tuple[Message, Frame]:
         until = deadline_in(self.swarm.request_timeout_s)  # for the whole exchange, whatever else the nodes send
         while True:
-            answered, message, answer = await self.next_answer(time_left(until))
+            answered, message, answer = await self.next_answer(time_left(until), of_s=self.swarm.request_timeout_s)
             if isinstance(message, ErrorReply):
                 if message.code == PeerUnavailableError.code:
                     continue  # a node reporting that its next node is gone: the failure being recovered from
@@ -487,7 +488,9 @@ class SessionChain:
                 until = deadline_in(self.swarm.request_timeout_s)
                 while True:
                     try:
-                        answered, message, answer = await self.next_answer(time_left(until))
+                        answered, message, answer = await self.next_answer(
+                            time_left(until), of_s=self.swarm.request_timeout_s
+                        )
                     except LinkFailed as failure:  # only the replayed node owes an answer now: silence is its
                         raise LinkFailed(failure.message, failure.link or link) from None
                     if stale_report(answered, message, [link]):

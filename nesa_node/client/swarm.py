@@ -24,7 +24,7 @@ from nesa_node.client.round_trips import RoundTripMeter
 from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.timings import NodeTimings
 from nesa_node.compression.codec import all_finite
-from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError
+from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, QuotaExceededError
 from nesa_node.peer import Peer, start_peer
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Frame, LaneChannel, frame, read
@@ -56,6 +56,11 @@ PROBED_RECORD_TTL_S = 15.0
 # Nodes whose records expired less than this long ago are still asked directly when routing finds no chain (guess:
 # a few announcement lifetimes; a node gone longer is unlikely to be back under the same id).
 RECENT_RECORD_S = 120.0
+FORGET_RECORD_S = 3600.0  # records expired this long ago are dropped (see `hold`)
+FORWARD_ATTEMPTS = (
+    5  # a forward refused by a node busy with its most (server/rpc.py), asked again after 0.2 s, 0.4 s...
+)
+FORWARD_RETRY_S = 0.2
 ANSWER_DTYPES = ("float32", "float16", "bfloat16")  # the dtypes a node computes in (sharding/blocks.py DTYPES)
 BANDWIDTH_PAYLOAD_BYTES = 256 * 1024  # as the nodes' link probe: dominates a LAN round trip, short on a slow uplink
 BANDWIDTH_MAX_AGE_S = 600.0  # a link's bandwidth is measured again after this long (guess)
@@ -258,9 +263,9 @@ class Swarm(Bans, RoundTripMeter):
 
     def hold(self, records: list[NodeRecord]) -> None:
         """Merge `records` into the records at hand: per node, the one that expires last. Records expired more than
-        RECENT_RECORD_S ago are dropped, with when their nodes were first seen: identities that come and go do not
-        grow a long-running client."""
-        horizon = get_dht_time() - RECENT_RECORD_S
+        FORGET_RECORD_S ago are dropped, with when their nodes were first seen: identities that come and go do not
+        grow a long-running client (a session with a node that stopped announcing is older than that only rarely)."""
+        horizon = get_dht_time() - FORGET_RECORD_S
         held = {peer: record for peer, record in self._records.items() if record.expiration_time > horizon}
         now = time.monotonic()
         for record in records:
@@ -461,7 +466,21 @@ class Swarm(Bans, RoundTripMeter):
     async def forward(
         self, hop: Hop, hidden: torch.Tensor, codec: WireCodec = NO_CODEC, output_codec: WireCodec = NO_CODEC
     ) -> tuple[torch.Tensor, float]:
-        """Run a node's span on `hidden` (batch, seq, hidden) without a cache; returns (output, compute seconds)."""
+        """Run a node's span on `hidden` (batch, seq, hidden) without a cache; returns (output, compute seconds). A
+        node running its most forwards at once (QuotaExceededError) is asked again after a short wait, a few times."""
+        attempt = 0
+        while True:
+            try:
+                return await self._forward_once(hop, hidden, codec, output_codec)
+            except QuotaExceededError:
+                attempt += 1
+                if attempt == FORWARD_ATTEMPTS:
+                    raise
+                await asyncio.sleep(FORWARD_RETRY_S * 2 ** (attempt - 1))
+
+    async def _forward_once(
+        self, hop: Hop, hidden: torch.Tensor, codec: WireCodec, output_codec: WireCodec
+    ) -> tuple[torch.Tensor, float]:
         peer_id = hop.peer_id
         message = ForwardRequest(
             start_block=hop.start_block, end_block=hop.end_block, codec=codec, output_codec=output_codec

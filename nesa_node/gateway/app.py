@@ -162,6 +162,7 @@ class Gateway:
             )
         except Exception as exc:  # a template that fails on these messages is the request's problem
             raise ApiError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
+        self._check_chars(len(text), "messages")  # as rendered: many short messages make a long text
         return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     def _check_chars(self, chars: int, param: str) -> None:
@@ -179,9 +180,10 @@ class Gateway:
         longest session any online node serving it accepts (a node announcing none: the model's limit), the
         shortest of those over the blocks. The model's limit when no record is at hand yet."""
         longest: dict[int, int] = {}
+        num_blocks = self.model.model_config.num_hidden_layers
         for record in self.model.swarm.records_at_hand():
             info = record.info
-            if info.state != NodeState.online:
+            if info.state != NodeState.online or info.end_block > num_blocks:  # not a span of this model: as routing
                 continue
             accepted = min(info.max_length or self.max_length, self.max_length)
             for block in info.blocks:
@@ -225,7 +227,12 @@ class Gateway:
             raise ApiError(400, f"at most {MAX_STOPS} stop strings", param="stop")
         if any(len(stop) > MAX_STOP_CHARS for stop in stops):
             raise ApiError(400, f"a stop string has at most {MAX_STOP_CHARS} characters", param="stop")
-        ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompt_ids, request)
+        self.check_room(preparing=True)  # prompts waiting for the tokenizer count as waiting for a slot
+        self._waiting += 1
+        try:
+            ids = await asyncio.get_running_loop().run_in_executor(self._tokenizing, self.prompt_ids, request)
+        finally:
+            self._waiting -= 1
         return Prepared(ids, stops, self.budget(request, len(ids)), adapter)
 
     async def generate(
@@ -319,9 +326,10 @@ class Gateway:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
 
-    def check_room(self) -> None:
-        """ApiError 429 when every slot is taken and `max_waiting` requests already wait for one."""
-        if self.slots.locked() and self._waiting >= self.max_waiting:
+    def check_room(self, *, preparing: bool = False) -> None:
+        """ApiError 429 when `max_waiting` requests already wait, for a slot while every slot is taken, or for the
+        tokenizer (`preparing`: a request about to be tokenized)."""
+        if (preparing or self.slots.locked()) and self._waiting >= self.max_waiting:
             raise ApiError(
                 429,
                 f"the gateway is generating its most answers at once and {self._waiting} requests wait: retry later",

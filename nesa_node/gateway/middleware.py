@@ -56,8 +56,8 @@ class LimitBody:
         chunks, size = [], 0
         while True:
             message = await receive()
-            if message["type"] != "http.request":  # the client went away: the app sees it
-                break
+            if message["type"] != "http.request":  # the client went away before its request was whole: no work
+                return
             size += len(message.get("body", b""))
             if size > self.max_bytes:
                 await self._too_large(scope, receive, send)

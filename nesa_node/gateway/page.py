@@ -91,7 +91,7 @@ function graph(topo) {
   topo.positions.forEach((p, i) => {
     const [cx, cy] = placed[i];
     svg.append(el("circle", {cx, cy, r: 6, fill: "#1e88e5", class: "vertex"}));
-    svg.append(el("text", {x: cx + 8, y: cy + 4, "font-size": 10}, short(topo.peer_ids[i])));
+    svg.append(el("text", {x: cx + 8, y: cy + 4, "font-size": 10}, String(topo.peer_ids[i]).slice(-8)));  // text: no escape
   });
 }
 function diagram(topo) {

@@ -55,7 +55,8 @@ class TextStream:
 
     def _take(self, new: str) -> None:
         self._text += new
-        self._prefix, self._read = self._read, len(self.tokens)
+        if new:  # a token that gave no text (a special one skipped) is no context: "▁word" after it keeps its space
+            self._prefix, self._read = self._read, len(self.tokens)
 
     @property
     def text(self) -> str:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from hivemind.utils import get_dht_time
 
 from nesa_node.client.bans import FORGET_AFTER_S, PRUNE_AT, Bans
-from nesa_node.client.swarm import RECENT_RECORD_S, Swarm
+from nesa_node.client.swarm import FORGET_RECORD_S, RECENT_RECORD_S, Swarm
 from nesa_node.protocol.dht import NodeRecord
 from nesa_node.protocol.records import NodeInfo, NodeState
 
@@ -21,7 +21,7 @@ def record(peer: str, expires_in_s: float) -> NodeRecord:
 
 def test_records_expired_long_ago_are_dropped_with_when_their_nodes_were_first_seen():
     swarm = Swarm(SimpleNamespace(p2p=None, dht=None), dht_prefix="test")
-    swarm.hold([record(f"gone{index}", -RECENT_RECORD_S - 10) for index in range(1000)])
+    swarm.hold([record(f"gone{index}", -FORGET_RECORD_S - 10) for index in range(1000)])
     swarm.hold([record("recent", -RECENT_RECORD_S / 2), record("live", 60.0)])
     assert set(swarm._records) == {"recent", "live"}  # recently expired: still a candidate to probe
     assert set(swarm._first_seen) == {"recent", "live"}

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import PeerUnavailableError
+from nesa_node.errors import PeerUnavailableError, QuotaExceededError
 from nesa_node.protocol.channel import frame
-from nesa_node.protocol.messages import ForwardResult
+from nesa_node.protocol.messages import ErrorReply, ForwardResult
 from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.routing.chain import Hop
 
@@ -55,3 +55,24 @@ def test_a_malformed_answer_fails_the_call_and_bans_the_node_for_a_fault(output,
     swarm, result = forward_answered_with(output, tensors)
     assert isinstance(result, PeerUnavailableError) and why in result.message
     assert "node" in swarm.banned() and "node" in swarm._faulty
+
+
+def test_a_node_running_its_most_forwards_is_asked_again_after_a_short_wait():
+    """Honest callers beyond a node's forward bound (server/rpc.py) are refused at once; the client waits a little
+    and asks again rather than failing the call, a few times."""
+    swarm = Swarm(SimpleNamespace(p2p=None, dht=None), dht_prefix="test")
+    swarm.use_lanes = False
+    refusals = [2]  # the node is busy for its first two answers
+
+    async def unary(peer_id, name, request, timeout_s=None):
+        if refusals[0]:
+            refusals[0] -= 1
+            return frame(ErrorReply.of(QuotaExceededError("this node answers 16 forwards at once")))
+        return frame(ForwardResult(compute_s=0.001), [tensor_to_proto(HIDDEN)])
+
+    swarm.unary = unary
+    output, _ = asyncio.run(swarm.forward(Hop("node", 0, 2), HIDDEN))
+    assert torch.equal(output, HIDDEN) and refusals == [0]
+    refusals[0] = 100  # busy for good: the refusal reaches the caller, typed
+    with pytest.raises(QuotaExceededError):
+        asyncio.run(swarm.forward(Hop("node", 0, 2), HIDDEN))

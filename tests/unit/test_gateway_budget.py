@@ -21,7 +21,9 @@ def record(start: int, end: int, max_length: int, state: NodeState = NodeState.o
 def gateway(records: list[NodeRecord], model_limit: int = 32768) -> Gateway:
     gateway = Gateway.__new__(Gateway)  # budget reads the model's limit and the records at hand, nothing else
     gateway.max_length = model_limit
-    gateway.model = SimpleNamespace(swarm=SimpleNamespace(records_at_hand=lambda: records))
+    gateway.model = SimpleNamespace(
+        swarm=SimpleNamespace(records_at_hand=lambda: records), model_config=SimpleNamespace(num_hidden_layers=4)
+    )
     return gateway
 
 
@@ -43,6 +45,8 @@ def test_nodes_without_a_limit_draining_nodes_and_no_records():
     assert gateway([record(0, 4, 1 << 20)], model_limit=2048).swarm_max_length() == 2048  # never past the model
     # a draining node takes no new session: the online one's limit counts
     assert gateway([record(0, 4, 8192, NodeState.draining), record(0, 4, 1024)]).swarm_max_length() == 1024
+    # a record of blocks this model does not have (a forged one, another model's) sets no limit, as routing ignores it
+    assert gateway([record(0, 4, 4096), record(1000, 1001, 1), record(3, 1 << 20, 1)]).swarm_max_length() == 4096
 
 
 def test_a_prompt_past_the_swarms_limit_is_refused_naming_it():

@@ -73,8 +73,8 @@ def test_text_held_back_for_a_stop_that_never_completes_comes_at_the_end():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_windowed_decoding_gives_the_whole_decode_with_the_models_own_tokenizer(tiny_models, arch):
-    """With a real tokenizer (SentencePiece spaces, byte fallback, special tokens skipped): the pieces of random ids,
-    decoded a window at a time, join to the text of the whole output decoded at once."""
+    """With the models' own tokenizer (byte-level BPE, special tokens skipped): the pieces of random ids, decoded a
+    window at a time, join to the text of the whole output decoded at once."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_models[arch])
 
     def decode(tokens: list[int]) -> str:
@@ -86,3 +86,24 @@ def test_windowed_decoding_gives_the_whole_decode_with_the_models_own_tokenizer(
         stream = TextStream(decode)
         streamed = "".join(stream.push(token) for token in tokens) + stream.finish()
         assert streamed == decode(tokens)
+
+
+SENTENCEPIECE = ["\u2581Hi", "\u2581there", "<x>", "!", "\u2581", "\u2581a", "b"]  # "<x>": a special token, skipped
+
+
+def sentencepiece_decode(tokens: list[int]) -> str:
+    """As Llama's and Mistral's tokenizers decode: "\u2581" is a space, special tokens give nothing, and the text's
+    first space is dropped."""
+    text = "".join(SENTENCEPIECE[token] for token in tokens if SENTENCEPIECE[token] != "<x>").replace("\u2581", " ")
+    return text.removeprefix(" ")
+
+
+@given(st.lists(st.integers(0, len(SENTENCEPIECE) - 1), max_size=30))
+def test_a_word_after_a_skipped_special_token_keeps_its_space(tokens):
+    """A decoder dropping the first space of what it decodes: a window starting at a token that gave no text (a
+    special token) would lose the next word's space ("Hithere"); the window stays on the last token that gave text."""
+    stream = TextStream(sentencepiece_decode)
+    streamed = "".join(stream.push(token) for token in tokens) + stream.finish()
+    assert streamed == sentencepiece_decode(tokens)
+    stream = TextStream(sentencepiece_decode)
+    assert "".join(stream.push(token) for token in (0, 2, 1)) + stream.finish() == "Hi there"

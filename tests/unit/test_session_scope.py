@@ -180,7 +180,7 @@ def test_a_draining_table_refuses_new_sessions_and_keeps_the_open_ones():
 
 def test_a_sessions_own_reports_of_its_next_node_are_bounded():
     """A next node that sends refusals without end (each one a report to answer the client) fills at most
-    MAX_QUEUED_REPORTS places in the session's queue; taking one makes room for the next."""
+    MAX_QUEUED_REPORTS places in the session's queue; the rest are dropped (the first already fails the hop)."""
     session = open_session(table(), OWNER)
     queued = [session.report(PeerUnavailableError(f"refusal {index}")) for index in range(MAX_QUEUED_REPORTS + 50)]
     assert queued == [True] * MAX_QUEUED_REPORTS + [False] * 50
