@@ -23,7 +23,7 @@ import torch
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
-from nesa_node.client.session_chain import OwnAdapter, SessionChain, codec_for, deadline_in, time_left
+from nesa_node.client.session_chain import Deadline, OwnAdapter, SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.names import AUTO
 from nesa_node.errors import (
@@ -323,9 +323,9 @@ class InferenceSession:
             except PeerUnavailableError as exc:
                 raise LinkFailed(f"channel to {link.peer_id} closed: {exc.message}", link) from None
             expected = link if relay else links[-1]
-            until = deadline_in(deadline_s)  # for this answer, however many others come first
+            until = Deadline.after(deadline_s)  # for this answer, however many others come first
             while True:
-                answered, message, answer = await self.links.next_answer(time_left(until), of_s=deadline_s)
+                answered, message, answer = await self.links.next_answer(until)
                 self._raise_step_error(answered, message)
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break

@@ -118,15 +118,20 @@ class OwnAdapter:
         return frame(AdapterBlocks(adapter_id=self.adapter_id, start_block=start, end_block=end), tensors)
 
 
-def deadline_in(timeout_s: float) -> float:
-    """The event loop's time `timeout_s` from now: one bound for an exchange of several answers."""
-    return asyncio.get_running_loop().time() + timeout_s
+@dataclass(frozen=True)
+class Deadline:
+    """One bound for an exchange of several answers, `seconds` from its start (`after`): a node that keeps sending
+    answers nobody waits for (other steps, stale reports) cannot keep the wait for the awaited one open past it."""
 
+    seconds: float
+    at: float  # the event loop's time
 
-def time_left(until: float) -> float:
-    """Seconds left before `until` (a `deadline_in`), at least 0: a node that keeps sending answers nobody waits for
-    (other steps, stale reports) cannot keep the wait for the awaited one open past it."""
-    return max(0.0, until - asyncio.get_running_loop().time())
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(seconds, asyncio.get_running_loop().time() + seconds)
+
+    def left(self) -> float:
+        return max(0.0, self.at - asyncio.get_running_loop().time())
 
 
 class SessionChain:
@@ -263,11 +268,11 @@ class SessionChain:
             link.readers.append(asyncio.create_task(self._read(link, link.control, "the session")))
         # every node acknowledges the open (cache reserved) or refuses it with a typed error
         pending = {id(link): link for link in links}
-        until = deadline_in(timeout_s)  # for the whole exchange: answers nobody waits for do not extend it
+        until = Deadline.after(timeout_s)  # for the whole exchange: answers nobody waits for do not extend it
         try:
             while pending:
                 try:
-                    answered, message, _ = await self.next_answer(time_left(until), of_s=timeout_s)
+                    answered, message, _ = await self.next_answer(until)
                 except LinkFailed as silent:
                     if silent.link is not None:
                         raise
@@ -357,16 +362,16 @@ class SessionChain:
 
     # ---- answers -----------------------------------------------------------------------------------------------------
 
-    async def next_answer(self, timeout_s: float, *, of_s: float | None = None) -> tuple[ChainLink, Message, Frame]:
+    async def next_answer(self, within: float | Deadline) -> tuple[ChainLink, Message, Frame]:
         """The next answer from any link still open: (link, message, frame). LinkFailed when a link's channel broke,
-        a node sent something malformed, or nothing came within `timeout_s` (link None; the message names `of_s`,
-        the whole exchange's bound, when given)."""
+        a node sent something malformed, or nothing came `within` (seconds, or an exchange's Deadline; link None)."""
+        deadline = within if isinstance(within, Deadline) else Deadline.after(within)
         while True:
             try:
-                async with asyncio.timeout(timeout_s):  # no task per step, unlike wait_for
+                async with asyncio.timeout(deadline.left()):  # no task per step, unlike wait_for
                     link, item = await self.answers.get()
             except TimeoutError:
-                raise LinkFailed(f"no answer from the chain within {of_s or timeout_s} s", None) from None
+                raise LinkFailed(f"no answer from the chain within {deadline.seconds} s", None) from None
             if not isinstance(item, BaseException):
                 link.queued_answers -= 1
                 link.queued_bytes -= item.ByteSize()
@@ -463,9 +468,9 @@ class SessionChain:
         await self._control_answer(link, Retargeted)
 
     async def _control_answer(self, link: ChainLink, model: type[Message]) -> tuple[Message, Frame]:
-        until = deadline_in(self.swarm.request_timeout_s)  # for the whole exchange, whatever else the nodes send
+        until = Deadline.after(self.swarm.request_timeout_s)  # for the whole exchange, whatever else the nodes send
         while True:
-            answered, message, answer = await self.next_answer(time_left(until), of_s=self.swarm.request_timeout_s)
+            answered, message, answer = await self.next_answer(until)
             if isinstance(message, ErrorReply):
                 if message.code == PeerUnavailableError.code:
                     continue  # a node reporting that its next node is gone: the failure being recovered from
@@ -485,12 +490,10 @@ class SessionChain:
                 chunk = history[:, start : start + REPLAY_CHUNK_TOKENS]  # (batch, <= chunk, hidden)
                 step_id = f"{self.session_id}:replay:{start}"
                 link.send(frame(Step(step_id=step_id, position=start, replay=True), [tensor_to_proto(chunk)]))
-                until = deadline_in(self.swarm.request_timeout_s)
+                until = Deadline.after(self.swarm.request_timeout_s)
                 while True:
                     try:
-                        answered, message, answer = await self.next_answer(
-                            time_left(until), of_s=self.swarm.request_timeout_s
-                        )
+                        answered, message, answer = await self.next_answer(until)
                     except LinkFailed as failure:  # only the replayed node owes an answer now: silence is its
                         raise LinkFailed(failure.message, failure.link or link) from None
                     if stale_report(answered, message, [link]):
