@@ -22,9 +22,11 @@ reopens its chain at its last checkpoint instead (client/finetune.py). A pass of
 `max_training_mb` holds is refused; running out of device memory is a typed refusal too.
 
 Limits: `max_training_sessions` sessions on the node, each peer at most `max_cache_share_per_peer` of them (one at
-least); when the node is full, the session idle longest, if idle for `preempt_idle_s`, is ended (preempted) to admit
-a new one. A session's trainable state (parameters, gradients and AdamW's two moments: four float32 copies of its
-slice) and saved inputs stay within `max_training_mb`. Refusals are typed (too_many_sessions, quota, adapter_budget,
+least, opens under way counted, refused before their bytes are read); when the node is full, the session idle
+longest, if idle for `preempt_idle_s` (`step_timeout_s` while a forward waits for its backward pass; a refused request
+is no activity), is ended (preempted) to admit a new one. A session's trainable state (parameters, gradients and
+AdamW's two moments: four float32 copies of its slice) and saved inputs stay within `max_training_mb`, a forward's
+room reserved before it runs. Refusals are typed (too_many_sessions, quota, adapter_budget,
 adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
 `session_timeout_s` later on.
 
@@ -172,6 +174,7 @@ class TrainingService:
         self.network = network
         self.model_config = model_config
         self.sessions: dict[tuple[str, str], TrainingSession] = {}
+        self.opening: dict[str, int] = {}  # peer -> its opens being checked (not yet sessions): they count as held
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self.updates_applied = 0
 
@@ -202,9 +205,10 @@ class TrainingService:
             channel.send(frame(TrainOpened(step=session.step)))
             timeout_s = self.limits.first_step_timeout_s  # opening costs nothing: a session must use its place
             while (request := await self._next(channel, timeout_s)) is not None:
-                session.busy = True
+                session.busy, answered = True, False
                 try:
-                    channel.send(await self._answer(session, request))
+                    answer, answered = await self._answer(session, request)
+                    channel.send(answer)
                     if session.step_after_answer is not None:  # the step, off the client's critical path
                         step, session.step_after_answer = session.step_after_answer, None
                         if not await self._step_after_answer(session, step):
@@ -214,8 +218,10 @@ class TrainingService:
                 except TimeoutError:  # a client that stops reading: the session ends
                     logger.debug("training session %s: client stopped reading", session.session_id)
                     return
-                finally:
-                    session.busy, session.last_active = False, time.monotonic()
+                finally:  # a refused request is no activity: it cannot keep an idle session from preemption
+                    session.busy = False
+                    if answered:
+                        session.last_active = time.monotonic()
                 timeout_s = self.limits.session_timeout_s
         finally:
             if self.sessions.get((peer, session.session_id)) is session:
@@ -242,51 +248,79 @@ class TrainingService:
         except TimeoutError:
             return None
 
-    def _preempt_idle(self) -> bool:
-        """End the session idle longest, when one has been idle `preempt_idle_s` with no forward waiting for its
-        backward pass (its owner is told, and fails over): a node full of sessions that never step must still admit
-        a client that trains. Whether one was."""
-        now = time.monotonic()
-        idle = [
+    def idle_limit_s(self, session: TrainingSession) -> float:
+        """How long `session` may go without an answered request before it may be preempted: `preempt_idle_s`, or
+        while forwards wait for their backward pass (the rest of its chain is running) `step_timeout_s` at least."""
+        if session.saved:
+            return max(self.limits.preempt_idle_s, self.limits.step_timeout_s)
+        return self.limits.preempt_idle_s
+
+    def _preemptible(self, now: float) -> list[TrainingSession]:
+        return [
             session
             for session in self.sessions.values()
-            if not session.busy and not session.saved and now - session.last_active >= self.limits.preempt_idle_s
+            if not session.busy and now - session.last_active >= self.idle_limit_s(session)
         ]
+
+    def _preempt_idle(self) -> bool:
+        """End the session idle longest among those idle past their limit (`idle_limit_s`; its owner is told, and
+        fails over): a node full of sessions that never step, or that keep a forward and never send its backward
+        pass, must still admit a client that trains. Whether one was."""
+        now = time.monotonic()
+        idle = self._preemptible(now)
         if not idle:
             return False
         oldest = min(idle, key=lambda session: session.last_active)
         self._end(oldest, SessionPreemptedError(f"training session idle for {now - oldest.last_active:.0f} s, ended"))
         return True
 
-    async def _answer(self, session: TrainingSession, request: Frame) -> Frame:
+    async def _answer(self, session: TrainingSession, request: Frame) -> tuple[Frame, bool]:
+        """The answer to one request of the session, and whether it was served (False: refused, typed)."""
         step_id = None
         try:
             message = read(request, TO_TRAINING)
             step_id = getattr(message, "step_id", None)
             if isinstance(message, TrainForward):
-                return await self._forward(session, request, message)
+                return await self._forward(session, request, message), True
             if isinstance(message, TrainBackward):
-                return await self._backward(session, request, message)
+                return await self._backward(session, request, message), True
             if isinstance(message, TrainApply):
-                return await self._apply(session, message)
+                return await self._apply(session, message), True
             if isinstance(message, TrainStateRequest):
-                return await self._state(session)
+                return await self._state(session), True
             raise BadRequestError("this training session is open already")
         except (
             RequestError,
             PeerUnavailableError,
         ) as exc:  # refused, or a replica sent nothing: typed, the stream stays
-            return frame(ErrorReply.of(exc, step_id))
+            return frame(ErrorReply.of(exc, step_id)), False
 
     # ---- opening ---------------------------------------------------------------------------------------------------
 
     async def _open(self, request: Frame, peer: str) -> TrainingSession:
-        """Validate the open (everything that awaits), then admit it in one go with no await between the checks and
+        """Refuse what needs no work first (the peer's share and the node's sessions, counting opens under way), then
+        validate the open (everything that awaits), then admit it in one go with no await between the checks and
         the insert, so concurrent opens cannot all pass the same limits."""
-        if self.draining:
-            raise TooManySessionsError("node is draining or moving; route around it")
         message = expect(read(request, TO_TRAINING), OpenTraining)
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
+        self._check_room(peer, message.session_id)  # before the bytes are parsed and the slice built
+        under_way = sum(self.opening.values())
+        if len(self.sessions) + under_way >= self.limits.max_training_sessions and not self._preemptible(
+            time.monotonic()
+        ):
+            raise TooManySessionsError(
+                f"this node holds {len(self.sessions)} training sessions and opens {under_way} more, its limit "
+                "(max_training_sessions)"
+            )
+        self.opening[peer] = self.opening.get(peer, 0) + 1
+        try:
+            return await self._open_checked(request, message, blocks, peer)
+        finally:
+            self.opening[peer] -= 1
+            if not self.opening[peer]:
+                del self.opening[peer]
+
+    async def _open_checked(self, request: Frame, message: OpenTraining, blocks, peer: str) -> TrainingSession:
         tensors = 1 if message.optimizer_sha256 is None else 2
         if len(request.tensors) != tensors:
             raise BadRequestError(
@@ -325,23 +359,33 @@ class TrainingService:
             return trainable, optimizer
 
         trainable, optimizer = await asyncio.to_thread(build)
-        self._admit(peer, message.session_id, 4 * trainable.nbytes)
+        self._admit(peer, message.session_id, 4 * trainable.nbytes, opening=1)
         session = TrainingSession(
             message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
         )
         self.sessions[(peer, message.session_id)] = session
         return session
 
-    def _admit(self, peer: str, session_id: str, nbytes: int) -> None:
-        """Room for a new session of `peer` holding `nbytes`, preempting idle sessions when the node is full (of
-        sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after."""
+    def _check_room(self, peer: str, session_id: str, *, opening: int = 0) -> None:
+        """The refusals an open gets without preempting anyone: the node draining, the id in use, the peer at its
+        share (its opens under way counted, less `opening` of them: the caller's own). Checked before an open's
+        bytes are read, and again at its admission."""
         if self.draining:
             raise TooManySessionsError("node is draining or moving; route around it")
         if (peer, session_id) in self.sessions:
             raise BadRequestError(f"training session {session_id} is open already")
         share = max(1, math.floor(self.limits.max_training_sessions * self.limits.max_cache_share_per_peer))
-        if sum(owner == peer for owner, _ in self.sessions) >= share:
-            raise QuotaExceededError(f"this peer holds {share} training sessions here, its share")
+        held = sum(owner == peer for owner, _ in self.sessions) + self.opening.get(peer, 0) - opening
+        if held >= share:
+            raise QuotaExceededError(
+                f"this peer holds {share} training sessions here, its share (opens under way count)"
+            )
+
+    def _admit(self, peer: str, session_id: str, nbytes: int, *, opening: int = 0) -> None:
+        """Room for a new session of `peer` holding `nbytes`, preempting idle sessions when the node is full (of
+        sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after.
+        `opening`: opens under way of `peer` that are this one (1 from `_open`)."""
+        self._check_room(peer, session_id, opening=opening)
         while len(self.sessions) >= self.limits.max_training_sessions:
             if not self._preempt_idle():
                 raise TooManySessionsError(
@@ -394,6 +438,8 @@ class TrainingService:
             )
         used = self.used_bytes + hidden.nbytes
         keep_graph = message.keep and used + graph_bytes <= self.max_state_bytes  # else recomputed on backward
+        if message.keep:  # its bytes reserved before the await: other sessions' forwards meanwhile count them
+            session.saved[message.step_id] = Saved(hidden, None, graph_bytes if keep_graph else 0)
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
             if not keep_graph:
@@ -404,10 +450,15 @@ class TrainingService:
                 output = span(inputs, None, 0, session.blocks)
             return output, inputs
 
-        (output, inputs), seconds = await self._compute(run)
-        if message.keep:
-            graph = (inputs, output) if keep_graph else None
-            session.saved[message.step_id] = Saved(hidden, graph, graph_bytes if keep_graph else 0)
+        try:
+            (output, inputs), seconds = await self._compute(run)
+        except BaseException:
+            if message.keep:
+                session.saved.pop(message.step_id, None)
+            raise
+        kept = session.saved.get(message.step_id) if message.keep else None
+        if kept is not None and kept.graph_bytes:  # its room was reserved for the graph (and not dropped since)
+            kept.graph = (inputs, output)
         output = output.detach()
         return frame(
             TrainOutput(step_id=message.step_id, compute_s=seconds, codec=output_codec),

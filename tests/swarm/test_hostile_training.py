@@ -11,6 +11,7 @@ around: a node answering a training client with more than the client can legitim
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import math
@@ -47,6 +48,7 @@ from nesa_node.protocol.messages import (
     TrainSynced,
 )
 from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto
+from nesa_node.server.training import activation_bytes
 from nesa_node.sharding.blocks import load_config
 from nesa_node.sharding.lora import AdapterSlice, projection_shapes
 from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, TrainableSlice, init_adapter
@@ -60,6 +62,7 @@ LIMITS = {
     "max_cache_share_per_peer": 0.34,  # two training sessions per peer
     "max_tokens_per_step": MAX_TOKENS,
     "max_message_bytes": 1 << 20,
+    "step_timeout_s": 8.0,  # how long a session whose forward waits for its backward pass is safe from preemption
 }
 SHARE = 2
 SPEC = LoraSpec(rank=2, alpha=4.0, targets=("q_proj", "v_proj"))
@@ -609,6 +612,98 @@ def test_g3_idle_training_sessions_of_throwaway_identities_do_not_lock_out_an_ho
     ) as newcomer:
         assert math.isfinite(newcomer.train_step(target.batch))
     assert time.monotonic() - started < 15
+
+
+def test_g3_refused_requests_and_forwards_never_taken_back_do_not_hold_training_places(target, holder):
+    """Throwaway identities fill the node: the first's sessions each keep a forward and never send its backward pass,
+    the second's send only requests the node refuses. Neither is activity: the refusers may be preempted after
+    `preempt_idle_s` like idle sessions, the keepers once `step_timeout_s` has passed (an honest session between its
+    forward and its backward is safe that long), and a newcomer then trains."""
+    keeper, refuser = target.attackers
+    limits = target.node.config.limits
+    for index in range(SHARE):
+        assert isinstance(holder.open(keeper, f"keeper-{index}"), TrainOpened)
+        assert isinstance(holder.open(refuser, f"refuser-{index}"), TrainOpened)
+    keepers, refusers = holder.channels[0::2], holder.channels[1::2]
+    for index, channel in enumerate(keepers):
+        assert isinstance(target.run(ask(channel, forward(f"kept-{index}", hidden(1, 4)))), TrainOutput)
+    started = time.monotonic()
+    keys = {(p2p.peer_id.to_base58(), f"{name}-{index}") for p2p, name in ((keeper, "keeper"), (refuser, "refuser"))
+            for index in range(SHARE)}  # fmt: skip
+    assert (
+        keys <= set(target.node.training.sessions)
+        and len(target.node.training.sessions) == LIMITS["max_training_sessions"]
+    )
+
+    def refuse_until(until: float) -> None:
+        async def run():
+            while time.monotonic() < until:
+                for channel in refusers:
+                    answer = await ask(channel, backward("never", hidden(1, 4)))
+                    assert code(answer) == "bad_request"
+                await asyncio.sleep(0.25)
+
+        target.run(run(), timeout=until - time.monotonic() + 30)
+
+    def preemptible() -> set[tuple[str, str]]:
+        training = target.node.training
+        return {(s.client_peer, s.session_id) for s in training._preemptible(time.monotonic())}
+
+    refuse_until(started + limits.preempt_idle_s + 0.5)
+    waiting = preemptible()
+    assert {key for key in keys if key[1].startswith("refuser")} <= waiting  # refused requests kept none busy
+    assert not {key for key in keys if key[1].startswith("keeper")} & waiting  # forwards still guard their sessions
+    time.sleep(max(0.0, started + limits.step_timeout_s + 0.5 - time.monotonic()))
+    target.honest.train_step(target.batch)
+    assert preemptible() == keys  # the honest sessions just stepped; every attacker session may go
+    with FineTuningSession.create(
+        target.model_path,
+        initial_peers=target.swarm.initial_peers,
+        dht_prefix=PREFIX,
+        spec=SPEC,
+        lr=1e-3,
+        data_parallel=2,
+    ) as newcomer:
+        assert math.isfinite(newcomer.train_step(target.batch))
+
+
+def test_g3_an_open_over_the_share_is_refused_before_its_bytes_are_read(target, holder):
+    first = target.attackers[0]
+    for index in range(SHARE):
+        assert isinstance(holder.open(first, f"full-{index}"), TrainOpened)
+    bad = target.run(converse(first, target.node, [opening(session_id="bad", sha256="0" * 64)]))
+    assert code(bad[0]) == "quota"  # not adapter_hash: the slice's bytes were never parsed
+
+
+def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_together(target, holder, monkeypatch):
+    """Each forward fits the training memory left, not both: the first reserves its room before it runs, so the
+    second, arriving while the first computes, is refused (adapter_budget), and the node never holds more."""
+    first, second = target.attackers
+    assert isinstance(holder.open(first, "memory-a"), TrainOpened)
+    assert isinstance(holder.open(second, "memory-b"), TrainOpened)
+    training = target.node.training
+    rows = hidden(1, 8)
+    graph = activation_bytes(training.compute.span, 8, (0, 2))
+    room = training.used_bytes + graph + rows.nbytes + rows.nbytes // 2
+    monkeypatch.setattr(training, "limits", dataclasses.replace(training.limits, max_training_mb=room / 2**20))
+    run_work = training.compute.run_work
+
+    async def slow(work):  # the compute thread busy a while with the first forward
+        await asyncio.sleep(0.5)
+        return await run_work(work)
+
+    monkeypatch.setattr(training.compute, "run_work", slow)
+
+    async def both():
+        one = asyncio.create_task(ask(holder.channels[0], forward("a", rows)))
+        await asyncio.sleep(0.2)
+        two = asyncio.create_task(ask(holder.channels[1], forward("b", rows)))
+        return await one, await two
+
+    answer_a, answer_b = target.run(both())
+    assert isinstance(answer_a, TrainOutput)
+    assert code(answer_b) == "adapter_budget" and "max_training_mb" in answer_b.message
+    assert training.used_bytes <= training.max_state_bytes
 
 
 # ---- replica gradients (nesa.train_sync) ---------------------------------------------------------------------------
