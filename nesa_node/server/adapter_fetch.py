@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -54,6 +55,10 @@ MAX_REQUESTS_PER_PEER = 240  # ADAPTER streams one peer may open per REQUEST_WIN
 # refetches often: tests/swarm/test_lora_eviction.py fetches about 40 in 6 s)
 REQUEST_WINDOW_S = 60.0
 REQUEST_WAIT_S = 5.0  # a fetching peer sends its request right after opening the stream
+# the swarm's records, looked up at most once in this many seconds for all fetches: a peer naming adapters nobody
+# announces, open after open, costs the node no DHT lookup each (guess: records change on the announce period's
+# scale, tens of seconds; an adapter announced in the last second is fetched on the next open)
+RECORDS_FRESH_S = 1.0
 
 
 def adapter_answer_gate() -> AnswerGate:
@@ -111,6 +116,8 @@ class AdapterFetcher:
         self.peer_s = peer_s
         self.max_frame_bytes = max_frame_bytes
         self._under_way: dict[tuple[str, int, int], asyncio.Task] = {}
+        self._records_lock = asyncio.Lock()
+        self._records: tuple[float, list[NodeInfo]] | None = None  # (when, what) of the last lookup
         # this node's own streams to one holder at once: never beyond what the holder's AnswerGate admits per peer
         self._per_holder: dict[str, asyncio.Semaphore] = {}
 
@@ -126,10 +133,24 @@ class AdapterFetcher:
             task.add_done_callback(lambda _: self._under_way.pop(key, None))
         return await asyncio.shield(task)
 
+    async def recent_records(self) -> list[NodeInfo]:
+        """The swarm's records, looked up again only when the last lookup is `RECORDS_FRESH_S` old (concurrent
+        callers share one lookup)."""
+        async with self._records_lock:
+            if self._records is None or time.monotonic() - self._records[0] >= RECORDS_FRESH_S:
+                self._records = (time.monotonic(), list(await self.records()))
+            return self._records[1]
+
     async def _fetch(self, adapter_id: str, start: int, end: int) -> tuple[str, AdapterManifest, AdapterSlice]:
+        try:
+            async with asyncio.timeout(self.deadline_s):
+                records = await self.recent_records()
+        except TimeoutError:
+            raise AdapterMissingError(f"adapter {adapter_id}: the swarm's records did not come within "
+                                      f"{self.deadline_s:.0f} s") from None  # fmt: skip
         holders = [
             info
-            for info in await self.records()
+            for info in records
             if info.peer_id != self.peer_id and any(held.adapter_id == adapter_id for held in info.adapters)
         ]
         if not holders:

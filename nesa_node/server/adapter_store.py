@@ -120,6 +120,32 @@ class AdapterStore:
         self._used += charge
         return entry
 
+    def widen(self, manifest: AdapterManifest, piece: AdapterSlice) -> AdapterEntry:
+        """Hold `piece` in place of the resident slice of the same adapter it contains (a client sent a narrow
+        span of it, a session needs more): the entry, its pins and its place stay, sessions holding the old slice
+        keep it (the blocks both hold are the same bytes, checked against the manifest). Evicts others as `add`
+        does for the extra bytes; AdapterBudgetError when they do not fit, AdapterError when `piece` does not
+        contain the resident slice."""
+        entry = self._entries.get(manifest.adapter_id)
+        if entry is None:
+            raise AdapterError(f"this node does not hold adapter {manifest.adapter_id[:16]}…; add it")
+        if not piece.start <= entry.piece.start < entry.piece.end <= piece.end:
+            raise AdapterError(
+                f"blocks {piece.start}:{piece.end} do not contain the resident {entry.piece.start}:{entry.piece.end}"
+            )
+        check_slice(manifest, piece)
+        charge = self._weigh(piece)
+        if charge > entry.charge:
+            pinned, entry.pins = entry.pins, entry.pins + 1  # not evicted to make room for itself
+            try:
+                self._make_room(entry.name, entry.adapter_id, charge - entry.charge)
+            finally:
+                entry.pins = pinned
+        self._used += charge - entry.charge
+        entry.piece, entry.charge = piece, charge
+        self._entries.move_to_end(entry.adapter_id)
+        return entry
+
     def get(self, adapter_id: str) -> AdapterEntry | None:
         """The resident entry of `adapter_id`, marked used; None when the node does not hold it."""
         entry = self._entries.get(adapter_id)

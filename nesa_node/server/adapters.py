@@ -91,14 +91,17 @@ class NodeAdapters:
             self.make_room, self.room_in_s = sessions.preempt_idle_adapter_session, sessions.adapter_preemptible_in_s
             self.max_wait_s = max_wait_s
 
-    async def _add(self, name: str, manifest: AdapterManifest, piece: AdapterSlice) -> None:
-        """Add a fetched or sent slice, preempting idle sessions that hold adapters while the budget is full of
-        adapters in use (waiting up to `max_wait_s` for one to become idle long enough). AdapterBudgetError when
-        it still does not fit."""
+    async def _add(self, name: str, manifest: AdapterManifest, piece: AdapterSlice, *, widen: bool = False) -> None:
+        """Add a fetched or sent slice (`widen`: in place of a narrower one of the same adapter), preempting idle
+        sessions that hold adapters while the budget is full of adapters in use (waiting up to `max_wait_s` for one
+        to become idle long enough). AdapterBudgetError when it still does not fit."""
         deadline = time.monotonic() + self.max_wait_s
         while True:
             try:
-                self.store.add(name, manifest, piece)
+                if widen:
+                    self.store.widen(manifest, piece)
+                else:
+                    self.store.add(name, manifest, piece)
                 return
             except AdapterBudgetError:
                 if self.make_room():
@@ -147,12 +150,21 @@ class NodeAdapters:
         """`hold`, first fetching the adapter's slice of this node's span from the peers announcing it when the node
         lacks it (kept and announced from then on, evicted least recently used first). Raises AdapterMissingError
         when no peer delivers it, AdapterBudgetError when it does not fit beside what open sessions use."""
-        if adapter_id not in self.store and self.fetcher is not None and self.span is not None:
+        if not self._covers(adapter_id, blocks) and self.fetcher is not None and self.span is not None:
+            # lacking it, or holding a narrower slice a client sent for its own sessions (the same adapter: its id
+            # is its content), which must not hide the adapter its peers announce
             name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
             if adapter_id not in self.store:  # another session's fetch may have added it meanwhile
                 await self._add(name, manifest, piece)
                 logger.info("fetched adapter %s (%s) for blocks %d:%d from peers", name, adapter_id[:12], *self.span)
+            elif not self._covers(adapter_id, self.span):
+                await self._add(name, manifest, piece, widen=True)
+                self._private.discard(adapter_id)  # fetched whole: kept and announced as any fetched adapter
         return self.hold(adapter_id, blocks)
+
+    def _covers(self, adapter_id: str, blocks: tuple[int, int]) -> bool:
+        entry = self.store.get(adapter_id) if adapter_id in self.store else None
+        return entry is not None and entry.piece.start <= blocks[0] < blocks[1] <= entry.piece.end
 
     def shared(self, adapter_id: str, start: int, end: int) -> tuple[AdapterManifest, AdapterSlice]:
         """The manifest and the slice of blocks [start, end) of an adapter this node announces, for a peer that
@@ -172,11 +184,15 @@ class NodeAdapters:
         holds a resident one. Raises AdapterHashError for bytes that do not match, AdapterError or BadRequestError
         for a malformed upload, AdapterBudgetError when it does not fit beside what open sessions use."""
         blocks = (message.start_block, message.end_block)
-        if message.adapter_id not in self.store:
+        if not self._covers(message.adapter_id, blocks):
             manifest, piece = await asyncio.to_thread(self._check_upload, message, upload)
             if manifest.adapter_id not in self.store:  # another session may have sent it meanwhile
                 await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece)
                 self._private.add(manifest.adapter_id)
+            elif not self._covers(manifest.adapter_id, blocks):  # a narrower slice a client sent: this one holds it
+                held = self.store.get(manifest.adapter_id).piece
+                if piece.start <= held.start and held.end <= piece.end:
+                    await self._add("", manifest, piece, widen=True)
         return self.hold(message.adapter_id, blocks)
 
     def _check_upload(self, message: AdapterBlocks, upload: Frame):

@@ -97,6 +97,8 @@ class InferenceService:
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.signer = signer  # signs hop records with the node's identity key; None: sessions asking are refused
         self.adapters = adapters
+        # opens under way that hold an adapter already: (peer, a token of the open) -> the adapter, in the peer's share
+        self.opening_adapters: dict[tuple[str, object], object] = {}
         self.sessions = sessions
         self.compute = compute
         self.push = push
@@ -174,15 +176,17 @@ class InferenceService:
         else:
             adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
         share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
-        mine = {session.adapter.sha256: session.adapter.nbytes for session in self.sessions.sessions.values()
-                if session.client_peer == client_peer and session.adapter is not None}  # fmt: skip
+        held = [session.adapter for session in self.sessions.sessions.values()
+                if session.client_peer == client_peer and session.adapter is not None]  # fmt: skip
+        held += [piece for (peer, _), piece in self.opening_adapters.items() if peer == client_peer]
+        mine = {piece.sha256: piece.nbytes for piece in held}  # its open sessions' and its opens under way's
         if adapter.sha256 not in mine and sum(mine.values()) + adapter.nbytes > share:
             release()
             raise AdapterBudgetError(
                 f"this peer's sessions here would hold {sum(mine.values()) + adapter.nbytes} bytes of adapters, over "
                 f"its share of {share:.0f} (node setting max_cache_share_per_peer, of the adapter budget)"
             )
-        return adapter, release
+        return adapter, release  # (the caller counts it in the peer's share before it awaits anything)
 
     async def _next_frame(self, channel: StreamChannel) -> Frame | None:
         try:
@@ -200,9 +204,10 @@ class InferenceService:
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self.compute.codec(message.output_codec)
         with self.sessions.opening(client_peer, message.session_id):  # bounded while it waits
-            adapter, release = None, None
+            adapter, release, token = None, None, (client_peer, object())
             if upload is not None or message.adapter is not None:  # held (never evicted) until the session closes
                 adapter, release = await self._hold_adapter(message, blocks, upload, client_peer)
+                self.opening_adapters[token] = adapter  # counted in its share until the open ends
             try:
                 if adapter is not None:  # the node may have begun moving while the adapter came
                     self.compute.check_blocks(message.start_block, message.end_block)
@@ -213,6 +218,8 @@ class InferenceService:
                 if release is not None:
                     release()
                 raise
+            finally:  # a session now, or released
+                self.opening_adapters.pop(token, None)
         session.adapter, session.release_adapter = adapter, release
         if message.commit_hop is not None:
             session.window_log = WindowLog(

@@ -18,6 +18,7 @@ from hivemind.p2p import P2P
 from transformers import AutoTokenizer
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.adapter_lookup import own_adapter_of_folder
 from nesa_node.client.async_model import AsyncDistributedModel, adapter_id_of_folder
 from nesa_node.client.session_chain import OwnAdapter
 from nesa_node.errors import AdapterBudgetError, AdapterHashError, AdapterMissingError, NoRouteError
@@ -25,7 +26,7 @@ from nesa_node.gateway.app import Gateway
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import frame, read
 from nesa_node.protocol.framing import open_stream
-from nesa_node.protocol.messages import ADAPTER_ANSWERS, AdapterRequest, ErrorReply
+from nesa_node.protocol.messages import ADAPTER_ANSWERS, TO_SESSION, AdapterRequest, ErrorReply
 from nesa_node.server.adapter_fetch import MAX_ANSWERS_PER_PEER
 from nesa_node.sharding.blocks import load_config
 from nesa_node.sharding.lora import load_adapter_slice
@@ -421,3 +422,88 @@ def test_a_name_squatted_by_another_adapter_is_refused_never_resolved_to_it(
         assert torch.equal(output, peft_generate(trained_model, adapters[name], input_ids, NEW_TOKENS))
     finally:
         lora_swarm.stop_node(squatter)
+
+
+def test_a_narrow_slice_a_client_sent_does_not_hide_the_adapter_its_peers_announce(lora_swarm, trained_model, adapters):
+    """A client sends a node blocks 0:1 of an adapter others announce for 0:2 (its id is its content: the same
+    adapter): a session on 0:2 naming it still gets it, fetched whole from the peers in place of the narrow slice,
+    which then stays and is announced like any fetched adapter. A client's own adapter sent narrow, then wide, is
+    held wide and gone with its sessions."""
+    config = load_config(trained_model)
+    public = own_adapter_of_folder(adapters["all-r16"], config)
+    private = own_adapter_of_folder(adapters["mlp-r8-some"], config)
+    fresh = lora_swarm.start_node(trained_model, 0, 2, dht_prefix=PREFIX)
+
+    async def upload(own: OwnAdapter, start: int, end: int):
+        sent = own.blocks_frame(start, end)
+        return await fresh.adapters.hold_uploaded(read(sent, TO_SESSION), sent)
+
+    async def run():
+        narrow, release_narrow = await upload(public, 0, 1)
+        whole, release_whole = await fresh.adapters.hold_or_fetch(public.adapter_id, (0, 2))
+        release_narrow()
+        release_whole()
+        first, release_first = await upload(private, 0, 1)
+        second, release_second = await upload(private, 0, 2)
+        release_first()
+        release_second()
+        return [(piece.start, piece.end) for piece in (narrow, whole, first, second)]
+
+    try:
+        assert lora_swarm.run(run()) == [(0, 1), (0, 2), (0, 1), (0, 2)]
+        assert public.adapter_id in fresh.adapters.store  # fetched: kept once its sessions are gone
+        assert public.adapter_id in {info.adapter_id for info in fresh.current_info().adapters}
+        assert private.adapter_id not in fresh.adapters.store  # a client's own: gone with its last session
+    finally:
+        lora_swarm.stop_node(fresh)
+
+
+def test_a_peers_opens_under_way_count_in_its_adapter_share(lora_swarm, trained_model, tmp_path):
+    """A node whose cache throwaway sessions fill: one peer opens two sessions at once with two adapters of its
+    own, each within its share of the adapter budget, not both. Both wait for room; the second is refused over
+    the share at once (its first's adapter counted while that open waits), the first opens once a throwaway
+    session is preempted."""
+    config = load_config(trained_model)
+    folders = [
+        save_random_adapter(trained_model, tmp_path / f"share{index}", 70 + index, r=4, target_modules="all-linear")
+        for index in range(2)
+    ]
+    size = load_adapter_slice(str(folders[0]), config, 0, 4).nbytes
+    node = lora_swarm.start_node(
+        trained_model,
+        0,
+        4,
+        dht_prefix="lora-share",
+        adapter_budget_mb=3 * size / 2**20,
+        preempt_idle_s=1.0,
+        max_cache_tokens=16,
+    )
+
+    def client():
+        return lora_swarm.run(AsyncDistributedModel.from_pretrained(
+            trained_model, initial_peers=lora_swarm.initial_peers, dht_prefix="lora-share", compression="none",
+            max_open_attempts=1,
+        ))  # fmt: skip
+
+    throwaways, peer = [client(), client()], client()
+    try:
+        idle = [lora_swarm.run(model.open_session(max_length=8)) for model in throwaways]  # half the cache: a share
+
+        async def both():
+            return await asyncio.gather(
+                *(peer.open_session(max_length=8, adapter=str(folder)) for folder in folders), return_exceptions=True
+            )
+
+        answers = lora_swarm.run(both())
+        refused = [answer for answer in answers if isinstance(answer, BaseException)]
+        assert len(refused) == 1 and isinstance(refused[0], AdapterBudgetError), answers
+        assert "over its share" in str(refused[0])
+        for answer in answers:
+            if not isinstance(answer, BaseException):
+                lora_swarm.run(answer.close())
+        for session in idle:
+            lora_swarm.run(session.close())
+    finally:
+        for model in (*throwaways, peer):
+            lora_swarm.run(model.close())
+        lora_swarm.stop_node(node)

@@ -4,6 +4,8 @@ it (`AnswerGate`), and the shape check a node applies to slices it did not read 
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from hypothesis import given
@@ -11,6 +13,7 @@ from hypothesis import strategies as st
 
 from nesa_node.errors import AdapterError, AdapterMissingError, QuotaExceededError
 from nesa_node.protocol.records import NodeInfo, NodeState
+from nesa_node.server import adapter_fetch
 from nesa_node.server.adapter_fetch import AnswerGate, cover
 from nesa_node.sharding.lora import AdapterSlice, LoraFactors, check_fits_model
 
@@ -131,3 +134,39 @@ def test_answer_gate_never_exceeds_its_limits(moves):
         assert sum(gate.running.values()) <= 3 and all(count <= 2 for count in gate.running.values())
         for times in started.values():
             assert len([t for t in times if t > clock.t - 60.0]) <= 5
+
+
+def test_fetches_of_adapters_nobody_announces_share_one_records_lookup_a_second(monkeypatch):
+    """A peer naming unknown adapter ids open after open: the node looks the swarm's records up once for all of them
+    (concurrent or within RECORDS_FRESH_S), and again once they are that old."""
+    monkeypatch.setattr(adapter_fetch, "RECORDS_FRESH_S", 0.5)
+    lookups = 0
+
+    async def records() -> list[NodeInfo]:
+        nonlocal lookups
+        lookups += 1
+        await asyncio.sleep(0.05)
+        return [info("other", 0, 4)]
+
+    async def run() -> list[int]:
+        fetcher = adapter_fetch.AdapterFetcher(
+            None, "me", records, None, deadline_s=5.0, peer_s=1.0, max_frame_bytes=1 << 20
+        )
+
+        async def ask(count: int) -> None:
+            ids = [f"{index:064x}" for index in range(count)]
+            answers = await asyncio.gather(*(fetcher.fetch(i, 0, 2) for i in ids), return_exceptions=True)
+            assert all(isinstance(a, AdapterMissingError) and "no peer announces it" in a.message for a in answers)
+
+        counts = []
+        await ask(20)
+        counts.append(lookups)
+        await asyncio.sleep(0.1)
+        await ask(5)
+        counts.append(lookups)
+        await asyncio.sleep(0.6)
+        await ask(5)
+        counts.append(lookups)
+        return counts
+
+    assert asyncio.run(run()) == [1, 1, 2]

@@ -304,3 +304,28 @@ def test_a_slice_running_on_another_device_or_dtype_is_charged_its_float32_copie
     with pytest.raises(AdapterBudgetError, match=f"{SIZE + 4 * elements} bytes on this node"):
         AdapterStore(SIZE, weigh=lambda p: p.nbytes + p.run_bytes("cuda")).add("on-gpu", manifest, piece)
     assert charged.remove(manifest.adapter_id) and charged.used_bytes == 0
+
+
+def test_widen_holds_a_wider_slice_of_the_same_adapter_in_place_evicting_others_for_the_extra_bytes():
+    manifest, piece = ADAPTERS[0]
+    narrow = piece.narrow(1, 2)
+    store = AdapterStore(SIZE + narrow.nbytes + narrow.nbytes // 2)
+    entry = store.add("zero", manifest, narrow)
+    store.pin(_id(0))
+    _add(store, 1)  # a full slice beside it: only half of it fits with the widened one
+    assert store.used_bytes == narrow.nbytes + SIZE
+    widened = store.widen(manifest, piece)
+    assert widened is entry and entry.piece is piece and entry.pins == 1  # same entry, pins kept
+    assert _resident(store) == {0} and store.used_bytes == SIZE  # the unpinned other made room
+    with pytest.raises(AdapterError, match="do not contain"):
+        store.widen(manifest, narrow)  # narrower than what is held
+    with pytest.raises(AdapterHashError):
+        store.widen(manifest, ADAPTERS[2][1])  # another adapter's slice under this id
+    with pytest.raises(AdapterError, match="does not hold"):
+        store.widen(*ADAPTERS[3])
+    full = AdapterStore(SIZE + narrow.nbytes)
+    full.add("zero", manifest, narrow)
+    _add(full, 1, preloaded=True)
+    with pytest.raises(AdapterBudgetError):
+        full.widen(manifest, piece)
+    assert full.get(_id(0)).piece is narrow and full.used_bytes == SIZE + narrow.nbytes  # refused: nothing changed
