@@ -3,6 +3,11 @@
 A ban for a failure (a stream that broke, a node that went quiet, one its neighbour could not reach) may be lifted
 early when the node answers again and no chain is left without it (client/routing.py, client/failover.py); a ban
 for a fault (something wrong it sent: client/chain_links.py LinkFailed.fault; outvoted; blamed) never is.
+
+Accusations (`accuse`): in a direct chain a node that refuses the input its previous node pushed accuses that node,
+which the client cannot see. When the accused's own record of what it sent (its kept outputs) is sane, it is one
+node's word against another's: the accused is replaced for a failure only, and an accuser whose word stood against
+ACCUSATIONS_TO_BLAME different nodes is the one blamed (client/failover.py).
 """
 
 from __future__ import annotations
@@ -11,6 +16,9 @@ import time
 
 PRUNE_AT = 4096  # bans kept before those over for an hour (longer than any ban's doubling looks back) are dropped
 FORGET_AFTER_S = 3600.0
+# an honest node meets a node that pushes it bad inputs yet keeps a sane record of them rarely; two such in a row
+# (distinct nodes) say the accuser lies (guess)
+ACCUSATIONS_TO_BLAME = 2
 
 
 class Bans:
@@ -19,6 +27,7 @@ class Bans:
     def __init__(self) -> None:
         self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
         self._faulty: set[str] = set()  # peers banned for a fault at least once: their bans are never lifted early
+        self._accusations: dict[str, tuple[float, set[str]]] = {}  # accuser -> (last, monotonic s; nodes accused)
 
     def ban(self, peer_id: str, *, base_s: float = 15.0, max_s: float = 600.0, fault: bool = False) -> float:
         """Keep `peer_id` out of new chains for a while: base_s, doubling on each repeat ban up to max_s.
@@ -46,6 +55,20 @@ class Bans:
         if until > time.monotonic():
             self._bans[peer_id] = (time.monotonic(), last)
         return True
+
+    def accuse(self, accuser: str, accused: str) -> int:
+        """Record that `accuser` refused inputs of `accused` whose own record of them was sane (module docstring);
+        the number of distinct nodes it accused so in the last FORGET_AFTER_S."""
+        now = time.monotonic()
+        if len(self._accusations) >= PRUNE_AT:
+            self._accusations = {peer: got for peer, got in self._accusations.items() if got[0] > now - FORGET_AFTER_S}
+        last, accused_peers = self._accusations.get(accuser, (now, set()))
+        if last <= now - FORGET_AFTER_S:
+            accused_peers = set()
+        if len(accused_peers) < ACCUSATIONS_TO_BLAME:  # (bounded: more say nothing more)
+            accused_peers.add(accused)
+        self._accusations[accuser] = (now, accused_peers)
+        return len(accused_peers)
 
     def faulty(self) -> frozenset[str]:
         """Peers banned for a fault at least once (see `ban`)."""

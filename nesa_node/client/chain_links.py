@@ -68,13 +68,26 @@ class LinkFailed(PeerUnavailableError):
     """A node of the chain failed (stream closed or errored); `link` is None when the chain as a whole went quiet.
     `fault`: the node sent something wrong (a malformed answer, bad hidden states, a pushed input its next node
     refused), not merely stopped: its ban is never lifted early (Swarm.ban). `full`: the node has no room for the
-    session (cache, its quota): opening it there again cannot help (client/failover.py)."""
+    session (cache, its quota): opening it there again cannot help (client/failover.py). `accuser`: the node that
+    refused the input `link` pushed it, an accusation the failover weighs against `link`'s record of its outputs
+    for the first `through` tokens before it blames anyone (Failover.judge)."""
 
-    def __init__(self, message: str, link: ChainLink | None, *, fault: bool = False, full: bool = False):
+    def __init__(
+        self,
+        message: str,
+        link: ChainLink | None,
+        *,
+        fault: bool = False,
+        full: bool = False,
+        accuser: ChainLink | None = None,
+        through: int = 0,
+    ):
         super().__init__(message)
         self.link = link
         self.fault = fault
         self.full = full
+        self.accuser = accuser
+        self.through = through
 
 
 def stale_report(answered: ChainLink, message: Message, awaited: list[ChainLink]) -> bool:

@@ -28,11 +28,19 @@ from collections.abc import Awaitable, Callable
 
 import torch
 
+from nesa_node.client.bans import ACCUSATIONS_TO_BLAME
 from nesa_node.client.chain_links import ChainLink, LinkFailed
 from nesa_node.client.routing import LAST_NODES_PROBE_FACTOR
 from nesa_node.client.session_chain import SessionChain
 from nesa_node.client.swarm import Swarm
-from nesa_node.errors import CacheBudgetError, NoRouteError, PeerUnavailableError, QuotaExceededError, RequestError
+from nesa_node.errors import (
+    BadRequestError,
+    CacheBudgetError,
+    NoRouteError,
+    PeerUnavailableError,
+    QuotaExceededError,
+    RequestError,
+)
 from nesa_node.protocol.messages import LaneSettings, Retarget
 from nesa_node.routing.chain import ChainRequest, Hop
 
@@ -87,6 +95,9 @@ class Failover:
         started = time.perf_counter()
         self._phases = {}
         chain = self.chain
+        if failure.accuser is not None:
+            with self._timed("judge"):
+                failure = await self.judge(failure)
         with self._timed("find"):
             index = await self._find_failed(failure)
         if index is None:
@@ -163,6 +174,36 @@ class Failover:
                 "phases": {phase: round(seconds, 4) for phase, seconds in self._phases.items()},
             }
         )
+
+    async def judge(self, accusation: LinkFailed) -> LinkFailed:
+        """Who failed, when a node of a direct chain refused the input its previous node pushed it (`accusation`:
+        the accused as its link, the accuser, the tokens through the refused step). The accused is asked for its
+        kept outputs through that step (what it pushed, lossless; the step went to it before this request, so an
+        honest node has computed it): malformed ones (NaN, another shape) or fewer tokens are its fault on its own
+        word; no answer at all its failure; sane ones leave word against word: the accused is replaced for a
+        failure only, unless the accuser has now refused sane outputs of ACCUSATIONS_TO_BLAME different nodes, when
+        the accuser is blamed (client/bans.py)."""
+        accused, accuser = accusation.link, accusation.accuser
+        if accused is None or accused not in self.chain.links or accuser not in self.chain.links:
+            return LinkFailed(accusation.message, accused)
+        try:
+            async with asyncio.timeout(self.swarm.request_timeout_s):
+                await self.chain.history(accused, accusation.through)
+        except LinkFailed as shown:
+            if shown.fault:  # its own record of what it pushed is wrong
+                return LinkFailed(f"{accusation.message}; its record agrees: {shown.message}", accused, fault=True)
+            return LinkFailed(accusation.message, accused)
+        except BadRequestError as refused:  # its record stops short of the step it was sent before this request
+            message = f"{accusation.message}; its record stops short of it: {refused.message}"
+            return LinkFailed(message, accused, fault=True)
+        except (RequestError, PeerUnavailableError, TimeoutError):
+            return LinkFailed(f"{accusation.message}; it shows no record of the step", accused)
+        if self.swarm.accuse(accuser.peer_id, accused.peer_id) >= ACCUSATIONS_TO_BLAME:
+            logger.warning("node %s refused sane inputs of %d different nodes: blamed", accuser.peer_id,
+                           ACCUSATIONS_TO_BLAME)  # fmt: skip
+            message = f"{accuser.peer_id} refused the sane inputs of {ACCUSATIONS_TO_BLAME} different nodes"
+            return LinkFailed(message, accuser, fault=True)
+        return LinkFailed(f"{accusation.message}; its record is sane: replaced, not blamed", accused)
 
     async def _answers_longer(self, peer_id: str) -> bool:
         """Whether a node that missed the short probe answers a ping within LAST_NODES_PROBE_FACTOR of it."""

@@ -472,8 +472,10 @@ class SessionChain:
         while True:
             answered, message, answer = await self.next_answer(until)
             if isinstance(message, ErrorReply):
-                if message.code == PeerUnavailableError.code:
-                    continue  # a node reporting that its next node is gone: the failure being recovered from
+                if message.code == PeerUnavailableError.code or answered is not link:
+                    # a node reporting that its next node is gone (the failure being recovered from), or another
+                    # node's refusal of a step sent before: not this exchange's answer, nor for `link` to answer for
+                    continue
                 raise message.error()
             if answered is link and isinstance(message, model):
                 return message, answer

@@ -116,8 +116,8 @@ class AdapterFetcher:
         self.peer_s = peer_s
         self.max_frame_bytes = max_frame_bytes
         self._under_way: dict[tuple[str, int, int], asyncio.Task] = {}
-        self._records_lock = asyncio.Lock()
-        self._records: tuple[float, list[NodeInfo]] | None = None  # (when, what) of the last lookup
+        self._records: tuple[float, list[NodeInfo]] | None = None  # (when it came, what) of the last lookup
+        self._lookup: asyncio.Future | None = None  # the lookup under way, which every caller meanwhile awaits
         # this node's own streams to one holder at once: never beyond what the holder's AnswerGate admits per peer
         self._per_holder: dict[str, asyncio.Semaphore] = {}
 
@@ -136,29 +136,31 @@ class AdapterFetcher:
     async def recent_records(self) -> list[NodeInfo]:
         """The swarm's records, looked up again only when the last lookup is `RECORDS_FRESH_S` old (concurrent
         callers share one lookup)."""
-        async with self._records_lock:
-            if self._records is None or time.monotonic() - self._records[0] >= RECORDS_FRESH_S:
-                self._records = (time.monotonic(), list(await self.records()))
+        if self._records is not None and time.monotonic() - self._records[0] < RECORDS_FRESH_S:
             return self._records[1]
+        if self._lookup is None or self._lookup.done():
+            self._lookup = asyncio.ensure_future(self._look_up())
+        return await asyncio.shield(self._lookup)  # a caller that goes away does not cancel the others' lookup
+
+    async def _look_up(self) -> list[NodeInfo]:
+        records = list(await self.records())
+        self._records = (time.monotonic(), records)  # fresh from when it came, however long it took
+        return records
 
     async def _fetch(self, adapter_id: str, start: int, end: int) -> tuple[str, AdapterManifest, AdapterSlice]:
-        try:
-            async with asyncio.timeout(self.deadline_s):
-                records = await self.recent_records()
-        except TimeoutError:
-            raise AdapterMissingError(f"adapter {adapter_id}: the swarm's records did not come within "
-                                      f"{self.deadline_s:.0f} s") from None  # fmt: skip
-        holders = [
-            info
-            for info in records
-            if info.peer_id != self.peer_id and any(held.adapter_id == adapter_id for held in info.adapters)
-        ]
-        if not holders:
-            raise AdapterMissingError(f"adapter {adapter_id}: no peer announces it")
-        names = Counter(held.name for info in holders for held in info.adapters if held.adapter_id == adapter_id)
         failed: dict[str, str] = {}  # peer id -> why it was left out
         try:
-            async with asyncio.timeout(self.deadline_s):
+            async with asyncio.timeout(self.deadline_s):  # the records' lookup and the blocks' transfer together
+                holders = [
+                    info
+                    for info in await self.recent_records()
+                    if info.peer_id != self.peer_id and any(held.adapter_id == adapter_id for held in info.adapters)
+                ]
+                if not holders:
+                    raise AdapterMissingError(f"adapter {adapter_id}: no peer announces it")
+                names = Counter(
+                    held.name for info in holders for held in info.adapters if held.adapter_id == adapter_id
+                )
                 pieces = await self._cover(adapter_id, start, end, holders, failed)
         except TimeoutError:
             raise AdapterMissingError(f"adapter {adapter_id} blocks {start}:{end}: not fetched within "

@@ -120,12 +120,13 @@ class AdapterStore:
         self._used += charge
         return entry
 
-    def widen(self, manifest: AdapterManifest, piece: AdapterSlice) -> AdapterEntry:
+    def widen(self, manifest: AdapterManifest, piece: AdapterSlice, name: str | None = None) -> AdapterEntry:
         """Hold `piece` in place of the resident slice of the same adapter it contains (a client sent a narrow
-        span of it, a session needs more): the entry, its pins and its place stay, sessions holding the old slice
-        keep it (the blocks both hold are the same bytes, checked against the manifest). Evicts others as `add`
-        does for the extra bytes; AdapterBudgetError when they do not fit, AdapterError when `piece` does not
-        contain the resident slice."""
+        span of it, a session needs more), as `name` when given: the entry, its pins and its place stay, sessions
+        holding the old slice keep it (the blocks both hold are the same bytes, checked against the manifest; its
+        bytes are charged no more, at most one narrower slice of each widening). Evicts others as `add` does for
+        the extra bytes; AdapterBudgetError when they do not fit, AdapterError when `piece` does not contain the
+        resident slice."""
         entry = self._entries.get(manifest.adapter_id)
         if entry is None:
             raise AdapterError(f"this node does not hold adapter {manifest.adapter_id[:16]}…; add it")
@@ -133,6 +134,8 @@ class AdapterStore:
             raise AdapterError(
                 f"blocks {piece.start}:{piece.end} do not contain the resident {entry.piece.start}:{entry.piece.end}"
             )
+        if name is not None and (not isinstance(name, str) or not 1 <= len(name) <= MAX_NAME_LENGTH):
+            raise AdapterError(f"an adapter's name has 1 to {MAX_NAME_LENGTH} characters, not {name!r}")
         check_slice(manifest, piece)
         charge = self._weigh(piece)
         if charge > entry.charge:
@@ -141,6 +144,8 @@ class AdapterStore:
                 self._make_room(entry.name, entry.adapter_id, charge - entry.charge)
             finally:
                 entry.pins = pinned
+        if name is not None:
+            entry.name = name
         self._used += charge - entry.charge
         entry.piece, entry.charge = piece, charge
         self._entries.move_to_end(entry.adapter_id)

@@ -91,17 +91,25 @@ class NodeAdapters:
             self.make_room, self.room_in_s = sessions.preempt_idle_adapter_session, sessions.adapter_preemptible_in_s
             self.max_wait_s = max_wait_s
 
-    async def _add(self, name: str, manifest: AdapterManifest, piece: AdapterSlice, *, widen: bool = False) -> None:
-        """Add a fetched or sent slice (`widen`: in place of a narrower one of the same adapter), preempting idle
-        sessions that hold adapters while the budget is full of adapters in use (waiting up to `max_wait_s` for one
-        to become idle long enough). AdapterBudgetError when it still does not fit."""
+    async def _add(self, name: str, manifest: AdapterManifest, piece: AdapterSlice, *, private: bool) -> None:
+        """Add a fetched or sent (`private`: a client's own) slice, or hold it in place of a narrower slice of the
+        same adapter a client sent; nothing when the store holds its blocks already (another session's meanwhile).
+        Preempts idle sessions that hold adapters while the budget is full of adapters in use (waiting up to
+        `max_wait_s` for one to become idle long enough); AdapterBudgetError when it still does not fit. What the
+        store holds is looked at again after every wait."""
         deadline = time.monotonic() + self.max_wait_s
+        adapter_id = manifest.adapter_id
         while True:
             try:
-                if widen:
-                    self.store.widen(manifest, piece)
-                else:
+                entry = self.store.get(adapter_id) if adapter_id in self.store else None
+                if entry is None:
                     self.store.add(name, manifest, piece)
+                    if private:
+                        self._private.add(adapter_id)
+                else:
+                    held = (entry.piece.start, entry.piece.end)
+                    if piece.start <= held[0] and held[1] <= piece.end and held != (piece.start, piece.end):
+                        self.store.widen(manifest, piece, None if private else name)  # a wider one: in its place
                 return
             except AdapterBudgetError:
                 if self.make_room():
@@ -154,12 +162,10 @@ class NodeAdapters:
             # lacking it, or holding a narrower slice a client sent for its own sessions (the same adapter: its id
             # is its content), which must not hide the adapter its peers announce
             name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
-            if adapter_id not in self.store:  # another session's fetch may have added it meanwhile
-                await self._add(name, manifest, piece)
-                logger.info("fetched adapter %s (%s) for blocks %d:%d from peers", name, adapter_id[:12], *self.span)
-            elif not self._covers(adapter_id, self.span):
-                await self._add(name, manifest, piece, widen=True)
-                self._private.discard(adapter_id)  # fetched whole: kept and announced as any fetched adapter
+            await self._add(name, manifest, piece, private=False)
+            if self._covers(adapter_id, self.span):  # whole: kept and announced as any fetched adapter
+                self._private.discard(adapter_id)
+            logger.info("fetched adapter %s (%s) for blocks %d:%d from peers", name, adapter_id[:12], *self.span)
         return self.hold(adapter_id, blocks)
 
     def _covers(self, adapter_id: str, blocks: tuple[int, int]) -> bool:
@@ -184,15 +190,9 @@ class NodeAdapters:
         holds a resident one. Raises AdapterHashError for bytes that do not match, AdapterError or BadRequestError
         for a malformed upload, AdapterBudgetError when it does not fit beside what open sessions use."""
         blocks = (message.start_block, message.end_block)
-        if not self._covers(message.adapter_id, blocks):
+        if not self._covers(message.adapter_id, blocks):  # (a narrower slice a client sent: widened to this one)
             manifest, piece = await asyncio.to_thread(self._check_upload, message, upload)
-            if manifest.adapter_id not in self.store:  # another session may have sent it meanwhile
-                await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece)
-                self._private.add(manifest.adapter_id)
-            elif not self._covers(manifest.adapter_id, blocks):  # a narrower slice a client sent: this one holds it
-                held = self.store.get(manifest.adapter_id).piece
-                if piece.start <= held.start and held.end <= piece.end:
-                    await self._add("", manifest, piece, widen=True)
+            await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece, private=True)
         return self.hold(message.adapter_id, blocks)
 
     def _check_upload(self, message: AdapterBlocks, upload: Frame):

@@ -97,8 +97,9 @@ class InferenceService:
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.signer = signer  # signs hop records with the node's identity key; None: sessions asking are refused
         self.adapters = adapters
-        # opens under way that hold an adapter already: (peer, a token of the open) -> the adapter, in the peer's share
-        self.opening_adapters: dict[tuple[str, object], object] = {}
+        # opens under way that hold an adapter already: (peer, a token of the open) -> (adapter id, slice bytes),
+        # counted in the peer's share
+        self.opening_adapters: dict[tuple[str, object], tuple[str, int]] = {}
         self.sessions = sessions
         self.compute = compute
         self.push = push
@@ -176,11 +177,13 @@ class InferenceService:
         else:
             adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
         share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
-        held = [session.adapter for session in self.sessions.sessions.values()
+        held = [(session.adapter_id, session.adapter.nbytes) for session in self.sessions.sessions.values()
                 if session.client_peer == client_peer and session.adapter is not None]  # fmt: skip
-        held += [piece for (peer, _), piece in self.opening_adapters.items() if peer == client_peer]
-        mine = {piece.sha256: piece.nbytes for piece in held}  # its open sessions' and its opens under way's
-        if adapter.sha256 not in mine and sum(mine.values()) + adapter.nbytes > share:
+        held += [used for (peer, _), used in self.opening_adapters.items() if peer == client_peer]
+        mine: dict[str, int] = {}  # adapter id -> the most bytes of it its open sessions and opens under way hold
+        for adapter_id, nbytes in held:
+            mine[adapter_id] = max(nbytes, mine.get(adapter_id, 0))
+        if message.adapter not in mine and sum(mine.values()) + adapter.nbytes > share:
             release()
             raise AdapterBudgetError(
                 f"this peer's sessions here would hold {sum(mine.values()) + adapter.nbytes} bytes of adapters, over "
@@ -207,7 +210,7 @@ class InferenceService:
             adapter, release, token = None, None, (client_peer, object())
             if upload is not None or message.adapter is not None:  # held (never evicted) until the session closes
                 adapter, release = await self._hold_adapter(message, blocks, upload, client_peer)
-                self.opening_adapters[token] = adapter  # counted in its share until the open ends
+                self.opening_adapters[token] = (message.adapter, adapter.nbytes)  # in its share until the open ends
             try:
                 if adapter is not None:  # the node may have begun moving while the adapter came
                     self.compute.check_blocks(message.start_block, message.end_block)
@@ -221,6 +224,7 @@ class InferenceService:
             finally:  # a session now, or released
                 self.opening_adapters.pop(token, None)
         session.adapter, session.release_adapter = adapter, release
+        session.adapter_id = message.adapter if adapter is not None else None
         if message.commit_hop is not None:
             session.window_log = WindowLog(
                 self.signer,

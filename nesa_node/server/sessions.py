@@ -108,6 +108,7 @@ class ServerSession:
     last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
     busy: bool = False  # a step is being computed or handed on
     adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
+    adapter_id: str | None = None  # its adapter's id (the sha256 of its manifest)
     release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
     window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
 

@@ -22,12 +22,12 @@ reopens its chain at its last checkpoint instead (client/finetune.py). A pass of
 `max_training_mb` holds is refused; running out of device memory is a typed refusal too.
 
 Limits: `max_training_sessions` sessions on the node, each peer at most `max_cache_share_per_peer` of them (one at
-least, opens under way counted, refused before their bytes are read); when the node is full, the session idle
+least, its opens under way counted, refused before their bytes are read); when the node is full, the session idle
 longest, if idle for `preempt_idle_s` (`step_timeout_s` while a forward waits for its backward pass; a refused request
-is no activity), is ended (preempted) to admit a new one. A session's trainable state (parameters, gradients and
-AdamW's two moments: four float32 copies of its slice) and saved inputs stay within `max_training_mb`, a forward's
-room reserved before it runs. Refusals are typed (too_many_sessions, quota, adapter_budget,
-adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
+or one answered from record is no activity), is ended (preempted) to admit a new one. A session's trainable state
+(parameters, gradients and AdamW's two moments: four float32 copies of its slice) and saved inputs stay within
+`max_training_mb`, a forward's room reserved before it runs. Refusals are typed (too_many_sessions, quota,
+adapter_budget, adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
 `session_timeout_s` later on.
 
 Data parallel (server/training_sync.py): sessions on the same blocks opened as each other's `replicas` (OpenTraining) each run part of every
@@ -284,8 +284,9 @@ class TrainingService:
                 return await self._forward(session, request, message), True
             if isinstance(message, TrainBackward):
                 return await self._backward(session, request, message), True
-            if isinstance(message, TrainApply):
-                return await self._apply(session, message), True
+            if isinstance(message, TrainApply):  # answering one taken already is no activity: it costs nothing
+                progress = message.update != session.step
+                return await self._apply(session, message), progress
             if isinstance(message, TrainStateRequest):
                 return await self._state(session), True
             raise BadRequestError("this training session is open already")
@@ -304,13 +305,10 @@ class TrainingService:
         message = expect(read(request, TO_TRAINING), OpenTraining)
         blocks = self.compute.check_blocks(message.start_block, message.end_block)
         self._check_room(peer, message.session_id)  # before the bytes are parsed and the slice built
-        under_way = sum(self.opening.values())
-        if len(self.sessions) + under_way >= self.limits.max_training_sessions and not self._preemptible(
-            time.monotonic()
-        ):
+        # (other peers' opens under way do not count here: ones bound to fail would keep honest ones out)
+        if len(self.sessions) >= self.limits.max_training_sessions and not self._preemptible(time.monotonic()):
             raise TooManySessionsError(
-                f"this node holds {len(self.sessions)} training sessions and opens {under_way} more, its limit "
-                "(max_training_sessions)"
+                f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
             )
         self.opening[peer] = self.opening.get(peer, 0) + 1
         try:

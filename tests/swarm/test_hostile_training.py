@@ -37,6 +37,8 @@ from nesa_node.protocol.messages import (
     Message,
     OpenTraining,
     Replica,
+    TrainApplied,
+    TrainApply,
     TrainBackward,
     TrainForward,
     TrainGrad,
@@ -164,6 +166,7 @@ def opening(
     optimizer_sha256: str | None = None,
     extra: list | None = None,
     replicas: tuple[Replica, ...] = (),
+    step: int = 0,
 ) -> Frame:
     piece = piece if piece is not None else adapter().narrow(start, end)
     data = piece.to_bytes()
@@ -177,6 +180,7 @@ def opening(
         lr=1e-3,
         optimizer_sha256=optimizer_sha256,
         replicas=replicas,
+        step=step,
     )
     tensors = [bytes_to_proto(data)] + ([bytes_to_proto(optimizer)] if optimizer is not None else []) + (extra or [])
     return frame(message, tensors)
@@ -530,11 +534,11 @@ class Holder:
         self.target = target
         self.channels: list[StreamChannel] = []
 
-    def open(self, p2p: P2P, session_id: str) -> Message | None:
+    def open(self, p2p: P2P, session_id: str, **fields) -> Message | None:
         async def run():
             channel = await open_stream(p2p, self.target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
             self.channels.append(channel)
-            return await ask(channel, opening(session_id=session_id))
+            return await ask(channel, opening(session_id=session_id, **fields))
 
         return self.target.run(run())
 
@@ -616,14 +620,15 @@ def test_g3_idle_training_sessions_of_throwaway_identities_do_not_lock_out_an_ho
 
 def test_g3_refused_requests_and_forwards_never_taken_back_do_not_hold_training_places(target, holder):
     """Throwaway identities fill the node: the first's sessions each keep a forward and never send its backward pass,
-    the second's send only requests the node refuses. Neither is activity: the refusers may be preempted after
+    the second's send only requests the node refuses or answers from record (the step they opened at, "applied"
+    again). Neither is activity: the refusers may be preempted after
     `preempt_idle_s` like idle sessions, the keepers once `step_timeout_s` has passed (an honest session between its
     forward and its backward is safe that long), and a newcomer then trains."""
     keeper, refuser = target.attackers
     limits = target.node.config.limits
     for index in range(SHARE):
         assert isinstance(holder.open(keeper, f"keeper-{index}"), TrainOpened)
-        assert isinstance(holder.open(refuser, f"refuser-{index}"), TrainOpened)
+        assert isinstance(holder.open(refuser, f"refuser-{index}", step=3), TrainOpened)
     keepers, refusers = holder.channels[0::2], holder.channels[1::2]
     for index, channel in enumerate(keepers):
         assert isinstance(target.run(ask(channel, forward(f"kept-{index}", hidden(1, 4)))), TrainOutput)
@@ -641,6 +646,7 @@ def test_g3_refused_requests_and_forwards_never_taken_back_do_not_hold_training_
                 for channel in refusers:
                     answer = await ask(channel, backward("never", hidden(1, 4)))
                     assert code(answer) == "bad_request"
+                    assert isinstance(await ask(channel, frame(TrainApply(update=3))), TrainApplied)
                 await asyncio.sleep(0.25)
 
         target.run(run(), timeout=until - time.monotonic() + 30)
@@ -687,18 +693,25 @@ def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_
     room = training.used_bytes + graph + rows.nbytes + rows.nbytes // 2
     monkeypatch.setattr(training, "limits", dataclasses.replace(training.limits, max_training_mb=room / 2**20))
     run_work = training.compute.run_work
+    started, second_answered = asyncio.Event(), asyncio.Event()
 
-    async def slow(work):  # the compute thread busy a while with the first forward
-        await asyncio.sleep(0.5)
+    async def held(work):  # the first forward computes until the second has its answer
+        if not started.is_set():
+            started.set()
+            await second_answered.wait()
         return await run_work(work)
 
-    monkeypatch.setattr(training.compute, "run_work", slow)
+    monkeypatch.setattr(training.compute, "run_work", held)
 
     async def both():
         one = asyncio.create_task(ask(holder.channels[0], forward("a", rows)))
-        await asyncio.sleep(0.2)
-        two = asyncio.create_task(ask(holder.channels[1], forward("b", rows)))
-        return await one, await two
+        async with asyncio.timeout(20):
+            await started.wait()
+        try:
+            two = await ask(holder.channels[1], forward("b", rows))
+        finally:
+            second_answered.set()
+        return await one, two
 
     answer_a, answer_b = target.run(both())
     assert isinstance(answer_a, TrainOutput)

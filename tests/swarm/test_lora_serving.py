@@ -475,7 +475,7 @@ def test_a_peers_opens_under_way_count_in_its_adapter_share(lora_swarm, trained_
         4,
         dht_prefix="lora-share",
         adapter_budget_mb=3 * size / 2**20,
-        preempt_idle_s=1.0,
+        preempt_idle_s=3.0,  # the first open waits that long at most for a throwaway session to be preemptible
         max_cache_tokens=16,
     )
 
@@ -487,7 +487,7 @@ def test_a_peers_opens_under_way_count_in_its_adapter_share(lora_swarm, trained_
 
     throwaways, peer = [client(), client()], client()
     try:
-        idle = [lora_swarm.run(model.open_session(max_length=8)) for model in throwaways]  # half the cache: a share
+        idle = [lora_swarm.run(model.open_session(max_length=8)) for model in throwaways]  # each half the cache
 
         async def both():
             return await asyncio.gather(

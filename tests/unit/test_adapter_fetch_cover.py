@@ -170,3 +170,28 @@ def test_fetches_of_adapters_nobody_announces_share_one_records_lookup_a_second(
         return counts
 
     assert asyncio.run(run()) == [1, 1, 2]
+
+
+def test_a_records_lookup_slower_than_its_freshness_is_shared_not_queued(monkeypatch):
+    """Lookups that take longer than RECORDS_FRESH_S: callers arriving meanwhile wait for the one under way (not each
+    for a lookup of its own, one after another)."""
+    monkeypatch.setattr(adapter_fetch, "RECORDS_FRESH_S", 0.05)
+    lookups = 0
+
+    async def records() -> list[NodeInfo]:
+        nonlocal lookups
+        lookups += 1
+        await asyncio.sleep(0.3)
+        return []
+
+    async def run() -> float:
+        fetcher = adapter_fetch.AdapterFetcher(
+            None, "me", records, None, deadline_s=5.0, peer_s=1.0, max_frame_bytes=1 << 20
+        )
+        started = asyncio.get_running_loop().time()
+        ids = [f"{index:064x}" for index in range(10)]
+        answers = await asyncio.gather(*(fetcher.fetch(i, 0, 2) for i in ids), return_exceptions=True)
+        assert all(isinstance(answer, AdapterMissingError) for answer in answers)
+        return asyncio.get_running_loop().time() - started
+
+    assert asyncio.run(run()) < 1.5 and lookups == 1

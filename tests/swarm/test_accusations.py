@@ -1,0 +1,89 @@
+"""A node of a direct chain that refuses the input its previous node pushed accuses that node, which the client
+cannot see (client/failover.py Failover.judge): the accused's kept outputs decide. Outputs it recorded as NaN are its
+fault; sane ones leave word against word, so the accused is replaced for a failure only, and a node that refuses the
+sane inputs of two different nodes is the one blamed. Either way the tokens equal one process's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.errors import BadRequestError
+from tests.support.swarm import wait_for_chain
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> torch.Tensor:
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def connect(swarm, path: str, prefix: str) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=prefix, compression="none"
+    )
+
+
+def generate(model) -> torch.Tensor:
+    return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def test_a_node_refusing_every_pushed_input_is_blamed_once_two_nodes_showed_sane_outputs(
+    local_swarm, tiny_llama, reference
+):
+    prefix = "accuser"
+    firsts = [local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix) for _ in range(2)]
+    liar = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    refused = []
+
+    def lie(frame, codec, *, batch):  # every input it is pushed "is malformed"
+        refused.append(batch)
+        raise BadRequestError("hidden states with NaN or infinite values")
+
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(honest.peer_id)  # the chain starts on the liar
+        liar.compute.read_hidden = lie
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids[1] == liar.peer_id
+            first = session.chain.peer_ids[0]
+            output = generate(model)
+            failed = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
+        other = next(node.peer_id for node in firsts if node.peer_id != first)
+        assert torch.equal(output, reference)
+        # the first accused is replaced for a failure; the second accusation of sane outputs blames the accuser
+        assert failed == [(first, [other]), (liar.peer_id, [honest.peer_id])], session.failovers
+        assert len(refused) == 2
+        assert model.swarm.faulty() == {liar.peer_id}
+
+
+def test_a_node_whose_own_record_shows_the_malformed_output_it_pushed_is_blamed(local_swarm, tiny_llama, reference):
+    prefix = "accused"
+    spoiler = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    spare = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_run = spoiler.compute.run
+
+    async def spoil(hidden, cache, position, blocks, adapter=None):  # NaN from the first decode step on
+        output, seconds = await honest_run(hidden, cache, position, blocks, adapter)
+        return (torch.full_like(output, float("nan")) if position >= PROMPT.shape[1] else output), seconds
+
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(spare.peer_id)  # the chain starts on the spoiler
+        spoiler.compute.run = spoil
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids[0] == spoiler.peer_id
+            model.swarm.unban(spare.peer_id)
+            output = generate(model)
+            failed = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
+        assert torch.equal(output, reference)
+        assert failed == [(spoiler.peer_id, [spare.peer_id])], session.failovers
+        assert model.swarm.faulty() == {spoiler.peer_id}
