@@ -103,8 +103,13 @@ class GatewayAdapters:
         if not await asyncio.to_thread(folder.is_dir):
             raise AdapterError(f"no adapter folder {request.path!r} in the gateway's adapter directory")
         async with self._loading:  # one folder read at a time: each holds a whole adapter in memory
+            if request.name not in self.loaded and len(self.loaded) >= MAX_LOADED:  # (loads that waited meanwhile)
+                raise AdapterError(f"{MAX_LOADED} adapters are loaded already: unload one first")
             adapter_id = await self.model.resolve_adapter(str(folder))
-        self.loaded[request.name] = adapter_id
+            replaced = self.loaded.get(request.name)
+            self.loaded[request.name] = adapter_id
+            if replaced is not None and replaced not in self.loaded.values():  # a name loaded again from another folder
+                self.model.own_adapters.pop(replaced, None)
         return {"name": request.name, "id": adapter_id, "parent": self.base_name}
 
     def unload(self, request: UnloadAdapter) -> dict:
