@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from nesa_node.client.config import ClientConfig
-from nesa_node.client.swarm import Swarm
+from nesa_node.client.swarm import MAX_PROBED_NODES, Swarm
 from nesa_node.errors import NoRouteError, WeightsManifestError
 from nesa_node.protocol.records import NodeInfo, NodeState
 from nesa_node.routing.chain import Chain, ChainRequest, SwarmSnapshot, select_chain
@@ -176,7 +176,7 @@ class Router:
         short probes now (Swarm.second_chance); returns those unbanned."""
         end = request.end_block if request.end_block is not None else self.num_blocks
         seen = [peer for peer in self.swarm.recent_nodes(request.start_block, end) if peer not in request.exclude]
-        candidates = self.swarm.second_chance(seen)
+        candidates = self.swarm.second_chance(seen)[:MAX_PROBED_NODES]  # the freshest records' nodes, pinged at once
         if not candidates:
             return []
         timeout_s = self.config.probe_timeout_s * LAST_NODES_PROBE_FACTOR

@@ -56,6 +56,10 @@ PROBED_RECORD_TTL_S = 15.0
 # Nodes whose records expired less than this long ago are still asked directly when routing finds no chain (guess:
 # a few announcement lifetimes; a node gone longer is unlikely to be back under the same id).
 RECENT_RECORD_S = 120.0
+# routing's direct asks (probe_nodes): identities cost nothing, so records of many made-up nodes must not make one
+# route open a connection to each; the freshest records first (guesses: a span rarely has more live nodes)
+MAX_PROBED_NODES = 64
+PROBES_AT_ONCE = 16
 FORGET_RECORD_S = 3600.0  # records expired this long ago are dropped (see `hold`)
 FORWARD_ATTEMPTS = (
     5  # a forward refused by a node busy with its most (server/rpc.py), asked again after 0.2 s, 0.4 s...
@@ -283,27 +287,31 @@ class Swarm(Bans, RoundTripMeter):
 
     def recent_nodes(self, start_block: int, end_block: int, *, within_s: float = RECENT_RECORD_S) -> list[str]:
         """Peer ids of the nodes whose records, seen by this client, overlap blocks [start_block, end_block) and
-        expired less than `within_s` ago or not yet: the candidates to ask directly (see probe_nodes)."""
+        expired less than `within_s` ago or not yet, the latest to expire first: the candidates to ask directly
+        (see probe_nodes)."""
         horizon = get_dht_time() - within_s
-        return sorted(
-            peer
+        recent = [
+            (record.expiration_time, peer)
             for peer, record in self._records.items()
             if record.expiration_time > horizon
             and record.info.start_block < end_block
             and record.info.end_block > start_block
-        )
+        ]
+        return [peer for _, peer in sorted(recent, key=lambda item: (-item[0], item[1]))]
 
     async def probe_nodes(self, peer_ids: list[str], *, timeout_s: float = 1.0) -> int:
         """Ask nodes for their NodeInfo directly (over libp2p, whose connection authenticates the peer id) and hold
         each answer as a record for PROBED_RECORD_TTL_S; returns how many answered.
 
         Routing's fallback when the DHT replicas it reads lack a live node's record: a node whose announcements did
-        not reach them, or a read slowed by a replica that stopped answering. All peers are asked at once; a dead
-        one costs at most `timeout_s`."""
+        not reach them, or a read slowed by a replica that stopped answering. The first MAX_PROBED_NODES of
+        `peer_ids` are asked, PROBES_AT_ONCE at a time; a dead one costs at most `timeout_s`."""
+        turns = asyncio.Semaphore(PROBES_AT_ONCE)
 
         async def ask(peer_id: str) -> NodeRecord | None:
             try:
-                info = await self.info(peer_id, timeout_s=timeout_s)
+                async with turns:
+                    info = await self.info(peer_id, timeout_s=timeout_s)
             except Exception as exc:  # gone, slow or malformed: not a candidate
                 logger.debug("no NodeInfo from %s: %r", peer_id, exc)
                 return None
@@ -312,7 +320,8 @@ class Swarm(Bans, RoundTripMeter):
                 return None
             return NodeRecord(info=info, expiration_time=get_dht_time() + PROBED_RECORD_TTL_S)
 
-        answers = [record for record in await asyncio.gather(*(ask(peer) for peer in peer_ids)) if record is not None]
+        asked = peer_ids[:MAX_PROBED_NODES]
+        answers = [record for record in await asyncio.gather(*(ask(peer) for peer in asked)) if record is not None]
         self.hold(answers)
         return len(answers)
 

@@ -36,3 +36,30 @@ def test_bans_over_for_an_hour_are_forgotten_once_there_are_many():
     assert set(bans._bans) == {"recent"}
     bans.ban("fault", fault=True)
     assert "fault" in bans.banned() and "fault" in bans.faulty()
+
+
+def test_routing_asks_a_bounded_number_of_recent_nodes_the_freshest_first_a_few_at_once():
+    import asyncio
+
+    from nesa_node.client import swarm as swarm_module
+
+    swarm = Swarm(SimpleNamespace(p2p=None, dht=None), dht_prefix="test")
+    swarm.hold([record(f"made-up{index:04d}", -RECENT_RECORD_S / 2) for index in range(500)])
+    swarm.hold([record("live", 60.0), record("fresh", 30.0)])
+    candidates = swarm.recent_nodes(0, 4)
+    assert candidates[:2] == ["live", "fresh"] and len(candidates) == 502
+    asked, running, most = [], 0, 0
+
+    async def info(peer_id: str, *, timeout_s: float) -> NodeInfo:
+        nonlocal running, most
+        asked.append(peer_id)
+        running += 1
+        most = max(most, running)
+        await asyncio.sleep(0.001)
+        running -= 1
+        return NodeInfo(peer_id=peer_id, state=NodeState.online, start_block=0, end_block=4, dtype="float32")
+
+    swarm.info = info
+    answered = asyncio.run(swarm.probe_nodes(candidates, timeout_s=1.0))
+    assert answered == len(asked) == swarm_module.MAX_PROBED_NODES and asked[:2] == ["live", "fresh"]
+    assert most == swarm_module.PROBES_AT_ONCE
