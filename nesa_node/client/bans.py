@@ -5,9 +5,11 @@ early when the node answers again and no chain is left without it (client/routin
 for a fault (something wrong it sent: client/chain_links.py LinkFailed.fault; outvoted; blamed) never is.
 
 Accusations (`accuse`): in a direct chain a node that refuses the input its previous node pushed accuses that node,
-which the client cannot see. When the accused's own record of what it sent (its kept outputs) is sane, it is one
-node's word against another's: the accused is replaced for a failure only, and an accuser whose word stood against
-ACCUSATIONS_TO_BLAME different nodes is the one blamed (client/failover.py).
+which the client cannot see. When the accused's own record of what it sent (its kept outputs) does not show the
+fault, it is one node's word against another's: the accused is replaced for a failure only, and an accuser whose
+word stood against ACCUSATIONS_TO_BLAME different nodes (within FORGET_AFTER_S, none of them found faulty since) is
+replaced instead, for a failure too: neither gets a ban for a fault on a word the client cannot check
+(client/failover.py).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class Bans:
     def __init__(self) -> None:
         self._bans: dict[str, tuple[float, float]] = {}  # peer -> (banned until, monotonic s; last ban length, s)
         self._faulty: set[str] = set()  # peers banned for a fault at least once: their bans are never lifted early
-        self._accusations: dict[str, tuple[float, set[str]]] = {}  # accuser -> (last, monotonic s; nodes accused)
+        self._accusations: dict[str, dict[str, float]] = {}  # accuser -> {accused: monotonic s of the accusation}
 
     def ban(self, peer_id: str, *, base_s: float = 15.0, max_s: float = 600.0, fault: bool = False) -> float:
         """Keep `peer_id` out of new chains for a while: base_s, doubling on each repeat ban up to max_s.
@@ -57,18 +59,22 @@ class Bans:
         return True
 
     def accuse(self, accuser: str, accused: str) -> int:
-        """Record that `accuser` refused inputs of `accused` whose own record of them was sane (module docstring);
-        the number of distinct nodes it accused so in the last FORGET_AFTER_S."""
+        """Record that `accuser` refused inputs of `accused` whose own record did not show the fault (module
+        docstring); the number of distinct nodes, not found faulty since, it accused so in the last FORGET_AFTER_S."""
         now = time.monotonic()
         if len(self._accusations) >= PRUNE_AT:
-            self._accusations = {peer: got for peer, got in self._accusations.items() if got[0] > now - FORGET_AFTER_S}
-        last, accused_peers = self._accusations.get(accuser, (now, set()))
-        if last <= now - FORGET_AFTER_S:
-            accused_peers = set()
-        if len(accused_peers) < ACCUSATIONS_TO_BLAME:  # (bounded: more say nothing more)
-            accused_peers.add(accused)
-        self._accusations[accuser] = (now, accused_peers)
-        return len(accused_peers)
+            self._accusations = {
+                peer: got for peer, got in self._accusations.items() if max(got.values()) > now - FORGET_AFTER_S
+            }
+        standing = {
+            peer: at
+            for peer, at in self._accusations.get(accuser, {}).items()
+            if at > now - FORGET_AFTER_S and peer not in self._faulty
+        }
+        standing[accused] = now
+        newest = sorted(standing.items(), key=lambda item: item[1])[-ACCUSATIONS_TO_BLAME:]  # more say nothing more
+        self._accusations[accuser] = dict(newest)
+        return len(newest)
 
     def faulty(self) -> frozenset[str]:
         """Peers banned for a fault at least once (see `ban`)."""

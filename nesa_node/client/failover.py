@@ -46,6 +46,10 @@ from nesa_node.routing.chain import ChainRequest, Hop
 
 logger = logging.getLogger(__name__)
 
+# how long an accused node may take to show the outputs of the step it was accused over (the step may still be
+# on its way to it through the chain: a step time, seconds at most; guess)
+JUDGE_WAIT_S = 5.0
+
 
 # a chain for a block range, banned peers excluded (Router.reachable_chain: its nodes answered a ping just now)
 Rerouter = Callable[[ChainRequest], Awaitable]
@@ -178,32 +182,41 @@ class Failover:
     async def judge(self, accusation: LinkFailed) -> LinkFailed:
         """Who failed, when a node of a direct chain refused the input its previous node pushed it (`accusation`:
         the accused as its link, the accuser, the tokens through the refused step). The accused is asked for its
-        kept outputs through that step (what it pushed, lossless; the step went to it before this request, so an
-        honest node has computed it): malformed ones (NaN, another shape) or fewer tokens are its fault on its own
-        word; no answer at all its failure; sane ones leave word against word: the accused is replaced for a
-        failure only, unless the accuser has now refused sane outputs of ACCUSATIONS_TO_BLAME different nodes, when
-        the accuser is blamed (client/bans.py)."""
+        kept outputs through that step (what it pushed, lossless), asked again while it has fewer (the step may
+        still be on its way to it) for JUDGE_WAIT_S at most. Malformed ones (NaN, another shape) are its fault on
+        its own word. Anything else (sane ones, none, no answer) leaves word against word: the accused is replaced
+        for a failure only, unless the accuser's word now stands against ACCUSATIONS_TO_BLAME different nodes,
+        when the accuser is replaced instead (client/bans.py). A failure of another node meanwhile is that node's."""
         accused, accuser = accusation.link, accusation.accuser
         if accused is None or accused not in self.chain.links or accuser not in self.chain.links:
             return LinkFailed(accusation.message, accused)
+        shows = "its record is sane"
         try:
-            async with asyncio.timeout(self.swarm.request_timeout_s):
-                await self.chain.history(accused, accusation.through)
+            async with asyncio.timeout(min(JUDGE_WAIT_S, self.swarm.request_timeout_s)):
+                wait_s = 0.02
+                while True:
+                    try:
+                        await self.chain.history(accused, accusation.through)
+                        break
+                    except BadRequestError:  # fewer outputs kept (so it says) than the step gives: not yet there?
+                        await asyncio.sleep(wait_s)
+                        wait_s = min(2 * wait_s, 0.5)
         except LinkFailed as shown:
+            if shown.link is not None and shown.link is not accused:  # another node failed meanwhile: that one
+                return shown
             if shown.fault:  # its own record of what it pushed is wrong
                 return LinkFailed(f"{accusation.message}; its record agrees: {shown.message}", accused, fault=True)
-            return LinkFailed(accusation.message, accused)
-        except BadRequestError as refused:  # its record stops short of the step it was sent before this request
-            message = f"{accusation.message}; its record stops short of it: {refused.message}"
-            return LinkFailed(message, accused, fault=True)
+            shows = "it showed no record"
         except (RequestError, PeerUnavailableError, TimeoutError):
-            return LinkFailed(f"{accusation.message}; it shows no record of the step", accused)
+            shows = "it showed no record"
         if self.swarm.accuse(accuser.peer_id, accused.peer_id) >= ACCUSATIONS_TO_BLAME:
-            logger.warning("node %s refused sane inputs of %d different nodes: blamed", accuser.peer_id,
-                           ACCUSATIONS_TO_BLAME)  # fmt: skip
-            message = f"{accuser.peer_id} refused the sane inputs of {ACCUSATIONS_TO_BLAME} different nodes"
-            return LinkFailed(message, accuser, fault=True)
-        return LinkFailed(f"{accusation.message}; its record is sane: replaced, not blamed", accused)
+            logger.warning("node %s refused inputs of %d different nodes whose records showed no fault: replaced",
+                           accuser.peer_id, ACCUSATIONS_TO_BLAME)  # fmt: skip
+            message = (
+                f"{accuser.peer_id} refused the inputs of {ACCUSATIONS_TO_BLAME} nodes whose records show no fault"
+            )
+            return LinkFailed(message, accuser)
+        return LinkFailed(f"{accusation.message}; {shows}: replaced, not blamed", accused)
 
     async def _answers_longer(self, peer_id: str) -> bool:
         """Whether a node that missed the short probe answers a ping within LAST_NODES_PROBE_FACTOR of it."""

@@ -1,6 +1,11 @@
 """The client's round trips to nodes (client/swarm.py Swarm is a RoundTripMeter): pings over the nodes' data lanes or
 libp2p, kept as the least of recent ones (client/timings.py RoundTrips), for routing's latency, for telling a gone node
 from a slow one, and for what a step's wall time is charged before the rest counts as compute (`step_rtt_ms`).
+
+A lane is pinged only once it proved to be the peer's (protocol/lane.py `prove`: the node signs fresh salts with its
+identity key, whose peer id must be the one pinged), once per peer and address: a record may name any address, such
+as a nearer host's lane, to look close. A lane that does not prove so is left for LANE_PROOF_RETRY_S and the peer is
+pinged over libp2p, which authenticates it.
 """
 
 from __future__ import annotations
@@ -11,12 +16,16 @@ import math
 import time
 
 from nesa_node.client.timings import RoundTrips
+from nesa_node.errors import NesaError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Frame
+from nesa_node.verification.receipts import signer_of
 
 logger = logging.getLogger(__name__)
 
 RTT_RECHECK_S = 10.0  # a round trip a step showed too long is pinged again at most this often (guess)
+LANE_PROOF_RETRY_S = 60.0  # a lane that did not prove to be its peer's is asked again after this (guess)
+MAX_LANE_PROOFS = 4096  # (peer, address) outcomes kept; past it they are forgotten and asked again
 
 
 class RoundTripMeter:
@@ -28,6 +37,7 @@ class RoundTripMeter:
         self.wire_rtt_ms = RoundTrips()  # the same, of the TCP set-ups of its lane pings: the network alone, ms
         self._rtt_measured: dict[str, float] = {}  # peer id -> monotonic s of that measurement
         self._rtt_rechecked: dict[str, float] = {}  # peer id -> monotonic s a step last had its round trip pinged again
+        self._lane_proofs: dict[tuple[str, str], tuple[bool, float]] = {}  # (peer, address) -> (proved, monotonic s)
 
     async def measure_rtts(self, peer_ids: list[str], *, max_age_s: float = 60.0, timeout_s: float = 2.0) -> None:
         """Ping the peers whose round trip is unknown or older than `max_age_s` (all at once; the least of two
@@ -93,10 +103,35 @@ class RoundTripMeter:
         answered = await asyncio.gather(*(answers(peer_id) for peer_id in peer_ids))
         return [peer_id for peer_id, ok in zip(peer_ids, answered, strict=True) if not ok]
 
+    async def proved_lane(self, peer_id: str, timeout_s: float) -> str | None:
+        """The lane address `peer_id`'s record names, once the lane proved to be that peer's (module docstring);
+        None without a lane, or for one that did not prove so (asked again after LANE_PROOF_RETRY_S)."""
+        address = self.lane_address(peer_id)
+        if address is None:
+            return None
+        now = time.monotonic()
+        known = self._lane_proofs.get((peer_id, address))
+        if known is not None and (known[0] or now - known[1] < LANE_PROOF_RETRY_S):
+            return address if known[0] else None
+        try:
+            async with asyncio.timeout(timeout_s):
+                proof = await lane.prove(address)
+            signer = signer_of(proof.signed_bytes, proof.signature, proof.public_key)
+            proved = signer == peer_id
+            if not proved:
+                logger.warning("the lane %s that %s announces is %s's: pinged over libp2p", address, peer_id, signer)
+        except (NesaError, TimeoutError, OSError) as exc:
+            logger.debug("the lane %s of %s proved nothing: %r", address, peer_id, exc)
+            proved = False
+        if len(self._lane_proofs) >= MAX_LANE_PROOFS:
+            self._lane_proofs.clear()
+        self._lane_proofs[(peer_id, address)] = (proved, now)
+        return address if proved else None
+
     async def _ping(self, peer_id: str, timeout_s: float) -> float:
         """Round trip in ms: over the node's data lane when it has one (a TCP socket the client closes at once,
         nothing left behind when the node is gone; its set-up time goes to `wire_rtt_ms`), else a ping over libp2p."""
-        address = self.lane_address(peer_id)
+        address = await self.proved_lane(peer_id, timeout_s)
         if address is not None:
             async with asyncio.timeout(timeout_s):
                 times = await lane.probe(address)

@@ -326,7 +326,7 @@ class InferenceSession:
             until = Deadline.after(deadline_s)  # for this answer, however many others come first
             while True:
                 answered, message, answer = await self.links.next_answer(until)
-                self._raise_step_error(answered, message, through=self.position + hidden.shape[1])
+                self._raise_step_error(answered, message, step_id=step_id, through=self.position + hidden.shape[1])
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break
             received += answer.ByteSize()
@@ -334,12 +334,13 @@ class InferenceSession:
             compute_s += message.compute_s
         return hidden, compute_s, sent, received, inputs
 
-    def _raise_step_error(self, answered, message, *, through: int) -> None:
+    def _raise_step_error(self, answered, message, *, step_id: str, through: int) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
         peer_unavailable: that next node failed. A node that ended the session (preempted it while idle, or did not
         compute a step within its step timeout) or cannot grow its cache for it failed itself: it is replaced like a
-        lost node. A node of a direct chain that refuses a pushed step accuses the node that pushed it, whose record
-        of its outputs for the first `through` tokens the failover checks before it blames either (Failover.judge)."""
+        lost node. A node of a direct chain that refuses the pushed step `step_id` accuses the node that pushed it,
+        whose record of its outputs for the first `through` tokens the failover checks before it blames either
+        (Failover.judge); a refusal of another step (an earlier one's, answered since) is stale: passed over."""
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
@@ -349,6 +350,8 @@ class InferenceSession:
         links = self.links.links
         index = links.index(answered) if answered in links else -1
         if isinstance(error, BadRequestError) and self.links.direct and index > 0:
+            if message.step_id != step_id:
+                return
             # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
             # (NaN, a wrong shape) is that node's fault, if the refusing node tells the truth
             message = f"{links[index].peer_id} refused its input: {error.message}"

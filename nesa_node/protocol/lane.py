@@ -20,7 +20,10 @@ Handshake of one connection (the connecting side "c", the accepting node "a"):
 Frames: length(4, big-endian) | AES-256-GCM(key of the direction, nonce = frame counter (12 bytes, big-endian),
 payload). Each direction has its own key and counter, and each connection fresh keys (both salts are new), so a
 nonce never repeats under a key; a frame that was altered, replayed, reordered or dropped fails authentication
-and ends the connection. A PING hello (no session) is answered with salt_a at once, for round-trip times.
+and ends the connection. A PING hello (no session) is answered with salt_a at once, for round-trip times. A PROVE
+hello (no session) is answered with salt_a, the node's public key (DER) and its signature over PROOF_CONTEXT | salt_c
+| salt_a: whoever measures round trips on a lane first checks that the lane is the peer's (a record may name any
+address, such as a nearer host's lane, to look close), once per peer and address.
 
 Cacheless forward calls (a batch through a node's span, client-relayed) use a FORWARD lane: the client asks the
 node for a ticket over libp2p (`rpc_lane_ticket`: a ticket id and a fresh key), then sends requests on a lane
@@ -37,7 +40,7 @@ import contextlib
 import ipaddress
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from cryptography.exceptions import InvalidTag
@@ -54,7 +57,10 @@ ROLE_RECEIVE = 2  # c (the client) receives the session's outputs from its last 
 ROLE_PING = 3  # no session: a answers the hello at once
 ROLE_FORWARD = 4  # cacheless forward calls (rpc_forward's requests and answers); the "session" is a ticket id
 ROLE_TRAIN = 5  # one LoRA training session (the nesa.train stream's frames); the "session" is a ticket id
-ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_PING, ROLE_FORWARD, ROLE_TRAIN)
+ROLE_PROVE = 6  # no session: a answers with its identity key's signature over both salts
+ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_PING, ROLE_FORWARD, ROLE_TRAIN, ROLE_PROVE)
+PROOF_CONTEXT = b"nesa-node lane identity v1"
+MAX_PROOF_PART_BYTES = 2048  # a DER public key or a signature in a PROVE answer (2048-bit RSA: ~300 and 256 bytes)
 CONNECT_ROLES = (ROLE_SEND, ROLE_RECEIVE, ROLE_FORWARD, ROLE_TRAIN)
 KEY_BYTES = 32
 SALT_BYTES = 16
@@ -284,6 +290,56 @@ async def probe(address: str) -> PingTimes:
         writer.close()
 
 
+@dataclass(frozen=True)
+class LaneProof:
+    """What a lane answered a PROVE hello with: both salts, its public key (DER) and its signature over
+    `signed_bytes`."""
+
+    salt_c: bytes
+    salt_a: bytes
+    public_key: bytes
+    signature: bytes
+
+    @property
+    def signed_bytes(self) -> bytes:
+        return PROOF_CONTEXT + self.salt_c + self.salt_a
+
+
+def proof_answer(salt_c: bytes, public_key: bytes, sign: Callable[[bytes], bytes]) -> bytes:
+    """A node's answer to a PROVE hello with `salt_c`: salt_a | len | public key | len | signature (lengths 2 bytes,
+    big-endian), `sign` signing PROOF_CONTEXT | salt_c | salt_a."""
+    salt_a = os.urandom(SALT_BYTES)
+    signature = sign(PROOF_CONTEXT + salt_c + salt_a)
+    parts = [public_key, signature]
+    return salt_a + b"".join(len(part).to_bytes(2, "big") + part for part in parts)
+
+
+async def prove(address: str) -> LaneProof:
+    """Ask the lane at `address` to sign fresh salts with its node's identity key (LaneProof; the caller checks the
+    key's peer id and the signature). Raises LaneClosedError when it does not answer, BadRequestError for an answer
+    that is malformed or over MAX_PROOF_PART_BYTES a part."""
+    host, port = parse_address(address)
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as exc:
+        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    try:
+        salt_c = os.urandom(SALT_BYTES)
+        writer.write(MAGIC + bytes((ROLE_PROVE, 0)) + salt_c)
+        salt_a = await reader.readexactly(SALT_BYTES)
+        parts = []
+        for _ in range(2):
+            length = int.from_bytes(await reader.readexactly(2), "big")
+            if not 0 < length <= MAX_PROOF_PART_BYTES:
+                raise BadRequestError(f"lane {address} answered a proof part of {length} bytes")
+            parts.append(await reader.readexactly(length))
+        return LaneProof(salt_c, salt_a, parts[0], parts[1])
+    except (asyncio.IncompleteReadError, ConnectionError, OSError) as exc:
+        raise LaneClosedError(f"lane {address} did not answer a proof: {exc!r}") from None
+    finally:
+        writer.close()
+
+
 async def ping(address: str) -> float:
     """Seconds from a PING hello to its answer (TCP connection set-up excluded). Raises LaneClosedError."""
     return (await probe(address)).answer_s
@@ -296,7 +352,7 @@ async def read_hello(reader: asyncio.StreamReader) -> tuple[int, str, bytes]:
         if head[: len(MAGIC)] != MAGIC:
             raise BadRequestError("not a nesa-node lane hello")
         role, length = head[len(MAGIC)], head[len(MAGIC) + 1]
-        if role not in ROLES or length > MAX_SESSION_ID_BYTES or (role == ROLE_PING) != (length == 0):
+        if role not in ROLES or length > MAX_SESSION_ID_BYTES or (role in (ROLE_PING, ROLE_PROVE)) != (length == 0):
             raise BadRequestError(f"lane hello with role {role} and a session id of {length} bytes")
         sid = await reader.readexactly(length)
         salt = await reader.readexactly(SALT_BYTES)
@@ -363,10 +419,12 @@ __all__ = [
     "KEY_BYTES",
     "ROLE_FORWARD",
     "ROLE_PING",
+    "ROLE_PROVE",
     "ROLE_RECEIVE",
     "ROLE_SEND",
     "ROLE_TRAIN",
     "LaneClosedError",
+    "LaneProof",
     "PingTimes",
     "SealedStream",
     "accept",
@@ -379,5 +437,7 @@ __all__ = [
     "parse_key",
     "ping",
     "probe",
+    "proof_answer",
+    "prove",
     "read_hello",
 ]

@@ -143,7 +143,8 @@ class AdapterFetcher:
         return await asyncio.shield(self._lookup)  # a caller that goes away does not cancel the others' lookup
 
     async def _look_up(self) -> list[NodeInfo]:
-        records = list(await self.records())
+        async with asyncio.timeout(self.deadline_s):  # one that hangs must not hold every fetch after it
+            records = list(await self.records())
         self._records = (time.monotonic(), records)  # fresh from when it came, however long it took
         return records
 

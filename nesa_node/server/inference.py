@@ -183,10 +183,11 @@ class InferenceService:
         mine: dict[str, int] = {}  # adapter id -> the most bytes of it its open sessions and opens under way hold
         for adapter_id, nbytes in held:
             mine[adapter_id] = max(nbytes, mine.get(adapter_id, 0))
-        if message.adapter not in mine and sum(mine.values()) + adapter.nbytes > share:
+        extra = max(0, adapter.nbytes - mine.get(message.adapter, 0))  # (a wider slice of one it holds: the rest)
+        if extra and sum(mine.values()) + extra > share:
             release()
             raise AdapterBudgetError(
-                f"this peer's sessions here would hold {sum(mine.values()) + adapter.nbytes} bytes of adapters, over "
+                f"this peer's sessions here would hold {sum(mine.values()) + extra} bytes of adapters, over "
                 f"its share of {share:.0f} (node setting max_cache_share_per_peer, of the adapter budget)"
             )
         return adapter, release  # (the caller counts it in the peer's share before it awaits anything)

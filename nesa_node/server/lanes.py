@@ -67,7 +67,9 @@ class LaneServer:
         max_frame_bytes: int,
         injected_delay: Callable[[], Awaitable[None]],
         train: Callable[[Channel, str], Awaitable[None]] | None = None,
+        prover=None,
     ):
+        self.prover = prover  # the node's RecordSigner: signs PROVE hellos (None: they are refused)
         self.train = train  # serves one training session on a channel, for its peer (None: no TRAIN lanes)
         self.sessions = sessions
         self.forward = forward
@@ -157,6 +159,12 @@ class LaneServer:
                 if role == lane.ROLE_PING:
                     await self.injected_delay()
                     writer.write(os.urandom(lane.SALT_BYTES))
+                    await writer.drain()
+                    return
+                if role == lane.ROLE_PROVE:
+                    if self.prover is None:
+                        raise BadRequestError("this node has no identity key to prove its lane with")
+                    writer.write(lane.proof_answer(salt, self.prover.public_key, self.prover.sign_bytes))
                     await writer.drain()
                     return
                 owner = None

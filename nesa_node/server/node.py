@@ -227,6 +227,7 @@ class Node:
             max_frame_bytes=frame_bytes,
             injected_delay=node.inference.injected_delay,
             train=node.training.serve_session,
+            prover=RecordSigner(signer) if signer is not None else None,
         )
         node.rpc = NodeRpc(
             node.inference,

@@ -18,7 +18,7 @@ import time
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import runtime_pb2
 
-from nesa_node.errors import NesaError, PeerUnavailableError, QuotaExceededError, SessionNotFoundError
+from nesa_node.errors import NesaError, PeerUnavailableError, SessionNotFoundError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
@@ -110,10 +110,13 @@ class PushSender:
             while (answer := await channel.receive()) is not None:
                 message = read(answer, PUSH_ANSWERS)
                 if isinstance(message, ErrorReply):
+                    # reported as the next node's (the client replaces that one), never as this node's own: a
+                    # refusal this node passed on as its own would make the client take it for this node refusing
+                    # its input, and accuse the node before it
                     error = message.error()
                     if isinstance(error, SessionNotFoundError):  # it dropped the session (moved, restarted): failed
                         error = PeerUnavailableError(f"next node {session.next_peer} lost the session: {error.message}")
-                    elif isinstance(error, QuotaExceededError):  # its queue, or its streams, full: it is the one
+                    else:  # its queue or streams full (quota), or a push it refused
                         error = PeerUnavailableError(f"next node {session.next_peer} refused: {error.message}")
                     session.report(error)
             ending = "ended"

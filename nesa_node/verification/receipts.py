@@ -192,6 +192,10 @@ class RecordSigner:
             encoding=serialization.Encoding.DER, format=serialization.PublicFormat.SubjectPublicKeyInfo
         )
 
+    def sign_bytes(self, data: bytes) -> bytes:
+        """This node's raw signature (RSA-PSS, SHA-256) over `data`: check it with `signer_of`."""
+        return base64.b64decode(self._key.sign(data))
+
     def sign(self, record: HopRecord) -> HopRecord:
         """`record` with this node's peer id and a signature; raises ReceiptError for a record out of bounds."""
         unsigned = replace(record, peer_id=self.peer_id, signature=b"")
@@ -229,6 +233,17 @@ def key_peer_id(der: bytes) -> str:
     key, peer_id, problem = _load_public_key(der)
     if key is None:
         raise ReceiptError(f"public key: {problem}")
+    return peer_id
+
+
+def signer_of(data: bytes, signature: bytes, public_key: bytes) -> str:
+    """The peer id whose key `public_key` (DER) made `signature` over `data` (RecordSigner.sign_bytes); raises
+    ReceiptError for a key that is not a canonical RSA key or a signature that does not match."""
+    key, peer_id, problem = _load_public_key(public_key)
+    if key is None:
+        raise ReceiptError(f"public key: {problem}")
+    if not signature or not key.verify(data, base64.b64encode(signature)):
+        raise ReceiptError(f"the signature does not match under {peer_id}'s key")
     return peer_id
 
 

@@ -63,3 +63,16 @@ def test_routing_asks_a_bounded_number_of_recent_nodes_the_freshest_first_a_few_
     answered = asyncio.run(swarm.probe_nodes(candidates, timeout_s=1.0))
     assert answered == len(asked) == swarm_module.MAX_PROBED_NODES and asked[:2] == ["live", "fresh"]
     assert most == swarm_module.PROBES_AT_ONCE
+
+
+def test_an_accusers_word_counts_distinct_nodes_within_the_hour_not_those_found_faulty_since():
+    bans = Bans()
+    assert bans.accuse("accuser", "a") == 1
+    assert bans.accuse("accuser", "a") == 1  # the same node again: still one
+    assert bans.accuse("accuser", "b") == 2
+    bans.ban("b", fault=True)  # b turned out faulty: the accuser was right about it
+    assert bans.accuse("accuser", "a") == 1
+    long_ago = time.monotonic() - FORGET_AFTER_S - 1
+    bans._accusations["accuser"] = {"old": long_ago, "a": time.monotonic()}
+    assert bans.accuse("accuser", "c") == 2  # "old" is over an hour ago: a and c count
+    assert bans.accuse("other", "a") == 1  # each accuser its own count

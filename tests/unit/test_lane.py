@@ -26,6 +26,7 @@ class Acceptor:
         self.streams: list[lane.SealedStream] = []
         self.done = asyncio.Event()
         self.ping_delay_s = 0.0  # how late a PING hello is answered
+        self.prove = lambda salt: b""  # the answer to a PROVE hello with `salt`
 
     async def handle(self, reader, writer) -> None:
         try:
@@ -33,6 +34,10 @@ class Acceptor:
             if role == lane.ROLE_PING:
                 await asyncio.sleep(self.ping_delay_s)
                 writer.write(b"\0" * lane.SALT_BYTES)
+                await writer.drain()
+                return
+            if role == lane.ROLE_PROVE:
+                writer.write(self.prove(salt))
                 await writer.drain()
                 return
             if session_id != self.session_id:
@@ -310,3 +315,40 @@ def test_a_closed_connection_flushes_to_a_reading_peer_and_is_aborted_for_one_th
     received, released = asyncio.run(run())
     assert released
     assert received == (size if reads else 0)
+
+
+def test_a_lane_proves_whose_it_is_with_its_nodes_identity_key_over_fresh_salts():
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from nesa_node.errors import ReceiptError
+    from nesa_node.verification.receipts import RecordSigner, signer_of
+
+    node, other = RecordSigner(RSAPrivateKey()), RecordSigner(RSAPrivateKey())
+    acceptor = Acceptor("s1", lane.new_key())
+    answers: list[bytes] = []
+
+    def honest(salt: bytes) -> bytes:
+        answers.append(lane.proof_answer(salt, node.public_key, node.sign_bytes))
+        return answers[-1]
+
+    async def run():
+        async with serving(acceptor) as address:
+            acceptor.prove = honest
+            proof = await lane.prove(address)
+            assert signer_of(proof.signed_bytes, proof.signature, proof.public_key) == node.peer_id != other.peer_id
+            acceptor.prove = lambda salt: answers[0]  # an answer recorded earlier: signed over another salt
+            replayed = await lane.prove(address)
+            with pytest.raises(ReceiptError, match="signature does not match"):
+                signer_of(replayed.signed_bytes, replayed.signature, replayed.public_key)
+            acceptor.prove = lambda salt: lane.proof_answer(salt, node.public_key, other.sign_bytes)  # another key
+            with pytest.raises(ReceiptError):
+                mixed = await lane.prove(address)
+                signer_of(mixed.signed_bytes, mixed.signature, mixed.public_key)
+            acceptor.prove = lambda salt: b"\0" * lane.SALT_BYTES + (5000).to_bytes(2, "big")
+            with pytest.raises(BadRequestError, match="proof part of 5000 bytes"):
+                await lane.prove(address)
+            acceptor.prove = lambda salt: b"\0" * lane.SALT_BYTES  # cut short
+            with pytest.raises(lane.LaneClosedError):
+                await lane.prove(address)
+
+    asyncio.run(run())
