@@ -45,6 +45,7 @@ from nesa_node.errors import (
     CacheBudgetError,
     PeerUnavailableError,
     QuotaExceededError,
+    RequestError,
     SessionStateError,
     TooManySessionsError,
     WrongBlocksError,
@@ -306,6 +307,7 @@ class AsyncDistributedModel(AdapterLookup):
         block_bytes = await self.adapter_block_bytes(adapter_id) if adapter_id is not None else 0.0
         attempts = self.config.max_open_attempts
         passed_over: set[str] = set()  # nodes that refused this session's adapter: left out of this open only
+        refused: dict[str, set[str]] = {}  # code -> nodes that refused the open with it, for another reason
         for attempt in range(attempts):
             chain = await self.choose_chain(  # NoRouteError when nothing is left
                 batch=batch,
@@ -362,6 +364,16 @@ class AsyncDistributedModel(AdapterLookup):
                     passed_over.add(peer_id)
                 else:
                     self.swarm.ban(peer_id)
+            except RequestError as refusal:
+                # any other refusal: a node that refuses every open must not fail every session routed through it,
+                # so it is left out of this open; the same refusal from a second node is this client's to see
+                peer_id = getattr(refusal, "peer_id", None)
+                nodes = refused.setdefault(refusal.code, set())
+                if peer_id is None or attempt + 1 == attempts or (nodes and peer_id not in nodes):
+                    raise
+                nodes.add(peer_id)
+                logger.info("%s refused the session (%s): trying another chain", peer_id, refusal)
+                passed_over.add(peer_id)
         raise SessionStateError("no session could be opened")  # the loop returns or raises first
 
     @contextlib.asynccontextmanager

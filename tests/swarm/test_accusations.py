@@ -89,3 +89,27 @@ def test_a_node_whose_own_record_shows_the_malformed_output_it_pushed_is_blamed(
         assert torch.equal(output, reference)
         assert failed == [(spoiler.peer_id, [spare.peer_id])], session.failovers
         assert model.swarm.faulty() == {spoiler.peer_id}
+
+
+def test_a_node_refusing_every_open_is_passed_over_not_the_end_of_the_session(local_swarm, tiny_llama, reference):
+    """A node that answers every open with a refusal of no routable kind (bad_request here) would otherwise fail
+    every session routed through it: the client leaves it out of that open and routes to another node."""
+    prefix = "refuser"
+    refuser = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    honest = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    opens = []
+
+    async def refuse(request, channel, client_peer, upload=None):
+        opens.append(client_peer)
+        raise BadRequestError("this node takes no sessions")
+
+    refuser.inference._open = refuse
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(honest.peer_id)  # routing picks the refuser first
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids[0] == honest.peer_id  # (its failure ban lifted: no chain without it)
+            output = generate(model)
+        assert torch.equal(output, reference)
+        assert len(opens) == 1 and model.swarm.faulty() == frozenset()
