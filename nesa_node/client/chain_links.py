@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from nesa_node.errors import PeerUnavailableError
-from nesa_node.protocol import lane
+from nesa_node.protocol import lane, push_tag
 from nesa_node.protocol.channel import Channel, Frame
 from nesa_node.protocol.framing import StreamChannel
 from nesa_node.protocol.messages import ErrorReply, Message
@@ -31,6 +31,8 @@ class ChainLink:
         # keys of the data lanes into and out of this node (protocol/lane.py), drawn by the client at open
         self.key_in = lane.new_key()
         self.key_out = lane.new_key()
+        # the key this node tags the steps it pushes with (protocol/push_tag.py): only it and the client know it
+        self.push_key = push_tag.new_key()
 
     @property
     def peer_id(self) -> str:

@@ -23,7 +23,7 @@ from nesa_node.compression.auto import compression_pays
 from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, ReceiptError, RequestError
-from nesa_node.protocol import lane, rpc
+from nesa_node.protocol import lane, push_tag, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
@@ -260,6 +260,8 @@ class SessionChain:
                 raise LinkFailed(f"could not open a session on {link.peer_id}: {outcome!r}", link) from None
         for index, link in enumerate(links):
             message = self._open_message(index, hops, upstream, downstream.hop if downstream else None, settings[index])
+            if message.next is not None:  # it pushes to its next node: it tags what it pushes (protocol/push_tag.py)
+                message = message.model_copy(update={"push_key": link.push_key.hex()})
             if self.own_adapter is not None and not self.swarm.holds_adapter(link.peer_id, self.own_adapter.adapter_id):
                 # the node's whole span where its record says it: its other sessions on part of it can share them
                 start, end = self.swarm.span_of(link.peer_id) or (link.hop.start_block, link.hop.end_block)
@@ -423,6 +425,24 @@ class SessionChain:
         if shape is not None:
             self._learn_hidden_size(shape[-1])
         return hidden
+
+    def pushed_malformed(
+        self, pusher: ChainLink, refusal: ErrorReply, answer: Frame, *, step_id: str, position: int, tokens: int
+    ) -> bool | None:
+        """What a refusal's evidence (protocol/push_tag.py) shows of the step `step_id` (`tokens` at `position`)
+        that `pusher` pushed: True when it was malformed (as `read_hidden` checks an answer, or at another position),
+        False when well formed; None when there is no evidence under `pusher`'s tag (none, or not its)."""
+        step = refusal.evidence
+        if step is None or step.step_id != step_id or len(answer.tensors) != 1:
+            return None
+        if not push_tag.tag_matches(pusher.push_key, step, answer.tensors[0]):
+            return None
+        shape = None if self.hidden_size is None else (self.batch, tokens, self.hidden_size)
+        try:
+            self.read_hidden(pusher, answer, step.codec, tokens * self.batch * MAX_HIDDEN, shape)
+        except LinkFailed:
+            return True
+        return step.position != position
 
     # ---- control -----------------------------------------------------------------------------------------------------
 

@@ -176,6 +176,8 @@ class OpenSession(BlockRange):
     adapter: AdapterId | None = None  # the LoRA adapter every step of the session runs with (records.AdapterInfo)
     # sign a hop record per 32-token window of this session (nesa_node/verification), as hop `commit_hop` of the chain
     commit_hop: int | None = Field(None, ge=0, le=1 << 10)
+    # tag every pushed step with this key (protocol/push_tag.py): evidence of what this node pushed, for the client
+    push_key: HexKey | None = None
 
 
 class AdapterBlocks(BlockRange):
@@ -211,6 +213,7 @@ class Step(Message):
     replay: bool = False
     session_id: Id | None = None
     owner: Id | None = None  # a base58 peer id; only looked up, so a malformed one just matches no session
+    tag: HexKey | None = None  # a pushing node's tag of this step (protocol/push_tag.py)
 
 
 class HistoryRequest(Message):
@@ -268,10 +271,14 @@ class Records(Message):
 
 
 class ErrorReply(Message):
+    """A refusal. `evidence`: the tagged step a node refuses, as its previous node pushed it (its tensor in the
+    frame), for the client to judge which of the two is at fault (protocol/push_tag.py)."""
+
     kind: Literal["error"] = "error"
     code: str = Field(max_length=64)
     message: str = Field(max_length=4096)
     step_id: StepIdText | None = None
+    evidence: Step | None = None
 
     @classmethod
     def of(cls, error: NesaError, step_id: str | None = None) -> ErrorReply:

@@ -57,6 +57,7 @@ from nesa_node.protocol.messages import (
     StepResult,
     expect,
 )
+from nesa_node.protocol.push_tag import push_tag
 from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
@@ -226,6 +227,7 @@ class InferenceService:
                 self.opening_adapters.pop(token, None)
         session.adapter, session.release_adapter = adapter, release
         session.adapter_id = message.adapter if adapter is not None else None
+        session.push_key = bytes.fromhex(message.push_key) if message.push_key is not None else None
         if message.commit_hop is not None:
             session.window_log = WindowLog(
                 self.signer,
@@ -295,19 +297,30 @@ class InferenceService:
                 return
             except NesaError as exc:
                 session.refused_in_a_row += 1
-                replies = [ErrorReply.of(exc, step_id)]
+                replies = [self._refusal(exc, step_id, item)]
                 if session.refused_in_a_row >= self.limits.max_step_errors:
                     refusal = BadRequestError(f"{session.refused_in_a_row} refused steps in a row; session closed")
                     replies.append(ErrorReply.of(refusal))
                 try:
                     for reply in replies:
-                        await self._answer(session.reply, frame(reply))
+                        await self._answer(session.reply, reply if isinstance(reply, Frame) else frame(reply))
                 except ChannelClosedError:
                     return
                 if len(replies) > 1:
                     return
             finally:
                 session.busy = False
+
+    @staticmethod
+    def _refusal(error: NesaError, step_id: str | None, item: Inbound) -> ErrorReply | Frame:
+        """The refusal of a queue item; a tagged step its previous node pushed, refused as malformed, goes back with
+        it as evidence (protocol/push_tag.py)."""
+        reply = ErrorReply.of(error, step_id)
+        step = item.message
+        if isinstance(error, BadRequestError) and isinstance(step, Step) and step.tag is not None:
+            if item.frame is not None and len(item.frame.tensors) == 1:
+                return frame(reply.model_copy(update={"evidence": step}), [item.frame.tensors[0]])
+        return reply
 
     @staticmethod
     def _left_s(session: ServerSession, limit_s: float) -> float:
@@ -336,14 +349,17 @@ class InferenceService:
                 if not step.replay and session.next_peer is not None:
                     pushed, pushing = time.perf_counter(), True
                     try:
-                        await self.push.push(session, Step(
+                        out = Step(
                             step_id=step.step_id,
                             position=session.last_position,  # of this step, also when it was a duplicate
                             codec=session.output_codec,
                             compute_s=compute_s,
                             session_id=session.session_id,
                             owner=session.client_peer,
-                        ), tensors)  # fmt: skip
+                        )
+                        if session.push_key is not None:  # evidence of what it pushed, should the next node refuse it
+                            out = out.model_copy(update={"tag": push_tag(session.push_key, out, tensors[0])})
+                        await self.push.push(session, out, tensors)
                     finally:
                         if self.metrics is not None:
                             self._count_step(session, request, step, tensors, seconds, output.shape[1])

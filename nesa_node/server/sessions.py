@@ -109,6 +109,7 @@ class ServerSession:
     busy: bool = False  # a step is being computed or handed on
     adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
     adapter_id: str | None = None  # its adapter's id (the sha256 of its manifest)
+    push_key: bytes | None = None  # the client's key for tagging what this node pushes (protocol/push_tag.py)
     release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
     window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
 

@@ -1,8 +1,10 @@
 """A node of a direct chain that refuses the input its previous node pushed accuses that node, which the client
-cannot see (client/failover.py Failover.judge): the accused's kept outputs decide. Outputs it recorded as NaN are its
-fault (a ban never lifted early); sane ones leave word against word, so the accused is replaced for a failure only,
-and a node that refuses the sane inputs of two different nodes is the one replaced, for a failure too: nobody is
-banned for a fault on a word the client cannot check. Either way the tokens equal one process's."""
+cannot see. The refused step comes back under the pusher's tag (protocol/push_tag.py), which settles it: a malformed
+input is the pusher's fault (a ban never lifted early), a well-formed one the refuser's failure. Without that
+evidence (a refuser that keeps it back) the accused's kept outputs decide (client/failover.py Failover.judge):
+outputs it recorded as NaN are its fault; sane ones leave word against word, so the accused is replaced for a failure
+only, and a node that refuses the sane inputs of two different nodes is the one replaced, for a failure too. Either
+way the tokens equal one process's."""
 
 from __future__ import annotations
 
@@ -12,6 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.errors import BadRequestError
+from nesa_node.protocol.messages import ErrorReply
+from nesa_node.protocol.push_tag import push_tag
+from nesa_node.protocol.tensors import tensor_to_proto
 from tests.support.swarm import wait_for_chain
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9]])
@@ -35,10 +40,11 @@ def generate(model) -> torch.Tensor:
     return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
 
 
-def test_a_node_refusing_every_pushed_input_is_replaced_once_two_nodes_showed_sane_outputs(
-    local_swarm, tiny_llama, reference
-):
-    prefix = "accuser"
+@pytest.mark.parametrize("evidence", [True, False], ids=["with-evidence", "evidence-kept-back"])
+def test_a_node_refusing_every_pushed_input_is_replaced(local_swarm, tiny_llama, reference, evidence):
+    """With the tagged step it refused, a lying refuser is replaced at once; keeping it back, once two nodes' records
+    showed their outputs sane."""
+    prefix = f"accuser-{evidence}"
     firsts = [local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix) for _ in range(2)]
     liar = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
     honest = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
@@ -52,6 +58,8 @@ def test_a_node_refusing_every_pushed_input_is_replaced_once_two_nodes_showed_sa
         wait_for_chain(model, hops=2, max_length=32)
         model.swarm.ban(honest.peer_id)  # the chain starts on the liar
         liar.compute.read_hidden = lie
+        if not evidence:
+            liar.inference._refusal = lambda error, step_id, item: ErrorReply.of(error, step_id)
         with model.inference_session(max_length=32) as session:
             assert session.chain.peer_ids[1] == liar.peer_id
             first = session.chain.peer_ids[0]
@@ -59,11 +67,13 @@ def test_a_node_refusing_every_pushed_input_is_replaced_once_two_nodes_showed_sa
             failed = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
         other = next(node.peer_id for node in firsts if node.peer_id != first)
         assert torch.equal(output, reference)
-        # the first accused is replaced for a failure; the second accusation of sane outputs replaces the accuser
-        assert failed == [(first, [other]), (liar.peer_id, [honest.peer_id])], session.failovers
-        assert len(refused) == 2
-        assert model.swarm.faulty() == frozenset()  # no ban for a fault on either side of a word against a word
-        assert {first, liar.peer_id} <= model.swarm.banned()
+        assert model.swarm.faulty() == frozenset()  # a refusal may be honest (a position its cache lacks): no fault
+        if evidence:  # the tagged input was well formed: the refuser is replaced, the pusher stays
+            assert failed == [(liar.peer_id, [honest.peer_id])], session.failovers
+            assert len(refused) == 1 and liar.peer_id in model.swarm.banned() and first not in model.swarm.banned()
+        else:  # the first accused is replaced for a failure; the second accusation of sane outputs replaces the liar
+            assert failed == [(first, [other]), (liar.peer_id, [honest.peer_id])], session.failovers
+            assert len(refused) == 2 and {first, liar.peer_id} <= model.swarm.banned()
 
 
 def test_a_node_whose_own_record_shows_the_malformed_output_it_pushed_is_blamed(local_swarm, tiny_llama, reference):
@@ -113,3 +123,34 @@ def test_a_node_refusing_every_open_is_passed_over_not_the_end_of_the_session(lo
             output = generate(model)
         assert torch.equal(output, reference)
         assert len(opens) == 1 and model.swarm.faulty() == frozenset()
+
+
+def test_a_node_pushing_nan_under_its_own_tag_while_keeping_a_sane_record_is_blamed(local_swarm, tiny_llama, reference):
+    """The pusher computes and records honestly but pushes NaN, tagged as its own: the refusing node returns the
+    tagged step, which proves what the pusher sent, whatever its record says."""
+    prefix = "tagged-nan"
+    spoiler = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    spare = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_push = spoiler.inference.push.push
+
+    async def spoil(session, step, tensors):
+        if step.position < PROMPT.shape[1]:
+            return await honest_push(session, step, tensors)
+        hidden = torch.full((1, 1, spoiler.compute.span.hidden_size), float("nan"))
+        spoiled = [tensor_to_proto(hidden)]  # (the session's codec is "none": compression="none")
+        step = step.model_copy(update={"tag": push_tag(session.push_key, step, spoiled[0])})
+        return await honest_push(session, step, spoiled)
+
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(spare.peer_id)  # the chain starts on the spoiler
+        spoiler.inference.push.push = spoil
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids[0] == spoiler.peer_id
+            model.swarm.unban(spare.peer_id)
+            output = generate(model)
+            failed = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
+        assert torch.equal(output, reference)
+        assert failed == [(spoiler.peer_id, [spare.peer_id])], session.failovers
+        assert model.swarm.faulty() == {spoiler.peer_id}
