@@ -326,7 +326,7 @@ class InferenceSession:
             until = Deadline.after(deadline_s)  # for this answer, however many others come first
             while True:
                 answered, message, answer = await self.links.next_answer(until)
-                self._raise_step_error(answered, message, answer, step_id=step_id, tokens=hidden.shape[1])
+                self._raise_step_error(answered, message, answer, step_id=step_id, shape=tuple(hidden.shape))
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break
             received += answer.ByteSize()
@@ -334,11 +334,11 @@ class InferenceSession:
             compute_s += message.compute_s
         return hidden, compute_s, sent, received, inputs
 
-    def _raise_step_error(self, answered, message, answer, *, step_id: str, tokens: int) -> None:
+    def _raise_step_error(self, answered, message, answer, *, step_id: str, shape: tuple[int, int, int]) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
         peer_unavailable: that next node failed. A node that ended the session (preempted it while idle, or did not
         compute a step within its step timeout) or cannot grow its cache for it failed itself: it is replaced like a
-        lost node. A node of a direct chain that refuses the pushed step `step_id` (`tokens` long) accuses the node
+        lost node. A node of a direct chain that refuses the pushed step `step_id` (of `shape`) accuses the node
         that pushed it: the pushed step it returns under the pusher's tag (protocol/push_tag.py) shows which of the two
         is at fault; without it, the pusher's record of its outputs is checked before either is blamed
         (Failover.judge). A refusal of another step (an earlier one's, answered since) is stale: passed over."""
@@ -356,16 +356,14 @@ class InferenceSession:
             # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
             # (NaN, a wrong shape) is that node's fault, if the refusing node tells the truth
             accused, accuser = links[index - 1], links[index]
-            shown = self.links.pushed_malformed(
-                accused, message, answer, step_id=step_id, position=self.position, tokens=tokens
-            )
+            shown = self.links.pushed_malformed(accused, message, answer, step_id=step_id, shape=shape)
             if shown is True:  # what the accused pushed, under its own tag: its fault
                 refused = f"{accuser.peer_id} refused its input, which {accused.peer_id}'s own tag shows malformed"
                 raise LinkFailed(f"{refused}: {error.message}", accused, fault=True)
             if shown is False:  # a well-formed input under the pusher's tag: the refusing node failed
                 raise LinkFailed(f"{accuser.peer_id} refused a well-formed input: {error.message}", accuser)
             refused = f"{accuser.peer_id} refused its input: {error.message}"
-            raise LinkFailed(refused, accused, accuser=accuser, through=self.position + tokens)
+            raise LinkFailed(refused, accused, accuser=accuser, through=self.position + shape[1])
         if not isinstance(error, PeerUnavailableError):
             raise error
         if self.links.direct and 0 <= index < len(links) - 1:

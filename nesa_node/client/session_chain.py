@@ -169,6 +169,7 @@ class SessionChain:
         # against a shape the client sent; until then frames are bounded for the widest hidden state accepted
         self.hidden_size: int | None = None
         self.output_codecs: dict[str, str] = {}  # peer id -> the codec its outputs are sent with
+        self.push_codecs: dict[str, WireCodec] = {}  # peer id -> that codec with its parameters, as opened
         self.max_answer_bytes = answer_frame_bytes(batch, max_length, MAX_HIDDEN)
         if hidden_size is not None:
             self._learn_hidden_size(hidden_size)
@@ -198,6 +199,7 @@ class SessionChain:
             bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, receiver.peer_id if receiver else None),
         )
         self.output_codecs[hop.peer_id] = output_codec.name
+        self.push_codecs[hop.peer_id] = output_codec
         return OpenSession(
             session_id=self.session_id,
             start_block=hop.start_block,
@@ -427,22 +429,28 @@ class SessionChain:
         return hidden
 
     def pushed_malformed(
-        self, pusher: ChainLink, refusal: ErrorReply, answer: Frame, *, step_id: str, position: int, tokens: int
+        self, pusher: ChainLink, refusal: ErrorReply, answer: Frame, *, step_id: str, shape: tuple[int, int, int]
     ) -> bool | None:
-        """What a refusal's evidence (protocol/push_tag.py) shows of the step `step_id` (`tokens` at `position`)
-        that `pusher` pushed: True when it was malformed (as `read_hidden` checks an answer, or at another position),
-        False when well formed; None when there is no evidence under `pusher`'s tag (none, or not its)."""
+        """What a refusal's evidence (protocol/push_tag.py) shows of the step `step_id` that `pusher` pushed, the
+        client's input to the chain being of `shape`: True when its content was malformed (another codec than the
+        session's, another dtype, width or batch, values not finite); False when well formed; None when there is
+        no evidence under `pusher`'s tag, or it holds other tokens than the step (its own input may have: that is
+        for Failover.judge to weigh)."""
         step = refusal.evidence
         if step is None or step.step_id != step_id or len(answer.tensors) != 1:
             return None
         if not push_tag.tag_matches(pusher.push_key, step, answer.tensors[0]):
             return None
-        shape = None if self.hidden_size is None else (self.batch, tokens, self.hidden_size)
+        if step.codec != self.push_codecs.get(pusher.peer_id, step.codec):
+            return True
+        batch, tokens, width = shape
         try:
-            self.read_hidden(pusher, answer, step.codec, tokens * self.batch * MAX_HIDDEN, shape)
+            hidden = self.read_hidden(pusher, answer, step.codec, max(tokens, 1) * batch * MAX_HIDDEN)
         except LinkFailed:
             return True
-        return step.position != position
+        if hidden.shape[0] != batch or hidden.shape[2] != width:
+            return True
+        return None if hidden.shape[1] != tokens else False
 
     # ---- control -----------------------------------------------------------------------------------------------------
 

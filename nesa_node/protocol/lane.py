@@ -237,10 +237,7 @@ async def connect(
     sid = session_id.encode()
     if not 0 < len(sid) <= MAX_SESSION_ID_BYTES or role not in CONNECT_ROLES:
         raise ValueError("a lane needs a session id of 1..128 bytes and the SEND, RECEIVE, FORWARD or TRAIN role")
-    try:
-        reader, writer = await asyncio.open_connection(host, port)
-    except OSError as exc:
-        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    reader, writer = await _dial(address, host, port)
     try:
         salt_c = os.urandom(SALT_BYTES)
         writer.write(MAGIC + bytes((role, len(sid))) + sid + salt_c)
@@ -270,15 +267,20 @@ class PingTimes:
     answer_s: float
 
 
+async def _dial(address: str, host: str, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP connection to the lane at `address` (`host`, `port`); LaneClosedError when it cannot be made."""
+    try:
+        return await asyncio.open_connection(host, port)
+    except OSError as exc:
+        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+
+
 async def probe(address: str) -> PingTimes:
     """Connect to the lane at `address` and ping it: both round trips (PingTimes). Raises LaneClosedError, also
     when the connection is made but the node's program does not answer."""
     host, port = parse_address(address)
     started = time.perf_counter()
-    try:
-        reader, writer = await asyncio.open_connection(host, port)
-    except OSError as exc:
-        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    reader, writer = await _dial(address, host, port)
     connected = time.perf_counter()
     try:
         writer.write(MAGIC + bytes((ROLE_PING, 0)) + os.urandom(SALT_BYTES))
@@ -319,10 +321,7 @@ async def prove(address: str) -> LaneProof:
     key's peer id and the signature). Raises LaneClosedError when it does not answer, BadRequestError for an answer
     that is malformed or over MAX_PROOF_PART_BYTES a part."""
     host, port = parse_address(address)
-    try:
-        reader, writer = await asyncio.open_connection(host, port)
-    except OSError as exc:
-        raise LaneClosedError(f"cannot reach lane {address}: {exc!r}") from None
+    reader, writer = await _dial(address, host, port)
     try:
         salt_c = os.urandom(SALT_BYTES)
         writer.write(MAGIC + bytes((ROLE_PROVE, 0)) + salt_c)

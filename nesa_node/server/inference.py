@@ -80,6 +80,11 @@ def _step_digest(request: Frame, step: Step) -> bytes:
     return digest.digest()
 
 
+class InputRefused(BadRequestError):
+    """A step refused for what it holds (its position, its tensor): its sender's doing, if the refusing node tells
+    the truth. A pushed one goes back with the refusal as evidence (InferenceService._refusal)."""
+
+
 class InferenceService:
     """Sessions and forwards over the node's blocks (see the module docstring)."""
 
@@ -297,7 +302,7 @@ class InferenceService:
                 return
             except NesaError as exc:
                 session.refused_in_a_row += 1
-                replies = [self._refusal(exc, step_id, item)]
+                replies = [self._refusal(exc, step_id, item, session)]
                 if session.refused_in_a_row >= self.limits.max_step_errors:
                     refusal = BadRequestError(f"{session.refused_in_a_row} refused steps in a row; session closed")
                     replies.append(ErrorReply.of(refusal))
@@ -311,14 +316,18 @@ class InferenceService:
             finally:
                 session.busy = False
 
-    @staticmethod
-    def _refusal(error: NesaError, step_id: str | None, item: Inbound) -> ErrorReply | Frame:
-        """The refusal of a queue item; a tagged step its previous node pushed, refused as malformed, goes back with
-        it as evidence (protocol/push_tag.py)."""
+    def _refusal(
+        self, error: NesaError, step_id: str | None, item: Inbound, session: ServerSession
+    ) -> ErrorReply | Frame:
+        """The refusal of a queue item; a tagged step its previous node pushed, refused for what it holds
+        (InputRefused), goes back with it as evidence (protocol/push_tag.py), when no larger than the session's
+        whole input could be (so the client can read it)."""
         reply = ErrorReply.of(error, step_id)
         step = item.message
-        if isinstance(error, BadRequestError) and isinstance(step, Step) and step.tag is not None:
-            if item.frame is not None and len(item.frame.tensors) == 1:
+        if isinstance(error, InputRefused) and isinstance(step, Step) and step.tag is not None:
+            span = self.compute.span
+            bound = session.batch * session.max_length * (span.hidden_size if span is not None else 0) * 4
+            if item.frame is not None and len(item.frame.tensors) == 1 and len(item.frame.tensors[0].buffer) <= bound:
                 return frame(reply.model_copy(update={"evidence": step}), [item.frame.tensors[0]])
         return reply
 
@@ -433,8 +442,11 @@ class InferenceService:
                 raise BadRequestError(f"step id {step.step_id!r} was already used for different content")
             return session.last_output, 0.0  # a duplicate delivery (a retry): same output, computed once
         if step.position != session.position:
-            raise BadRequestError(f"step at position {step.position}, but the session's cache holds {session.position}")
-        hidden = self.compute.read_hidden(request, step.codec, batch=session.batch)
+            raise InputRefused(f"step at position {step.position}, but the session's cache holds {session.position}")
+        try:
+            hidden = self.compute.read_hidden(request, step.codec, batch=session.batch)
+        except BadRequestError as refused:  # (a pushed one goes back as evidence: _refusal)
+            raise InputRefused(refused.message) from None
         if step.position + hidden.shape[1] > session.max_length:
             raise BadRequestError(
                 f"step would reach {step.position + hidden.shape[1]} tokens, over the session's max_length "

@@ -59,7 +59,7 @@ def test_a_node_refusing_every_pushed_input_is_replaced(local_swarm, tiny_llama,
         model.swarm.ban(honest.peer_id)  # the chain starts on the liar
         liar.compute.read_hidden = lie
         if not evidence:
-            liar.inference._refusal = lambda error, step_id, item: ErrorReply.of(error, step_id)
+            liar.inference._refusal = lambda error, step_id, item, session: ErrorReply.of(error, step_id)
         with model.inference_session(max_length=32) as session:
             assert session.chain.peer_ids[1] == liar.peer_id
             first = session.chain.peer_ids[0]
@@ -76,21 +76,38 @@ def test_a_node_refusing_every_pushed_input_is_replaced(local_swarm, tiny_llama,
             assert len(refused) == 2 and {first, liar.peer_id} <= model.swarm.banned()
 
 
-def test_a_node_whose_own_record_shows_the_malformed_output_it_pushed_is_blamed(local_swarm, tiny_llama, reference):
-    prefix = "accused"
+@pytest.mark.parametrize("how", ["recorded-evidence-kept-back", "pushed-under-its-tag"])
+def test_a_node_pushing_nan_is_blamed_on_its_own_word(local_swarm, tiny_llama, reference, how):
+    """The first node pushes NaN from the first decode step on. Either it computed the NaN (its record shows them)
+    and the refusing node keeps the evidence back: its record convicts it; or it computed and recorded honestly but
+    pushed NaN tagged as its own: the refusing node returns the tagged step, which convicts it whatever its record
+    says."""
+    prefix = f"spoiler-{how}"
     spoiler = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
     spare = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
-    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
-    honest_run = spoiler.compute.run
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_run, honest_push = spoiler.compute.run, spoiler.inference.push.push
 
-    async def spoil(hidden, cache, position, blocks, adapter=None):  # NaN from the first decode step on
+    async def spoil_compute(hidden, cache, position, blocks, adapter=None):
         output, seconds = await honest_run(hidden, cache, position, blocks, adapter)
         return (torch.full_like(output, float("nan")) if position >= PROMPT.shape[1] else output), seconds
+
+    async def spoil_push(session, step, tensors):
+        if step.position < PROMPT.shape[1]:
+            return await honest_push(session, step, tensors)
+        hidden = torch.full((1, 1, spoiler.compute.span.hidden_size), float("nan"))
+        spoiled = [tensor_to_proto(hidden)]  # (the session's codec is "none": compression="none")
+        step = step.model_copy(update={"tag": push_tag(session.push_key, step, spoiled[0])})
+        return await honest_push(session, step, spoiled)
 
     with connect(local_swarm, tiny_llama, prefix) as model:
         wait_for_chain(model, hops=2, max_length=32)
         model.swarm.ban(spare.peer_id)  # the chain starts on the spoiler
-        spoiler.compute.run = spoil
+        if how == "pushed-under-its-tag":
+            spoiler.inference.push.push = spoil_push
+        else:
+            spoiler.compute.run = spoil_compute
+            last.inference._refusal = lambda error, step_id, item, session: ErrorReply.of(error, step_id)
         with model.inference_session(max_length=32) as session:
             assert session.chain.peer_ids[0] == spoiler.peer_id
             model.swarm.unban(spare.peer_id)
@@ -123,34 +140,3 @@ def test_a_node_refusing_every_open_is_passed_over_not_the_end_of_the_session(lo
             output = generate(model)
         assert torch.equal(output, reference)
         assert len(opens) == 1 and model.swarm.faulty() == frozenset()
-
-
-def test_a_node_pushing_nan_under_its_own_tag_while_keeping_a_sane_record_is_blamed(local_swarm, tiny_llama, reference):
-    """The pusher computes and records honestly but pushes NaN, tagged as its own: the refusing node returns the
-    tagged step, which proves what the pusher sent, whatever its record says."""
-    prefix = "tagged-nan"
-    spoiler = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
-    spare = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
-    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
-    honest_push = spoiler.inference.push.push
-
-    async def spoil(session, step, tensors):
-        if step.position < PROMPT.shape[1]:
-            return await honest_push(session, step, tensors)
-        hidden = torch.full((1, 1, spoiler.compute.span.hidden_size), float("nan"))
-        spoiled = [tensor_to_proto(hidden)]  # (the session's codec is "none": compression="none")
-        step = step.model_copy(update={"tag": push_tag(session.push_key, step, spoiled[0])})
-        return await honest_push(session, step, spoiled)
-
-    with connect(local_swarm, tiny_llama, prefix) as model:
-        wait_for_chain(model, hops=2, max_length=32)
-        model.swarm.ban(spare.peer_id)  # the chain starts on the spoiler
-        spoiler.inference.push.push = spoil
-        with model.inference_session(max_length=32) as session:
-            assert session.chain.peer_ids[0] == spoiler.peer_id
-            model.swarm.unban(spare.peer_id)
-            output = generate(model)
-            failed = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
-        assert torch.equal(output, reference)
-        assert failed == [(spoiler.peer_id, [spare.peer_id])], session.failovers
-        assert model.swarm.faulty() == {spoiler.peer_id}

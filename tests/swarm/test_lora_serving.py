@@ -75,6 +75,25 @@ def connect(swarm, path: str, **settings) -> DistributedModelForCausalLM:
     )
 
 
+def async_client(swarm, path: str, prefix: str) -> AsyncDistributedModel:
+    """A client that gives up an open at its first refusal (the refusals are what these tests look at)."""
+    return swarm.run(
+        AsyncDistributedModel.from_pretrained(
+            path, initial_peers=swarm.initial_peers, dht_prefix=prefix, compression="none", max_open_attempts=1
+        )
+    )
+
+
+def own_adapters(path: str, root, seed: int, count: int) -> tuple[list, int]:
+    """`count` random rank-4 adapters on every linear layer, saved under `root`, and the bytes of one's slice of
+    all blocks."""
+    folders = [
+        save_random_adapter(path, root / f"{index}", seed + index, r=4, target_modules="all-linear")
+        for index in range(count)
+    ]
+    return folders, load_adapter_slice(str(folders[0]), load_config(path), 0, 4).nbytes
+
+
 def prompts(count: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(3)
     return [torch.randint(3, 500, (1, 4 + index % 5), generator=generator) for index in range(count)]
@@ -311,21 +330,13 @@ def test_idle_sessions_holding_adapters_make_room_and_a_peer_holds_at_most_its_s
     """A node with room for two and a half adapters: two throwaway identities open idle sessions with adapters of
     their own; an honest client's third adapter is admitted by preempting them (as for the KV cache), and its
     tokens equal PeftModel's. One peer's sessions may hold at most its share (half) of the adapter budget."""
-    config = load_config(trained_model)
-    folders = [
-        save_random_adapter(trained_model, tmp_path / f"own{index}", 50 + index, r=4, target_modules="all-linear")
-        for index in range(4)
-    ]
-    size = load_adapter_slice(str(folders[0]), config, 0, 4).nbytes
+    folders, size = own_adapters(trained_model, tmp_path / "own", 50, 4)
     node = lora_swarm.start_node(
         trained_model, 0, 4, dht_prefix="lora-room", adapter_budget_mb=2.5 * size / 2**20, preempt_idle_s=1.0
     )
 
     def client():
-        return lora_swarm.run(AsyncDistributedModel.from_pretrained(
-            trained_model, initial_peers=lora_swarm.initial_peers, dht_prefix="lora-room", compression="none",
-            max_open_attempts=1,
-        ))  # fmt: skip
+        return async_client(lora_swarm, trained_model, "lora-room")
 
     throwaways, honest = [client(), client()], client()
     try:
@@ -463,12 +474,7 @@ def test_a_peers_opens_under_way_count_in_its_adapter_share(lora_swarm, trained_
     own, each within its share of the adapter budget, not both. Both wait for room; the second is refused over
     the share at once (its first's adapter counted while that open waits), the first opens once a throwaway
     session is preempted."""
-    config = load_config(trained_model)
-    folders = [
-        save_random_adapter(trained_model, tmp_path / f"share{index}", 70 + index, r=4, target_modules="all-linear")
-        for index in range(2)
-    ]
-    size = load_adapter_slice(str(folders[0]), config, 0, 4).nbytes
+    folders, size = own_adapters(trained_model, tmp_path / "share", 70, 2)
     node = lora_swarm.start_node(
         trained_model,
         0,
@@ -480,10 +486,7 @@ def test_a_peers_opens_under_way_count_in_its_adapter_share(lora_swarm, trained_
     )
 
     def client():
-        return lora_swarm.run(AsyncDistributedModel.from_pretrained(
-            trained_model, initial_peers=lora_swarm.initial_peers, dht_prefix="lora-share", compression="none",
-            max_open_attempts=1,
-        ))  # fmt: skip
+        return async_client(lora_swarm, trained_model, "lora-share")
 
     throwaways, peer = [client(), client()], client()
     try:

@@ -239,7 +239,8 @@ def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, 
     """In a direct chain the first node pushes NaN (or a token short) to the next: the next node refuses the step,
     the client fails the node that pushed it (not the one that refused), re-routes its span to a spare, and the
     tokens equal single-process generation. The refused step comes back under the pusher's own tag
-    (protocol/push_tag.py): its fault, a ban never lifted early."""
+    (protocol/push_tag.py): NaN under it is its fault, a ban never lifted early; a token short is not proof (its own
+    input may have been short, which the client cannot see), so it is banned for a failure."""
     prefix = f"bad-push-{fault}"
     liar = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
     honest = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
@@ -262,7 +263,8 @@ def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, 
             output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
         assert session.failovers[0]["position"] >= PROMPT.shape[1] + 2  # failed by its lie, not by anything before
-        assert liar.peer_id in model.swarm.faulty()  # blamed for what it pushed: a fault, never lifted early
+        assert liar.peer_id in model.swarm.banned()
+        assert (liar.peer_id in model.swarm.faulty()) == (fault == "nan")  # NaN under its own tag: its fault
         assert session.chain.peer_ids == (spare.peer_id, honest.peer_id)
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False

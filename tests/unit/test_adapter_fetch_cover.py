@@ -136,37 +136,40 @@ def test_answer_gate_never_exceeds_its_limits(moves):
             assert len([t for t in times if t > clock.t - 60.0]) <= 5
 
 
+class Lookups:
+    """The swarm's records as an AdapterFetcher looks them up: `delay_s` per lookup, counted."""
+
+    def __init__(self, delay_s: float, records: list[NodeInfo]):
+        self.delay_s, self.records, self.count = delay_s, records, 0
+
+    async def __call__(self) -> list[NodeInfo]:
+        self.count += 1
+        await asyncio.sleep(self.delay_s)
+        return self.records
+
+    def fetcher(self) -> adapter_fetch.AdapterFetcher:
+        return adapter_fetch.AdapterFetcher(None, "me", self, None, deadline_s=5.0, peer_s=1.0, max_frame_bytes=1 << 20)
+
+
+async def fetch_unknown(fetcher: adapter_fetch.AdapterFetcher, count: int) -> None:
+    """`count` fetches at once of adapter ids nobody announces: each refused as missing."""
+    ids = [f"{index:064x}" for index in range(count)]
+    answers = await asyncio.gather(*(fetcher.fetch(i, 0, 2) for i in ids), return_exceptions=True)
+    assert all(isinstance(a, AdapterMissingError) and "no peer announces it" in a.message for a in answers)
+
+
 def test_fetches_of_adapters_nobody_announces_share_one_records_lookup_a_second(monkeypatch):
     """A peer naming unknown adapter ids open after open: the node looks the swarm's records up once for all of them
     (concurrent or within RECORDS_FRESH_S), and again once they are that old."""
     monkeypatch.setattr(adapter_fetch, "RECORDS_FRESH_S", 0.5)
-    lookups = 0
-
-    async def records() -> list[NodeInfo]:
-        nonlocal lookups
-        lookups += 1
-        await asyncio.sleep(0.05)
-        return [info("other", 0, 4)]
+    lookups = Lookups(0.05, [info("other", 0, 4)])
 
     async def run() -> list[int]:
-        fetcher = adapter_fetch.AdapterFetcher(
-            None, "me", records, None, deadline_s=5.0, peer_s=1.0, max_frame_bytes=1 << 20
-        )
-
-        async def ask(count: int) -> None:
-            ids = [f"{index:064x}" for index in range(count)]
-            answers = await asyncio.gather(*(fetcher.fetch(i, 0, 2) for i in ids), return_exceptions=True)
-            assert all(isinstance(a, AdapterMissingError) and "no peer announces it" in a.message for a in answers)
-
-        counts = []
-        await ask(20)
-        counts.append(lookups)
-        await asyncio.sleep(0.1)
-        await ask(5)
-        counts.append(lookups)
-        await asyncio.sleep(0.6)
-        await ask(5)
-        counts.append(lookups)
+        fetcher, counts = lookups.fetcher(), []
+        for pause_s, count in ((0.0, 20), (0.1, 5), (0.6, 5)):
+            await asyncio.sleep(pause_s)
+            await fetch_unknown(fetcher, count)
+            counts.append(lookups.count)
         return counts
 
     assert asyncio.run(run()) == [1, 1, 2]
@@ -176,22 +179,11 @@ def test_a_records_lookup_slower_than_its_freshness_is_shared_not_queued(monkeyp
     """Lookups that take longer than RECORDS_FRESH_S: callers arriving meanwhile wait for the one under way (not each
     for a lookup of its own, one after another)."""
     monkeypatch.setattr(adapter_fetch, "RECORDS_FRESH_S", 0.05)
-    lookups = 0
-
-    async def records() -> list[NodeInfo]:
-        nonlocal lookups
-        lookups += 1
-        await asyncio.sleep(0.3)
-        return []
+    lookups = Lookups(0.3, [])
 
     async def run() -> float:
-        fetcher = adapter_fetch.AdapterFetcher(
-            None, "me", records, None, deadline_s=5.0, peer_s=1.0, max_frame_bytes=1 << 20
-        )
         started = asyncio.get_running_loop().time()
-        ids = [f"{index:064x}" for index in range(10)]
-        answers = await asyncio.gather(*(fetcher.fetch(i, 0, 2) for i in ids), return_exceptions=True)
-        assert all(isinstance(answer, AdapterMissingError) for answer in answers)
+        await fetch_unknown(lookups.fetcher(), 10)
         return asyncio.get_running_loop().time() - started
 
-    assert asyncio.run(run()) < 1.5 and lookups == 1
+    assert asyncio.run(run()) < 1.5 and lookups.count == 1
