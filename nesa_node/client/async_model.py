@@ -43,6 +43,7 @@ from nesa_node.errors import (
     AdapterError,
     AdapterHashError,
     CacheBudgetError,
+    NoRouteError,
     PeerUnavailableError,
     QuotaExceededError,
     RequestError,
@@ -308,16 +309,22 @@ class AsyncDistributedModel(AdapterLookup):
         attempts = self.config.max_open_attempts
         passed_over: set[str] = set()  # nodes that refused this session's adapter: left out of this open only
         refused: dict[str, set[str]] = {}  # code -> nodes that refused the open with it, for another reason
+        last_refusal: RequestError | None = None  # the last refusal that left a node out of this open
         for attempt in range(attempts):
-            chain = await self.choose_chain(  # NoRouteError when nothing is left
-                batch=batch,
-                max_length=max_length,
-                prompt_tokens=prompt_tokens,
-                new_tokens=max_length - prompt_tokens,
-                adapter=adapter_id,
-                adapter_block_bytes=block_bytes,
-                exclude_more=frozenset(passed_over),
-            )
+            try:
+                chain = await self.choose_chain(  # NoRouteError when nothing is left
+                    batch=batch,
+                    max_length=max_length,
+                    prompt_tokens=prompt_tokens,
+                    new_tokens=max_length - prompt_tokens,
+                    adapter=adapter_id,
+                    adapter_block_bytes=block_bytes,
+                    exclude_more=frozenset(passed_over),
+                )
+            except NoRouteError:
+                if last_refusal is not None:  # no chain without the nodes that refused: their word is the answer
+                    raise last_refusal from None
+                raise
             if self.config.verify.mode == "majority":
                 return self.with_edges(
                     await open_majority_session(
@@ -374,6 +381,7 @@ class AsyncDistributedModel(AdapterLookup):
                 nodes.add(peer_id)
                 logger.info("%s refused the session (%s): trying another chain", peer_id, refusal)
                 passed_over.add(peer_id)
+                last_refusal = refusal
         raise SessionStateError("no session could be opened")  # the loop returns or raises first
 
     @contextlib.asynccontextmanager

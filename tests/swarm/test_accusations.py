@@ -140,3 +140,19 @@ def test_a_node_refusing_every_open_is_passed_over_not_the_end_of_the_session(lo
             output = generate(model)
         assert torch.equal(output, reference)
         assert len(opens) == 1 and model.swarm.faulty() == frozenset()
+
+
+def test_the_only_node_of_a_span_refusing_the_open_is_named_with_its_refusal(local_swarm, tiny_llama):
+    prefix = "only-refuser"
+    refuser = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+
+    async def refuse(request, channel, client_peer, upload=None):
+        raise BadRequestError("this node takes no sessions")
+
+    refuser.inference._open = refuse
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        with pytest.raises(BadRequestError, match="this node takes no sessions") as refused:
+            generate(model)
+        assert refused.value.peer_id == refuser.peer_id  # not "no route": the caller sees why
