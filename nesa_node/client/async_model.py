@@ -32,6 +32,7 @@ from nesa_node.client.config import ClientConfig, client_config
 from nesa_node.client.folder_files import read_canaries, read_weights_manifest
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
 from nesa_node.client.majority import MajoritySession, open_majority_session
+from nesa_node.client.open_refusals import ROUTABLE_REFUSALS, OpenRefusals
 from nesa_node.client.private_edges import EdgeBlocks, EdgeSession, check_private_edges
 from nesa_node.client.routing import ChainSelector, Router
 from nesa_node.client.session import InferenceSession
@@ -39,17 +40,10 @@ from nesa_node.client.session_chain import OwnAdapter, codec_for
 from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
-    AdapterBudgetError,
-    AdapterError,
-    AdapterHashError,
-    CacheBudgetError,
     NoRouteError,
     PeerUnavailableError,
-    QuotaExceededError,
     RequestError,
     SessionStateError,
-    TooManySessionsError,
-    WrongBlocksError,
 )
 from nesa_node.privacy.noise import check_sigma
 from nesa_node.protocol.dht import default_dht_prefix
@@ -60,8 +54,6 @@ from nesa_node.verification.canaries import CanarySet
 
 logger = logging.getLogger(__name__)
 
-ROUTABLE_REFUSALS = (WrongBlocksError, CacheBudgetError, TooManySessionsError, QuotaExceededError)  # moved, full...
-ADAPTER_REFUSALS = (AdapterError, AdapterBudgetError)  # cannot get or hold a session's adapter: route around it
 DEFAULT_NEW_TOKENS = 20  # what transformers generates when no length is set
 MAX_AUDITED_RUNS = 3  # generations tried when audits blame a node of the chain (each blamed node is banned)
 
@@ -297,8 +289,8 @@ class AsyncDistributedModel(AdapterLookup):
     async def open_session(
         self, *, max_length: int, batch: int = 1, prompt_tokens: int = 0, adapter: str | None = None
     ) -> InferenceSession | EdgeSession | MajoritySession:
-        """An open session on a chosen chain; a node that fails to open, or refuses because its record no longer
-        holds, is banned and another chain chosen (up to max_open_attempts). `prompt_tokens`, when known, tells
+        """An open session on a chosen chain; a node that fails to open or refuses is routed around as
+        client/open_refusals.py says (up to max_open_attempts). `prompt_tokens`, when known, tells
         routing how large the first pass is (eq. 18's transfer term). `adapter`: the LoRA adapter every node runs
         the session with (as `resolve_adapter` takes it; default the model's own, `from_pretrained(adapter=...)`).
         Close it when done."""
@@ -307,9 +299,7 @@ class AsyncDistributedModel(AdapterLookup):
         self.check_session_adapter(adapter_id)
         block_bytes = await self.adapter_block_bytes(adapter_id) if adapter_id is not None else 0.0
         attempts = self.config.max_open_attempts
-        passed_over: set[str] = set()  # nodes that refused this session's adapter: left out of this open only
-        refused: dict[str, set[str]] = {}  # code -> nodes that refused the open with it, for another reason
-        last_refusal: RequestError | None = None  # the last refusal that left a node out of this open
+        refusals = OpenRefusals(self.swarm, own_adapter=adapter_id in self.own_adapters)
         for attempt in range(attempts):
             try:
                 chain = await self.choose_chain(  # NoRouteError when nothing is left
@@ -319,12 +309,10 @@ class AsyncDistributedModel(AdapterLookup):
                     new_tokens=max_length - prompt_tokens,
                     adapter=adapter_id,
                     adapter_block_bytes=block_bytes,
-                    exclude_more=frozenset(passed_over),
+                    exclude_more=frozenset(refusals.passed_over),
                 )
-            except NoRouteError:
-                if last_refusal is not None:  # no chain without the nodes that refused: their word is the answer
-                    raise last_refusal from None
-                raise
+            except NoRouteError as error:
+                raise refusals.no_route(error) from None
             if self.config.verify.mode == "majority":
                 return self.with_edges(
                     await open_majority_session(
@@ -353,35 +341,8 @@ class AsyncDistributedModel(AdapterLookup):
             )
             try:
                 return self.with_edges(await session.open())
-            except LinkFailed as failure:
-                if failure.link is None or attempt + 1 == attempts:
-                    raise
-                logger.info("could not open a session on %s: %s", failure.link.peer_id, failure)
-                self.swarm.ban(failure.link.peer_id, fault=failure.fault)
-            except (*ROUTABLE_REFUSALS, *ADAPTER_REFUSALS) as refusal:
-                # the node's record was stale (it moved, filled its cache, began draining): route around it; one
-                # that could not get or hold the adapter is left out of this open only (its other work is fine)
-                peer_id = getattr(refusal, "peer_id", None)
-                if peer_id is None or attempt + 1 == attempts:
-                    raise
-                if isinstance(refusal, AdapterHashError) and adapter_id in self.own_adapters:
-                    raise  # this client's own bytes do not match its adapter's id: no node will take them
-                logger.info("%s refused the session: %s", peer_id, refusal)
-                if isinstance(refusal, ADAPTER_REFUSALS):
-                    passed_over.add(peer_id)
-                else:
-                    self.swarm.ban(peer_id)
-            except RequestError as refusal:
-                # any other refusal: a node that refuses every open must not fail every session routed through it,
-                # so it is left out of this open; the same refusal from a second node is this client's to see
-                peer_id = getattr(refusal, "peer_id", None)
-                nodes = refused.setdefault(refusal.code, set())
-                if peer_id is None or attempt + 1 == attempts or (nodes and peer_id not in nodes):
-                    raise
-                nodes.add(peer_id)
-                logger.info("%s refused the session (%s): trying another chain", peer_id, refusal)
-                passed_over.add(peer_id)
-                last_refusal = refusal
+            except (LinkFailed, RequestError) as error:
+                refusals.take(error, last_attempt=attempt + 1 == attempts)
         raise SessionStateError("no session could be opened")  # the loop returns or raises first
 
     @contextlib.asynccontextmanager
