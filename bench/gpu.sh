@@ -4,8 +4,12 @@
 # where the project is installed without its dependencies (`pip install --no-deps -e .`: the machine's torch stays;
 # bench/gpu-wheels.sh fetches the other dependencies for a machine without network).
 #
-#   bench/gpu.sh [quick|full]
+#   bench/gpu.sh [quick|full|targets]
 #
+# targets (within a 9-minute lease): the figures issue targets need, most uncertain first, each step under its own
+# limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's decode), the codec
+# table, 2 and 4 nodes with graphs (decode against the single process; the first generation through fresh nodes),
+# then the GPU tests.
 # quick (about 5 minutes on one H100): the GPU tests, the codec table, a span's batched passes in one process
 # (bench/batch_pass.py, with and without cuDNN's attention), and 2 nodes replaying CUDA graphs with 16 concurrent
 # sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
@@ -40,8 +44,19 @@ step() {
 }
 
 SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
-step gpu-tests "$PY" -m pytest -q -m gpu tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py \
-    tests/unit/test_span_cache.py tests/swarm/test_client_dtype.py tests/unit/test_codec.py
+GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/unit/test_span_cache.py
+    tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py)
+if [ "${1:-quick}" = targets ]; then
+    STEP_TIMEOUT_S=240 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
+        --keep-logs "$OUT/graphs-clients16-nodes"
+    STEP_TIMEOUT_S=60 step codecs "$PY" bench/compression.py --device cuda --no-swarm
+    STEP_TIMEOUT_S=200 step graphs-nodes "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 4 --modes direct \
+        --forward-repeats 0 --keep-logs "$OUT/graphs-nodes"
+    step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
+    tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"
+    exit 0
+fi
+step gpu-tests "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}"
 step codecs "$PY" bench/compression.py --device cuda --no-swarm
 # a pass of 1 to 16 sessions in one process, without and with cuDNN's attention (growing: new lengths every pass)
 step batch-pass "$PY" bench/batch_pass.py --shape 1.1b --device cuda --dtype bfloat16 --sessions 1 4 16

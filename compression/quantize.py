@@ -126,7 +126,14 @@ def dequantize_linear(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
     Dividing first makes q = +-127 exactly +-1.0, so the block's absmax, and a constant block, come back unchanged.
     """
-    return codes.to(torch.float32).div_(127).mul_(scales[:, None])
+    return codes.to(torch.float32).div_(_one_twenty_seven(codes.device)).mul_(scales[:, None])
+
+
+def _one_twenty_seven(device: torch.device) -> torch.Tensor:
+    """127 as a tensor on `device`. CUDA divides by a Python number as a product with its float32 reciprocal, which
+    rounds otherwise than division; by a device tensor it divides, as the CPU does: a payload decodes to the same
+    bits on either device."""
+    return torch.full((), 127.0, device=device)
 
 
 def _chunk_rows(block_size: int, chunk_elements: int) -> int:
@@ -197,10 +204,11 @@ def dequantize_linear_into(
     rows, block_size = codes.shape
     step = _chunk_rows(block_size, chunk_elements)
     work = out if out.dtype == torch.float32 else torch.empty(min(step, rows), block_size, device=out.device)
+    divisor = _one_twenty_seven(out.device)
     for start in range(0, rows, step):
         stop = min(start + step, rows)
         target = work[start:stop] if work is out else work[: stop - start]  # (rows in step, block_size)
-        target.copy_(codes[start:stop]).div_(127).mul_(scales[start:stop, None])
+        target.copy_(codes[start:stop]).div_(divisor).mul_(scales[start:stop, None])
         if work is not out:
             out[start:stop].copy_(target)  # one rounding to the output dtype, as dequantize_linear(...).to(dtype)
     return out

@@ -238,3 +238,24 @@ def test_a_span_rounding_past_the_bound_is_checked_on_a_part_that_does_not(canar
         SimpleNamespace(dtype=torch.bfloat16), 1.0, CanarySet(canaries.states, {"bfloat16": (1.0,) * 4})
     )
     assert hopeless._checkable(Hop("node", 0, 4), "bfloat16") is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_bfloat16_span_passes_the_bound_calibrated_on_the_cpu(tiny_llama, canaries):
+    """The file is calibrated on the CPU that builds it; a GPU's bfloat16 kernels round otherwise. An honest span on
+    CUDA in bfloat16 is within the widened bound on every canary, and a span missing its last block is not."""
+    bound = canaries.tolerance(0, 4, "bfloat16", "bfloat16")
+    assert bound is not None
+    honest = load_block_span(tiny_llama, SpanSpec(0, 4, dtype="bfloat16", device="cuda"))
+    short = load_block_span(tiny_llama, SpanSpec(0, 3, dtype="bfloat16", device="cuda"))
+    errors = []
+    with torch.inference_mode():
+        for index in range(canaries.count):
+            given, answer = canaries.case(index, 0, 4)
+            on_device = given.to("cuda", torch.bfloat16)
+            report = compare(commit_window(answer), honest(on_device).float().cpu(), bound)
+            assert report.matches, report
+            errors.append(report.sketch_error)
+            assert not compare(commit_window(answer), short(on_device).float().cpu(), bound).matches
+    print(f"cuda bfloat16 sketch error {max(errors):.4f} of a bound of {bound.sketch:.4f}")
