@@ -133,6 +133,9 @@ def node_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         "compute_s": round(moved.get("compute_seconds", 0.0), 3),
         "lone_steps": int(moved.get("decode_lone_steps", 0.0)),  # of the inline runs
         "split_passes": int(moved.get("split_passes", 0.0)),
+        "fixed_passes": int(moved.get("fixed_passes", 0.0)),  # of the passes: replayed CUDA graphs
+        "fixed_absent_rows": int(moved.get("fixed_absent_rows", 0.0)),
+        "fixed_built": int(moved.get("fixed_batches_built", 0.0)),
         "inline_runs": int(moved.get("inline_steps", 0.0)),
         "thread_runs": int(moved.get("thread_steps", 0.0)),
     }

@@ -133,6 +133,11 @@ class _ComputeCollector:
         ("nesa_node_decode_lone_steps", "One-token steps of a lone session run at once on the event loop, with no "
          "pass (counted in inline steps too)", "lone_steps"),
         ("nesa_node_split_passes", "Batched passes that failed and ran again a step at a time", "passes_split"),
+        ("nesa_node_fixed_passes", "Batched passes replayed as a fixed batch (a CUDA graph: --cuda-graphs)",
+         "fixed_passes"),
+        ("nesa_node_fixed_absent_rows", "Rows fixed batches ran for their sessions that had no step in the pass",
+         "fixed_absent_rows"),
+        ("nesa_node_fixed_batches_built", "Fixed batches built (a CUDA graph captured each)", "fixed_built"),
         ("nesa_node_inline_steps", "Steps and passes computed on the node's event loop", "inline_steps"),
         ("nesa_node_thread_steps", "Steps, passes and training passes computed on the node's compute thread",
          "thread_steps"),

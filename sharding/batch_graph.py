@@ -13,10 +13,17 @@ fixed shapes and addresses, so that it can be captured once and replayed:
 - the input and the output live in tensors of the pass's own, filled and read around each replay.
 
 A batch is known by its sessions' buffers (their stamps: span_cache.py), rows and blocks, whatever the order its steps
-arrived in. `run` captures a batch the second time it meets it (a batch seen once, as sessions join or leave, runs as
-the eager pass does) and replays it while it repeats; a span keeps its HELD most recent batches (a batch dropped frees
-its graph's memory), so that passes alternating between a few batches (a straggler's step left for the next pass)
-replay each. Passes with LoRA rows run eagerly (a graph replays the base weights). Eagerly, on any device, a fixed
+arrived in. The sessions of a swarm's passes do not arrive together every round: a pass takes the steps queued when it
+starts, ten of sixteen sessions one pass and the other six the next, in shifting groups. So a batch is built over the
+pass's sessions and those of the span's last RECENT_PASSES passes (at most COVER_ROWS rows), and replays any pass of
+its sessions, whichever of them step: a session absent from the pass runs a row all the same, on the input its last
+step left, and writes keys and values at its cache's length, the slot its next step writes again before any attention
+reads it (every step writes its own position first); its length does not move and its output is dropped. Rows cost
+little on a GPU next to the launches a graph saves. An absent session is run only while its cache is alive and its
+buffers unchanged (weakly held: a closed session's buffers are freed as usual, and the batch then covers no pass) and
+has room for that slot. `run` captures a batch the second time it meets it (a batch seen once, as sessions join or
+leave, runs as the eager pass does) and replays it while it covers the passes; a span keeps its HELD most recent
+batches (a batch dropped frees its graph's memory). Passes with LoRA rows run eagerly (a graph replays the base weights). Eagerly, on any device, a fixed
 batch computes what the eager pass does, up to the rounding of attention over masked keys: how
 it is tested without a GPU. Captures follow decode_graph.py's rules (one stream per span, a pool per graph, the
 process-wide lock, the warm-up run with the real input at the real positions).
@@ -26,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import OrderedDict
 
 import torch
@@ -39,6 +47,8 @@ logger = logging.getLogger(__name__)
 
 NO_MEMORY = "no memory"  # held for a batch whose capture ran out of device memory: eager while it is held
 HELD = 4  # batches a span keeps (graphs, and batches seen once), the least recently run dropped first (guess)
+RECENT_PASSES = 8  # a session that ran in one of the span's last this many passes is taken into a new batch (guess)
+COVER_ROWS = 64  # the most rows a new batch takes on for sessions absent from the pass that builds it (guess)
 
 
 class _RowsSlotCache:
@@ -71,21 +81,35 @@ def signature(steps: list, first: int, end: int) -> tuple | None:
     change of stamps (`batch_memo`), so a pass's key costs an attribute read a layer."""
     parts = []
     for hidden, cache, position in steps:
-        if hidden.shape[1] != 1 or not isinstance(cache, SpanCache):
+        if hidden.shape[1] != 1:
             return None
-        run = cache.layers[first:end]
-        stamps = _stamps(cache.layers, first, end)
-        memo = cache.batch_memo
-        if memo is None or memo[0] != stamps:
-            buffers = None if None in stamps else _buffers(cache.layers, first, end)
-            memo = cache.batch_memo = (stamps, None if buffers is None else (buffers[0][1][0], run[0].capacity))
-        if memo[1] is None:
+        part = _part(cache, first, end, position)
+        if part is None or part[0] != hidden.shape[0]:
             return None
-        rows, capacity = memo[1]
-        if rows != hidden.shape[0] or position != run[0].length or position >= capacity:
-            return None
-        parts.append((rows, id(cache.layers), stamps))  # the identity too: a copied layer would carry its stamp
+        parts.append(part)
     return (first, end, *parts)
+
+
+def _part(cache, first: int, end: int, position: int | None = None) -> tuple | None:
+    """A session's part of a batch key, (rows, identity of its layers, stamps of their buffers), for a one-token step
+    at `position` (its length when None); None unless the step can run fixed (`signature`)."""
+    if not isinstance(cache, SpanCache):
+        return None
+    run = cache.layers[first:end]
+    stamps = _stamps(cache.layers, first, end)
+    memo = cache.batch_memo
+    if memo is None or memo[0] != stamps:
+        buffers = None if None in stamps else _buffers(cache.layers, first, end)
+        memo = cache.batch_memo = (stamps, None if buffers is None else (buffers[0][1][0], run[0].capacity))
+    if memo[1] is None:
+        return None
+    rows, capacity = memo[1]
+    length = run[0].length
+    if position is None:
+        position = length
+    if position != length or position >= capacity:
+        return None
+    return (rows, id(cache.layers), stamps)  # the identity too: a copied layer would carry its stamp
 
 
 class FixedBatch:
@@ -98,6 +122,8 @@ class FixedBatch:
     def __init__(self, span, caches: list[SpanCache], first: int, end: int, rows: list[int], key: tuple,
                  capture_stream=None):  # fmt: skip
         self.span, self.key = span, key
+        self.parts = {part: index for index, part in enumerate(key[2:])}  # each session's part: its place in the batch
+        self.sessions = [weakref.ref(cache) for cache in caches]  # not held: a closed session's buffers are freed
         self.first, self.end, self.rows = first, end, rows
         self.bounds = [sum(rows[:index]) for index in range(len(rows) + 1)]
         self.capacity = max(cache.layers[first].capacity for cache in caches)
@@ -138,16 +164,40 @@ class FixedBatch:
         """Warm up (writing the same keys the replay writes again), then capture, inputs and positions already set."""
         self.graph, self.output = capture(self.capture_stream, lambda: self._run(caches))
 
-    def __call__(self, caches: list[SpanCache], inputs: list[torch.Tensor], positions: list[int]) -> list[torch.Tensor]:
+    def covering(self, parts: list[tuple]) -> list[SpanCache] | None:
+        """The batch's caches, in its order, if it can run a pass whose sessions have `parts` (`_part`): each of them
+        is one of the batch's, and each of its other sessions is alive with the same buffers and room for a row's
+        slot at its length (module docstring); else None."""
+        if len(parts) > len(self.parts) or any(part not in self.parts for part in parts):
+            return None
+        caches = [session() for session in self.sessions]
+        present = {self.parts[part] for part in parts}
+        for index, (cache, part) in enumerate(zip(caches, self.parts, strict=True)):
+            if index not in present and (cache is None or _part(cache, self.first, self.end) != part):
+                return None
+        return caches
+
+    def __call__(
+        self, caches: list[SpanCache], inputs: list[torch.Tensor | None], positions: list[int]
+    ) -> list[torch.Tensor | None]:
         """Each session's output for its `inputs` (rows, 1, hidden) at `positions` (its cache's length, below its
-        capacity); each cache then holds position + 1 tokens. A capture that fails raises, no length moved."""
+        capacity); each cache then holds position + 1 tokens. A session whose input is None is absent from the pass
+        (module docstring): its row runs at `position`, its cache's length, which stays; its output is None. A
+        capture that fails raises, no length moved."""
         per_row = [position for position, count in zip(positions, self.rows, strict=True) for _ in range(count)]
         with _LOCK if self.capture_stream is not None else contextlib.nullcontext():
-            if len({(step.device, step.dtype) for step in inputs}) == 1:  # the usual case: one copy to the device
-                self.hidden.copy_(torch.cat(inputs))
-            else:
+            given = [step for step in inputs if step is not None]
+            if len({(step.device, step.dtype) for step in given}) != 1:
                 for start, stop, step in zip(self.bounds, self.bounds[1:], inputs, strict=False):
-                    self.hidden[start:stop].copy_(step)
+                    if step is not None:
+                        self.hidden[start:stop].copy_(step)
+            elif len(given) == len(inputs):  # the usual case: one copy to the device
+                self.hidden.copy_(torch.cat(inputs))
+            else:  # an absent session's row keeps the input its last step left
+                rows = [row for start, stop, step in zip(self.bounds, self.bounds[1:], inputs, strict=False)
+                        if step is not None for row in range(start, stop)]  # fmt: skip
+                index = torch.tensor(rows).to(self.hidden.device, non_blocking=True)
+                self.hidden.index_copy_(0, index, torch.cat(given).to(self.hidden.device, self.hidden.dtype))
             self.positions.copy_(torch.tensor(per_row), non_blocking=True)
             if self.capture_stream is None:
                 output = self._run(caches)
@@ -156,63 +206,121 @@ class FixedBatch:
                     self._capture(caches)
                 self.graph.replay()
                 output = self.output.clone()  # the next replay overwrites it
-        for cache, position in zip(caches, positions, strict=True):
-            for layer in cache.layers[self.first : self.end]:
-                layer._view(position + 1)
-        return list(output.split(self.rows))
+        for cache, position, step in zip(caches, positions, inputs, strict=True):
+            if step is not None:
+                for layer in cache.layers[self.first : self.end]:
+                    layer._view(position + 1)
+        return [part if step is not None else None for part, step in zip(output.split(self.rows), inputs, strict=True)]
 
 
 def release(span) -> None:
     """Drop the span's batches and their graphs' memory (its node has no session left: none of them comes again)."""
     span._fixed_batch = None
+    span.__dict__.pop("_batch_recent", None)
+
+
+def counts(span) -> dict[str, int]:
+    """The span's fixed-batch counters: passes run as a fixed batch, rows run there for absent sessions, batches
+    built (a capture each on CUDA)."""
+    return span.__dict__.setdefault("_batch_counts", {"passes": 0, "absent_rows": 0, "built": 0})
+
+
+def _note(span, steps: list, first: int, end: int) -> None:
+    """Note the sessions of `steps` as seen in the span's newest pass, through [first, end)."""
+    recent = span.__dict__.setdefault("_batch_recent", OrderedDict())  # id of cache -> (weak ref, blocks, pass)
+    number = span.__dict__["_batch_pass"] = span.__dict__.get("_batch_pass", 0) + 1
+    for _, cache, _ in steps:
+        recent.pop(id(cache), None)
+        recent[id(cache)] = (weakref.ref(cache), (first, end), number)
+
+
+def _recent(span, steps: list, first: int, end: int) -> list[tuple[SpanCache, tuple]]:
+    """(cache, part) of the sessions of the span's last RECENT_PASSES passes through [first, end) (`_note`) that
+    are not in `steps`, are alive and can run fixed, as long as their rows stay within COVER_ROWS."""
+    recent, number = span.__dict__["_batch_recent"], span.__dict__["_batch_pass"]
+    present = {id(cache) for _, cache, _ in steps}
+    others, rows = [], 0
+    for key, (session, blocks, seen) in list(recent.items()):
+        cache = session()
+        if cache is None or number - seen >= RECENT_PASSES:
+            del recent[key]
+            continue
+        if key in present or blocks != (first, end) or (part := _part(cache, first, end)) is None:
+            continue
+        if rows + part[0] > COVER_ROWS:
+            break
+        rows += part[0]
+        others.append((cache, part))
+    return others
 
 
 def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     """`steps` ((hidden, cache, position) each) through span layers [first, end) as one of the span's fixed batches,
-    or None where this pass runs eagerly: LoRA rows, a batch that cannot run fixed, or one not among the span's
-    HELD recent batches (module docstring). The steps are taken in an order of their caches', so that the same
-    sessions arriving in another order are the same batch; the outputs come back in the steps' order. A capture
-    that fails turns the span's batch graphs off (logged; one out of device memory only that batch's, while it is
-    held) and this pass runs eagerly; a replay that fails raises (its batch dropped)."""
+    or None where this pass runs eagerly: LoRA rows, a step that cannot run fixed, or no batch held that covers the
+    pass (module docstring): the pass's sessions and the span's recent ones then make a batch, built if it was seen
+    before. The outputs come back in the steps' order. A capture that fails turns the span's batch graphs off
+    (logged; one out of device memory only that batch's, while it is held) and this pass runs eagerly; a replay that
+    fails raises (its batch dropped)."""
     if not span.batch_graphs or rows_active(span) or not torch.is_inference_mode_enabled():
         return None  # LoRA rows: a graph replays the base weights only; the batches held stay for later passes
-    order = sorted(range(len(steps)), key=lambda index: id(steps[index][1]))
-    steps = [steps[index] for index in order]
     key = signature(steps, first, end)
     if key is None:
         return None
     held = span._fixed_batch = span._fixed_batch if span._fixed_batch is not None else OrderedDict()
-    fixed = held.pop(key, None)
-    held[key] = False if fixed is None else fixed  # the most recent; False: seen once
-    while len(held) > HELD:
-        held.popitem(last=False)  # its graph and memory go with it
-    if fixed is None or fixed is NO_MEMORY:
-        return None  # seen once: captured if it comes again; or no device memory for its graph (until dropped)
-    caches = [cache for _, cache, _ in steps]
+    _note(span, steps, first, end)
+    fixed = caches = batch_key = None
+    for candidate_key in reversed(held):  # the most recently run first
+        candidate = held[candidate_key]
+        if isinstance(candidate, FixedBatch) and (found := candidate.covering(list(key[2:]))) is not None:
+            fixed, caches, batch_key = candidate, found, candidate_key
+            held.move_to_end(batch_key)
+            break
+    if fixed is None:  # the pass's sessions and the recent others, in an order of their caches'
+        members = sorted(
+            [(cache, part) for (_, cache, _), part in zip(steps, key[2:], strict=True)]
+            + _recent(span, steps, first, end),
+            key=lambda member: id(member[0]),
+        )
+        batch_key = (first, end, *[part for _, part in members])
+        seen = held.pop(batch_key, None)
+        held[batch_key] = False if seen is None else seen  # the most recent; False: seen once
+        while len(held) > HELD:
+            held.popitem(last=False)  # its graph and memory go with it
+        if seen is not False:
+            return None  # seen once: built if it comes again; or no device memory for its graph (until dropped)
+        caches = [cache for cache, _ in members]
+    place = {id(cache): index for index, cache in enumerate(caches)}
+    inputs: list[torch.Tensor | None] = [None] * len(caches)
+    positions = [cache.layers[first].length for cache in caches]  # an absent session's row: its next slot
+    for hidden, cache, position in steps:
+        inputs[place[id(cache)]], positions[place[id(cache)]] = hidden, position
+    tally = counts(span)
     try:
-        if fixed is False:
-            rows = [hidden.shape[0] for hidden, _, _ in steps]
-            fixed = held[key] = FixedBatch(span, caches, first, end, rows, key, capture_stream=span._capture_stream())
-        outputs = fixed(caches, [hidden for hidden, _, _ in steps], [position for _, _, position in steps])
+        if fixed is None:
+            rows = [part[0] for _, part in members]
+            fixed = held[batch_key] = FixedBatch(
+                span, caches, first, end, rows, batch_key, capture_stream=span._capture_stream()
+            )
+            tally["built"] += 1
+        outputs = fixed(caches, inputs, positions)
     except ValueError:
-        held.pop(key, None)  # a rotary type without a table
+        held.pop(batch_key, None)  # a rotary type without a table
         return None
     except RuntimeError as exc:
-        if fixed is not False and fixed.graph is not None:
-            held.pop(key, None)  # a replay that failed: not a capture matter; not replayed again
+        if fixed is not None and fixed.graph is not None:
+            held.pop(batch_key, None)  # a replay that failed: not a capture matter; not replayed again
             raise
         if isinstance(exc, torch.OutOfMemoryError):  # memory may be short for a moment: this batch runs eagerly
-            held[key] = NO_MEMORY
+            held[batch_key] = NO_MEMORY
             logger.info("blocks %d:%d: no device memory for a batched pass's CUDA graph", span.start, span.end)
             return None
         held.clear()
         logger.warning("blocks %d:%d: batched pass capture failed (%s): batches run eagerly", span.start, span.end, exc)
         span.batch_graphs = False
         return None
-    result: list[torch.Tensor] = [outputs[0]] * len(outputs)
-    for position, index in enumerate(order):
-        result[index] = outputs[position]
-    return result
+    tally["passes"] += 1
+    tally["absent_rows"] += sum(rows for rows, step in zip(fixed.rows, inputs, strict=True) if step is None)
+    return [outputs[place[id(cache)]] for _, cache, _ in steps]
 
 
-__all__ = ["HELD", "NO_MEMORY", "FixedBatch", "release", "run", "signature"]
+__all__ = ["COVER_ROWS", "HELD", "NO_MEMORY", "RECENT_PASSES", "FixedBatch", "counts", "release", "run", "signature"]

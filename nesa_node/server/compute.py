@@ -97,10 +97,35 @@ class BlockCompute:
         self.thread_steps = 0
         self._thread_jobs = 0  # jobs handed to the compute thread and not done (nor cancelled unrun) yet
         self._thread_jobs_lock = threading.Lock()  # counted down on the compute thread or the loop's
+        self._fixed_before: dict[str, int] = {}  # fixed-batch counts of the spans served before this one
 
     def use_span(self, span) -> None:
         """Serve `span` (a node that moved); None while the node loads other blocks: requests are refused."""
+        if self.span is not None:  # its counts move here (counters never go down, whichever span is served)
+            counts = batch_graph.counts(self.span)
+            for name, value in counts.items():
+                self._fixed_before[name] = self._fixed_before.get(name, 0) + value
+                counts[name] = 0
         self.span = span
+
+    def _fixed(self, name: str) -> int:
+        now = batch_graph.counts(self.span)[name] if self.span is not None else 0
+        return self._fixed_before.get(name, 0) + now
+
+    @property
+    def fixed_passes(self) -> int:
+        """Batched passes run as a fixed batch (replayed as a CUDA graph: sharding/batch_graph.py)."""
+        return self._fixed("passes")
+
+    @property
+    def fixed_absent_rows(self) -> int:
+        """Rows those passes ran for sessions that had no step in them."""
+        return self._fixed("absent_rows")
+
+    @property
+    def fixed_built(self) -> int:
+        """Fixed batches built (each a CUDA graph capture)."""
+        return self._fixed("built")
 
     # ---- checks ------------------------------------------------------------------------------------------------
 

@@ -3,6 +3,8 @@ computes what each session's own steps compute, across sessions of different len
 session leaving and one growing its buffer; passes with LoRA rows and failed captures run eagerly; on CUDA
 (`-m gpu`) the captured graph replays the same."""
 
+import gc
+
 import pytest
 import torch
 
@@ -50,6 +52,19 @@ class Sessions:
                 torch.testing.assert_close(output.float(), expected.float(), **self.tolerance)
                 assert self.ours[index].get_seq_length() == position + 1
 
+    def close(self, index: int) -> None:
+        """The session ends: its caches are dropped (freed once nothing else holds them)."""
+        self.ours[index] = self.theirs[index] = None
+        gc.collect()
+
+    def grow(self, index: int) -> None:
+        """New, larger buffers for the session's caches (what growth past a reservation does), the held tokens kept."""
+        for cache in (self.ours[index], self.theirs[index]):
+            for layer in cache.layers:
+                if getattr(layer, "_keys", None) is not None:
+                    keys, values = layer.keys, layer.values
+                    layer._grow(keys[..., :1, :], values[..., :1, :], 2 * layer.capacity)
+
     tolerance = TOLERANCE
 
 
@@ -84,11 +99,20 @@ def test_a_repeating_batch_runs_fixed_and_computes_what_each_sessions_own_steps_
     assert len(runs) == 4 and len(set(map(id, runs))) == 1
     fixed = runs[0]
     assert fixed.capacity == 64 and sorted(fixed.rows) == [1, 1, 2] and fixed.graph is None  # no capture off CUDA
-    # b leaves: a new batch, eager once, then fixed again
+    # b sits a pass out: the batch still runs it, b's row at its free slot, and b's length stays
+    held = sessions.ours[b].get_seq_length()
+    with torch.inference_mode():
+        fixed.hidden.normal_()  # whatever b's row runs on: its keys and values go to the slot its next step writes
     sessions.step([a, c])
-    assert len(runs) == 4
+    assert len(runs) == 5 and runs[-1] is fixed and sessions.ours[b].get_seq_length() == held
+    sessions.step([a, b, c])  # b's output is still its own step's: its slot was written again before it was read
+    assert len(runs) == 6 and runs[-1] is fixed
+    # b closes: the batch covers no pass without it; a batch of a and c, eager once, then fixed
+    sessions.close(b)
     sessions.step([a, c])
-    assert len(runs) == 5 and runs[-1] is not fixed and runs[-1].rows == [1, 1]
+    assert len(runs) == 6
+    sessions.step([a, c])
+    assert len(runs) == 7 and runs[-1] is not fixed and runs[-1].rows == [1, 1]
     # a's buffer (16) fills at position 16: that pass cannot run fixed, and its grown buffer is a new batch
     while sessions.ours[a].get_seq_length() < 16:
         sessions.step([a, c])
@@ -100,7 +124,7 @@ def test_a_repeating_batch_runs_fixed_and_computes_what_each_sessions_own_steps_
     assert len(runs) == count + 1 and runs[-1].capacity == 64
 
 
-def test_the_same_sessions_in_another_order_are_the_same_batch_and_a_few_batches_alternate(spans, runs):
+def test_the_same_sessions_in_another_order_are_the_same_batch_and_shifting_groups_share_one(spans, runs):
     span, plain = spans
     sessions = Sessions(span, plain)
     a, b, c = sessions.open(4, reserve=16), sessions.open(6, reserve=16, rows=2), sessions.open(5, reserve=32)
@@ -108,12 +132,56 @@ def test_the_same_sessions_in_another_order_are_the_same_batch_and_a_few_batches
     sessions.step([c, a, b])  # outputs checked in the order given
     sessions.step([b, c, a])
     assert len(runs) == 2 and runs[0] is runs[1] and len(batches(span)) == 1
-    # a straggler left for the next pass: two batches alternate, each replayed once seen
-    for _ in range(3):
-        sessions.step([a, b])
-        sessions.step([c])
-    assert len(batches(span)) == 3 and len(runs) == 2 + 4
-    assert len(span._fixed_batch) <= batch_graph.HELD
+    # a straggler left for the next pass, groups that shift: the one batch runs every pass
+    for group in ([a, b], [c], [a], [b, c], [c, a], [b]):
+        sessions.step(group)
+    assert len(runs) == 2 + 6 and {id(run) for run in runs} == {id(runs[0])} and len(batches(span)) == 1
+    assert batch_graph.counts(span) == {"passes": 8, "absent_rows": 1 + 3 + 3 + 1 + 2 + 2, "built": 1}
+
+
+def test_a_batch_is_built_over_the_recent_sessions_within_its_row_bound(spans, runs, monkeypatch):
+    """Groups that never meet make one batch: each pass's batch takes on the sessions of the span's recent passes
+    (at most COVER_ROWS rows of them), and a session silent for RECENT_PASSES passes is not taken into a new one."""
+    span, plain = spans
+    sessions = Sessions(span, plain)
+    a, b, c, d = (sessions.open(4 + index, reserve=32) for index in range(4))
+    sessions.step([a, b])  # seen once: (a, b)
+    sessions.step([c, d])  # seen once: (a, b, c, d)
+    assert runs == []
+    sessions.step([a, b])  # (a, b, c, d) again: built
+    sessions.step([c, d])
+    assert len(runs) == 2 and runs[0] is runs[1] and sorted(runs[0].rows) == [1, 1, 1, 1]
+    # d's buffer grows (a new batch is needed) after d sat out RECENT_PASSES passes: the new batch leaves d out
+    for _ in range(batch_graph.RECENT_PASSES):
+        sessions.step([a, b, c])
+    sessions.grow(d)
+    sessions.step([a, b])  # d's buffers changed: the batch covers no pass; (a, b, c) seen once
+    assert len(runs) == 2 + batch_graph.RECENT_PASSES
+    sessions.step([a, b])
+    assert len(runs[-1].rows) == 3 and runs[-1] is not runs[0]
+    sessions.step([d])  # back: a batch of d and the recent a, b and c, seen once, then built
+    sessions.step([d])
+    assert len(runs[-1].rows) == 4 and runs[-1] is not runs[0] and len(batches(span)) == 3
+    # at most COVER_ROWS rows of absent sessions are taken on
+    monkeypatch.setattr(batch_graph, "COVER_ROWS", 1)
+    e = sessions.open(3, reserve=32, rows=2)
+    sessions.step([e])
+    sessions.step([e])
+    assert sorted(runs[-1].rows) == [1, 2]
+
+
+def test_an_absent_session_without_room_for_its_row_keeps_the_batch_from_running(spans, runs):
+    span, plain = spans
+    sessions = Sessions(span, plain)
+    a, b = sessions.open(13, reserve=16), sessions.open(4, reserve=32)
+    sessions.step([a, b])
+    sessions.step([a, b])  # built: a at 15 of 16
+    sessions.step([a])  # a at 16: full
+    assert len(runs) == 2 and sessions.ours[a].get_seq_length() == 16
+    sessions.step([b])  # a has no free slot: this pass cannot run a's row
+    assert len(runs) == 2
+    sessions.step([a, b])  # a grows: its steps and b's are still their own
+    assert sessions.ours[a].get_seq_length() == 17
 
 
 def test_passes_with_lora_rows_run_eagerly_and_keep_the_batch(spans, monkeypatch):
@@ -177,7 +245,11 @@ def test_captured_batches_replay_what_each_sessions_own_steps_compute_on_cuda(ti
         sessions.step(which)
     (fixed,) = batches(span)
     assert fixed.graph is not None
-    sessions.step(which[1:])  # one leaves: a new batch, captured in its turn
+    sessions.step(which[1:])  # one sits out: the graph replays, its row at its free slot
+    sessions.step(which)  # and its steps are still its own
+    assert batches(span) == [fixed]
+    sessions.close(0)  # one leaves: a new batch, captured in its turn
+    sessions.step(which[1:])
     sessions.step(which[1:])
     assert len(batches(span)) == 2 and all(held.graph is not None for held in batches(span))
 
@@ -201,6 +273,7 @@ def test_buffer_stamps_change_with_the_buffers_only_and_are_never_shared(spans):
 
 
 def test_a_node_left_without_sessions_drops_its_batches(spans):
+    from nesa_node.metrics import _ComputeCollector
     from nesa_node.server.compute import BlockCompute
     from nesa_node.server.config import ComputeConfig, LimitsConfig
 
@@ -211,9 +284,21 @@ def test_a_node_left_without_sessions_drops_its_batches(spans):
         a, b = sessions.open(4, reserve=16), sessions.open(6, reserve=16)
         sessions.step([a, b])
         sessions.step([a, b])
+        sessions.step([b])  # a covered pass: a's row runs too
         compute.forget("a")  # another session is still open
         assert len(batches(span)) == 1
         compute.forget("b", last=True)
         assert batches(span) == [] and span._fixed_batch is None
+        # the node's counters of fixed batches (its metrics), kept across a move to other blocks
+        figures = (compute.fixed_passes, compute.fixed_built, compute.fixed_absent_rows)
+        assert figures == (2, 1, 1)
+        compute.use_span(None)
+        assert (compute.fixed_passes, compute.fixed_built, compute.fixed_absent_rows) == figures
+        compute.use_span(span)
+        sessions.step([a, b])
+        sessions.step([a, b])
+        assert (compute.fixed_passes, compute.fixed_built) == (3, 2)
+        scraped = {family.name: family.samples[0].value for family in _ComputeCollector(compute).collect()}
+        assert scraped["nesa_node_fixed_passes"] == 3 and scraped["nesa_node_fixed_absent_rows"] == 1
     finally:
         compute.close()
