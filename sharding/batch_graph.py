@@ -19,13 +19,14 @@ pass's sessions and those of the span's last RECENT_PASSES passes (at most COVER
 its sessions, whichever of them step: a session absent from the pass runs a row all the same, on the input its last
 step left, and writes keys and values at its cache's length, the slot its next step writes again before any attention
 reads it (every step writes its own position first); its length does not move and its output is dropped. Rows cost
-little on a GPU next to the launches a graph saves. An absent session is run only while its cache is alive and its
+little on a GPU next to the launches a graph saves. An absent session is run only while it stepped in one of the last
+RECENT_PASSES passes (an idle one's row is not worth its attention over its buffers), its cache is alive with its
 buffers unchanged (weakly held: a closed session's buffers are freed as usual, and the batch then covers no pass) and
-has room for that slot. `run` captures a batch the second time it meets it (a batch seen once, as sessions join or
+it has room for that slot. `run` captures a batch the second time it meets it (a batch seen once, as sessions join or
 leave, runs as the eager pass does) and replays it while it covers the passes; a span keeps its HELD most recent
-batches (a batch dropped frees its graph's memory). Passes with LoRA rows run eagerly (a graph replays the base weights). Eagerly, on any device, a fixed
-batch computes what the eager pass does, up to the rounding of attention over masked keys: how
-it is tested without a GPU. Captures follow decode_graph.py's rules (one stream per span, a pool per graph, the
+batches (a batch dropped frees its graph's memory). Passes with LoRA rows run eagerly (a graph replays the base
+weights). Eagerly, on any device, a fixed batch computes what the eager pass does, up to the rounding of attention
+over masked keys: how it is tested without a GPU. Captures follow decode_graph.py's rules (one stream per span, a pool per graph, the
 process-wide lock, the warm-up run with the real input at the real positions).
 """
 
@@ -164,16 +165,27 @@ class FixedBatch:
         """Warm up (writing the same keys the replay writes again), then capture, inputs and positions already set."""
         self.graph, self.output = capture(self.capture_stream, lambda: self._run(caches))
 
-    def covering(self, parts: list[tuple]) -> list[SpanCache] | None:
-        """The batch's caches, in its order, if it can run a pass whose sessions have `parts` (`_part`): each of them
-        is one of the batch's, and each of its other sessions is alive with the same buffers and room for a row's
-        slot at its length (module docstring); else None."""
+    def covering(self, steps: list, parts: list[tuple], recent: dict) -> list[SpanCache] | None:
+        """The batch's caches, in its order, if it can run a pass of `steps` whose sessions have `parts` (`_part`):
+        each of them is one of the batch's, and each of its other sessions stepped in one of the span's last
+        RECENT_PASSES passes (`recent`: `_note`; an idle session's row is not worth its attention over its buffers)
+        and is alive with the same buffers and room for a row's slot at its length (module docstring); else None."""
         if len(parts) > len(self.parts) or any(part not in self.parts for part in parts):
             return None
         caches = [session() for session in self.sessions]
-        present = {self.parts[part] for part in parts}
+        present = {self.parts[part]: cache for part, (_, cache, _) in zip(parts, steps, strict=True)}
+        newest = recent.get("pass", 0)
         for index, (cache, part) in enumerate(zip(caches, self.parts, strict=True)):
-            if index not in present and (cache is None or _part(cache, self.first, self.end) != part):
+            if cache is None:
+                return None
+            if index in present:
+                if present[index] is not cache:
+                    return None
+                continue
+            seen = recent.get(id(cache))
+            if seen is None or seen[0]() is not cache or newest - seen[2] >= RECENT_PASSES:
+                return None
+            if _part(cache, self.first, self.end) != part:
                 return None
         return caches
 
@@ -225,32 +237,38 @@ def counts(span) -> dict[str, int]:
     return span.__dict__.setdefault("_batch_counts", {"passes": 0, "absent_rows": 0, "built": 0})
 
 
-def _note(span, steps: list, first: int, end: int) -> None:
-    """Note the sessions of `steps` as seen in the span's newest pass, through [first, end)."""
-    recent = span.__dict__.setdefault("_batch_recent", OrderedDict())  # id of cache -> (weak ref, blocks, pass)
-    number = span.__dict__["_batch_pass"] = span.__dict__.get("_batch_pass", 0) + 1
+def _note(span, steps: list, first: int, end: int) -> dict:
+    """Note the sessions of `steps` as seen in the span's newest pass, through [first, end); returns the span's
+    notes: id of cache -> (weak reference, blocks, number of the pass it was last seen in), and "pass": the newest
+    pass's number."""
+    recent = span.__dict__.setdefault("_batch_recent", OrderedDict())
+    number = recent["pass"] = recent.get("pass", 0) + 1
     for _, cache, _ in steps:
         recent.pop(id(cache), None)
         recent[id(cache)] = (weakref.ref(cache), (first, end), number)
+    return recent
 
 
-def _recent(span, steps: list, first: int, end: int) -> list[tuple[SpanCache, tuple]]:
+def _recent(recent: dict, steps: list, first: int, end: int) -> list[tuple[SpanCache, tuple]]:
     """(cache, part) of the sessions of the span's last RECENT_PASSES passes through [first, end) (`_note`) that
-    are not in `steps`, are alive and can run fixed, as long as their rows stay within COVER_ROWS."""
-    recent, number = span.__dict__["_batch_recent"], span.__dict__["_batch_pass"]
+    are not in `steps`, are alive and can run fixed, the most recently seen first, as long as their rows stay within
+    COVER_ROWS."""
+    number = recent["pass"]
     present = {id(cache) for _, cache, _ in steps}
     others, rows = [], 0
-    for key, (session, blocks, seen) in list(recent.items()):
+    for key, value in reversed(list(recent.items())):
+        if key == "pass":
+            continue
+        session, blocks, seen = value
         cache = session()
         if cache is None or number - seen >= RECENT_PASSES:
             del recent[key]
             continue
         if key in present or blocks != (first, end) or (part := _part(cache, first, end)) is None:
             continue
-        if rows + part[0] > COVER_ROWS:
-            break
-        rows += part[0]
-        others.append((cache, part))
+        if rows + part[0] <= COVER_ROWS:
+            rows += part[0]
+            others.append((cache, part))
     return others
 
 
@@ -267,18 +285,18 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     if key is None:
         return None
     held = span._fixed_batch = span._fixed_batch if span._fixed_batch is not None else OrderedDict()
-    _note(span, steps, first, end)
+    recent = _note(span, steps, first, end)
     fixed = caches = batch_key = None
     for candidate_key in reversed(held):  # the most recently run first
         candidate = held[candidate_key]
-        if isinstance(candidate, FixedBatch) and (found := candidate.covering(list(key[2:]))) is not None:
+        if isinstance(candidate, FixedBatch) and (found := candidate.covering(steps, list(key[2:]), recent)):
             fixed, caches, batch_key = candidate, found, candidate_key
             held.move_to_end(batch_key)
             break
     if fixed is None:  # the pass's sessions and the recent others, in an order of their caches'
         members = sorted(
             [(cache, part) for (_, cache, _), part in zip(steps, key[2:], strict=True)]
-            + _recent(span, steps, first, end),
+            + _recent(recent, steps, first, end),
             key=lambda member: id(member[0]),
         )
         batch_key = (first, end, *[part for _, part in members])
@@ -294,14 +312,13 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     positions = [cache.layers[first].length for cache in caches]  # an absent session's row: its next slot
     for hidden, cache, position in steps:
         inputs[place[id(cache)]], positions[place[id(cache)]] = hidden, position
-    tally = counts(span)
+    tally, built = counts(span), fixed is None
     try:
         if fixed is None:
             rows = [part[0] for _, part in members]
             fixed = held[batch_key] = FixedBatch(
                 span, caches, first, end, rows, batch_key, capture_stream=span._capture_stream()
             )
-            tally["built"] += 1
         outputs = fixed(caches, inputs, positions)
     except ValueError:
         held.pop(batch_key, None)  # a rotary type without a table
@@ -318,6 +335,7 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
         logger.warning("blocks %d:%d: batched pass capture failed (%s): batches run eagerly", span.start, span.end, exc)
         span.batch_graphs = False
         return None
+    tally["built"] += built  # once its capture, if any, went through
     tally["passes"] += 1
     tally["absent_rows"] += sum(rows for rows, step in zip(fixed.rows, inputs, strict=True) if step is None)
     return [outputs[place[id(cache)]] for _, cache, _ in steps]

@@ -151,15 +151,18 @@ def test_a_batch_is_built_over_the_recent_sessions_within_its_row_bound(spans, r
     sessions.step([a, b])  # (a, b, c, d) again: built
     sessions.step([c, d])
     assert len(runs) == 2 and runs[0] is runs[1] and sorted(runs[0].rows) == [1, 1, 1, 1]
-    # d's buffer grows (a new batch is needed) after d sat out RECENT_PASSES passes: the new batch leaves d out
-    for _ in range(batch_graph.RECENT_PASSES):
+    # d sits out: the batch runs its row while d stepped in one of the span's last RECENT_PASSES passes, then not
+    for _ in range(batch_graph.RECENT_PASSES - 1):
         sessions.step([a, b, c])
-    sessions.grow(d)
-    sessions.step([a, b])  # d's buffers changed: the batch covers no pass; (a, b, c) seen once
-    assert len(runs) == 2 + batch_graph.RECENT_PASSES
-    sessions.step([a, b])
-    assert len(runs[-1].rows) == 3 and runs[-1] is not runs[0]
-    sessions.step([d])  # back: a batch of d and the recent a, b and c, seen once, then built
+    assert len(runs) == 2 + batch_graph.RECENT_PASSES - 1 and runs[-1] is runs[0]
+    sessions.step([a, b, c])  # d is idle: (a, b, c) seen once
+    assert len(runs) == 2 + batch_graph.RECENT_PASSES - 1
+    sessions.step([a, b, c])
+    assert runs[-1] is not runs[0] and len(runs[-1].rows) == 3
+    sessions.step([d])  # back: the batch of all four still holds its buffers
+    assert runs[-1] is runs[0]
+    sessions.grow(d)  # new buffers: a batch of d and the recent a, b and c, seen once, then built
+    sessions.step([d])
     sessions.step([d])
     assert len(runs[-1].rows) == 4 and runs[-1] is not runs[0] and len(batches(span)) == 3
     # at most COVER_ROWS rows of absent sessions are taken on
@@ -245,9 +248,14 @@ def test_captured_batches_replay_what_each_sessions_own_steps_compute_on_cuda(ti
         sessions.step(which)
     (fixed,) = batches(span)
     assert fixed.graph is not None
+    before = dict(batch_graph.counts(span))
+    with torch.inference_mode():
+        fixed.hidden.normal_()  # what the absent row runs on: its keys go to the slot its next step writes
     sessions.step(which[1:])  # one sits out: the graph replays, its row at its free slot
     sessions.step(which)  # and its steps are still its own
     assert batches(span) == [fixed]
+    counted = batch_graph.counts(span)
+    assert counted["passes"] == before["passes"] + 2 and counted["absent_rows"] == before["absent_rows"] + 1
     sessions.close(0)  # one leaves: a new batch, captured in its turn
     sessions.step(which[1:])
     sessions.step(which[1:])
