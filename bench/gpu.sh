@@ -9,7 +9,7 @@
 # targets (within a 9-minute lease): the figures issue targets need, most uncertain first, each step under its own
 # limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's decode), the codec
 # table, 2 and 4 nodes with graphs (decode against the single process; the first generation through fresh nodes),
-# then the GPU tests.
+# the GPU tests, then 2 eager nodes if time is left (about 6 minutes in all on one H100).
 # quick (about 5 minutes on one H100): the GPU tests, the codec table, a span's batched passes in one process
 # (bench/batch_pass.py, with and without cuDNN's attention), and 2 nodes replaying CUDA graphs with 16 concurrent
 # sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
@@ -52,7 +52,9 @@ if [ "${1:-quick}" = targets ]; then
     STEP_TIMEOUT_S=60 step codecs "$PY" bench/compression.py --device cuda --no-swarm
     STEP_TIMEOUT_S=200 step graphs-nodes "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 4 --modes direct \
         --forward-repeats 0 --keep-logs "$OUT/graphs-nodes"
-    step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
+    STEP_TIMEOUT_S=120 step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
+    # what is left of the lease: 2 eager nodes (their bfloat16 tokens against the single process's)
+    step eager-nodes "$PY" "${SWARM[@]}" --nodes 2 --modes direct --forward-repeats 0 --keep-logs "$OUT/eager-nodes"
     tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"
     exit 0
 fi
