@@ -26,8 +26,8 @@ it has room for that slot. `run` captures a batch the second time it meets it (a
 leave, runs as the eager pass does) and replays it while it covers the passes; a span keeps its HELD most recent
 batches (a batch dropped frees its graph's memory). Passes with LoRA rows run eagerly (a graph replays the base
 weights). Eagerly, on any device, a fixed batch computes what the eager pass does, up to the rounding of attention
-over masked keys: how it is tested without a GPU. Captures follow decode_graph.py's rules (one stream per span, a pool per graph, the
-process-wide lock, the warm-up run with the real input at the real positions).
+over masked keys: how it is tested without a GPU. Captures follow decode_graph.py's rules (one stream per span, a
+pool per graph, the process-wide lock, the warm-up run with the real input at the real positions).
 """
 
 from __future__ import annotations
