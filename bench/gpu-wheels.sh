@@ -3,7 +3,8 @@
 # Linux. Such a machine is expected to hold torch (with CUDA), transformers, peft, numpy, scipy, protobuf, msgpack,
 # uvloop, prometheus-client and pytest already: its torch must stay, so the project goes on it without dependencies,
 # and these wheels bring the rest (hivemind and its own needs, pydantic, gudhi, pytest-asyncio: about 23 MB), and
-# with WITH_BITSANDBYTES=1 bitsandbytes too (41 MB more: the int8 and nf4 nodes).
+# with WITH_BITSANDBYTES=1 bitsandbytes too (41 MB more: the int8 and nf4 nodes). py-spy (3 MB: the profiles of
+# `bench/inference.py --spy`) comes along where it is installed here (`.venv/bin/pip install py-spy`).
 #
 #   bench/gpu-wheels.sh [DIR]          # DIR: .whl (keep it out of git: echo /.whl/ >> .git/info/exclude)
 #
@@ -24,6 +25,7 @@ PACKAGES=(
     gudhi pytest-asyncio
 )
 [ "${WITH_BITSANDBYTES:-0}" = 1 ] && PACKAGES+=(bitsandbytes)
+"$PY" -c "import importlib.metadata as m; m.version('py-spy')" 2>/dev/null && PACKAGES+=(py-spy)
 PLATFORMS=(manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64
     manylinux2014_x86_64 manylinux1_x86_64)
 [ -x "$PY" ] || { echo "no $PY: run make install first (or set PYTHON)" >&2; exit 1; }

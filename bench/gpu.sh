@@ -47,8 +47,13 @@ SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
 GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/unit/test_span_cache.py
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py)
 if [ "${1:-quick}" = targets ]; then
+    # with py-spy's profiles of the nodes and the client during the 16 sessions (where their round goes), where
+    # py-spy is installed (bench/gpu-wheels.sh brings it)
+    spy=()
+    for site in ${PYTHONPATH//:/ }; do [ -d "$site/bin" ] && PATH=$PATH:$site/bin; done  # pip install --target
+    command -v py-spy >/dev/null && spy=(--spy "$OUT/graphs-clients16-spy")
     STEP_TIMEOUT_S=240 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
-        --keep-logs "$OUT/graphs-clients16-nodes"
+        --keep-logs "$OUT/graphs-clients16-nodes" "${spy[@]}"
     STEP_TIMEOUT_S=60 step codecs "$PY" bench/compression.py --device cuda --no-swarm
     STEP_TIMEOUT_S=200 step graphs-nodes "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 4 --modes direct \
         --forward-repeats 0 --keep-logs "$OUT/graphs-nodes"

@@ -49,6 +49,7 @@ from nesa_node import event_loop, openmp_wait  # noqa: E402
 openmp_wait.short_spin()  # before torch loads: the baseline and the client as the nodes (see the docstring)
 
 import torch  # noqa: E402
+from spy import Spies  # noqa: E402  (bench/spy.py, beside this file)
 
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
 from nesa_node.devtools.launcher import ProcessGroup, split_blocks  # noqa: E402
@@ -151,10 +152,13 @@ async def aggregate_decode(
     new_tokens: int,
     args,
     metrics_urls: list[str] = (),
+    node_pids: dict[str, int] | None = None,
 ) -> dict:
     """Decode tokens/s of one session, then the aggregate of `clients` concurrent ones (prompts of the same length,
     each its own tokens), with one async client; whether every session's tokens match its own run alone. With the
-    nodes' `metrics_urls`, what each node did during the concurrent run (`node_figures`)."""
+    nodes' `metrics_urls`, what each node did during the concurrent run (`node_figures`). With `--spy DIR` and the
+    nodes' `node_pids` (name: pid, in chain order), py-spy's profile of each node and of this client during the
+    concurrent run (bench/spy.py; `profile`)."""
     from nesa_node.client.async_model import AsyncDistributedModel
 
     model = await AsyncDistributedModel.from_pretrained(
@@ -198,9 +202,11 @@ async def aggregate_decode(
             return torch.cat([prompt, torch.stack(columns, dim=1).to(prompt.dtype)], dim=1)
 
         before = [await asyncio.to_thread(node_counters, url) for url in metrics_urls]
-        started = time.perf_counter()
-        together = await asyncio.gather(*(generate_timed(prompt) for prompt in prompts))
-        aggregate_tps = clients * new_tokens / (time.perf_counter() - started)
+        spies = Spies(Path(args.spy) / prefix, {**(node_pids or {}), "client": os.getpid()}) if args.spy else None
+        with spies or contextlib.nullcontext():
+            started = time.perf_counter()
+            together = await asyncio.gather(*(generate_timed(prompt) for prompt in prompts))
+            aggregate_tps = clients * new_tokens / (time.perf_counter() - started)
         after = [await asyncio.to_thread(node_counters, url) for url in metrics_urls]
     finally:
         await model.close()
@@ -228,6 +234,7 @@ async def aggregate_decode(
         ),
         # each node in chain order, during the concurrent run (empty where prometheus-client is not installed)
         "nodes_during": [node_figures(b, a) for b, a in zip(before, after, strict=True)],
+        **({"profile": spies.summary()} if spies else {}),
     }
 
 
@@ -412,6 +419,13 @@ def main() -> None:
         help="more `nesa-node run` arguments for every node, e.g. --node-arg='--inline-compute-ms 0' (repeatable)",
     )
     parser.add_argument(
+        "--spy",
+        metavar="DIR",
+        default=None,
+        help="with --clients: py-spy profiles of every node and the client during the concurrent run, raw into "
+        "DIR/PREFIX/ and summed up in the JSON's `profile` (needs py-spy)",
+    )
+    parser.add_argument(
         "--keep-logs", metavar="DIR", default=None, help="copy every node's log to DIR (kept after the run)"
     )
     parser.add_argument("--repeats", type=int, default=3)
@@ -496,7 +510,16 @@ def main() -> None:
                     # on the event loop a gateway runs (uvloop where installed)
                     clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = event_loop.run(
                         aggregate_decode(
-                            path, peers, prefix, count, args.clients, input_ids, args.new_tokens, args, metrics_urls
+                            path,
+                            peers,
+                            prefix,
+                            count,
+                            args.clients,
+                            input_ids,
+                            args.new_tokens,
+                            args,
+                            metrics_urls,
+                            {f"node{index}": process.pid for index, process in enumerate(nodes)},
                         )
                     )
             finally:
