@@ -154,14 +154,20 @@ class NodeAdapters:
 
         return entry.piece, release
 
-    async def hold_or_fetch(self, adapter_id: str, blocks: tuple[int, int]) -> tuple[AdapterSlice, Callable[[], None]]:
+    async def hold_or_fetch(
+        self, adapter_id: str, blocks: tuple[int, int], *, admit: Callable[[int], None] | None = None
+    ) -> tuple[AdapterSlice, Callable[[], None]]:
         """`hold`, first fetching the adapter's slice of this node's span from the peers announcing it when the node
         lacks it (kept and announced from then on, evicted least recently used first). Raises AdapterMissingError
-        when no peer delivers it, AdapterBudgetError when it does not fit beside what open sessions use."""
+        when no peer delivers it, AdapterBudgetError when it does not fit beside what open sessions use. `admit`
+        is called with a fetched slice's bytes before the slice goes into the store (where making room may preempt
+        idle sessions): the asking peer's share is checked there, so a peer over it disturbs no one."""
         if not self._covers(adapter_id, blocks) and self.fetcher is not None and self.span is not None:
             # lacking it, or holding a narrower slice a client sent for its own sessions (the same adapter: its id
             # is its content), which must not hide the adapter its peers announce
             name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
+            if admit is not None:
+                admit(piece.nbytes)
             await self._add(name, manifest, piece, private=False)
             if self._covers(adapter_id, self.span):  # whole: kept and announced as any fetched adapter
                 self._private.discard(adapter_id)
@@ -185,13 +191,18 @@ class NodeAdapters:
             )
         return entry.manifest, entry.piece.narrow(start, end)
 
-    async def hold_uploaded(self, message: AdapterBlocks, upload: Frame) -> tuple[AdapterSlice, Callable[[], None]]:
+    async def hold_uploaded(
+        self, message: AdapterBlocks, upload: Frame, *, admit: Callable[[int], None] | None = None
+    ) -> tuple[AdapterSlice, Callable[[], None]]:
         """A client's own adapter (AdapterBlocks and its frame), checked by hash, held for one session as `hold`
         holds a resident one. Raises AdapterHashError for bytes that do not match, AdapterError or BadRequestError
-        for a malformed upload, AdapterBudgetError when it does not fit beside what open sessions use."""
+        for a malformed upload, AdapterBudgetError when it does not fit beside what open sessions use. `admit`: as
+        for `hold_or_fetch`, called with the checked slice's bytes before it goes into the store."""
         blocks = (message.start_block, message.end_block)
         if not self._covers(message.adapter_id, blocks):  # (a narrower slice a client sent: widened to this one)
             manifest, piece = await asyncio.to_thread(self._check_upload, message, upload)
+            if admit is not None:
+                admit(piece.nbytes)
             await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece, private=True)
         return self.hold(message.adapter_id, blocks)
 

@@ -173,29 +173,37 @@ class InferenceService:
         """The session's adapter, held: sent with the open (checked by hash), resident, or fetched from peers (the
         adapter budget preempts idle sessions holding adapters to make room: NodeAdapters). A peer whose sessions
         would hold more than its share of the budget is refused (AdapterBudgetError: the client leaves this node out
-        of that session's chain)."""
+        of that session's chain), for an adapter it sends or the node fetches before the adapter goes into the store
+        (where making room may preempt other peers' idle sessions), and again once it is held."""
+        share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
+
+        def admit(nbytes: int) -> None:
+            held = [(session.adapter_id, session.adapter.nbytes) for session in self.sessions.sessions.values()
+                    if session.client_peer == client_peer and session.adapter is not None]  # fmt: skip
+            held += [used for (peer, _), used in self.opening_adapters.items() if peer == client_peer]
+            mine: dict[str, int] = {}  # adapter id -> the most bytes of it its open sessions and opens under way hold
+            for adapter_id, size in held:
+                mine[adapter_id] = max(size, mine.get(adapter_id, 0))
+            extra = max(0, nbytes - mine.get(message.adapter, 0))  # (a wider slice of one it holds: the rest)
+            if extra and sum(mine.values()) + extra > share:
+                raise AdapterBudgetError(
+                    f"this peer's sessions here would hold {sum(mine.values()) + extra} bytes of adapters, over "
+                    f"its share of {share:.0f} (node setting max_cache_share_per_peer, of the adapter budget)"
+                )
+
         if upload is not None:
             sent = expect(read(upload, TO_SESSION), AdapterBlocks)
             self.compute.check_blocks(sent.start_block, sent.end_block)  # inside this node's span
             if message.adapter != sent.adapter_id or not sent.start_block <= blocks[0] < blocks[1] <= sent.end_block:
                 raise BadRequestError("adapter blocks must be those of the session opened right after them")
-            adapter, release = await self.adapters.hold_uploaded(sent, upload)
+            adapter, release = await self.adapters.hold_uploaded(sent, upload, admit=admit)
         else:
-            adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks)
-        share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
-        held = [(session.adapter_id, session.adapter.nbytes) for session in self.sessions.sessions.values()
-                if session.client_peer == client_peer and session.adapter is not None]  # fmt: skip
-        held += [used for (peer, _), used in self.opening_adapters.items() if peer == client_peer]
-        mine: dict[str, int] = {}  # adapter id -> the most bytes of it its open sessions and opens under way hold
-        for adapter_id, nbytes in held:
-            mine[adapter_id] = max(nbytes, mine.get(adapter_id, 0))
-        extra = max(0, adapter.nbytes - mine.get(message.adapter, 0))  # (a wider slice of one it holds: the rest)
-        if extra and sum(mine.values()) + extra > share:
+            adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks, admit=admit)
+        try:  # again: other opens of this peer may have come in meanwhile, or the adapter was resident
+            admit(adapter.nbytes)
+        except AdapterBudgetError:
             release()
-            raise AdapterBudgetError(
-                f"this peer's sessions here would hold {sum(mine.values()) + extra} bytes of adapters, over "
-                f"its share of {share:.0f} (node setting max_cache_share_per_peer, of the adapter budget)"
-            )
+            raise
         return adapter, release  # (the caller counts it in the peer's share before it awaits anything)
 
     async def _next_frame(self, channel: StreamChannel) -> Frame | None:

@@ -329,7 +329,8 @@ def test_idle_sessions_holding_adapters_make_room_and_a_peer_holds_at_most_its_s
 ):
     """A node with room for two and a half adapters: two throwaway identities open idle sessions with adapters of
     their own; an honest client's third adapter is admitted by preempting them (as for the KV cache), and its
-    tokens equal PeftModel's. One peer's sessions may hold at most its share (half) of the adapter budget."""
+    tokens equal PeftModel's. One peer's sessions may hold at most its share (half) of the adapter budget, and an
+    adapter over it is refused before it could preempt anyone."""
     folders, size = own_adapters(trained_model, tmp_path / "own", 50, 4)
     node = lora_swarm.start_node(
         trained_model, 0, 4, dht_prefix="lora-room", adapter_budget_mb=2.5 * size / 2**20, preempt_idle_s=1.0
@@ -352,6 +353,13 @@ def test_idle_sessions_holding_adapters_make_room_and_a_peer_holds_at_most_its_s
         try:
             with pytest.raises(AdapterBudgetError, match="over its share"):
                 lora_swarm.run(honest.open_session(max_length=8, adapter=str(folders[1])))
+            # an adapter the node lacks, over the peer's share: refused before it goes into the store, where making
+            # room for it would preempt the other peer's idle session
+            sessions, resident = len(node.sessions), node.adapters.store.resident
+            assert sessions == 2 and resident == 2 and node.adapters.store.used_bytes + size > 2.5 * size
+            with pytest.raises(AdapterBudgetError, match="over its share"):
+                lora_swarm.run(honest.open_session(max_length=8, adapter=str(folders[3])))
+            assert (len(node.sessions), node.adapters.store.resident) == (sessions, resident)
         finally:
             lora_swarm.run(first.close())
         for session in idle:
