@@ -375,7 +375,8 @@ def test_peers_asking_for_adapter_blocks_without_end_are_refused_and_an_honest_f
 ):
     """Two attacker identities each open their share of ADAPTER streams on the node holding blocks 2:3 and say
     nothing; a further stream gets a typed `quota` refusal at once. Meanwhile a new node fetches an adapter's blocks
-    from the same holder (checked by hash) and an honest client's tokens with that adapter equal PeftModel's."""
+    from the same holder (checked by hash; a first fetch, refused by the asking peer's share, leaves nothing in
+    the store) and an honest client's tokens with that adapter equal PeftModel's."""
     holder = next(node for node in lora_swarm.nodes[-len(SPANS) :] if (node.start_block, node.end_block) == (2, 3))
     adapter_id = adapter_id_of_folder(adapters["all-r16"], load_config(trained_model))
 
@@ -404,8 +405,17 @@ def test_peers_asking_for_adapter_blocks_without_end_are_refused_and_an_honest_f
         channel.close()
         assert isinstance(answer, ErrorReply) and answer.code == "quota", answer
 
+        def over_share(nbytes: int) -> None:  # the asking peer's share, checked with the fetched slice's size
+            sizes.append(nbytes)
+            raise AdapterBudgetError("over its share")
+
+        sizes: list[int] = []
+        with pytest.raises(AdapterBudgetError):
+            lora_swarm.run(fresh.adapters.hold_or_fetch(adapter_id, (2, 3), admit=over_share))
+        assert sizes and adapter_id not in fresh.adapters.store  # refused before it went into the store
         piece, release = lora_swarm.run(fresh.adapters.hold_or_fetch(adapter_id, (2, 3)))  # from the holder
         release()
+        assert piece.nbytes == sizes[0]
         assert (piece.start, piece.end) == (2, 3)
         input_ids = prompts(1)[0]
         with connect(lora_swarm, trained_model, adapter="all-r16") as model:
