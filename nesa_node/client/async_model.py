@@ -314,6 +314,7 @@ class AsyncDistributedModel(AdapterLookup):
             except NoRouteError as error:
                 raise refusals.no_route(error) from None
             if self.config.verify.mode == "majority":
+                refusals.opened()  # (a majority session opens its replicas itself: the refusals so far are done)
                 return self.with_edges(
                     await open_majority_session(
                         self,
@@ -340,9 +341,12 @@ class AsyncDistributedModel(AdapterLookup):
                 hidden_size=self.model_config.hidden_size,
             )
             try:
-                return self.with_edges(await session.open())
+                opened = await session.open()
             except (LinkFailed, RequestError) as error:
                 refusals.take(error, last_attempt=attempt + 1 == attempts)
+                continue
+            refusals.opened()
+            return self.with_edges(opened)
         raise SessionStateError("no session could be opened")  # the loop returns or raises first
 
     @contextlib.asynccontextmanager

@@ -2,7 +2,9 @@
 record no longer holds (moved, full, draining) or that failed to open is banned and another chain chosen; one that
 cannot get or hold the session's adapter, or refuses for any other reason, is left out of this open only. Any other
 refusal the same from a second node is the caller's own to see, as is the refusal of nodes without which no chain
-is left."""
+is left. Once the open went through on other nodes, a node that refused it for no routable reason, and that no other
+node echoed, is banned for a failure (`opened`): a node refusing every open is not asked first again by every later
+one (an extra attempt each), and, a failure's ban, it may be asked again when no chain is left without it."""
 
 from __future__ import annotations
 
@@ -71,6 +73,13 @@ class OpenRefusals:
         logger.info("%s refused the session (%s): trying another chain", peer_id, error)
         self.passed_over.add(peer_id)
         self._last = error
+
+    def opened(self) -> None:
+        """The open went through: the nodes that refused it for no routable reason are banned for a failure (see the
+        module docstring)."""
+        for nodes in self._refused.values():
+            for peer_id in nodes:
+                self.swarm.ban(peer_id)
 
 
 __all__ = ["ADAPTER_REFUSALS", "ROUTABLE_REFUSALS", "OpenRefusals"]
