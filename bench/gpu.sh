@@ -50,7 +50,7 @@ if [ "${1:-quick}" = targets ]; then
     # with py-spy's profiles of the nodes and the client during the 16 sessions (where their round goes), where
     # py-spy is installed (bench/gpu-wheels.sh brings it)
     spy=()
-    for site in ${PYTHONPATH//:/ }; do [ -d "$site/bin" ] && PATH=$PATH:$site/bin; done  # pip install --target
+    for site in ${PYTHONPATH:+${PYTHONPATH//:/ }}; do [ -d "$site/bin" ] && PATH=$PATH:$site/bin; done  # pip install --target
     command -v py-spy >/dev/null && spy=(--spy "$OUT/graphs-clients16-spy")
     STEP_TIMEOUT_S=240 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
         --keep-logs "$OUT/graphs-clients16-nodes" "${spy[@]}"
