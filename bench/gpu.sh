@@ -53,7 +53,7 @@ if [ "${1:-quick}" = targets ]; then
     for site in ${PYTHONPATH:+${PYTHONPATH//:/ }}; do [ -d "$site/bin" ] && PATH=$PATH:$site/bin; done  # pip install --target
     command -v py-spy >/dev/null && spy=(--spy "$OUT/graphs-clients16-spy")
     STEP_TIMEOUT_S=240 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
-        --keep-logs "$OUT/graphs-clients16-nodes" "${spy[@]}"
+        --keep-logs "$OUT/graphs-clients16-nodes" ${spy[@]+"${spy[@]}"}
     STEP_TIMEOUT_S=60 step codecs "$PY" bench/compression.py --device cuda --no-swarm
     STEP_TIMEOUT_S=200 step graphs-nodes "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 4 --modes direct \
         --forward-repeats 0 --keep-logs "$OUT/graphs-nodes"

@@ -39,24 +39,28 @@ class Spies:
         self.top = top
         self.processes: dict[str, subprocess.Popen] = {}
         self.seconds = 0.0
-        self.error: str | None = None
+        self.errors: dict[str, str] = {}  # name -> why its process could not be traced
 
     def __enter__(self) -> Spies:
         binary = py_spy()
         if binary is None:
-            self.error = "py-spy is not installed"
+            self.errors = {name: "py-spy is not installed" for name in self.pids}
             return self
         self.folder.mkdir(parents=True, exist_ok=True)
-        for name, pid in self.pids.items():
-            command = [binary, "record", "--pid", str(pid), "--rate", str(self.rate), "--format", "raw"]
-            command += ["--nonblocking", "-o", str(self.folder / f"{name}.raw")]
-            with open(self.folder / f"{name}.spy.log", "wb") as log:  # the child holds its own copy
-                self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        time.sleep(0.5)  # py-spy attaches within this; a spy that exited already could not trace its process
+        self.started = time.monotonic()
+        try:
+            for name, pid in self.pids.items():
+                command = [binary, "record", "--pid", str(pid), "--rate", str(self.rate), "--format", "raw"]
+                command += ["--nonblocking", "-o", str(self.folder / f"{name}.raw")]
+                with open(self.folder / f"{name}.spy.log", "wb") as log:  # the child holds its own copy
+                    self.processes[name] = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+            time.sleep(0.5)  # py-spy attaches within this; a spy that exited already could not trace its process
+        except BaseException:
+            self.__exit__()
+            raise
         for name, process in self.processes.items():
             if process.poll() is not None:
-                self.error = f"py-spy could not trace {name}: " + (self.folder / f"{name}.spy.log").read_text()[-300:]
-        self.started = time.monotonic()
+                self.errors[name] = "py-spy could not trace it: " + (self.folder / f"{name}.spy.log").read_text()[-300:]
         return self
 
     def __exit__(self, *exc_info) -> None:
@@ -72,10 +76,11 @@ class Spies:
                 process.wait()
 
     def summary(self) -> dict:
-        if self.error is not None:
-            return {"error": self.error}
-        figures = {"seconds": round(self.seconds, 2), "rate": self.rate}
+        figures: dict = {"seconds": round(self.seconds, 2), "rate": self.rate}
         for name in self.pids:
+            if name in self.errors:
+                figures[name] = {"error": self.errors[name]}
+                continue
             path = self.folder / f"{name}.raw"
             with contextlib.suppress(OSError):
                 figures[name] = summary = summarize(path.read_text(errors="replace"), self.top)
@@ -94,7 +99,7 @@ def summarize(raw: str, top: int) -> dict:
             continue
         samples = int(count)
         total += samples
-        frames = [re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")[1:]]  # the first names the thread
+        frames = [re.sub(r":\d+\)$", ")", frame) for frame in stack.split(";")]  # outermost first
         for frame in set(frames):
             if not BOILERPLATE.search(frame):
                 inclusive[frame] += samples

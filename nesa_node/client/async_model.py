@@ -32,7 +32,7 @@ from nesa_node.client.config import ClientConfig, client_config
 from nesa_node.client.folder_files import read_canaries, read_weights_manifest
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
 from nesa_node.client.majority import MajoritySession, open_majority_session
-from nesa_node.client.open_refusals import ROUTABLE_REFUSALS, OpenRefusals
+from nesa_node.client.open_refusals import ROUTABLE_REFUSALS, OpenRefusals, RefusedOpens
 from nesa_node.client.private_edges import EdgeBlocks, EdgeSession, check_private_edges
 from nesa_node.client.routing import ChainSelector, Router
 from nesa_node.client.session import InferenceSession
@@ -104,6 +104,7 @@ class AsyncDistributedModel(AdapterLookup):
         self.model_config = model_config
         self.adapter = adapter  # the LoRA adapter id sessions use unless a call names another (or None: base)
         self.own_adapters: dict[str, OwnAdapter] = {}  # adapters named by folder: sent to nodes that lack them
+        self.refused_opens = RefusedOpens()  # nodes that refused opens of their own accord (client/open_refusals.py)
         self.edges = edges
         self.edge_blocks = edge_blocks  # blocks the client runs itself (private_edges); None: the swarm runs all
         self.swarm = swarm
@@ -300,21 +301,31 @@ class AsyncDistributedModel(AdapterLookup):
         block_bytes = await self.adapter_block_bytes(adapter_id) if adapter_id is not None else 0.0
         attempts = self.config.max_open_attempts
         refusals = OpenRefusals(self.swarm, own_adapter=adapter_id in self.own_adapters)
+        remembered = self.refused_opens.excluded(batch, max_length)  # refused as much before: left out while others do
+
+        async def choose(leave_out: frozenset[str]) -> Chain:  # NoRouteError when nothing is left
+            return await self.choose_chain(
+                batch=batch,
+                max_length=max_length,
+                prompt_tokens=prompt_tokens,
+                new_tokens=max_length - prompt_tokens,
+                adapter=adapter_id,
+                adapter_block_bytes=block_bytes,
+                exclude_more=leave_out | refusals.passed_over,
+            )
+
         for attempt in range(attempts):
             try:
-                chain = await self.choose_chain(  # NoRouteError when nothing is left
-                    batch=batch,
-                    max_length=max_length,
-                    prompt_tokens=prompt_tokens,
-                    new_tokens=max_length - prompt_tokens,
-                    adapter=adapter_id,
-                    adapter_block_bytes=block_bytes,
-                    exclude_more=frozenset(refusals.passed_over),
-                )
+                try:
+                    chain = await choose(remembered)
+                except NoRouteError:
+                    if not remembered:
+                        raise
+                    remembered = frozenset()  # no chain without them: they are asked again
+                    chain = await choose(remembered)
             except NoRouteError as error:
                 raise refusals.no_route(error) from None
-            if self.config.verify.mode == "majority":
-                refusals.opened()  # (a majority session opens its replicas itself: the refusals so far are done)
+            if self.config.verify.mode == "majority":  # (on the first attempt: its replicas are its own to open)
                 return self.with_edges(
                     await open_majority_session(
                         self,
@@ -345,7 +356,7 @@ class AsyncDistributedModel(AdapterLookup):
             except (LinkFailed, RequestError) as error:
                 refusals.take(error, last_attempt=attempt + 1 == attempts)
                 continue
-            refusals.opened()
+            refusals.opened(self.refused_opens, batch=batch, max_length=max_length)
             return self.with_edges(opened)
         raise SessionStateError("no session could be opened")  # the loop returns or raises first
 

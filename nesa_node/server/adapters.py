@@ -91,15 +91,27 @@ class NodeAdapters:
             self.make_room, self.room_in_s = sessions.preempt_idle_adapter_session, sessions.adapter_preemptible_in_s
             self.max_wait_s = max_wait_s
 
-    async def _add(self, name: str, manifest: AdapterManifest, piece: AdapterSlice, *, private: bool) -> None:
+    async def _add(
+        self,
+        name: str,
+        manifest: AdapterManifest,
+        piece: AdapterSlice,
+        *,
+        private: bool,
+        admit: Callable[[int], None] | None = None,
+    ) -> None:
         """Add a fetched or sent (`private`: a client's own) slice, or hold it in place of a narrower slice of the
         same adapter a client sent; nothing when the store holds its blocks already (another session's meanwhile).
         Preempts idle sessions that hold adapters while the budget is full of adapters in use (waiting up to
         `max_wait_s` for one to become idle long enough); AdapterBudgetError when it still does not fit. What the
-        store holds is looked at again after every wait."""
+        store holds is looked at again after every wait. `admit(bytes)` (the asking peer's share: hold_or_fetch) runs
+        before every try, with no wait between it and the store taking the slice, so the share it checks is the one
+        the slice goes in under (other opens of the same peer may have come in during a wait)."""
         deadline = time.monotonic() + self.max_wait_s
         adapter_id = manifest.adapter_id
         while True:
+            if admit is not None:
+                admit(piece.nbytes)
             try:
                 entry = self.store.get(adapter_id) if adapter_id in self.store else None
                 if entry is None:
@@ -160,15 +172,16 @@ class NodeAdapters:
         """`hold`, first fetching the adapter's slice of this node's span from the peers announcing it when the node
         lacks it (kept and announced from then on, evicted least recently used first). Raises AdapterMissingError
         when no peer delivers it, AdapterBudgetError when it does not fit beside what open sessions use. `admit`
-        is called with a fetched slice's bytes before the slice goes into the store (where making room may preempt
-        idle sessions): the asking peer's share is checked there, so a peer over it disturbs no one."""
+        checks the asking peer's share (raising AdapterBudgetError): with 1 byte before a fetch (a peer at its share
+        gets none), then with the fetched slice's bytes right before the store takes it (`_add`: where making room
+        may preempt idle sessions), so a peer over its share disturbs no one."""
         if not self._covers(adapter_id, blocks) and self.fetcher is not None and self.span is not None:
             # lacking it, or holding a narrower slice a client sent for its own sessions (the same adapter: its id
             # is its content), which must not hide the adapter its peers announce
-            name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
             if admit is not None:
-                admit(piece.nbytes)
-            await self._add(name, manifest, piece, private=False)
+                admit(1)  # a peer already at its share gets nothing more: refused before the fetch
+            name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
+            await self._add(name, manifest, piece, private=False, admit=admit)
             if self._covers(adapter_id, self.span):  # whole: kept and announced as any fetched adapter
                 self._private.discard(adapter_id)
             logger.info("fetched adapter %s (%s) for blocks %d:%d from peers", name, adapter_id[:12], *self.span)
@@ -197,13 +210,11 @@ class NodeAdapters:
         """A client's own adapter (AdapterBlocks and its frame), checked by hash, held for one session as `hold`
         holds a resident one. Raises AdapterHashError for bytes that do not match, AdapterError or BadRequestError
         for a malformed upload, AdapterBudgetError when it does not fit beside what open sessions use. `admit`: as
-        for `hold_or_fetch`, called with the checked slice's bytes before it goes into the store."""
+        for `hold_or_fetch`, with the checked slice's bytes right before the store takes it."""
         blocks = (message.start_block, message.end_block)
         if not self._covers(message.adapter_id, blocks):  # (a narrower slice a client sent: widened to this one)
             manifest, piece = await asyncio.to_thread(self._check_upload, message, upload)
-            if admit is not None:
-                admit(piece.nbytes)
-            await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece, private=True)
+            await self._add(f"private-{manifest.adapter_id[:8]}", manifest, piece, private=True, admit=admit)
         return self.hold(message.adapter_id, blocks)
 
     def _check_upload(self, message: AdapterBlocks, upload: Frame):
