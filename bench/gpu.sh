@@ -6,10 +6,12 @@
 #
 #   bench/gpu.sh [quick|full|targets]
 #
-# targets (within a 9-minute lease): the figures issue targets need, most uncertain first, each step under its own
-# limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's decode), the codec
-# table, 2 and 4 nodes with graphs (decode against the single process; the first generation through fresh nodes),
-# the GPU tests, then 2 eager nodes if time is left (about 6 minutes in all on one H100).
+# targets (within a 9-minute lease): the GPU tests, then the figures issue targets need, most uncertain first, each
+# step under its own limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's
+# decode), the same with a 1 ms thread switch interval in every process (NESA_SWITCH_INTERVAL_MS: nesa_node/
+# event_loop.py), the codec table, 2 and 4 nodes with graphs (decode against the single process; the first
+# generation through fresh nodes), then 2 eager nodes if time is left (about 8 minutes in all on one H100). With
+# SPY=1, py-spy profiles the first 16-session run (bench/spy.py; it slows the processes it samples).
 # quick (about 5 minutes on one H100): the GPU tests, the codec table, a span's batched passes in one process
 # (bench/batch_pass.py, with and without cuDNN's attention), and 2 nodes replaying CUDA graphs with 16 concurrent
 # sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
@@ -45,19 +47,22 @@ step() {
 
 SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
 GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/unit/test_span_cache.py
-    tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py)
+    tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py
+    tests/unit/test_decode_gathering.py)
 if [ "${1:-quick}" = targets ]; then
-    # with py-spy's profiles of the nodes and the client during the 16 sessions (where their round goes), where
-    # py-spy is installed (bench/gpu-wheels.sh brings it)
+    STEP_TIMEOUT_S=120 step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
+    # with SPY=1, py-spy's profiles of the nodes and the client during the 16 sessions (where their round goes),
+    # where py-spy is installed (bench/gpu-wheels.sh brings it)
     spy=()
     for site in ${PYTHONPATH:+${PYTHONPATH//:/ }}; do [ -d "$site/bin" ] && PATH=$PATH:$site/bin; done  # pip install --target
-    command -v py-spy >/dev/null && spy=(--spy "$OUT/graphs-clients16-spy")
-    STEP_TIMEOUT_S=240 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
-        --keep-logs "$OUT/graphs-clients16-nodes" ${spy[@]+"${spy[@]}"}
+    [ "${SPY:-0}" = 1 ] && command -v py-spy >/dev/null && spy=(--spy "$OUT/graphs-clients16-spy")
+    STEP_TIMEOUT_S=200 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
+        --forward-repeats 0 --keep-logs "$OUT/graphs-clients16-nodes" ${spy[@]+"${spy[@]}"}
+    NESA_SWITCH_INTERVAL_MS=1 STEP_TIMEOUT_S=200 step graphs-clients16-switch1 "$PY" "${SWARM[@]}" --cuda-graphs \
+        --nodes 2 --clients 16 --modes direct --forward-repeats 0 --keep-logs "$OUT/graphs-clients16-switch1-nodes"
     STEP_TIMEOUT_S=60 step codecs "$PY" bench/compression.py --device cuda --no-swarm
     STEP_TIMEOUT_S=200 step graphs-nodes "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 4 --modes direct \
         --forward-repeats 0 --keep-logs "$OUT/graphs-nodes"
-    STEP_TIMEOUT_S=120 step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
     # what is left of the lease: 2 eager nodes (their bfloat16 tokens against the single process's)
     step eager-nodes "$PY" "${SWARM[@]}" --nodes 2 --modes direct --forward-repeats 0 --keep-logs "$OUT/eager-nodes"
     tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"

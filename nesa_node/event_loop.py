@@ -3,6 +3,11 @@
 Every step of a session passes through the event loops of the client and of each node: socket reads and writes,
 task switches, timers. uvloop does the same work in C. NESA_EVENT_LOOP=asyncio forces the standard loop (for
 comparison, or if a platform's uvloop misbehaves).
+
+A process whose loop shares the interpreter lock with compute threads (a node's passes, a client's LM head passes)
+hands that lock over when a thread comes back from the device while the loop runs Python: the thread waits until
+the loop lets go or the interpreter's switch interval (5 ms by default) runs out. NESA_SWITCH_INTERVAL_MS sets that
+interval for the processes `run` starts (0.1 to 100 ms; for comparison: bench/gpu.sh measures both).
 """
 
 from __future__ import annotations
@@ -33,8 +38,26 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
 
 
+def switch_interval_s() -> float | None:
+    """The thread switch interval NESA_SWITCH_INTERVAL_MS asks for, in seconds (None: unset, or not a number from
+    0.1 to 100, which is said on stderr and ignored: the interpreter's own interval stays)."""
+    given = os.environ.get("NESA_SWITCH_INTERVAL_MS", "").strip()
+    if not given:
+        return None
+    try:
+        milliseconds = float(given)
+    except ValueError:
+        milliseconds = float("nan")
+    if not 0.1 <= milliseconds <= 100:
+        print(f"NESA_SWITCH_INTERVAL_MS={given!r} ignored: give milliseconds from 0.1 to 100", file=sys.stderr)
+        return None
+    return milliseconds / 1000
+
+
 def run(coroutine: Coroutine) -> Any:
-    """asyncio.run on the loop new_event_loop makes."""
+    """asyncio.run on the loop new_event_loop makes (with NESA_SWITCH_INTERVAL_MS's thread switch interval)."""
+    if (interval := switch_interval_s()) is not None:
+        sys.setswitchinterval(interval)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coroutine)
 

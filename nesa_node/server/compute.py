@@ -197,7 +197,8 @@ class BlockCompute:
             with torch.inference_mode(), rows:  # base-weight steps may replay a captured graph (span.step)
                 output = (span if adapter is not None else span.step)(hidden, cache, position, blocks)
             synchronize(span)  # the time of the computation, not of its launch (a GPU runs it asynchronously)
-            return output, time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            return (output if cache is None else _on_host([output])[0]), seconds
 
         small = hidden.shape[0] * hidden.shape[1] <= SMALL_STEP_TOKENS
         if small and self._inline():
@@ -313,7 +314,7 @@ class BlockCompute:
             while self._decode_queue:
                 blocks = await self._gather()
                 batch = self._next_decode_batch(blocks)
-                if len(batch) == 1:  # empty when every waiting step was given up (its session timed out)
+                if len(batch) == 1 and not self._as_pass(batch[0]):  # empty when every step was given up
                     await self._settle(batch, self._run_alone(batch[0]))
                 elif batch:
                     await self._settle_batch(batch)
@@ -365,6 +366,16 @@ class BlockCompute:
         self._decode_queue = rest
         return batch
 
+    def _as_pass(self, step: _DecodeStep) -> bool:
+        """Whether a step the queue gives alone (other sessions are stepping) runs as a pass of one: a base-weight
+        one-token step on a span replaying batched passes as CUDA graphs, which a batch held for the sessions it
+        stepped with replays (its row alone present; batch_graph.py), instead of capturing a graph of the session's
+        own on its first such step (tens of milliseconds a session, on the loop, for steps that mostly come
+        batched)."""
+        span = self.span
+        graphs = getattr(span, "batch_graphs", False)
+        return graphs and step.hidden.shape[1] == 1 and step.adapter is None
+
     async def _run_alone(self, step: _DecodeStep) -> tuple[list[torch.Tensor], float]:
         output, seconds = await self.run(step.hidden, step.cache, step.position, step.blocks, step.adapter)
         return [output], seconds
@@ -386,13 +397,15 @@ class BlockCompute:
             with torch.inference_mode(), rows:
                 outputs = span.run_batch([(step.hidden, step.cache, step.position) for step in batch], batch[0].blocks)
             synchronize(span)
-            return outputs, time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            return _on_host(outputs), seconds
 
         outputs, seconds = await self._on_thread(run)
         self.compute_seconds += seconds
         self.steps_served += len(batch)
-        self.batches_run += 1
-        self.steps_in_passes += len(batch)
+        if len(batch) > 1:  # not a pass of one (`_as_pass`)
+            self.batches_run += 1
+            self.steps_in_passes += len(batch)
         self.thread_steps += 1
         self.prompts_batched += sum(step.hidden.shape[1] > 1 for step in batch)
         return outputs, seconds
@@ -447,6 +460,19 @@ class BlockCompute:
             self._decoder.cancel()
         with contextlib.suppress(Exception):
             self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _on_host(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A session's step outputs (rows, seq, hidden) on the CPU, all of a pass in one copy: they leave as bytes, and
+    each step's checks and wire bytes taken from a device tensor on the event loop would wait for the device (and
+    hand the interpreter lock back and forth with the compute thread) once a step, 16 times for a pass of 16
+    sessions. A session's outputs all live on the host, so those kept for a replacement of the next node
+    (`ServerSession.outputs`) and for its audit windows join without a copy across devices."""
+    if not outputs or outputs[0].device.type == "cpu":
+        return outputs
+    host = torch.cat([output.reshape(-1, output.shape[-1]) for output in outputs]).cpu()  # (all tokens, hidden)
+    parts = host.split([output.shape[0] * output.shape[1] for output in outputs])
+    return [part.view(output.shape) for part, output in zip(parts, outputs, strict=True)]
 
 
 def _rewind(cache, position: int) -> None:

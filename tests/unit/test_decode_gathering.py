@@ -9,6 +9,7 @@ import asyncio
 import threading
 import time
 
+import pytest
 import torch
 
 from nesa_node.server.compute import BlockCompute
@@ -198,3 +199,73 @@ def test_a_thread_job_cancelled_before_it_ran_does_not_keep_steps_off_the_loop(t
         return jobs, inline
 
     assert asyncio.run(program()) == (0, True)
+
+
+def test_a_step_given_alone_while_others_step_runs_as_a_pass_not_a_graph_of_its_own(tiny_llama):
+    """On a span replaying batched passes (decode graphs), a step the queue gives alone while another session steps
+    runs as a pass of one: the batch held for the two sessions replays it, the other's row absent, and the session
+    gets no fixed step (graph) of its own. Every output is the span's own step's."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4, decode_graphs=True))
+    plain = load_block_span(tiny_llama, SpanSpec(0, 4))
+    compute = BlockCompute(span, ComputeConfig(batch_window_ms=0.0), LimitsConfig())  # a late step is not waited for
+    caches, theirs = {m: span.new_cache() for m in "ab"}, {m: plain.new_cache() for m in "ab"}
+    for cache in caches.values():
+        cache.reserve(16)
+
+    async def one(member: str, position: int, delay_s: float) -> None:
+        if delay_s:
+            await asyncio.sleep(delay_s)
+        seed = 2 * position + (member == "b")
+        hidden = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(seed))
+        output, _ = await compute.run_decode(hidden, caches[member], position, (0, 4), member=member)
+        with torch.inference_mode():
+            expected = plain(hidden, theirs[member], position)
+        torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
+
+    async def program() -> None:
+        for position in range(6):  # together three rounds, then b 30 ms after a: each alone in the queue
+            await asyncio.gather(one("a", position, 0.0), one("b", position, 0.03 if position >= 3 else 0.0))
+            await asyncio.sleep(ROUND_S)
+        compute.close()
+
+    asyncio.run(program())
+    assert caches["a"].fixed_step is None and caches["b"].fixed_step is None
+    assert compute.fixed_built == 1 and compute.fixed_absent_rows >= 5  # the late rounds' steps, covered
+    assert compute.batches_run >= 2 and compute.steps_in_passes == 2 * compute.batches_run
+
+
+@pytest.mark.gpu
+def test_a_cuda_nodes_session_outputs_come_back_on_the_host(tiny_llama):
+    """On CUDA with decode graphs, the outputs of a session's prompt, of its lone steps and of two sessions' passes
+    come back on the CPU (a pass's in one copy: the node sends bytes, and keeps a session's outputs together), equal
+    to the span's own steps on the device."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    span = load_block_span(tiny_llama, SpanSpec(0, 4, device="cuda", decode_graphs=True))
+    plain = load_block_span(tiny_llama, SpanSpec(0, 4, device="cuda"))
+    compute = BlockCompute(span, ComputeConfig(batch_window_ms=200.0), LimitsConfig())
+    caches, theirs = {m: span.new_cache() for m in "ab"}, {m: plain.new_cache() for m in "ab"}
+    for cache in caches.values():
+        cache.reserve(32)
+
+    async def one(member: str, position: int, tokens: int = 1) -> None:
+        seed = 2 * position + (member == "b")
+        hidden = torch.randn(1, tokens, span.hidden_size, generator=torch.Generator().manual_seed(seed))
+        output, _ = await compute.run_decode(hidden, caches[member], position, (0, 4), member=member)
+        assert output.device.type == "cpu" and output.shape == (1, tokens, span.hidden_size)
+        with torch.inference_mode():
+            expected = plain(hidden.cuda(), theirs[member], position).cpu()
+        torch.testing.assert_close(output, expected, atol=1e-4, rtol=1e-4)
+
+    async def program() -> None:
+        await one("a", 0, tokens=3)  # a's prompt, then its steps alone
+        for position in range(3, 6):
+            await one("a", position)
+        await one("b", 0, tokens=3)
+        for position in range(6, 12):  # then a and b together
+            await asyncio.gather(one("a", position), one("b", position - 3))
+            await asyncio.sleep(ROUND_S)
+        compute.close()
+
+    asyncio.run(program())
+    assert compute.batches_run >= 3 and compute.fixed_passes >= 1
