@@ -134,7 +134,8 @@ def node_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         "compute_s": round(moved.get("compute_seconds", 0.0), 3),
         "lone_steps": int(moved.get("decode_lone_steps", 0.0)),  # of the inline runs
         "split_passes": int(moved.get("split_passes", 0.0)),
-        "fixed_passes": int(moved.get("fixed_passes", 0.0)),  # of the passes: replayed CUDA graphs
+        "single_passes": int(moved.get("single_passes", 0.0)),  # steps given alone, run as passes of one
+        "fixed_passes": int(moved.get("fixed_passes", 0.0)),  # of the passes and passes of one: replayed graphs
         "fixed_absent_rows": int(moved.get("fixed_absent_rows", 0.0)),
         "fixed_built": int(moved.get("fixed_batches_built", 0.0)),
         "inline_runs": int(moved.get("inline_steps", 0.0)),

@@ -133,7 +133,10 @@ class _ComputeCollector:
         ("nesa_node_decode_lone_steps", "One-token steps of a lone session run at once on the event loop, with no "
          "pass (counted in inline steps too)", "lone_steps"),
         ("nesa_node_split_passes", "Batched passes that failed and ran again a step at a time", "passes_split"),
-        ("nesa_node_fixed_passes", "Batched passes replayed as a fixed batch (a CUDA graph: --cuda-graphs)",
+        ("nesa_node_single_passes", "Steps given alone while other sessions stepped, run as a pass of one (with "
+         "--cuda-graphs)", "single_passes"),
+        ("nesa_node_fixed_passes", "Passes replayed as a fixed batch (a CUDA graph: --cuda-graphs), passes of one "
+         "included",
          "fixed_passes"),
         ("nesa_node_fixed_absent_rows", "Rows fixed batches ran for their sessions that had no step in the pass",
          "fixed_absent_rows"),

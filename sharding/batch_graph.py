@@ -276,7 +276,8 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     """`steps` ((hidden, cache, position) each) through span layers [first, end) as one of the span's fixed batches,
     or None where this pass runs eagerly: LoRA rows, a step that cannot run fixed, or no batch held that covers the
     pass (module docstring): the pass's sessions and the span's recent ones then make a batch, built if it was seen
-    before. The outputs come back in the steps' order. A capture that fails turns the span's batch graphs off
+    before; a pass of one step makes none (sessions taking turns alone would cycle more batches than a span holds,
+    each pushing out a graph before its own comes round again). The outputs come back in the steps' order. A capture that fails turns the span's batch graphs off
     (logged; one out of device memory only that batch's, while it is held) and this pass runs eagerly; a replay that
     fails raises (its batch dropped)."""
     if not span.batch_graphs or rows_active(span) or not torch.is_inference_mode_enabled():
@@ -293,6 +294,8 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
             fixed, caches, batch_key = candidate, found, candidate_key
             held.move_to_end(batch_key)
             break
+    if fixed is None and len(steps) == 1:
+        return None  # a pass of one (a node's step given alone) replays a batch or runs eagerly, never builds one
     if fixed is None:  # the pass's sessions and the recent others, in an order of their caches'
         members = sorted(
             [(cache, part) for (_, cache, _), part in zip(steps, key[2:], strict=True)]

@@ -36,6 +36,9 @@ _BASE = contextlib.nullcontext()  # a pass without LoRA rows: nothing to set (re
 T = TypeVar("T")
 SMALL_STEP_TOKENS = 8  # batch x seq of a decode step; such steps may run inline (ComputeConfig.inline_compute_ms)
 RECENT_STEPS = 9  # small steps whose median decides where the next one runs
+# a session's steps given alone while others step that run as passes of one before it gets a graph of its own
+# (`BlockCompute._as_pass`; guess: sessions joining a batched swarm have one or two, at their start)
+SINGLES_AS_PASSES = 3
 
 
 class StepPlacement:
@@ -87,6 +90,8 @@ class BlockCompute:
         self.gatherings: dict[tuple[int, int], Gathering] = {}  # per blocks: when its sessions' next steps are due
         self.recent_passes: deque[float] = deque(maxlen=RECENT_STEPS)  # seconds of the last decode passes
         self.batches_run = 0  # batched passes of more than one step (for stats and tests)
+        self.single_passes = 0  # steps given alone while others stepped, run as a pass of one (`_as_pass`)
+        self._singles: dict = {}  # member -> its steps given alone so far (forgotten when the session closes)
         self.gather_waits = 0  # times a pass about to start waited for other sessions' steps (for stats and tests)
         self.lone_steps = 0  # one-token steps run at once on the loop, no other session stepping (stats, tests)
         self.prompts_batched = 0  # steps of several tokens that ran in a pass with other steps (stats, tests)
@@ -114,7 +119,7 @@ class BlockCompute:
 
     @property
     def fixed_passes(self) -> int:
-        """Batched passes run as a fixed batch (replayed as a CUDA graph: sharding/batch_graph.py)."""
+        """Passes run as a fixed batch (replayed as a CUDA graph: sharding/batch_graph.py), passes of one included."""
         return self._fixed("passes")
 
     @property
@@ -304,6 +309,7 @@ class BlockCompute:
         span's batched-pass graphs are dropped, none of their batches comes again)."""
         for gathering in self.gatherings.values():
             gathering.forget(member)
+        self._singles.pop(member, None)
         if last and self.span is not None:
             batch_graph.release(self.span)
 
@@ -316,6 +322,9 @@ class BlockCompute:
                 batch = self._next_decode_batch(blocks)
                 if len(batch) == 1 and not self._as_pass(batch[0]):  # empty when every step was given up
                     await self._settle(batch, self._run_alone(batch[0]))
+                elif len(batch) == 1:
+                    self.single_passes += 1
+                    await self._settle_batch(batch)
                 elif batch:
                     await self._settle_batch(batch)
                 batch = []
@@ -368,13 +377,20 @@ class BlockCompute:
 
     def _as_pass(self, step: _DecodeStep) -> bool:
         """Whether a step the queue gives alone (other sessions are stepping) runs as a pass of one: a base-weight
-        one-token step on a span replaying batched passes as CUDA graphs, which a batch held for the sessions it
-        stepped with replays (its row alone present; batch_graph.py), instead of capturing a graph of the session's
-        own on its first such step (tens of milliseconds a session, on the loop, for steps that mostly come
-        batched)."""
-        span = self.span
-        graphs = getattr(span, "batch_graphs", False)
-        return graphs and step.hidden.shape[1] == 1 and step.adapter is None
+        one-token step on a span replaying batched passes as CUDA graphs, among the first SINGLES_AS_PASSES of its
+        session given alone. A held batch covering the session replays it (its row alone present; batch_graph.py),
+        else it runs eagerly on the compute thread; either way the session captures no graph of its own (tens of
+        milliseconds, on the event loop) for steps that mostly come batched. A session given steps alone more often
+        than that steps alone for good: its own graph then pays."""
+        graphs = getattr(self.span, "batch_graphs", False)
+        if not graphs or step.hidden.shape[1] != 1 or step.adapter is not None:
+            return False
+        singles = self._singles.get(step.member, 0)
+        if singles >= SINGLES_AS_PASSES:
+            return False
+        if step.member is not None:
+            self._singles[step.member] = singles + 1
+        return True
 
     async def _run_alone(self, step: _DecodeStep) -> tuple[list[torch.Tensor], float]:
         output, seconds = await self.run(step.hidden, step.cache, step.position, step.blocks, step.adapter)
@@ -421,6 +437,10 @@ class BlockCompute:
             self._fail(batch, exc)
             return
         except Exception as exc:  # the blocks' own error
+            if len(batch) == 1:  # a pass of one: the error is its step's own, its cache rewound
+                _rewind(batch[0].cache, batch[0].position)
+                self._fail(batch, exc)
+                return
             logger.warning("a pass of %d steps failed (%r): running them one at a time", len(batch), exc)
             self.passes_split += 1
             for step in batch:
@@ -470,6 +490,8 @@ def _on_host(outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     (`ServerSession.outputs`) and for its audit windows join without a copy across devices."""
     if not outputs or outputs[0].device.type == "cpu":
         return outputs
+    if len(outputs) == 1:
+        return [outputs[0].cpu()]
     host = torch.cat([output.reshape(-1, output.shape[-1]) for output in outputs]).cpu()  # (all tokens, hidden)
     parts = host.split([output.shape[0] * output.shape[1] for output in outputs])
     return [part.view(output.shape) for part, output in zip(parts, outputs, strict=True)]

@@ -161,16 +161,37 @@ def test_a_batch_is_built_over_the_recent_sessions_within_its_row_bound(spans, r
     assert runs[-1] is not runs[0] and len(runs[-1].rows) == 3
     sessions.step([d])  # back: the batch of all four still holds its buffers
     assert runs[-1] is runs[0]
-    sessions.grow(d)  # new buffers: a batch of d and the recent a, b and c, seen once, then built
+    sessions.grow(d)  # new buffers: no batch covers d; alone, it runs eagerly (a pass of one builds no batch)
     sessions.step([d])
-    sessions.step([d])
+    assert runs[-1] is runs[0] and len(runs) == 2 + batch_graph.RECENT_PASSES + 1
+    sessions.step([c, d])  # a batch of c, d and the recent a and b, seen once, then built
+    sessions.step([c, d])
     assert len(runs[-1].rows) == 4 and runs[-1] is not runs[0] and len(batches(span)) == 3
     # at most COVER_ROWS rows of absent sessions are taken on
     monkeypatch.setattr(batch_graph, "COVER_ROWS", 1)
     e = sessions.open(3, reserve=32, rows=2)
-    sessions.step([e])
-    sessions.step([e])
-    assert sorted(runs[-1].rows) == [1, 2]
+    sessions.step([d, e])
+    sessions.step([d, e])
+    assert sorted(runs[-1].rows) == [1, 1, 2]
+
+
+def test_a_pass_of_one_replays_a_batch_covering_it_and_never_builds_one(spans, runs):
+    """Sessions taking turns alone (a node's steps given alone) build no batch: nine of them would cycle more
+    batches than a span holds. Once two step together, the batch built over them replays a pass of one of either."""
+    span, plain = spans
+    sessions = Sessions(span, plain)
+    which = [sessions.open(4 + index, reserve=32) for index in range(9)]
+    for _ in range(3):
+        for index in which:
+            sessions.step([index])
+    assert runs == [] and not span._fixed_batch
+    for _ in range(batch_graph.RECENT_PASSES + 2):  # built once the recent others stop changing with each pass
+        sessions.step(which[:2])
+    (fixed,) = batches(span)
+    before = len(runs)
+    for index in which[:2]:
+        sessions.step([index])  # alone: replayed by the batch covering it
+    assert runs[before:] == [fixed, fixed] and batches(span) == [fixed]
 
 
 def test_an_absent_session_without_room_for_its_row_keeps_the_batch_from_running(spans, runs):

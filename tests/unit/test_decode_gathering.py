@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from nesa_node.server import compute as compute_module
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
@@ -201,10 +202,10 @@ def test_a_thread_job_cancelled_before_it_ran_does_not_keep_steps_off_the_loop(t
     assert asyncio.run(program()) == (0, True)
 
 
-def test_a_step_given_alone_while_others_step_runs_as_a_pass_not_a_graph_of_its_own(tiny_llama):
-    """On a span replaying batched passes (decode graphs), a step the queue gives alone while another session steps
-    runs as a pass of one: the batch held for the two sessions replays it, the other's row absent, and the session
-    gets no fixed step (graph) of its own. Every output is the span's own step's."""
+def _late_rounds(tiny_llama) -> tuple[BlockCompute, dict]:
+    """Two sessions on a span with decode graphs, no gathering window: three rounds together, then three with b
+    30 ms after a, each step of the late rounds given alone by the queue; every output checked against the span's
+    own steps. Returns the compute and the sessions' caches."""
     span = load_block_span(tiny_llama, SpanSpec(0, 4, decode_graphs=True))
     plain = load_block_span(tiny_llama, SpanSpec(0, 4))
     compute = BlockCompute(span, ComputeConfig(batch_window_ms=0.0), LimitsConfig())  # a late step is not waited for
@@ -223,15 +224,33 @@ def test_a_step_given_alone_while_others_step_runs_as_a_pass_not_a_graph_of_its_
         torch.testing.assert_close(output, expected, atol=1e-5, rtol=1e-5)
 
     async def program() -> None:
-        for position in range(6):  # together three rounds, then b 30 ms after a: each alone in the queue
+        for position in range(6):
             await asyncio.gather(one("a", position, 0.0), one("b", position, 0.03 if position >= 3 else 0.0))
             await asyncio.sleep(ROUND_S)
         compute.close()
 
     asyncio.run(program())
+    return compute, caches
+
+
+def test_steps_given_alone_while_others_step_run_as_passes_not_graphs_of_their_own(tiny_llama, monkeypatch):
+    """On a span replaying batched passes, a step the queue gives alone while another session steps runs as a pass
+    of one: the batch held for the two sessions replays it, the other's row absent, and neither session gets a
+    fixed step (graph) of its own."""
+    monkeypatch.setattr(compute_module, "SINGLES_AS_PASSES", 100)
+    compute, caches = _late_rounds(tiny_llama)
     assert caches["a"].fixed_step is None and caches["b"].fixed_step is None
-    assert compute.fixed_built == 1 and compute.fixed_absent_rows >= 5  # the late rounds' steps, covered
+    assert compute.single_passes >= 4 and compute.fixed_built == 1 and compute.fixed_absent_rows >= 2
     assert compute.batches_run >= 2 and compute.steps_in_passes == 2 * compute.batches_run
+
+
+def test_a_session_given_steps_alone_more_often_gets_a_graph_of_its_own(tiny_llama, monkeypatch):
+    """After SINGLES_AS_PASSES of its steps given alone (1 here), a session's next such steps run its own fixed
+    step, as a lone session's do."""
+    monkeypatch.setattr(compute_module, "SINGLES_AS_PASSES", 1)
+    compute, caches = _late_rounds(tiny_llama)
+    assert caches["a"].fixed_step is not None and caches["b"].fixed_step is not None
+    assert compute.single_passes == 2  # each session's first
 
 
 @pytest.mark.gpu
