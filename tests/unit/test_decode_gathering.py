@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nesa_node.server import compute as compute_module
-from nesa_node.server.compute import BlockCompute
+from nesa_node.server.compute import BlockCompute, _DecodeStep
 from nesa_node.server.config import ComputeConfig, LimitsConfig
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 
@@ -251,6 +251,36 @@ def test_a_session_given_steps_alone_more_often_gets_a_graph_of_its_own(tiny_lla
     compute, caches = _late_rounds(tiny_llama)
     assert caches["a"].fixed_step is not None and caches["b"].fixed_step is not None
     assert compute.single_passes == 2  # each session's first
+
+
+def test_a_pass_of_one_that_fails_in_the_blocks_fails_its_step_with_its_cache_rewound(tiny_llama):
+    """A pass of one that raises in the blocks after writing its cache (out of memory, say) is not a batch to split:
+    its step gets the error, the cache is rewound to the step's position and nothing runs it again."""
+    span = load_block_span(tiny_llama, SpanSpec(0, 4, decode_graphs=True))
+    compute = BlockCompute(span, ComputeConfig(), LimitsConfig())
+    cache, calls = span.new_cache(), []
+
+    def failing_run_batch(steps, blocks):
+        hidden, step_cache, position = steps[0]
+        span.step(hidden, step_cache, position)  # the cache takes the token, then the pass fails
+        calls.append(len(steps))
+        raise RuntimeError("CUDA out of memory (a test's)")
+
+    span.run_batch = failing_run_batch
+
+    async def program():
+        hidden = torch.randn(1, 2, span.hidden_size)
+        with torch.inference_mode():
+            span(hidden, cache, 0)  # two tokens held
+        future = asyncio.get_running_loop().create_future()
+        step = _DecodeStep(torch.randn(1, 1, span.hidden_size), cache, 2, (0, 4), future, member="a")
+        await compute._settle_batch([step])
+        compute.close()
+        return future
+
+    future = asyncio.run(program())
+    assert isinstance(future.exception(), RuntimeError) and calls == [1]
+    assert cache.get_seq_length() == 2 and compute.passes_split == 0
 
 
 @pytest.mark.gpu
