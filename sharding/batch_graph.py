@@ -277,9 +277,9 @@ def run(span, steps: list, first: int, end: int) -> list[torch.Tensor] | None:
     or None where this pass runs eagerly: LoRA rows, a step that cannot run fixed, or no batch held that covers the
     pass (module docstring): the pass's sessions and the span's recent ones then make a batch, built if it was seen
     before; a pass of one step makes none (sessions taking turns alone would cycle more batches than a span holds,
-    each pushing out a graph before its own comes round again). The outputs come back in the steps' order. A capture that fails turns the span's batch graphs off
-    (logged; one out of device memory only that batch's, while it is held) and this pass runs eagerly; a replay that
-    fails raises (its batch dropped)."""
+    each pushing out a graph before its own comes round again). The outputs come back in the steps' order. A capture
+    that fails turns the span's batch graphs off (logged; one out of device memory only that batch's, while it is
+    held) and this pass runs eagerly; a replay that fails raises (its batch dropped)."""
     if not span.batch_graphs or rows_active(span) or not torch.is_inference_mode_enabled():
         return None  # LoRA rows: a graph replays the base weights only; the batches held stay for later passes
     key = signature(steps, first, end)

@@ -322,9 +322,6 @@ class BlockCompute:
                 batch = self._next_decode_batch(blocks)
                 if len(batch) == 1 and not self._as_pass(batch[0]):  # empty when every step was given up
                     await self._settle(batch, self._run_alone(batch[0]))
-                elif len(batch) == 1:
-                    self.single_passes += 1
-                    await self._settle_batch(batch)
                 elif batch:
                     await self._settle_batch(batch)
                 batch = []
@@ -390,6 +387,7 @@ class BlockCompute:
             return False
         if step.member is not None:
             self._singles[step.member] = singles + 1
+        self.single_passes += 1
         return True
 
     async def _run_alone(self, step: _DecodeStep) -> tuple[list[torch.Tensor], float]:
