@@ -513,8 +513,13 @@ class Node:
         queued (clients re-route) and wait up to `drain_s` for them to close, announce `offline`, stop the DHT and
         P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire anyway),
         and DHT peers that are gone too must not hold a stopping node (about drain_s + 10 s at most: the tasks, two
-        announcements, the DHT and P2P)."""
+        announcements, the DHT and P2P). An online node announces `draining` first of all, before its background
+        tasks wind down: the swarm stops counting it as a server (routes, rebalancing) at once."""
         self._stopped.set()
+        if self.state == NodeState.online:
+            self.sessions.draining = True
+            self.state = NodeState.draining
+            await self.announce_now(SHUTDOWN_STEP_S)
         if self._tasks is not None:  # a move cut short leaves the node draining: it stops anyway
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(asyncio.shield(self._tasks), timeout=SHUTDOWN_STEP_S)
