@@ -48,7 +48,7 @@ step() {
 SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
 GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/unit/test_span_cache.py
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py
-    tests/unit/test_decode_gathering.py)
+    tests/unit/test_decode_gathering.py tests/unit/test_embed_lookup.py)
 if [ "${1:-quick}" = targets ]; then
     STEP_TIMEOUT_S=120 step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
     # with SPY=1, py-spy's profiles of the nodes and the client during the 16 sessions (where their round goes),

@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from nesa_node.devtools.allocator import steady_allocator  # noqa: E402
 from nesa_node.devtools.tiny_train import corpus_split, heldout_token_windows, train_tiny_model  # noqa: E402
 from nesa_node.sharding import sparsity  # noqa: E402
-from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_client_edges  # noqa: E402
+from nesa_node.sharding.blocks import SpanSpec, load_block_span  # noqa: E402
+from nesa_node.sharding.client_edges import load_client_edges  # noqa: E402
 
 WINDOW = 128  # tokens per training / held-out window
 

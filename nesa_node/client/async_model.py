@@ -48,7 +48,8 @@ from nesa_node.errors import (
 from nesa_node.privacy.noise import check_sigma
 from nesa_node.protocol.dht import default_dht_prefix
 from nesa_node.routing.chain import Chain, ChainRequest
-from nesa_node.sharding.blocks import DTYPES, ClientEdges, check_device, load_client_edges, load_config
+from nesa_node.sharding.blocks import DTYPES, check_device, load_config
+from nesa_node.sharding.client_edges import ClientEdges, load_client_edges
 from nesa_node.sharding.weights_manifest import WeightsManifest
 from nesa_node.verification.canaries import CanarySet
 
@@ -383,9 +384,10 @@ class AsyncDistributedModel(AdapterLookup):
         return self.edges.embed_tokens.weight.dtype
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states (batch, seq, hidden) of `input_ids`, in the client's dtype, on the CPU for the wire."""
+        """Hidden states (batch, seq, hidden) of `input_ids`, in the client's dtype, on the CPU for the wire (read
+        from a host copy of a table on a GPU: ClientEdges.lookup)."""
         with torch.inference_mode():
-            return self.edges.embed_tokens(input_ids.to(self.device)).cpu()
+            return self.edges.lookup(input_ids)
 
     def logits(self, hidden: torch.Tensor, keep: int = 0) -> torch.Tensor:
         """Logits of the last `keep` positions (all with 0): the final norm and LM head over (batch, seq, hidden),

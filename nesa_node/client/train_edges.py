@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from nesa_node.client.train_link import OptimizerSettings, causal_lm_loss
-from nesa_node.sharding.blocks import ClientEdges
+from nesa_node.sharding.client_edges import ClientEdges
 from nesa_node.sharding.lora_edges import EdgeState, check_edge_state, check_edge_weights
 
 MOMENTS = ("exp_avg", "exp_avg_sq")

@@ -252,7 +252,7 @@ class CkksClient:
         )
         self.context.global_scale = GLOBAL_SCALE
         self.context.generate_galois_keys()
-        from nesa_node.sharding.blocks import load_client_edges
+        from nesa_node.sharding.client_edges import load_client_edges
 
         self.edges = load_client_edges(self.model_path, config=self.config)
         self.stats = CkksStats()

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as functional
 
 from nesa_node.privacy.noise import add_boundary_noise, check_sigma
-from nesa_node.sharding.blocks import BlockSpan, ClientEdges, SpanSpec, load_block_span, load_client_edges, load_config
+from nesa_node.sharding.blocks import BlockSpan, SpanSpec, load_block_span, load_config
+from nesa_node.sharding.client_edges import ClientEdges, load_client_edges
 
 Metric = Literal["l2", "cosine"]
 # Squared L2 recovered as many tokens as cosine distance or more in 9 of 12 noisy settings of the trained tiny model

@@ -9,9 +9,9 @@ from nesa_node.sharding.blocks import (
     SpanSpec,
     check_device,
     load_block_span,
-    load_client_edges,
     load_config,
 )
+from nesa_node.sharding.client_edges import load_client_edges
 from tests.support.models import ARCHES
 
 

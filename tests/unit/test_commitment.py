@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from nesa_node.compression.codec import decode, encode
 from nesa_node.devtools.tiny_model import TinyModelSpec, init_tiny_model
 from nesa_node.errors import ReceiptError
-from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_client_edges
+from nesa_node.sharding.blocks import SpanSpec, load_block_span
+from nesa_node.sharding.client_edges import load_client_edges
 from nesa_node.verification.commitment import (
     BFLOAT16_TOLERANCE,
     DEFAULT_SKETCH,

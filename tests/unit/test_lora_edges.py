@@ -12,7 +12,8 @@ from nesa_node.client.checkpoints import Checkpoint, assemble, check_checkpoint_
 from nesa_node.client.train_edges import EdgeLayers, edge_weights_of, with_edge_weights
 from nesa_node.client.train_link import OptimizerSettings, causal_lm_loss
 from nesa_node.errors import AdapterError, AdapterHashError, CheckpointError, UnsupportedAdapterError
-from nesa_node.sharding.blocks import load_client_edges, load_config
+from nesa_node.sharding.blocks import load_config
+from nesa_node.sharding.client_edges import load_client_edges
 from nesa_node.sharding.lora import load_adapter_slice
 from nesa_node.sharding.lora_edges import EdgeState, edges_of_modules_to_save, peft_edge_key, read_edge_weights
 from nesa_node.sharding.lora_train import LoraSpec, init_adapter, save_peft_adapter, spec_of_folder

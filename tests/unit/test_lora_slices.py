@@ -26,7 +26,8 @@ from nesa_node.errors import (
     UnsupportedAdapterError,
     error_from_code,
 )
-from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_client_edges, load_config
+from nesa_node.sharding.blocks import SpanSpec, load_block_span, load_config
+from nesa_node.sharding.client_edges import load_client_edges
 from nesa_node.sharding.lora import (
     AdapterSlice,
     adapters_for_rows,
