@@ -106,25 +106,34 @@ def timed_forward(model, input_ids, repeats: int) -> float | None:
 
 
 def node_counters(url: str) -> dict[str, float]:
-    """A node's compute counters from its /metrics (nesa_node/metrics.py `_ComputeCollector`)."""
+    """A node's compute counters from its /metrics (nesa_node/metrics.py `_ComputeCollector`), and on CUDA the device
+    memory its process holds (`device_memory_<state>`)."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(url, timeout=10) as response:
         text = response.read().decode()
-    return {
-        sample.name.removeprefix("nesa_node_").removesuffix("_total"): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name.endswith("_total") and not sample.labels
-    }
+    figures = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_total") and not sample.labels:
+                figures[sample.name.removeprefix("nesa_node_").removesuffix("_total")] = sample.value
+            elif sample.name == "nesa_node_device_memory_bytes":
+                figures[f"device_memory_{sample.labels['state']}"] = sample.value
+    return figures
 
 
 def node_figures(before: dict[str, float], after: dict[str, float]) -> dict:
     """What a node did between two scrapes: its batched passes, how full they were, how long they waited to gather,
-    and where its steps ran."""
+    and where its steps ran; on CUDA, the sessions' steps it captured as graphs and the device memory its process held
+    after (reserved, and the peak since start: compare runs with and without --cuda-graphs for what graphs take)."""
     moved = {name: after.get(name, 0.0) - value for name, value in before.items()}
+    memory = {
+        f"device_{state}_mb": round(after[f"device_memory_{state}"] / 2**20, 1)
+        for state in ("reserved", "peak")
+        if f"device_memory_{state}" in after
+    }
     passes = moved.get("decode_passes", 0.0)
     return {
         "passes": int(passes),
@@ -140,6 +149,8 @@ def node_figures(before: dict[str, float], after: dict[str, float]) -> dict:
         "fixed_built": int(moved.get("fixed_batches_built", 0.0)),
         "inline_runs": int(moved.get("inline_steps", 0.0)),
         "thread_runs": int(moved.get("thread_steps", 0.0)),
+        "step_graphs_built": int(moved.get("step_graphs_built", 0.0)),
+        **memory,
     }
 
 

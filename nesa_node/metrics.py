@@ -141,6 +141,8 @@ class _ComputeCollector:
         ("nesa_node_fixed_absent_rows", "Rows fixed batches ran for their sessions that had no step in the pass",
          "fixed_absent_rows"),
         ("nesa_node_fixed_batches_built", "Fixed batches built (a CUDA graph captured each)", "fixed_built"),
+        ("nesa_node_step_graphs_built", "Sessions' one-token steps captured as CUDA graphs (--cuda-graphs)",
+         "step_graphs_built"),
         ("nesa_node_inline_steps", "Steps and passes computed on the node's event loop", "inline_steps"),
         ("nesa_node_thread_steps", "Steps, passes and training passes computed on the node's compute thread",
          "thread_steps"),
@@ -150,10 +152,21 @@ class _ComputeCollector:
         self.compute = compute
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         for name, documentation, attribute in self.COUNTERS:
             yield CounterMetricFamily(name, documentation, value=getattr(self.compute, attribute))
+        memory = self.compute.device_memory()
+        if memory is not None:  # a CUDA node: what its process holds of the device
+            family = GaugeMetricFamily(
+                "nesa_node_device_memory_bytes",
+                "CUDA device memory this node's process holds, by state (allocated: tensors; reserved: torch's caching "
+                "allocator, CUDA graphs' pools included; peak: the most reserved since start)",
+                labels=["state"],
+            )
+            for state, value in memory.items():
+                family.add_metric([state], value)
+            yield family
 
 
 class GatewayMetrics:

@@ -233,8 +233,8 @@ def release(span) -> None:
 
 def counts(span) -> dict[str, int]:
     """The span's fixed-batch counters: passes run as a fixed batch, rows run there for absent sessions, batches
-    built (a capture each on CUDA)."""
-    return span.__dict__.setdefault("_batch_counts", {"passes": 0, "absent_rows": 0, "built": 0})
+    built (a capture each on CUDA); and sessions' own one-token steps captured (`step_built`: BlockSpan.step)."""
+    return span.__dict__.setdefault("_batch_counts", {"passes": 0, "absent_rows": 0, "built": 0, "step_built": 0})
 
 
 def _note(span, steps: list, first: int, end: int) -> dict:

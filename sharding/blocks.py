@@ -249,7 +249,11 @@ class BlockSpan(nn.Module):
         fixed = self._fixed_step(hidden, cache, position, blocks) if self.decode_graphs else None
         if fixed is not None:
             try:
-                return fixed(hidden.to(self.spec.device, self.dtype_), position)
+                fresh = fixed.graph is None
+                output = fixed(hidden.to(self.spec.device, self.dtype_), position)
+                if fresh and fixed.graph is not None:
+                    batch_graph.counts(self)["step_built"] += 1
+                return output
             except RuntimeError as exc:  # torch's capture errors; the cache's length has not moved
                 cache.fixed_step = None
                 if fixed.graph is not None:

@@ -132,6 +132,25 @@ class BlockCompute:
         """Fixed batches built (each a CUDA graph capture)."""
         return self._fixed("built")
 
+    @property
+    def step_graphs_built(self) -> int:
+        """Sessions' one-token steps captured as CUDA graphs (sharding/decode_graph.py)."""
+        return self._fixed("step_built")
+
+    def device_memory(self) -> dict[str, int] | None:
+        """Bytes of the served span's CUDA device this process holds: allocated (tensors), reserved (torch's caching
+        allocator, CUDA graphs' pools included) and peak (the most reserved since start); None off CUDA."""
+        device = self.span.spec.device if self.span is not None else ""
+        if not device.startswith("cuda"):
+            return None
+        import torch
+
+        return {
+            "allocated": torch.cuda.memory_allocated(device),
+            "reserved": torch.cuda.memory_reserved(device),
+            "peak": torch.cuda.max_memory_reserved(device),
+        }
+
     # ---- checks ------------------------------------------------------------------------------------------------
 
     def check_blocks(self, start_block: int, end_block: int) -> tuple[int, int]:

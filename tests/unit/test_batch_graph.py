@@ -136,7 +136,7 @@ def test_the_same_sessions_in_another_order_are_the_same_batch_and_shifting_grou
     for group in ([a, b], [c], [a], [b, c], [c, a], [b]):
         sessions.step(group)
     assert len(runs) == 2 + 6 and {id(run) for run in runs} == {id(runs[0])} and len(batches(span)) == 1
-    assert batch_graph.counts(span) == {"passes": 8, "absent_rows": 1 + 3 + 3 + 1 + 2 + 2, "built": 1}
+    assert batch_graph.counts(span) == {"passes": 8, "absent_rows": 1 + 3 + 3 + 1 + 2 + 2, "built": 1, "step_built": 0}
 
 
 def test_a_batch_is_built_over_the_recent_sessions_within_its_row_bound(spans, runs, monkeypatch):
@@ -329,5 +329,8 @@ def test_a_node_left_without_sessions_drops_its_batches(spans):
         assert (compute.fixed_passes, compute.fixed_built) == (3, 2)
         scraped = {family.name: family.samples[0].value for family in _ComputeCollector(compute).collect()}
         assert scraped["nesa_node_fixed_passes"] == 3 and scraped["nesa_node_fixed_absent_rows"] == 1
+        # off CUDA: fixed steps run eagerly (no capture to count), and no device memory is reported
+        assert scraped["nesa_node_step_graphs_built"] == 0 and compute.device_memory() is None
+        assert "nesa_node_device_memory_bytes" not in scraped
     finally:
         compute.close()

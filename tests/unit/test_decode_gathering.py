@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from nesa_node.metrics import _ComputeCollector
 from nesa_node.server import compute as compute_module
 from nesa_node.server.compute import BlockCompute, _DecodeStep
 from nesa_node.server.config import ComputeConfig, LimitsConfig
@@ -318,3 +319,16 @@ def test_a_cuda_nodes_session_outputs_come_back_on_the_host(tiny_llama):
 
     asyncio.run(program())
     assert compute.batches_run >= 3 and compute.fixed_passes >= 1
+    assert compute.step_graphs_built >= 1  # a's steps alone: its own captured step
+    # the node's metrics report the device memory its process holds
+    scraped = {
+        (family.name, tuple(sample.labels.items())): sample.value
+        for family in _ComputeCollector(compute).collect()
+        for sample in family.samples
+    }
+    memory = {
+        state: scraped[("nesa_node_device_memory_bytes", (("state", state),))]
+        for state in ("allocated", "reserved", "peak")
+    }
+    assert 0 < memory["allocated"] <= memory["reserved"] <= memory["peak"]
+    assert scraped[("nesa_node_step_graphs_built", ())] == compute.step_graphs_built
