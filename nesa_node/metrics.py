@@ -141,8 +141,8 @@ class _ComputeCollector:
         ("nesa_node_fixed_absent_rows", "Rows fixed batches ran for their sessions that had no step in the pass",
          "fixed_absent_rows"),
         ("nesa_node_fixed_batches_built", "Fixed batches built (a CUDA graph captured each)", "fixed_built"),
-        ("nesa_node_step_graphs_built", "Sessions' one-token steps captured as CUDA graphs (--cuda-graphs)",
-         "step_graphs_built"),
+        ("nesa_node_step_graphs_built", "Sessions' one-token steps captured as CUDA graphs (--cuda-graphs; the "
+         "warm-up's at start and after a move included)", "step_graphs_built"),
         ("nesa_node_inline_steps", "Steps and passes computed on the node's event loop", "inline_steps"),
         ("nesa_node_thread_steps", "Steps, passes and training passes computed on the node's compute thread",
          "thread_steps"),

@@ -44,7 +44,7 @@ class ClientEdges(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self._head_t: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (weight, key, weight.T)
-        self._embed_host: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (weight, key, copy)
+        self._embed_host: tuple[torch.Tensor, tuple, torch.Tensor] | None = None  # (weight, key, copy)
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (..., hidden) of `input_ids`, on the CPU (the class docstring says how). A hooked
@@ -56,9 +56,12 @@ class ClientEdges(nn.Module):
             and not module._forward_pre_hooks and not torch.is_grad_enabled() and not weight.is_inference()
         )  # fmt: skip
         if not plain or not reads_host_copy(weight):
+            self._embed_host = None  # a table moved to the CPU, or hooked: no copy kept
             return module(input_ids.to(weight.device)).cpu()
         held = self._embed_host
-        key = (weight.data_ptr(), weight._version)  # as for the head's copy: this storage, this version
+        # as for the head's copy: this storage, this version (edits in place through `.data` are not seen: change
+        # the table under torch.no_grad()), and this layout (a freed block may come back at the same address)
+        key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), weight.device)
         if held is None or held[0] is not weight or held[1] != key:
             with torch.inference_mode(False), torch.no_grad():
                 held = self._embed_host = (weight, key, weight.detach().to("cpu", copy=True))

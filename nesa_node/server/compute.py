@@ -134,13 +134,15 @@ class BlockCompute:
 
     @property
     def step_graphs_built(self) -> int:
-        """Sessions' one-token steps captured as CUDA graphs (sharding/decode_graph.py)."""
+        """One-token steps of a session captured as CUDA graphs (sharding/decode_graph.py), the warm-up's at start
+        and after a move included."""
         return self._fixed("step_built")
 
     def device_memory(self) -> dict[str, int] | None:
         """Bytes of the served span's CUDA device this process holds: allocated (tensors), reserved (torch's caching
         allocator, CUDA graphs' pools included) and peak (the most reserved since start); None off CUDA."""
-        device = self.span.spec.device if self.span is not None else ""
+        span = self.span  # read once: a move may take it away meanwhile (this runs on the metrics thread)
+        device = span.spec.device if span is not None else ""
         if not device.startswith("cuda"):
             return None
         import torch

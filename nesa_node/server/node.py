@@ -429,15 +429,16 @@ class Node:
             if self.rebalancer is not None:
                 tasks.create_task(self.rebalancer.run(self._stopped))
 
-    async def drain(self, *, finish_s: float, end_s: float) -> int:
-        """Announce draining and refuse new sessions; give the open ones up to `finish_s` to end on their own, then
-        end the rest after the steps already in their queues (their clients fail over) and wait up to `end_s` for
-        them to close. Returns how many were ended."""
+    async def drain(self, *, finish_s: float, end_s: float, announce: bool = True) -> int:
+        """Announce draining (unless `announce` is false) and refuse new sessions; give the open ones up to
+        `finish_s` to end on their own, then end the rest after the steps already in their queues (their clients fail
+        over) and wait up to `end_s` for them to close. Returns how many were ended."""
         self.sessions.draining = True
         self.training.draining = True
         self.training.end_all("the node is draining")  # clients reopen their chain elsewhere at their checkpoint
         self.state = NodeState.draining
-        await self.announce_now(SHUTDOWN_STEP_S if self._stopped.is_set() else None)
+        if announce:
+            await self.announce_now(SHUTDOWN_STEP_S if self._stopped.is_set() else None)
         if self.sessions.sessions and finish_s > 0:
             await self.sessions.wait_idle(finish_s)
         ended = len(self.sessions)
@@ -457,7 +458,7 @@ class Node:
             raise ValueError(f"a span of {length} blocks cannot start at block {start} of {num_blocks}")
         drain_s = self.config.rebalance.drain_timeout_s if drain_timeout_s is None else drain_timeout_s
         async with self._moving:
-            if start == self.start_block:
+            if start == self.start_block or self._stopped.is_set():  # a stopping node moves nowhere
                 return
             began = time.monotonic()
             old = (self.start_block, self.end_block)
@@ -512,13 +513,17 @@ class Node:
         """Drain, then stop: announce `draining` and refuse new sessions, end every session after the steps already
         queued (clients re-route) and wait up to `drain_s` for them to close, announce `offline`, stop the DHT and
         P2P. Each step on the network gets SHUTDOWN_STEP_S: announcements are a courtesy (records expire anyway),
-        and DHT peers that are gone too must not hold a stopping node (about drain_s + 10 s at most: the tasks, two
-        announcements, the DHT and P2P). An online node announces `draining` first of all, before its background
-        tasks wind down: the swarm stops counting it as a server (routes, rebalancing) at once."""
+        and DHT peers that are gone too must not hold a stopping node (about drain_s + 12 s at most: the tasks, three
+        announcements, the DHT and P2P). An online node refuses new sessions and announces first of all, before its
+        background tasks wind down: `offline` when no session is open (nothing to drain: clients and every planner,
+        the schema book's classifier included, stop counting it at once), else `draining` (clients route around it;
+        rebalancing counts a draining node at its span, as it does a mover's, until it is offline)."""
         self._stopped.set()
+        left_at_once = False
         if self.state == NodeState.online:
-            self.sessions.draining = True
-            self.state = NodeState.draining
+            self.sessions.draining = self.training.draining = True
+            left_at_once = not self.sessions.sessions and not self.training.sessions
+            self.state = NodeState.offline if left_at_once else NodeState.draining
             await self.announce_now(SHUTDOWN_STEP_S)
         if self._tasks is not None:  # a move cut short leaves the node draining: it stops anyway
             with contextlib.suppress(TimeoutError):
@@ -526,7 +531,8 @@ class Node:
             self._tasks.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._tasks
-        await self.drain(finish_s=0.0, end_s=drain_s)
+        # a node that left at once announces no draining after it (a move that ended meanwhile put it online again)
+        await self.drain(finish_s=0.0, end_s=drain_s, announce=not (left_at_once and self.state == NodeState.offline))
         self.compute.close()
         self.lanes.close()
         if self._metrics_server is not None:

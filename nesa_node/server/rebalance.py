@@ -320,6 +320,8 @@ class Rebalancer:
         if confirmed is None or confirmed.to_start != move.to_start:
             logger.debug("planned move to block %d no longer holds on a second read", move.to_start)
             return None
+        if self._stopped.is_set():  # the node began to stop during the second read
+            return None
         await self.node.move_to(confirmed.to_start, reason=reason, drain_timeout_s=self.drain_timeout_s)
         return confirmed
 

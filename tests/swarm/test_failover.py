@@ -309,9 +309,10 @@ def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
             states, announced = [], []
             announce = draining.announce
 
-            async def recorded_announce():
+            async def recorded_announce():  # the state it announces: the node's when the record is made
+                state = draining.state
                 stored = await announce()
-                announced.append((draining.state, stored))
+                announced.append((state, stored))
                 return stored
 
             draining.announce = recorded_announce  # the DHT records the node wrote, in order
@@ -324,5 +325,26 @@ def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
         assert torch.equal(output, reference)
         assert [failover["failed"] for failover in session.failovers] == [draining.peer_id]
         assert states == [NodeState.offline] and draining.sessions.draining
-        assert announced[-2:] == [(NodeState.draining, True), (NodeState.offline, True)]
+        # draining at once (a session is open), again when its sessions are ended, then offline
+        stopping = [entry for entry in announced if entry[0] != NodeState.online]
+        assert stopping == [(NodeState.draining, True), (NodeState.draining, True), (NodeState.offline, True)]
         assert not draining.sessions.sessions
+
+
+def test_an_idle_node_that_stops_announces_offline_at_once(local_swarm, tiny_llama):
+    """Node.shutdown with no session open: nothing to drain, so its first announcement is offline (clients and the
+    planners stop counting it at once) and it never announces draining."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="leave")
+    announced = []
+    announce = node.announce
+
+    async def recorded_announce():  # the state it announces: the node's when the record is made
+        state = node.state
+        stored = await announce()
+        announced.append((state, stored))
+        return stored
+
+    node.announce = recorded_announce
+    local_swarm.stop_node(node)
+    assert [entry for entry in announced if entry[0] != NodeState.online] == [(NodeState.offline, True)] * 2
+    assert node.sessions.draining and node.training.draining

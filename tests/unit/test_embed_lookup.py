@@ -43,6 +43,7 @@ def test_the_host_copy_gives_the_tables_rows_and_follows_its_changes(tiny_llama,
     edges.embed_tokens.register_forward_hook(lambda module, args, out: out + 1)
     with torch.inference_mode():
         assert torch.equal(edges.lookup(IDS), torch.ones(2, 5, edges.embed_tokens.embedding_dim))
+    assert edges._embed_host is None  # and the copy is let go
     # with autograd on (training the embeddings), the module's call keeps its graph
     trained = load_client_edges(tiny_llama)
     trained.embed_tokens.weight.requires_grad_(True)
