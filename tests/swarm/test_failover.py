@@ -295,6 +295,22 @@ def test_a4_no_replacement_names_the_missing_blocks(failover_swarm, tiny_llama):
         assert elapsed < 10.0
 
 
+def record_announcements(node) -> list:
+    """The DHT records `node` writes from now on, in order: (the state announced, whether a peer stored it). The
+    state is the node's when the record is made (a periodic announcement may end after a state change)."""
+    announced = []
+    announce = node.announce
+
+    async def recorded_announce():
+        state = node.state
+        stored = await announce()
+        announced.append((state, stored))
+        return stored
+
+    node.announce = recorded_announce
+    return announced
+
+
 def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
     """SIGTERM path (Node.shutdown): the node announces draining, refuses new sessions, ends its sessions after
     their queued steps; the generating client re-routes to the spare and its tokens are unchanged."""
@@ -306,16 +322,7 @@ def test_a6_graceful_drain_clients_reroute(local_swarm, tiny_llama, reference):
         wait_for_chain(model, hops=2, max_length=16 + NEW_TOKENS)
         with model.inference_session(max_length=16 + NEW_TOKENS) as session:
             draining = next(node for node in local_swarm.nodes if node.peer_id == session.chain.hops[1].peer_id)
-            states, announced = [], []
-            announce = draining.announce
-
-            async def recorded_announce():  # the state it announces: the node's when the record is made
-                state = draining.state
-                stored = await announce()
-                announced.append((state, stored))
-                return stored
-
-            draining.announce = recorded_announce  # the DHT records the node wrote, in order
+            states, announced = [], record_announcements(draining)
 
             def drain() -> None:
                 local_swarm.stop_node(draining)
@@ -335,16 +342,7 @@ def test_an_idle_node_that_stops_announces_offline_at_once(local_swarm, tiny_lla
     """Node.shutdown with no session open: nothing to drain, so its first announcement is offline (clients and the
     planners stop counting it at once) and it never announces draining."""
     node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="leave")
-    announced = []
-    announce = node.announce
-
-    async def recorded_announce():  # the state it announces: the node's when the record is made
-        state = node.state
-        stored = await announce()
-        announced.append((state, stored))
-        return stored
-
-    node.announce = recorded_announce
+    announced = record_announcements(node)
     local_swarm.stop_node(node)
     assert [entry for entry in announced if entry[0] != NodeState.online] == [(NodeState.offline, True)] * 2
     assert node.sessions.draining and node.training.draining
