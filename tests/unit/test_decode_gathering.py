@@ -50,6 +50,7 @@ async def batched_when_late(compute: BlockCompute, late_s: float) -> int:
     return compute.batches_run - before
 
 
+@pytest.mark.serial  # a step 4 ms late: a busy host's hiccups exceed what is waited for
 def test_a_step_waits_for_the_other_sessions_step_expected_soon(tiny_llama):
     compute, _ = compute_of(tiny_llama, batch_window_ms=200.0)
     assert asyncio.run(batched_when_late(compute, 0.004)) == 3  # b 4 ms after a: gathered into a's pass
@@ -60,6 +61,7 @@ def test_a_step_waits_for_the_other_sessions_step_expected_soon(tiny_llama):
     assert 3 * 0.003 <= compute.gather_wait_s < 1.0
 
 
+@pytest.mark.serial  # a step 4 ms late: a busy host's hiccups exceed what is waited for
 def test_without_a_window_a_late_step_runs_in_a_pass_of_its_own(tiny_llama):
     compute, _ = compute_of(tiny_llama, batch_window_ms=0.0)
     assert asyncio.run(batched_when_late(compute, 0.004)) == 0
