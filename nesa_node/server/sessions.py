@@ -263,13 +263,14 @@ class SessionTable:
                 f"peer already has {len(peer_sessions)} open sessions here, the per-peer limit "
                 "(node setting max_sessions_per_peer)"
             )
+        tokens = min(request.max_length, RESERVE_CHUNK_TOKENS)
+        # every refusal of this peer's own comes before an idle session of anyone is ended to make room
+        self._check_peer_share(client_peer, request.batch, tokens)
         if len(self.sessions) >= limits.max_sessions:
             self._preempt_idle(slots=1)
             if len(self.sessions) >= limits.max_sessions:
                 raise TooManySessionsError(f"node has {len(self.sessions)} active sessions, its limit")
-        tokens = min(request.max_length, RESERVE_CHUNK_TOKENS)
         reserved = self._reserve(request.batch, tokens)  # raises CacheBudgetError
-        self._check_peer_share(client_peer, reserved, request.batch, tokens)
         session = ServerSession(
             session_id=request.session_id,
             batch=request.batch,
@@ -367,24 +368,28 @@ class SessionTable:
         if tokens <= session.reserved_tokens:
             return
         target = min(session.max_length, max(tokens, 2 * session.reserved_tokens))
+        self._check_peer_share(session.client_peer, session.batch, target - session.reserved_tokens, whole=target)
         extra = self._reserve(session.batch, target - session.reserved_tokens, keep=session)
-        self._check_peer_share(session.client_peer, extra, session.batch, target)
         session.reserved_bytes += extra
         session.reserved_tokens = target
 
     def _of_peer(self, peer: str) -> list[ServerSession]:
         return [session for session in self.sessions.values() if session.client_peer == peer]
 
-    def _check_peer_share(self, peer: str, extra_bytes: int, batch: int, tokens: int) -> None:
-        """After `extra_bytes` were reserved for `peer`: QuotaExceededError, the reservation returned, when they
-        take it past its share of the node's cache."""
+    def _check_peer_share(self, peer: str, batch: int, tokens: int, *, whole: int | None = None) -> None:
+        """QuotaExceededError when `batch` x `tokens` more (a session's `whole` tokens once grown) would take `peer`
+        past its share of the node's cache. Checked before any reservation, so no idle session is ended to make
+        room for what the share then refuses. A share of the whole node is no limit of its own: the budget decides."""
+        budget = self.budget
+        if self.peer_cache_bytes >= budget.capacity_bytes:
+            return
         held = sum(session.reserved_bytes for session in self._of_peer(peer))
-        if held + extra_bytes > self.peer_cache_bytes:
-            self.budget.release(extra_bytes)
-            per_token = self.budget.bytes_per_token
+        if held + budget.session_bytes(batch, tokens) > self.peer_cache_bytes:
+            per_token = budget.bytes_per_token
             raise QuotaExceededError(
-                f"a cache of batch {batch} x {tokens} tokens would take this peer past its share of the node's cache "
-                f"({self.peer_cache_bytes // per_token} tokens of batch 1, of which {held // per_token} are held)"
+                f"a cache of batch {batch} x {whole or tokens} tokens would take this peer past its share of the "
+                f"node's cache ({self.peer_cache_bytes // per_token} tokens of batch 1, of which {held // per_token} "
+                "are held)"
             )
 
     def _reserve(self, batch: int, tokens: int, keep: ServerSession | None = None) -> int:
