@@ -55,6 +55,15 @@ JUDGE_WAIT_S = 5.0
 Rerouter = Callable[[ChainRequest], Awaitable]
 
 
+def _with_cause(no_route: NoRouteError, lost: Hop, failure: LinkFailed) -> NoRouteError:
+    """The NoRouteError of a failover that found no replacement, saying what the lost node failed with (its room for
+    the session, say): the route's message alone names the node only as banned."""
+    return NoRouteError(
+        f"{no_route.message}; the session lost {lost.peer_id[-8:]} (blocks {lost.start_block}:{lost.end_block}) to: "
+        f"{failure.message}"
+    )
+
+
 class Failover:
     """Recovery from a failed node of one session's chain (see the module docstring)."""
 
@@ -133,14 +142,15 @@ class Failover:
             try:
                 with self._timed("route"):
                     hops = (await self.reroute(request)).hops  # raises NoRouteError naming the missing blocks
-            except NoRouteError:
+            except NoRouteError as no_route:
                 quiet = failure.link is None and may_keep  # slow, maybe: the chain may stay as it is
                 # its channel broke, or it failed the step (not: sent something wrong, or has no room for the session)
                 named = failure.link is not None and not failure.fault and not failure.full
                 if attempt > 0 or not (quiet or named) or not await self._answers_longer(lost.peer_id):
-                    raise
+                    raise _with_cause(no_route, lost, failure) from None
                 if not self.swarm.unban(lost.peer_id):
-                    raise  # banned meanwhile for a fault (another session's finding)
+                    # banned meanwhile for a fault (another session's finding)
+                    raise _with_cause(no_route, lost, failure) from None
                 if quiet:
                     logger.info("node %s was slow, not gone, and no other node serves its blocks: kept", lost.peer_id)
                     self._record(lost, [], position, started, kept=True)

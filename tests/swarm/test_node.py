@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -56,6 +57,37 @@ def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swar
         assert output.shape == (1, 11)
         wait_until(lambda: tokens_left() == baseline)
     assert node.sessions.sessions == {}
+
+
+def test_sessions_that_outgrow_their_peers_share_fail_saying_so(local_swarm, tiny_llama):
+    """Two sessions of one client open within its share (128 tokens each of 256) and must grow past it: the growth is
+    refused, no other node serves the blocks, and the error the caller gets names the share, not only a ban."""
+    node = local_swarm.start_node(
+        tiny_llama, 0, 4, max_cache_tokens=512, max_cache_share_per_peer=0.5, dht_prefix="share"
+    )
+    prompts = [torch.tensor([[5 + index, 6, 7, 8]]) for index in range(2)]
+
+    async def generate_both(model):
+        return await asyncio.gather(
+            *(model.client.generate(prompt, max_new_tokens=140, do_sample=False) for prompt in prompts),
+            return_exceptions=True,
+        )
+
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="share", compression="none"
+        ) as model:
+            wait_for_chain(model)
+            outcomes = model.call(generate_both(model), timeout=120)
+        errors = [outcome for outcome in outcomes if isinstance(outcome, Exception)]
+        assert errors, "both sessions fit the share: the test no longer outgrows it"
+        for error in errors:
+            assert isinstance(error, NoRouteError), repr(error)
+            assert f"the session lost {node.peer_id[-8:]} (blocks 0:4) to: " in error.message
+            assert "past its share of the node's cache (256 tokens of batch 1, of which 256 are held)" in error.message
+        wait_until(lambda: node.budget.used_bytes == 0)
+    finally:
+        local_swarm.stop_node(node)
 
 
 def test_c_identity_file_is_owner_only_and_keeps_the_peer_id_across_restarts(local_swarm, tiny_llama, tmp_path):
