@@ -451,7 +451,14 @@ def main() -> None:
         default=0,
         help="torch threads per node process (default 0: torch's default, all cores; share: the cores over the nodes)",
     )
-    parser.add_argument("--clients", type=int, default=0, help="concurrent sessions for the aggregate figure (0: none)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=0,
+        help="concurrent sessions for the aggregate figure (0: none); they are one peer to the nodes, which lend it "
+        "cache past its share while nobody else needs it: clients x (prompt + new tokens) must fit a node's cache "
+        "(8192 tokens by default; more with --node-arg=--max-cache-tokens=N)",
+    )
     parser.add_argument(
         "--client-threads",
         type=int,

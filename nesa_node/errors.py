@@ -20,7 +20,7 @@
     │       ├── AdapterHashError    adapter_hash     slice or manifest bytes whose sha256 is not the expected (tampered)
     │       └── AdapterMissingError  adapter_missing  no node (or not this node) holds the adapter a request names
     ├── PeerUnavailableError        peer_unavailable a peer did not answer in time or closed the stream
-    │   ├── SessionPreemptedError   preempted        a full node ended an idle session to admit a new one
+    │   ├── SessionPreemptedError   preempted        a full node ended an idle session, or took lent cache back
     │   ├── StepTimeoutError        step_timeout     a node did not compute a step within its step timeout
     │   └── ReplicaUnavailableError  replica_unavailable  a data-parallel replica sent no gradients in time
     ├── CheckpointError             checkpoint       a training checkpoint missing, damaged, or not signed by its node
@@ -179,7 +179,8 @@ class ReplicaUnavailableError(PeerUnavailableError):
 
 
 class SessionPreemptedError(PeerUnavailableError):
-    """A node ended an idle session to admit a new one (it was full): the owner fails over like for a lost node."""
+    """A full node ended a session to admit or grow another: an idle one, or one holding cache lent past its peer's
+    share (after its step under way). The owner fails over like for a lost node."""
 
     code = "preempted"
 

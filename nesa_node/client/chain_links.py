@@ -25,6 +25,7 @@ class ChainLink:
         self.outputs: Channel | None = None
         self.readers: list[asyncio.Task] = []
         self.closed = False  # closed by the client (failover or close): its last words no longer matter
+        self.said: Frame | None = None  # the node's last refusal, kept for when its channel closes right after it
         # answers of this node read from its channels and not yet taken by the session (SessionChain bounds them)
         self.queued_answers = 0
         self.queued_bytes = 0

@@ -321,6 +321,8 @@ class InferenceSession:
             try:
                 link.send_step(request)
             except PeerUnavailableError as exc:
+                if (said := self.links.said(link)) is not None:  # the node said why it closed (ended the session)
+                    self._raise_step_error(link, *said, step_id=step_id, shape=tuple(hidden.shape))
                 raise LinkFailed(f"channel to {link.peer_id} closed: {exc.message}", link) from None
             expected = link if relay else links[-1]
             until = Deadline.after(deadline_s)  # for this answer, however many others come first
@@ -336,7 +338,7 @@ class InferenceSession:
 
     def _raise_step_error(self, answered, message, answer, *, step_id: str, shape: tuple[int, int, int]) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
-        peer_unavailable: that next node failed. A node that ended the session (preempted it while idle, or did not
+        peer_unavailable: that next node failed. A node that ended the session (preempted it: idle, or holding lent cache; or did not
         compute a step within its step timeout) or cannot grow its cache for it failed itself: it is replaced like a
         lost node. A node of a direct chain that refuses the pushed step `step_id` (of `shape`) accuses the node
         that pushed it: the pushed step it returns under the pusher's tag (protocol/push_tag.py) shows which of the two

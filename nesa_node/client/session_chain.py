@@ -24,7 +24,7 @@ from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, ReceiptError, RequestError
 from nesa_node.protocol import lane, push_tag, rpc
-from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
+from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, is_error_reply, read
 from nesa_node.protocol.framing import open_stream
 from nesa_node.protocol.lane import CLIENT_MAX_FRAME_BYTES
 from nesa_node.protocol.messages import (
@@ -351,7 +351,17 @@ class SessionChain:
             )
         link.queued_answers += 1
         link.queued_bytes += size
+        if is_error_reply(received):
+            link.said = received
         self.answers.put_nowait((link, received))
+
+    @staticmethod
+    def said(link: ChainLink) -> tuple[Message, Frame] | None:
+        """The refusal `link`'s node sent last, read (None: none, or malformed): why it closed a channel."""
+        try:
+            return (read(link.said, FROM_SESSION), link.said) if link.said is not None else None
+        except RequestError:
+            return None
 
     def _learn_hidden_size(self, hidden_size: int) -> None:
         """Bound every later frame by the model's own hidden size, on the channels open and those opened later."""
@@ -379,6 +389,8 @@ class SessionChain:
             if not isinstance(item, BaseException):
                 link.queued_answers -= 1
                 link.queued_bytes -= item.ByteSize()
+                if item is link.said:
+                    link.said = None  # read in turn: only one still unread explains a channel closing
             if link.closed:
                 continue  # a link closed by failover: its last words no longer matter
             if isinstance(item, BaseException):

@@ -115,8 +115,9 @@ class LimitsConfig:
     max_sessions_per_peer: int = option(32, "open sessions one peer may hold here", parse="positive_int")
     max_cache_share_per_peer: float = option(
         0.5,
-        "fraction of the KV cache budget one peer may reserve, and of the adapter budget its sessions' adapters may "
-        "hold",
+        "fraction of the KV cache budget one peer's sessions open within; as they grow they may borrow past it from "
+        "free cache, taken back (newest borrower first) when a peer within its share needs it; also of the adapter "
+        "budget its sessions' adapters may hold",
         parse="fraction",
     )
     max_queued_steps: int = option(

@@ -11,7 +11,8 @@ A session (one client stream, `serve_session`):
   4. the session ends, and its cache is freed, when the stream ends, on `max_step_errors` refused steps in a row,
      when no step comes within `first_step_timeout_s` of opening or `session_timeout_s` of the last one, when a
      step is not computed and handed on within `step_timeout_s` (a stuck next node, or this node stalled), or when
-     the node preempts it, idle, to admit another (server/sessions.py).
+     the node preempts it, idle, to admit another (server/sessions.py), or takes back cache lent to it past its
+     peer's share, after its step under way (server/cache_room.py).
 A step whose step_id equals the previous one is a duplicate: its recorded output is the answer, not recomputed.
 HistoryRequest and Retarget are the client's failover controls, answered in order with the steps; RecordsRequest
 fetches the session's signed hop records (server/window_log.py), kept when the client opened it with `commit_hop`.
@@ -273,6 +274,9 @@ class InferenceService:
     async def _run(self, session: ServerSession) -> None:
         """Take the session's queue in order until it ends."""
         while True:
+            if session.revoked is not None:  # its lent cache taken back (server/cache_room.py): ends between steps
+                self.sessions.end(session, session.revoked)
+                return
             # counted from the open or the last step done: refused steps do not keep a session alive
             limit_s = self.limits.session_timeout_s if session.last_step_id else self.limits.first_step_timeout_s
             try:
@@ -460,7 +464,7 @@ class InferenceService:
                 f"step would reach {step.position + hidden.shape[1]} tokens, over the session's max_length "
                 f"{session.max_length}"
             )
-        self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
+        await self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
         session.cache.reserve(session.reserved_tokens)  # its buffers grow to what the budget holds for it
         output, seconds = await self.compute.run_decode(
             hidden, session.cache, step.position, session.blocks, session.adapter, member=session.key

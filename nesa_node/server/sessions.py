@@ -6,7 +6,8 @@ Admission, where identities cost nothing (RELIABILITY.md G3): a session reserves
 doubling as its steps need more, never past its max_length), takes no step within `first_step_timeout_s` and it is
 closed, and when the node is full (sessions or cache) sessions idle for `preempt_idle_s` are ended to admit the new
 one (their owners get a typed `preempted` error and fail over), those of the peer holding the most sessions first.
-An active session is never preempted; a refusal is always a typed error at once.
+An active session is preempted only to take back cache lent past its peer's share (server/cache_room.py), right
+after its step under way. A refusal is always a typed error, at once or after a bounded wait for such a session.
 
 Scope (RELIABILITY.md G5): a session belongs to the peer that opened it, and the table keys it by (that peer, session
 id). Any chain member learns a session's id from the steps it sees, and could open that id first on the nodes that
@@ -32,6 +33,7 @@ import torch
 from nesa_node.errors import (
     BadRequestError,
     CacheBudgetError,
+    PeerUnavailableError,
     QuotaExceededError,
     SessionNotFoundError,
     SessionPreemptedError,
@@ -40,6 +42,7 @@ from nesa_node.errors import (
 from nesa_node.protocol.channel import Channel, Frame, frame
 from nesa_node.protocol.messages import MAX_ID_LENGTH, ErrorReply, LaneSettings, Message, OpenSession, Step
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
+from nesa_node.server import cache_room
 from nesa_node.server.config import LimitsConfig
 from nesa_node.sharding.kv_cache import CacheBudget
 
@@ -48,6 +51,7 @@ logger = logging.getLogger(__name__)
 END_OF_SESSION = object()  # put in a session's inbox when its stream ends or the node ends it
 REOPEN_POLL_S = 0.05  # how often a reopen looks whether the old session's step has ended
 MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
+GROW_WAIT_S = 0.5  # longest a growth waits for revoked sessions to end (a decode step's deadline is 1 s or more)
 RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
 
 SessionKey = tuple[str, str]  # (base58 id of the peer that opened the session, session id)
@@ -112,6 +116,8 @@ class ServerSession:
     push_key: bytes | None = None  # the client's key for tagging what this node pushes (protocol/push_tag.py)
     release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
     window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
+    lent_bytes: int = 0  # of reserved_bytes, what its growth borrowed past its peer's share (server/cache_room.py)
+    revoked: Exception | None = None  # its lent cache is taken back: it ends right after the step under way
 
     @property
     def key(self) -> SessionKey:
@@ -203,17 +209,18 @@ class SessionTable:
         return len(self.sessions)
 
     def tokens_available(self) -> int:
-        """Cache tokens (batch 1) a new session can have: the free ones, plus those of sessions idle now, which an
-        open waits for and preempts (when preemption comes within MAX_ADMISSION_WAIT_S). Announced for routing."""
-        budget = self.budget
-        reclaimable = 0
-        if self.limits.preempt_idle_s <= MAX_ADMISSION_WAIT_S:
-            reclaimable = sum(
-                session.reserved_bytes
-                for session in self.sessions.values()
-                if not session.busy and session.inbox.empty()
-            )
-        return (budget.free_bytes + reclaimable) // budget.bytes_per_token
+        """Cache tokens (batch 1) a new session can have: the free ones, those of sessions idle now, which an open
+        waits for and preempts (when preemption comes within MAX_ADMISSION_WAIT_S), and those lent past a share
+        (server/cache_room.py), each session counted once. Announced for routing."""
+        budget, sessions = self.budget, list(self.sessions.values())
+        idle_soon = self.limits.preempt_idle_s <= MAX_ADMISSION_WAIT_S
+
+        def counted(session: ServerSession) -> bool:
+            return idle_soon and not session.busy and session.inbox.empty()
+
+        reclaimable = sum(session.reserved_bytes for session in sessions if counted(session))
+        lent = cache_room.lent_reclaimable(sessions, self.peer_cache_bytes, counted)
+        return (budget.free_bytes + reclaimable + lent) // budget.bytes_per_token
 
     def get(self, client_peer: str, session_id: str) -> ServerSession | None:
         """The session `client_peer` opened as `session_id`, if it is open."""
@@ -245,7 +252,7 @@ class SessionTable:
             if self._step_under_way(old):
                 raise BadRequestError(f"session {request.session_id!r} is already open on this node, a step under way")
             logger.info("session %s of %s opened again by its owner: the old one ended", old.session_id, client_peer)
-            self._end(old, BadRequestError(f"session {old.session_id!r} was opened again by its owner"))
+            self.end(old, BadRequestError(f"session {old.session_id!r} was opened again by its owner"))
         if request.batch > limits.max_batch:
             raise BadRequestError(f"batch must be in 1..{limits.max_batch}, got {request.batch}")
         if request.max_length > limits.max_length:
@@ -270,7 +277,7 @@ class SessionTable:
             self._preempt_idle(slots=1)
             if len(self.sessions) >= limits.max_sessions:
                 raise TooManySessionsError(f"node has {len(self.sessions)} active sessions, its limit")
-        reserved = self._reserve(request.batch, tokens)  # raises CacheBudgetError
+        reserved = self._reserve(request.batch, tokens, for_peer=client_peer)  # raises CacheBudgetError
         session = ServerSession(
             session_id=request.session_id,
             batch=request.batch,
@@ -342,8 +349,9 @@ class SessionTable:
         while True:
             try:
                 return self.open(request, **kwargs)
-            except (TooManySessionsError, CacheBudgetError):
-                wait_s = self._next_preemptible_s()
+            except (TooManySessionsError, CacheBudgetError) as refused:
+                revoked = isinstance(refused, CacheBudgetError) and self.revoked_bytes()  # end after their steps
+                wait_s = REOPEN_POLL_S if revoked else self._next_preemptible_s()
                 never = self.budget.session_bytes(request.batch, request.max_length) > self.budget.capacity_bytes
                 if never or self.draining or wait_s is None or time.monotonic() + wait_s > deadline:
                     raise
@@ -362,65 +370,102 @@ class SessionTable:
         ]
         return max(0.0, min(waiting)) if waiting else None
 
-    def grow(self, session: ServerSession, tokens: int) -> None:
-        """Make the session's reservation cover `tokens` per row (doubling, up to its max_length), preempting idle
-        sessions when the node's cache is full. Raises QuotaExceededError (the peer's share) or CacheBudgetError."""
+    async def grow(self, session: ServerSession, tokens: int) -> None:
+        """Cover `tokens` per row (doubling, up to max_length): within the peer's share, ending sessions for room
+        (server/cache_room.py; waiting for revoked ones at most MAX_ADMISSION_WAIT_S), past it borrowing free cache
+        only. QuotaExceededError (past the share, nothing free to lend), CacheBudgetError."""
         if tokens <= session.reserved_tokens:
             return
         target = min(session.max_length, max(tokens, 2 * session.reserved_tokens))
-        self._check_peer_share(session.client_peer, session.batch, target - session.reserved_tokens, whole=target)
-        extra = self._reserve(session.batch, target - session.reserved_tokens, keep=session)
+        more, peer = target - session.reserved_tokens, session.client_peer
+        need = self.budget.session_bytes(session.batch, more)
+        deadline = time.monotonic() + GROW_WAIT_S
+        while True:
+            if session.revoked is not None:  # ends after this step: it makes no room for itself
+                raise session.revoked
+            held = sum(other.reserved_bytes for other in self._of_peer(peer))
+            past = held + need - self.peer_cache_bytes
+            if self.peer_cache_bytes >= self.budget.capacity_bytes or past <= 0:
+                try:
+                    extra, lent = self._reserve(session.batch, more, keep=session, for_peer=peer), 0
+                except CacheBudgetError:
+                    if not self.revoked_bytes() or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(REOPEN_POLL_S)  # the room comes as revoked sessions end
+                    if not self.holds(session):  # the node dropped it (a move, a stop)
+                        raise PeerUnavailableError("the session was closed while it waited for room") from None
+                    continue
+            elif need <= self.budget.free_bytes and not self.revoked_bytes():  # borrowed: ends no one's session
+                extra, lent = self.budget.reserve(session.batch, more), min(need, past)
+            else:
+                self._check_peer_share(peer, session.batch, more, whole=target, lending=True)  # raises
+            break
+        session.lent_bytes += lent
         session.reserved_bytes += extra
         session.reserved_tokens = target
 
     def _of_peer(self, peer: str) -> list[ServerSession]:
         return [session for session in self.sessions.values() if session.client_peer == peer]
 
-    def _check_peer_share(self, peer: str, batch: int, tokens: int, *, whole: int | None = None) -> None:
+    def _check_peer_share(
+        self, peer: str, batch: int, tokens: int, *, whole: int | None = None, lending: bool = False
+    ) -> None:
         """QuotaExceededError when `batch` x `tokens` more (a session's `whole` tokens once grown) would take `peer`
         past its share of the node's cache. Checked before any reservation, so no idle session is ended to make
         room for what the share then refuses. A share of the whole node is no limit of its own: the budget decides."""
-        budget = self.budget
-        if self.peer_cache_bytes >= budget.capacity_bytes:
-            return
-        held = sum(session.reserved_bytes for session in self._of_peer(peer))
-        if held + budget.session_bytes(batch, tokens) > self.peer_cache_bytes:
+        held, budget = sum(session.reserved_bytes for session in self._of_peer(peer)), self.budget
+        if budget.capacity_bytes > self.peer_cache_bytes < held + budget.session_bytes(batch, tokens):
             per_token = budget.bytes_per_token
             raise QuotaExceededError(
                 f"a cache of batch {batch} x {whole or tokens} tokens would take this peer past its share of the "
                 f"node's cache ({self.peer_cache_bytes // per_token} tokens of batch 1, of which {held // per_token} "
-                "are held)"
+                f"are held){', and the node has no free cache to lend it' if lending else ''}"
             )
 
-    def _reserve(self, batch: int, tokens: int, keep: ServerSession | None = None) -> int:
-        """Reserve `batch` x `tokens`, ending idle sessions (never `keep`) when they are what stands in the way."""
+    def _reserve(
+        self, batch: int, tokens: int, keep: ServerSession | None = None, *, for_peer: str | None = None
+    ) -> int:
+        """Reserve `batch` x `tokens` for `for_peer` (within its share), ending sessions (never `keep`) when they
+        are what stands in the way (server/cache_room.py). CacheBudgetError while the room is not there (yet: a
+        revoked session frees its bytes after its step)."""
         need = self.budget.session_bytes(batch, tokens)
         if need > self.budget.free_bytes:
-            self._preempt_idle(nbytes=need - self.budget.free_bytes, keep=keep)
+            self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer)
         return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
 
-    def _preempt_idle(self, *, slots: int = 0, nbytes: int = 0, keep: ServerSession | None = None) -> None:
-        """End idle sessions until `slots` sessions and `nbytes` of cache are freed, or none idle is left: the
-        sessions of the peer holding the most go first, then the longest idle. Frees nothing unless it frees
-        enough (ending sessions that cannot make room would only hurt their owners)."""
+    def revoked_bytes(self) -> int:  # freed when the revoked sessions' steps under way end
+        return sum(session.reserved_bytes for session in self.sessions.values() if session.revoked is not None)
+
+    def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None) -> None:
+        nbytes, now = nbytes - self.revoked_bytes(), time.monotonic()  # what revoked sessions free is coming
+        share, idle_after_s = self.peer_cache_bytes, self.limits.preempt_idle_s
+        room = cache_room.choose(list(self.sessions.values()), nbytes, keep=keep, for_peer=for_peer, now=now,
+                                 share_bytes=share, idle_after_s=idle_after_s, under_way=self._step_under_way)  # fmt: skip
+        if nbytes <= 0 or room is None:
+            return
+        for session in room.idle:
+            self.preempt(session, now - session.last_active)
+        for session in room.lent:
+            self.end(session, self._taken_back(session))
+        for session in room.revoke:  # ended by its run after the step under way (InferenceService._run)
+            session.revoked = self._taken_back(session)
+
+    def _taken_back(self, session: ServerSession) -> SessionPreemptedError:
+        logger.info("session %s of %s holds lent cache: taken back", session.session_id, session.client_peer)
+        if self.metrics is not None:
+            self.metrics.preempted_sessions_total.inc()
+        return SessionPreemptedError(cache_room.TAKEN_BACK)
+
+    def _preempt_idle(self, *, slots: int) -> None:
+        """End `slots` idle sessions, or none if fewer are idle: the sessions of the peer holding the most go
+        first, then the longest idle (room in the cache: `_make_room`)."""
         now = time.monotonic()
         holding = Counter(session.client_peer for session in self.sessions.values())
-        idle = [
-            session
-            for session in self.sessions.values()
-            if session is not keep and session.idle_s(now) >= self.limits.preempt_idle_s
-        ]
+        idle = [session for session in self.sessions.values() if session.idle_s(now) >= self.limits.preempt_idle_s]
         idle.sort(key=lambda session: (-holding[session.client_peer], session.last_active))
-        chosen, freed = [], 0
-        for session in idle:
-            if len(chosen) >= slots and freed >= nbytes:
-                break
-            chosen.append(session)
-            freed += session.reserved_bytes
-        if len(chosen) < slots or freed < nbytes:
-            return
-        for session in chosen:
-            self.preempt(session, now - session.last_active)
+        if len(idle) >= slots:
+            for session in idle[:slots]:
+                self.preempt(session, now - session.last_active)
 
     def adapter_preemptible_in_s(self) -> float | None:
         """Seconds until the first session holding an adapter, and not working now, has been idle
@@ -456,14 +501,16 @@ class SessionTable:
         """End an idle session at once to make room: its owner is told (typed), its cache freed."""
         error = SessionPreemptedError(f"session idle for {idle_s:.0f} s was ended to admit another: the node is full")
         logger.info("session %s of %s idle for %.0f s: preempted", session.session_id, session.client_peer, idle_s)
-        self._end(session, error)
+        self.end(session, error)
         if self.metrics is not None:
             self.metrics.preempted_sessions_total.inc()
 
-    def _end(self, session: ServerSession, error: Exception) -> None:
-        """End a session with no step under way at once: its owner is told (typed), its cache freed."""
-        with contextlib.suppress(Exception):  # the owner may be gone already
-            session.reply.send(frame(ErrorReply.of(error)))
+    def end(self, session: ServerSession, error: Exception) -> None:
+        """End a session with no step under way at once: its owner is told (typed, on its stream and ahead of the
+        close on the lanes it reads: whichever it reads first says why), its cache freed."""
+        for channel in (session.reply, session.output, *session.inbound):
+            with contextlib.suppress(Exception):  # the owner may be gone already
+                channel.send(frame(ErrorReply.of(error)))
         session.inbox.put_nowait(END_OF_SESSION)
         self.close(session)
 

@@ -6,6 +6,8 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -59,32 +61,125 @@ def test_session_over_budget_is_refused_and_cache_returns_to_baseline(local_swar
     assert node.sessions.sessions == {}
 
 
-def test_sessions_that_outgrow_their_peers_share_fail_saying_so(local_swarm, tiny_llama):
-    """Two sessions of one client open within its share (128 tokens each of 256) and must grow past it: the growth is
-    refused, no other node serves the blocks, and the error the caller gets names the share, not only a ban."""
-    node = local_swarm.start_node(
-        tiny_llama, 0, 4, max_cache_tokens=512, max_cache_share_per_peer=0.5, dht_prefix="share"
-    )
-    prompts = [torch.tensor([[5 + index, 6, 7, 8]]) for index in range(2)]
+PROMPTS = [torch.tensor([[5 + index, 6, 7, 8]]) for index in range(4)]
+LONG = 140  # new tokens: past the 128 a session reserves at open, so each grows
 
-    async def generate_both(model):
+
+def generate_all(model, prompts):
+    """Every prompt's generation at once on `model`'s loop (exceptions returned, not raised)."""
+
+    async def run():
         return await asyncio.gather(
-            *(model.client.generate(prompt, max_new_tokens=140, do_sample=False) for prompt in prompts),
+            *(model.client.generate(prompt, max_new_tokens=LONG, do_sample=False) for prompt in prompts),
             return_exceptions=True,
         )
 
+    return model.call(run(), timeout=180)
+
+
+def sdk(local_swarm, tiny_llama, prefix):
+    return DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
+    )
+
+
+def test_one_clients_sessions_outgrow_its_share_on_a_node_nobody_else_uses(local_swarm, tiny_llama):
+    """Four sessions of one client (a gateway's users are one peer) open within its share (128 tokens each of 512)
+    and grow past it to 144 each: the node lends what nobody else uses, and every generation is the reference (a
+    growth past the share used to fail its session in the middle)."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, max_cache_tokens=1024, dht_prefix="lend")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        expected = [reference.generate(p, max_new_tokens=LONG, min_new_tokens=LONG, do_sample=False) for p in PROMPTS]
     try:
-        with DistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="share", compression="none"
-        ) as model:
+        with sdk(local_swarm, tiny_llama, "lend") as model:
             wait_for_chain(model)
-            outcomes = model.call(generate_both(model), timeout=120)
+            peak, done = [], threading.Event()
+
+            def watch():
+                while not done.is_set():
+                    peak.append(node.budget.used_bytes)
+                    time.sleep(0.005)
+
+            watcher = threading.Thread(target=watch, daemon=True)
+            watcher.start()
+            try:
+                outputs = generate_all(model, PROMPTS)
+            finally:
+                done.set()
+                watcher.join()
+        for output, reference_tokens in zip(outputs, expected, strict=True):
+            assert torch.equal(output, reference_tokens), output
+        assert max(peak) > node.sessions.peer_cache_bytes  # the sessions did hold more than the share at once
+        wait_until(lambda: node.budget.used_bytes == 0)
+    finally:
+        local_swarm.stop_node(node)
+
+
+def test_a_client_within_its_share_takes_lent_cache_back_and_the_borrower_is_told_why(local_swarm, tiny_llama):
+    """One client's two sessions grow to 384 tokens each: the whole node, half of it lent past the client's share.
+    Another client then opens a session: it gets its room, the borrower's newest session ends with an error that says
+    why (its channels close right after: the client reads the reason first), and its other session finishes with the
+    reference tokens."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, max_cache_tokens=768, preempt_idle_s=600.0, dht_prefix="back")
+    prompts, new_tokens = PROMPTS[:2], 380  # 384 tokens a session: 128 at open, then 256, then 384
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    with torch.inference_mode():
+        expected = [
+            reference.generate(p, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+            for p in prompts
+        ]
+
+    async def borrow(model):
+        return await asyncio.gather(
+            *(model.client.generate(prompt, max_new_tokens=new_tokens, do_sample=False) for prompt in prompts),
+            return_exceptions=True,
+        )
+
+    results = {}
+    try:
+        with sdk(local_swarm, tiny_llama, "back") as borrower, sdk(local_swarm, tiny_llama, "back") as other:
+            wait_for_chain(borrower)
+            wait_for_chain(other)
+            running = threading.Thread(target=lambda: results.update(out=borrower.call(borrow(borrower), timeout=180)))
+            running.start()
+            wait_until(lambda: node.budget.free_bytes == 0, timeout_s=120)  # the borrower holds the whole node
+            output = other.generate(torch.tensor([[9, 8, 7, 6]]), max_new_tokens=LONG, do_sample=False)
+            running.join(timeout=180)
+        assert output.shape == (1, 4 + LONG)
+        failed = [result for result in results["out"] if isinstance(result, Exception)]
+        assert len(failed) == 1, results["out"]  # the newest: the other's open needed one session's room
+        assert isinstance(failed[0], NoRouteError), repr(failed[0])
+        assert "ended to give another peer its share of the node's cache" in failed[0].message, failed[0].message
+        for result, reference_tokens in zip(results["out"], expected, strict=True):
+            if not isinstance(result, Exception):
+                assert torch.equal(result, reference_tokens)
+        wait_until(lambda: node.budget.used_bytes == 0)
+    finally:
+        local_swarm.stop_node(node)
+
+
+def test_sessions_that_outgrow_their_share_with_nothing_to_borrow_fail_saying_so(local_swarm, tiny_llama):
+    """One client holds half the node; another's two sessions open within its share (128 tokens each of 256) and
+    must grow past it with nothing free to borrow: the growth is refused, no other node serves the blocks, and the
+    error the caller gets names the share, not only a ban."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, max_cache_tokens=512, preempt_idle_s=600.0, dht_prefix="share")
+    try:
+        with sdk(local_swarm, tiny_llama, "share") as holder, sdk(local_swarm, tiny_llama, "share") as model:
+            wait_for_chain(holder)
+            chain = Chain(hops=(Hop(node.peer_id, 0, 4),))
+            held = [holder.session_on(chain, max_length=128) for _ in range(2)]  # 256: the holder's share
+            wait_for_chain(model)
+            outcomes = generate_all(model, PROMPTS[:2])
+            for session in held:
+                session.close()
         errors = [outcome for outcome in outcomes if isinstance(outcome, Exception)]
-        assert errors, "both sessions fit the share: the test no longer outgrows it"
+        assert errors, "both sessions fit: the test no longer outgrows the share"
         for error in errors:
             assert isinstance(error, NoRouteError), repr(error)
             assert f"the session lost {node.peer_id[-8:]} (blocks 0:4) to: " in error.message
-            assert "past its share of the node's cache (256 tokens of batch 1, of which 256 are held)" in error.message
+            assert "past its share of the node's cache (256 tokens of batch 1, of which 256 are held), and the node " \
+                "has no free cache to lend it" in error.message, error.message  # fmt: skip
         wait_until(lambda: node.budget.used_bytes == 0)
     finally:
         local_swarm.stop_node(node)

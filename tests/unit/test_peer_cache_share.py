@@ -1,8 +1,10 @@
-"""A peer's share of a node's KV cache (nesa_node.server.sessions, RELIABILITY.md G3) is checked before anything is
-reserved: an open or a growth that the share refuses ends no idle session of anyone to make room first."""
+"""A peer's share of a node's KV cache (nesa_node.server.sessions and cache_room, RELIABILITY.md G3): sessions open
+within it, checked before anything is reserved; their growth may borrow past it from cache nobody else needs, which a
+peer within its share takes back, from the sessions that borrowed, newest first, a busy one right after its step."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 
@@ -10,7 +12,7 @@ import multihash
 import pytest
 from hivemind.p2p import PeerID
 
-from nesa_node.errors import CacheBudgetError, QuotaExceededError
+from nesa_node.errors import CacheBudgetError, QuotaExceededError, SessionPreemptedError
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server.config import LimitsConfig
 from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS, SessionTable
@@ -23,7 +25,7 @@ def peer(seed: int) -> str:
     return PeerID(multihash.encode(hashlib.sha256(bytes([seed])).digest(), "sha2-256")).to_base58()
 
 
-GATEWAY, OTHER = peer(1), peer(2)
+GATEWAY, OTHER, THIRD = peer(1), peer(2), peer(3)
 
 
 def table(tokens: int, share: float = 0.5, sessions: int = 64) -> SessionTable:
@@ -36,11 +38,28 @@ def open_session(sessions: SessionTable, by: str, session_id: str, max_length: i
     return sessions.open(request, client_peer=by, blocks=(0, 1), cache=None, reply=None)
 
 
+def grow(sessions: SessionTable, session, tokens: int) -> None:
+    asyncio.run(sessions.grow(session, tokens))
+
+
+def grow_to(sessions: SessionTable, session, tokens: int) -> None:
+    for step in range(session.reserved_tokens, tokens + 1, 16):  # as its steps need it
+        grow(sessions, session, step)
+    grow(sessions, session, tokens)
+
+
 def all_idle(sessions: SessionTable) -> list:
     long_ago = time.monotonic() - 3600
     for session in sessions.sessions.values():
         session.last_active = long_ago  # every session preemptible
     return list(sessions.sessions.values())
+
+
+def tokens(nbytes: int) -> int:
+    return nbytes // BYTES_PER_TOKEN
+
+
+# ---- the share is checked first -----------------------------------------------------------------------------------
 
 
 def test_an_open_over_the_share_ends_no_idle_session_for_cache():
@@ -53,7 +72,7 @@ def test_an_open_over_the_share_ends_no_idle_session_for_cache():
         open_session(sessions, GATEWAY, "g4", 128)
     assert all(sessions.holds(session) for session in before)
     assert sessions.budget.free_bytes == 0
-    assert sessions.holds(open_session(sessions, peer(3), "t", 128))  # a peer within its share: an idle one goes
+    assert sessions.holds(open_session(sessions, THIRD, "t", 128))  # a peer within its share: an idle one goes
 
 
 def test_an_open_over_the_share_ends_no_idle_session_for_a_place():
@@ -65,19 +84,6 @@ def test_an_open_over_the_share_ends_no_idle_session_for_a_place():
     with pytest.raises(QuotaExceededError, match="past its share"):
         open_session(sessions, GATEWAY, "g4", 128)
     assert all(sessions.holds(session) for session in before)
-
-
-def test_a_growth_over_the_share_ends_no_idle_session_and_keeps_its_reservation():
-    sessions = table(1024)
-    for index in range(4):
-        open_session(sessions, OTHER, f"o{index}", 128)
-    own = [open_session(sessions, GATEWAY, f"g{index}", 256) for index in range(3)]
-    sessions.grow(own[0], 200)  # 512: its share, and the node full
-    before = all_idle(sessions)
-    with pytest.raises(QuotaExceededError, match=r"batch 1 x 256 tokens .* of which 512 are held"):
-        sessions.grow(own[1], 129)
-    assert all(sessions.holds(session) for session in before)
-    assert own[1].reserved_tokens == RESERVE_CHUNK_TOKENS and sessions.budget.free_bytes == 0
 
 
 def test_rows_count_toward_the_share():
@@ -92,10 +98,198 @@ def test_with_a_share_of_the_whole_node_the_budget_refuses():
     sessions = table(512, share=1.0)
     first = open_session(sessions, GATEWAY, "a", 512)
     second = open_session(sessions, OTHER, "b", 512)
-    sessions.grow(first, 256)  # 256 + 128 of the 512
+    grow(sessions, first, 256)  # 256 + 128 of the 512
     with pytest.raises(CacheBudgetError):
-        sessions.grow(first, 512)
+        grow(sessions, first, 512)
     third = open_session(sessions, GATEWAY, "c", 256)  # 128 more: the node full, the peer at 384 of it
     with pytest.raises(CacheBudgetError):
         open_session(sessions, GATEWAY, "d", 256)
     assert first.reserved_tokens == 256 and sessions.holds(second) and sessions.holds(third)
+    assert first.lent_bytes == 0
+
+
+# ---- lending past the share ---------------------------------------------------------------------------------------
+
+
+def test_a_peer_alone_on_a_node_grows_its_sessions_past_its_share():
+    sessions = table(8192)  # a share of 4096 tokens
+    gateway = [open_session(sessions, GATEWAY, f"s{index}", 408) for index in range(16)]  # 2048 reserved at open
+    for session in gateway:
+        grow_to(sessions, session, 408)
+    assert all(session.reserved_tokens == 408 for session in gateway)
+    assert tokens(sessions.budget.used_bytes) == 16 * 408  # 6528: past the share, within the node
+    assert tokens(sum(session.lent_bytes for session in gateway)) == 16 * 408 - 4096
+    # announced for routing, each session counted once: between steps, every session is reclaimable (all of them,
+    # once idle); with steps under way, the free cache plus the newest sessions that borrowed, until the peer is
+    # back within its share (6 of 408 tokens: 6528 - 6 x 408 = 4080)
+    assert sessions.tokens_available() == 8192
+    for session in gateway:
+        session.busy = True
+    assert sessions.tokens_available() == (8192 - 16 * 408) + 6 * 408
+
+
+def test_growth_past_the_share_with_nothing_free_is_refused_and_ends_no_session():
+    sessions = table(1024)  # a share of 512
+    others = [open_session(sessions, OTHER, f"o{index}", 128) for index in range(4)]  # 512 held, at its share
+    own = [open_session(sessions, GATEWAY, f"g{index}", 256) for index in range(3)]  # 384 held
+    grow_to(sessions, own[0], 256)  # 512 held: at its share, the node full
+    before = all_idle(sessions)
+    with pytest.raises(QuotaExceededError, match="no free cache to lend"):
+        grow(sessions, own[1], 129)
+    assert all(sessions.holds(session) for session in before)
+    assert own[1].reserved_tokens == RESERVE_CHUNK_TOKENS and sessions.budget.free_bytes == 0
+    assert all(session.lent_bytes == 0 for session in others + own)
+
+
+def lent_node() -> tuple[SessionTable, list]:
+    """A node of 1024 tokens (a share of 512) where the gateway's four sessions hold it all, each 128 tokens of it
+    lent (each opened within the share and grew past it)."""
+    sessions = table(1024)
+    gateway = [open_session(sessions, GATEWAY, f"g{index}", 256) for index in range(4)]  # 512: its share
+    for session in gateway:
+        grow_to(sessions, session, 256)
+    assert sessions.budget.free_bytes == 0
+    assert [tokens(session.lent_bytes) for session in gateway] == [128] * 4
+    return sessions, gateway
+
+
+def test_a_peer_within_its_share_takes_back_lent_cache_from_the_newest_borrower():
+    sessions, gateway = lent_node()
+    other = open_session(sessions, OTHER, "o", 512)  # 128 needed: g3, the newest, ends
+    assert [sessions.holds(session) for session in gateway] == [True, True, True, False]
+    grow(sessions, other, 129)  # 128 more: g3's 256 freed that
+    assert [sessions.holds(session) for session in gateway] == [True, True, True, False]
+    grow(sessions, other, 257)  # 256 more, within its share: g2 ends too
+    assert [sessions.holds(session) for session in gateway] == [True, True, False, False]
+    assert tokens(sessions.budget.used_bytes) == 1024 and other.reserved_tokens == 512
+    # the gateway back at its share: nothing more is taken from it
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, THIRD, "t", 128)
+    assert sessions.holds(gateway[0]) and sessions.holds(gateway[1])
+
+
+def test_only_sessions_that_borrowed_are_taken_back():
+    sessions = table(1024)  # a share of 512
+    gateway = [open_session(sessions, GATEWAY, f"g{index}", 512) for index in range(4)]  # 512: its share
+    grow_to(sessions, gateway[0], 512)  # the oldest grows past the share: 384 lent to it
+    assert [tokens(session.lent_bytes) for session in gateway] == [384, 0, 0, 0]
+    assert sessions.budget.free_bytes == 128 * BYTES_PER_TOKEN
+    other = open_session(sessions, OTHER, "o", 512)  # fits the free 128
+    grow(sessions, other, 200)  # 128 more, nothing free: g0 ends, not g3, g2 or g1 (newer, but never borrowed)
+    assert [sessions.holds(session) for session in gateway] == [False, True, True, True]
+
+
+def test_idle_sessions_go_before_lent_ones_and_together_they_make_room():
+    sessions = table(1536)  # a share of 768
+    idle = open_session(sessions, THIRD, "idle", 128)
+    gateway = [
+        open_session(sessions, GATEWAY, name, length) for name, length in (("g0", 512), ("g1", 384), ("g2", 512))
+    ]
+    grow_to(sessions, gateway[0], 512)  # 768: at its share
+    grow_to(sessions, gateway[1], 384)  # 256 lent to g1
+    grow_to(sessions, gateway[2], 256)  # 128 lent to g2: the node holds 1280 of 1536
+    assert [tokens(session.lent_bytes) for session in gateway] == [0, 256, 128]
+    idle.last_active = time.monotonic() - 3600
+    other = open_session(sessions, OTHER, "o", 512)  # 128 of the 256 free
+    assert sessions.holds(idle) and all(sessions.holds(session) for session in gateway)
+    grow(sessions, other, 512)  # 384 more, 128 free: the idle session's 128 alone is short, g2's 256 with it fits
+    assert not sessions.holds(idle) and not sessions.holds(gateway[2])
+    assert sessions.holds(gateway[0]) and sessions.holds(gateway[1]) and other.reserved_tokens == 512
+
+
+def open_request(session_id: str, max_length: int) -> OpenSession:
+    return OpenSession(session_id=session_id, start_block=0, end_block=1, batch=1, max_length=max_length)
+
+
+def test_a_borrower_with_a_step_under_way_ends_after_it_and_the_open_waits_for_that():
+    sessions, gateway = lent_node()
+    for session in gateway:
+        session.inbox.put_nowait(object())  # a step queued on every session, always: none is ever between steps
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, OTHER, "o", 512)  # the room comes only once g3 ends
+    assert isinstance(gateway[3].revoked, SessionPreemptedError)
+    assert gateway[2].revoked is None  # g3's 256 is enough
+    assert sessions.revoked_bytes() == 256 * BYTES_PER_TOKEN
+
+    async def open_when_g3_ends():
+        async def g3_step_done():  # what InferenceService._run does after the step: the session ends
+            await asyncio.sleep(0.2)
+            sessions.close(gateway[3])
+
+        ending = asyncio.create_task(g3_step_done())
+        started = time.monotonic()
+        opened = await sessions.open_when_room(
+            open_request("o", 512), client_peer=OTHER, blocks=(0, 1), cache=None, reply=None
+        )
+        await ending
+        return opened, time.monotonic() - started
+
+    other, waited_s = asyncio.run(open_when_g3_ends())
+    assert sessions.holds(other) and 0.15 < waited_s < 5.0
+    assert [sessions.holds(session) for session in gateway] == [True, True, True, False]
+    assert gateway[2].revoked is None  # the wait took nothing more
+
+
+def test_a_growth_within_the_share_waits_for_a_revoked_borrower():
+    sessions, gateway = lent_node()
+    gateway[2].busy = True  # a step under way
+    other = open_session(sessions, OTHER, "o", 512)  # g3, between steps, ends at once
+    assert not sessions.holds(gateway[3]) and sessions.holds(gateway[2])
+
+    async def grow_while_g2_steps():
+        async def g2_step_done():
+            await asyncio.sleep(0.2)
+            assert gateway[2].revoked is not None  # revoked, not ended, while its step was under way
+            assert sessions.holds(gateway[2])
+            sessions.close(gateway[2])
+
+        ending = asyncio.create_task(g2_step_done())
+        await sessions.grow(other, 300)  # 172 more within its share: 128 free, the rest once g2's step ends
+        await ending
+
+    asyncio.run(grow_while_g2_steps())
+    assert other.reserved_tokens == 300
+    assert sessions.holds(gateway[0]) and sessions.holds(gateway[1])
+
+
+def test_nothing_is_taken_back_for_a_peer_past_its_own_share():
+    sessions, gateway = lent_node()
+    with pytest.raises(QuotaExceededError, match="past its share"):
+        open_session(sessions, GATEWAY, "g4", 128)  # opens stay within the share
+    assert all(sessions.holds(session) for session in gateway)
+
+
+def test_a_peer_back_within_its_share_once_its_revoked_session_ends_loses_nothing_more():
+    sessions = table(2048)  # a share of 1024
+    big = open_session(sessions, GATEWAY, "big", 1024)
+    small = open_session(sessions, GATEWAY, "small", 256)  # 256 held at open
+    grow_to(sessions, big, 1024)  # 1152 held: 128 lent to big
+    grow_to(sessions, small, 256)  # 1280: 128 lent to small, the newest
+    assert [tokens(big.lent_bytes), tokens(small.lent_bytes)] == [128, 128]
+    big.busy = small.busy = True  # steps under way
+    filler = open_session(sessions, THIRD, "f", 128, batch=5)  # 640 of the 768 free
+    with pytest.raises(CacheBudgetError):
+        open_session(
+            sessions, OTHER, "o", 128, batch=2
+        )  # 128 short: small is revoked; without it the gateway is at 1024
+    assert small.revoked is not None and big.revoked is None
+    with pytest.raises(CacheBudgetError):  # 512 more wanted: small's 256 is coming, but big is within the share now
+        open_session(sessions, peer(4), "x", 128, batch=4)
+    assert big.revoked is None and sessions.holds(big) and sessions.holds(filler)
+
+
+def test_nothing_is_lent_while_a_revoked_session_is_on_its_way_out():
+    sessions = table(1024)  # a share of 512
+    gateway = [open_session(sessions, GATEWAY, f"g{index}", 512) for index in range(4)]  # 512: its share
+    grow(sessions, gateway[0], 129)
+    grow(sessions, gateway[1], 129)  # 768 held, 256 of it lent; 256 free
+    gateway[1].busy = True
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, OTHER, "o", 128, batch=3)  # 384 wanted, 128 short: g1 revoked
+    assert gateway[1].revoked is not None
+    with pytest.raises(QuotaExceededError, match="no free cache to lend"):
+        grow(sessions, gateway[2], 129)  # 256 free, but it is for the peer waiting on g1
+    sessions.close(gateway[1])
+    other = open_session(sessions, OTHER, "o", 128, batch=3)
+    grow(sessions, gateway[2], 129)  # nothing revoked now: the last 128 free is lent
+    assert sessions.holds(other) and gateway[2].reserved_tokens == 256 and sessions.budget.free_bytes == 0

@@ -1,0 +1,108 @@
+"""Which sessions a node ends to make room in its KV cache (server/sessions.py SessionTable), and how cache is lent past
+a peer's share.
+
+A session opens within its peer's share of the cache (`--max-cache-share-per-peer`). As its steps need more, it grows
+within the share as before; past the share, a growth borrows cache that is free at that moment and ends no one's
+session for it (`lent_bytes`). So the many sessions of one peer alone on a node (a gateway's users are all one peer)
+use what nobody else needs, where their growth past the share used to fail them in the middle of a generation.
+
+Room for an open, or a growth within its peer's share, when the cache is full (`choose`), all or nothing:
+  1. idle sessions (idle `--preempt-idle` seconds): of the peer holding the most sessions first, then the longest idle;
+  2. for a peer within its share only: sessions that borrowed (lent_bytes > 0) of peers holding more than their
+     share, the newest first (the least work lost), each only while its peer is still past its share. One between
+     steps ends now; one with a step under way is revoked: it ends right after that step (InferenceService._run),
+     however many steps its peer keeps queued, and the room comes then (the open or growth waits for it, bounded).
+A borrower that keeps a step always queued thus loses its lent cache all the same, and lent cache is counted as
+available for routing (SessionTable.tokens_available). A revoked session normally ends within one pass; one whose
+client (or next node) stops reading its answers holds its cache until its step timeout, and an open or growth waiting
+for it gives up first (bounded: MAX_ADMISSION_WAIT_S, GROW_WAIT_S; the sessions already ended for it stay ended, their
+cache free for the next one). While any session is revoked nothing more is lent: what it frees is for whoever waits.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+TAKEN_BACK = (
+    "session ended to give another peer its share of the node's cache: it held cache lent past its peer's share while "
+    "nobody else needed it"
+)
+
+
+@dataclass
+class Room:
+    """What to end: idle sessions and sessions holding lent cache between steps (now), and sessions holding lent
+    cache with a step under way (revoked: they end after it)."""
+
+    idle: list = field(default_factory=list)
+    lent: list = field(default_factory=list)
+    revoke: list = field(default_factory=list)
+
+
+def choose(
+    sessions: Sequence,
+    nbytes: int,
+    *,
+    keep,
+    for_peer: str | None,
+    share_bytes: int,
+    idle_after_s: float,
+    now: float,
+    under_way: Callable[[object], bool],
+) -> Room | None:
+    """The sessions to end for `nbytes` (module docstring), from `sessions` in the order they opened; None when all
+    of them would not free enough (then nothing is ended: ending sessions that cannot make room only hurts their
+    owners). `keep`: never chosen (the growing session); `for_peer`: the peer the room is for, within its share (None:
+    idle sessions only)."""
+    room, freed = Room(), 0
+    holding = Counter(session.client_peer for session in sessions)
+    idle = [session for session in sessions if session is not keep and session.idle_s(now) >= idle_after_s]
+    idle.sort(key=lambda session: (-holding[session.client_peer], session.last_active))
+    for session in idle:
+        if freed >= nbytes:
+            break
+        room.idle.append(session)
+        freed += session.reserved_bytes
+    if freed < nbytes and for_peer is not None:
+        chosen = {id(session) for session in room.idle}
+        held = _held([session for session in sessions if id(session) not in chosen])
+        for session in reversed(sessions):
+            if freed >= nbytes:
+                break
+            peer = session.client_peer
+            if (
+                id(session) in chosen or session is keep or peer == for_peer or not session.lent_bytes
+                or session.revoked is not None or held[peer] <= share_bytes
+            ):  # fmt: skip
+                continue
+            (room.revoke if under_way(session) else room.lent).append(session)
+            freed += session.reserved_bytes
+            held[peer] -= session.reserved_bytes
+    return room if freed >= nbytes else None
+
+
+def lent_reclaimable(sessions: Sequence, share_bytes: int, counted: Callable[[object], bool]) -> int:
+    """Bytes a peer within its share could get back from sessions that borrowed (`choose`'s second rule), leaving
+    out the sessions `counted` already (the idle ones the caller counts as reclaimable)."""
+    held, total = _held(sessions), 0
+    for session in reversed(sessions):
+        peer = session.client_peer
+        if session.lent_bytes and session.revoked is None and held[peer] > share_bytes:
+            total += 0 if counted(session) else session.reserved_bytes
+            held[peer] -= session.reserved_bytes
+    return total
+
+
+def _held(sessions: Sequence) -> Counter:
+    """Bytes per peer, a revoked session's left out: they are on their way back (and its peer may be back within
+    its share with them gone)."""
+    held = Counter()
+    for session in sessions:
+        if session.revoked is None:
+            held[session.client_peer] += session.reserved_bytes
+    return held
+
+
+__all__ = ["TAKEN_BACK", "Room", "choose", "lent_reclaimable"]
