@@ -44,7 +44,6 @@ class Room:
 def choose(
     sessions: Sequence,
     nbytes: int,
-    *,
     keep,
     for_peer: str | None,
     share_bytes: int,
@@ -83,14 +82,24 @@ def choose(
     return room if freed >= nbytes else None
 
 
-def lent_reclaimable(sessions: Sequence, share_bytes: int, counted: Callable[[object], bool]) -> int:
+def available_bytes(sessions: Sequence, free_bytes: int, share_bytes: int, idle_soon: bool) -> int:
+    """What a new session within its peer's share could get: the free bytes, those of sessions between steps now
+    (`idle_soon`: when the node preempts idle sessions within an open's wait), and those `choose` would take back
+    from the rest, each session counted once."""
+    idle = [session for session in sessions if idle_soon and not session.busy and session.inbox.empty()]
+    return free_bytes + sum(session.reserved_bytes for session in idle) + lent_reclaimable(sessions, share_bytes, idle)
+
+
+def lent_reclaimable(sessions: Sequence, share_bytes: int, counted: Sequence = ()) -> int:
     """Bytes a peer within its share could get back from sessions that borrowed (`choose`'s second rule), leaving
-    out the sessions `counted` already (the idle ones the caller counts as reclaimable)."""
-    held, total = _held(sessions), 0
-    for session in reversed(sessions):
+    out the sessions `counted` already."""
+    left_out = {id(session) for session in counted}
+    rest = [session for session in sessions if id(session) not in left_out]  # as `choose` sees them after those
+    held, total = _held(rest), 0
+    for session in reversed(rest):
         peer = session.client_peer
         if session.lent_bytes and session.revoked is None and held[peer] > share_bytes:
-            total += 0 if counted(session) else session.reserved_bytes
+            total += session.reserved_bytes
             held[peer] -= session.reserved_bytes
     return total
 
@@ -105,4 +114,4 @@ def _held(sessions: Sequence) -> Counter:
     return held
 
 
-__all__ = ["TAKEN_BACK", "Room", "choose", "lent_reclaimable"]
+__all__ = ["TAKEN_BACK", "Room", "available_bytes", "choose", "lent_reclaimable"]

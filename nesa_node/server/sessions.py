@@ -33,7 +33,6 @@ import torch
 from nesa_node.errors import (
     BadRequestError,
     CacheBudgetError,
-    PeerUnavailableError,
     QuotaExceededError,
     SessionNotFoundError,
     SessionPreemptedError,
@@ -196,6 +195,7 @@ class SessionTable:
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self._reopening: set[SessionKey] = set()  # owners' reopens waiting for their old session's step to end
         self._opens: dict[str, Counter[str]] = {}  # peer -> ids it is opening (an adapter coming, a wait for room)
+        self._waiting = 0  # opens and growths waiting for revoked sessions to end (server/cache_room.py)
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
         self.use_budget(budget)
@@ -212,15 +212,9 @@ class SessionTable:
         """Cache tokens (batch 1) a new session can have: the free ones, those of sessions idle now, which an open
         waits for and preempts (when preemption comes within MAX_ADMISSION_WAIT_S), and those lent past a share
         (server/cache_room.py), each session counted once. Announced for routing."""
-        budget, sessions = self.budget, list(self.sessions.values())
-        idle_soon = self.limits.preempt_idle_s <= MAX_ADMISSION_WAIT_S
-
-        def counted(session: ServerSession) -> bool:
-            return idle_soon and not session.busy and session.inbox.empty()
-
-        reclaimable = sum(session.reserved_bytes for session in sessions if counted(session))
-        lent = cache_room.lent_reclaimable(sessions, self.peer_cache_bytes, counted)
-        return (budget.free_bytes + reclaimable + lent) // budget.bytes_per_token
+        sessions, idle_soon = list(self.sessions.values()), self.limits.preempt_idle_s <= MAX_ADMISSION_WAIT_S
+        free = cache_room.available_bytes(sessions, self.budget.free_bytes, self.peer_cache_bytes, idle_soon)
+        return free // self.budget.bytes_per_token
 
     def get(self, client_peer: str, session_id: str) -> ServerSession | None:
         """The session `client_peer` opened as `session_id`, if it is open."""
@@ -355,7 +349,10 @@ class SessionTable:
                 never = self.budget.session_bytes(request.batch, request.max_length) > self.budget.capacity_bytes
                 if never or self.draining or wait_s is None or time.monotonic() + wait_s > deadline:
                     raise
-            await asyncio.sleep(wait_s + 0.01)
+            if revoked:
+                await self._wait_for_revoked()
+            else:
+                await asyncio.sleep(wait_s + 0.01)
 
     def _step_under_way(self, session: ServerSession) -> bool:
         return self.holds(session) and (session.busy or not session.inbox.empty())
@@ -371,9 +368,8 @@ class SessionTable:
         return max(0.0, min(waiting)) if waiting else None
 
     async def grow(self, session: ServerSession, tokens: int) -> None:
-        """Cover `tokens` per row (doubling, up to max_length): within the peer's share, ending sessions for room
-        (server/cache_room.py; waiting for revoked ones at most MAX_ADMISSION_WAIT_S), past it borrowing free cache
-        only. QuotaExceededError (past the share, nothing free to lend), CacheBudgetError."""
+        """Cover `tokens` per row (doubling, up to max_length): within the share ending sessions for room (waiting
+        GROW_WAIT_S for revoked ones), past it borrowing free cache (server/cache_room.py). Quota/CacheBudgetError."""
         if tokens <= session.reserved_tokens:
             return
         target = min(session.max_length, max(tokens, 2 * session.reserved_tokens))
@@ -382,8 +378,8 @@ class SessionTable:
         deadline = time.monotonic() + GROW_WAIT_S
         while True:
             if session.revoked is not None:  # ends after this step: it makes no room for itself
-                raise session.revoked
-            held = sum(other.reserved_bytes for other in self._of_peer(peer))
+                raise SessionPreemptedError(session.revoked.message)
+            held = self._held(peer)
             past = held + need - self.peer_cache_bytes
             if self.peer_cache_bytes >= self.budget.capacity_bytes or past <= 0:
                 try:
@@ -391,11 +387,11 @@ class SessionTable:
                 except CacheBudgetError:
                     if not self.revoked_bytes() or time.monotonic() > deadline:
                         raise
-                    await asyncio.sleep(REOPEN_POLL_S)  # the room comes as revoked sessions end
+                    await self._wait_for_revoked()
                     if not self.holds(session):  # the node dropped it (a move, a stop)
-                        raise PeerUnavailableError("the session was closed while it waited for room") from None
+                        raise SessionPreemptedError("the session was closed while it waited for room") from None
                     continue
-            elif need <= self.budget.free_bytes and not self.revoked_bytes():  # borrowed: ends no one's session
+            elif need <= self.budget.free_bytes and not (self.revoked_bytes() or self._waiting):  # borrowed
                 extra, lent = self.budget.reserve(session.batch, more), min(need, past)
             else:
                 self._check_peer_share(peer, session.batch, more, whole=target, lending=True)  # raises
@@ -410,16 +406,15 @@ class SessionTable:
     def _check_peer_share(
         self, peer: str, batch: int, tokens: int, *, whole: int | None = None, lending: bool = False
     ) -> None:
-        """QuotaExceededError when `batch` x `tokens` more (a session's `whole` tokens once grown) would take `peer`
-        past its share of the node's cache. Checked before any reservation, so no idle session is ended to make
-        room for what the share then refuses. A share of the whole node is no limit of its own: the budget decides."""
-        held, budget = sum(session.reserved_bytes for session in self._of_peer(peer)), self.budget
+        """QuotaExceededError when `batch` x `tokens` more (`whole` once grown) take `peer` past its share; checked
+        before anything is reserved or ended for it. A share of the whole node is none: the budget decides."""
+        held, budget = self._held(peer), self.budget
         if budget.capacity_bytes > self.peer_cache_bytes < held + budget.session_bytes(batch, tokens):
             per_token = budget.bytes_per_token
             raise QuotaExceededError(
                 f"a cache of batch {batch} x {whole or tokens} tokens would take this peer past its share of the "
                 f"node's cache ({self.peer_cache_bytes // per_token} tokens of batch 1, of which {held // per_token} "
-                f"are held){', and the node has no free cache to lend it' if lending else ''}"
+                f"are held){', and the node has no cache to lend it now' if lending else ''}"
             )
 
     def _reserve(
@@ -433,14 +428,23 @@ class SessionTable:
             self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer)
         return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
 
+    def _held(self, peer: str) -> int:  # a revoked session's bytes are on their way back
+        return sum(session.reserved_bytes for session in self._of_peer(peer) if session.revoked is None)
+
+    async def _wait_for_revoked(self) -> None:  # a poll's wait; nothing is lent meanwhile: what they free is ours
+        self._waiting += 1
+        try:
+            await asyncio.sleep(REOPEN_POLL_S)
+        finally:
+            self._waiting -= 1
+
     def revoked_bytes(self) -> int:  # freed when the revoked sessions' steps under way end
         return sum(session.reserved_bytes for session in self.sessions.values() if session.revoked is not None)
 
     def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None) -> None:
         nbytes, now = nbytes - self.revoked_bytes(), time.monotonic()  # what revoked sessions free is coming
-        share, idle_after_s = self.peer_cache_bytes, self.limits.preempt_idle_s
-        room = cache_room.choose(list(self.sessions.values()), nbytes, keep=keep, for_peer=for_peer, now=now,
-                                 share_bytes=share, idle_after_s=idle_after_s, under_way=self._step_under_way)  # fmt: skip
+        sessions, share, idle_after_s = list(self.sessions.values()), self.peer_cache_bytes, self.limits.preempt_idle_s
+        room = cache_room.choose(sessions, nbytes, keep, for_peer, share, idle_after_s, now, self._step_under_way)
         if nbytes <= 0 or room is None:
             return
         for session in room.idle:

@@ -14,6 +14,7 @@ from hivemind.p2p import PeerID
 
 from nesa_node.errors import CacheBudgetError, QuotaExceededError, SessionPreemptedError
 from nesa_node.protocol.messages import OpenSession
+from nesa_node.server import cache_room
 from nesa_node.server.config import LimitsConfig
 from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS, SessionTable
 from nesa_node.sharding.kv_cache import CacheBudget
@@ -134,7 +135,7 @@ def test_growth_past_the_share_with_nothing_free_is_refused_and_ends_no_session(
     own = [open_session(sessions, GATEWAY, f"g{index}", 256) for index in range(3)]  # 384 held
     grow_to(sessions, own[0], 256)  # 512 held: at its share, the node full
     before = all_idle(sessions)
-    with pytest.raises(QuotaExceededError, match="no free cache to lend"):
+    with pytest.raises(QuotaExceededError, match="no cache to lend it now"):
         grow(sessions, own[1], 129)
     assert all(sessions.holds(session) for session in before)
     assert own[1].reserved_tokens == RESERVE_CHUNK_TOKENS and sessions.budget.free_bytes == 0
@@ -287,9 +288,75 @@ def test_nothing_is_lent_while_a_revoked_session_is_on_its_way_out():
     with pytest.raises(CacheBudgetError):
         open_session(sessions, OTHER, "o", 128, batch=3)  # 384 wanted, 128 short: g1 revoked
     assert gateway[1].revoked is not None
-    with pytest.raises(QuotaExceededError, match="no free cache to lend"):
+    with pytest.raises(QuotaExceededError, match="no cache to lend it now"):
         grow(sessions, gateway[2], 129)  # 256 free, but it is for the peer waiting on g1
     sessions.close(gateway[1])
     other = open_session(sessions, OTHER, "o", 128, batch=3)
     grow(sessions, gateway[2], 129)  # nothing revoked now: the last 128 free is lent
     assert sessions.holds(other) and gateway[2].reserved_tokens == 256 and sessions.budget.free_bytes == 0
+
+
+def gateway_holding_the_node() -> tuple[SessionTable, list]:
+    """A node of 1024 tokens (a share of 512) where the gateway's four sessions (up to 512 tokens each) hold it all,
+    each 128 tokens of it lent."""
+    sessions = table(1024)
+    gateway = [open_session(sessions, GATEWAY, f"g{index}", 512) for index in range(4)]
+    for session in gateway:
+        grow(sessions, session, 129)
+    assert sessions.budget.free_bytes == 0 and [tokens(s.lent_bytes) for s in gateway] == [128] * 4
+    return sessions, gateway
+
+
+def test_what_a_revoked_session_frees_goes_to_the_waiter_not_to_a_borrower():
+    sessions, gateway = gateway_holding_the_node()
+    gateway[3].busy = True
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, OTHER, "o", 512)  # g3 revoked
+    assert gateway[3].revoked is not None
+
+    async def race():
+        opening = asyncio.create_task(
+            sessions.open_when_room(open_request("o", 512), client_peer=OTHER, blocks=(0, 1), cache=None, reply=None)
+        )
+        await asyncio.sleep(0.02)  # the open waits for g3
+        sessions.close(gateway[3])  # g3's step done: 256 free while the open still sleeps
+        with pytest.raises(QuotaExceededError, match="no cache to lend it now"):
+            await sessions.grow(gateway[2], 257)  # a borrower past its share in between: nothing lent to it
+        return await opening
+
+    other = asyncio.run(race())
+    assert sessions.holds(other) and sessions.holds(gateway[2]) and gateway[2].reserved_tokens == 256
+
+
+def test_a_peer_whose_revoked_session_is_on_its_way_out_grows_within_its_share():
+    sessions = table(1024)  # a share of 512
+    small, big = open_session(sessions, GATEWAY, "small", 512), open_session(sessions, GATEWAY, "big", 512)
+    grow_to(sessions, big, 512)  # 640 held: 128 lent to big
+    open_session(sessions, OTHER, "o", 128, batch=3)  # the node full
+    big.busy = True
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, THIRD, "t", 128)  # big revoked: the gateway is at 128 without it
+    assert big.revoked is not None
+
+    async def grow_small():
+        growing = asyncio.create_task(sessions.grow(small, 129))  # within the share without big: it waits
+        await asyncio.sleep(0.1)
+        sessions.close(big)
+        await growing
+
+    asyncio.run(grow_small())
+    assert small.reserved_tokens == 256 and small.lent_bytes == 0
+
+
+def test_the_announced_room_counts_what_taking_back_would_really_free():
+    class Held:
+        def __init__(self, reserved: int, lent: int, busy: bool):
+            self.client_peer, self.reserved_bytes, self.lent_bytes, self.busy = GATEWAY, reserved, lent, busy
+            self.revoked, self.inbox = None, asyncio.Queue()
+
+    # an older idle session and the newest, busy, that borrowed: with the idle one preempted the peer is within
+    # its share of 100, so nothing is taken back from the busy one
+    sessions = [Held(60, 0, busy=False), Held(60, 60, busy=True)]
+    assert cache_room.available_bytes(sessions, 0, 100, idle_soon=True) == 60
+    assert cache_room.available_bytes(sessions, 0, 100, idle_soon=False) == 60  # the borrower, taken back
+    assert cache_room.available_bytes(sessions, 0, 50, idle_soon=True) == 120
