@@ -428,8 +428,8 @@ class SessionTable:
             self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer)
         return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
 
-    def _held(self, peer: str) -> int:  # a revoked session's bytes are on their way back
-        return sum(session.reserved_bytes for session in self._of_peer(peer) if session.revoked is None)
+    def _held(self, peer: str) -> int:  # a revoked session's too: what it frees is for the peer waiting for it
+        return sum(session.reserved_bytes for session in self._of_peer(peer))
 
     async def _wait_for_revoked(self) -> None:  # a poll's wait; nothing is lent meanwhile: what they free is ours
         self._waiting += 1

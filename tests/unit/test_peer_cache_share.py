@@ -328,24 +328,29 @@ def test_what_a_revoked_session_frees_goes_to_the_waiter_not_to_a_borrower():
     assert sessions.holds(other) and sessions.holds(gateway[2]) and gateway[2].reserved_tokens == 256
 
 
-def test_a_peer_whose_revoked_session_is_on_its_way_out_grows_within_its_share():
+def test_a_peer_claims_none_of_what_its_own_revoked_session_frees():
     sessions = table(1024)  # a share of 512
     small, big = open_session(sessions, GATEWAY, "small", 512), open_session(sessions, GATEWAY, "big", 512)
     grow_to(sessions, big, 512)  # 640 held: 128 lent to big
     open_session(sessions, OTHER, "o", 128, batch=3)  # the node full
-    big.busy = True
-    with pytest.raises(CacheBudgetError):
-        open_session(sessions, THIRD, "t", 128)  # big revoked: the gateway is at 128 without it
-    assert big.revoked is not None
+    big.busy = small.busy = True
+    request = open_request("t", 128).model_copy(update={"batch": 4})
 
-    async def grow_small():
-        growing = asyncio.create_task(sessions.grow(small, 129))  # within the share without big: it waits
-        await asyncio.sleep(0.1)
+    async def race():
+        opening = asyncio.create_task(
+            sessions.open_when_room(request, client_peer=THIRD, blocks=(0, 1), cache=None, reply=None)
+        )
+        await asyncio.sleep(0.03)  # big revoked for THIRD, which waits
+        assert big.revoked is not None
+        with pytest.raises(QuotaExceededError, match="past its share"):  # the gateway still holds big's 512
+            open_session(sessions, GATEWAY, "more", 128, batch=3)
+        with pytest.raises(QuotaExceededError):
+            await sessions.grow(small, 129)
         sessions.close(big)
-        await growing
+        return await opening
 
-    asyncio.run(grow_small())
-    assert small.reserved_tokens == 256 and small.lent_bytes == 0
+    third = asyncio.run(race())
+    assert sessions.holds(third) and sessions.holds(small) and small.reserved_tokens == RESERVE_CHUNK_TOKENS
 
 
 def test_the_announced_room_counts_what_taking_back_would_really_free():
