@@ -22,7 +22,7 @@ cache free for the next one). While any session is revoked nothing more is lent:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 TAKEN_BACK = (
@@ -44,6 +44,7 @@ class Room:
 def choose(
     sessions: Sequence,
     nbytes: int,
+    *,
     keep,
     for_peer: str | None,
     share_bytes: int,
@@ -66,52 +67,45 @@ def choose(
         freed += session.reserved_bytes
     if freed < nbytes and for_peer is not None:
         chosen = {id(session) for session in room.idle}
-        held = _held([session for session in sessions if id(session) not in chosen])
-        for session in reversed(sessions):
+        rest = [session for session in sessions if id(session) not in chosen]
+        for session in _borrowers(rest, share_bytes, skip=lambda s: s is keep or s.client_peer == for_peer):
             if freed >= nbytes:
                 break
-            peer = session.client_peer
-            if (
-                id(session) in chosen or session is keep or peer == for_peer or not session.lent_bytes
-                or session.revoked is not None or held[peer] <= share_bytes
-            ):  # fmt: skip
-                continue
             (room.revoke if under_way(session) else room.lent).append(session)
             freed += session.reserved_bytes
-            held[peer] -= session.reserved_bytes
     return room if freed >= nbytes else None
 
 
 def available_bytes(sessions: Sequence, free_bytes: int, share_bytes: int, idle_soon: bool) -> int:
     """What a new session within its peer's share could get: the free bytes, those of sessions between steps now
     (`idle_soon`: when the node preempts idle sessions within an open's wait), and those `choose` would take back
-    from the rest, each session counted once."""
+    from the rest (its second rule), each session counted once."""
     idle = [session for session in sessions if idle_soon and not session.busy and session.inbox.empty()]
-    return free_bytes + sum(session.reserved_bytes for session in idle) + lent_reclaimable(sessions, share_bytes, idle)
+    counted = {id(session) for session in idle}
+    rest = [session for session in sessions if id(session) not in counted]  # as `choose` sees them after those
+    lent = sum(session.reserved_bytes for session in _borrowers(rest, share_bytes, skip=lambda session: False))
+    return free_bytes + sum(session.reserved_bytes for session in idle) + lent
 
 
-def lent_reclaimable(sessions: Sequence, share_bytes: int, counted: Sequence = ()) -> int:
-    """Bytes a peer within its share could get back from sessions that borrowed (`choose`'s second rule), leaving
-    out the sessions `counted` already."""
-    left_out = {id(session) for session in counted}
-    rest = [session for session in sessions if id(session) not in left_out]  # as `choose` sees them after those
-    held, total = _held(rest), 0
-    for session in reversed(rest):
+def _borrowers(sessions: Sequence, share_bytes: int, *, skip: Callable[[object], bool]) -> Iterator:
+    """`choose`'s second rule, lazily: the sessions that borrowed (lent_bytes > 0, not revoked, not `skip`), newest
+    first, each while its peer still keeps more than its share once the ones before it are taken."""
+    keeps = _kept(sessions)
+    for session in reversed(sessions):
         peer = session.client_peer
-        if session.lent_bytes and session.revoked is None and held[peer] > share_bytes:
-            total += session.reserved_bytes
-            held[peer] -= session.reserved_bytes
-    return total
+        if session.lent_bytes and session.revoked is None and keeps[peer] > share_bytes and not skip(session):
+            keeps[peer] -= session.reserved_bytes
+            yield session
 
 
-def _held(sessions: Sequence) -> Counter:
-    """Bytes per peer, a revoked session's left out: they are on their way back (and its peer may be back within
-    its share with them gone)."""
-    held = Counter()
+def _kept(sessions: Sequence) -> Counter:
+    """Bytes each peer keeps: its revoked sessions' left out, as they are on their way back (and its peer may be
+    within its share with them gone). SessionTable._charged counts them, for the opposite question."""
+    keeps = Counter()
     for session in sessions:
         if session.revoked is None:
-            held[session.client_peer] += session.reserved_bytes
-    return held
+            keeps[session.client_peer] += session.reserved_bytes
+    return keeps
 
 
-__all__ = ["TAKEN_BACK", "Room", "available_bytes", "choose", "lent_reclaimable"]
+__all__ = ["TAKEN_BACK", "Room", "available_bytes", "choose"]

@@ -258,11 +258,9 @@ class SessionTable:
                 f"budget ({budget.capacity_bytes // budget.bytes_per_token} tokens of batch 1); use a shorter "
                 "max_length or another node"
             )
-        peer_sessions = self._of_peer(client_peer)
-        if len(peer_sessions) >= limits.max_sessions_per_peer:
+        if (opened := len(self._of_peer(client_peer))) >= limits.max_sessions_per_peer:
             raise QuotaExceededError(
-                f"peer already has {len(peer_sessions)} open sessions here, the per-peer limit "
-                "(node setting max_sessions_per_peer)"
+                f"peer already has {opened} open sessions here, the per-peer limit (node setting max_sessions_per_peer)"
             )
         tokens = min(request.max_length, RESERVE_CHUNK_TOKENS)
         # every refusal of this peer's own comes before an idle session of anyone is ended to make room
@@ -379,7 +377,7 @@ class SessionTable:
         while True:
             if session.revoked is not None:  # ends after this step: it makes no room for itself
                 raise SessionPreemptedError(session.revoked.message)
-            held = self._held(peer)
+            held = self._charged(peer)
             past = held + need - self.peer_cache_bytes
             if self.peer_cache_bytes >= self.budget.capacity_bytes or past <= 0:
                 try:
@@ -408,7 +406,7 @@ class SessionTable:
     ) -> None:
         """QuotaExceededError when `batch` x `tokens` more (`whole` once grown) take `peer` past its share; checked
         before anything is reserved or ended for it. A share of the whole node is none: the budget decides."""
-        held, budget = self._held(peer), self.budget
+        held, budget = self._charged(peer), self.budget
         if budget.capacity_bytes > self.peer_cache_bytes < held + budget.session_bytes(batch, tokens):
             per_token = budget.bytes_per_token
             raise QuotaExceededError(
@@ -428,7 +426,7 @@ class SessionTable:
             self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer)
         return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
 
-    def _held(self, peer: str) -> int:  # a revoked session's too: what it frees is for the peer waiting for it
+    def _charged(self, peer: str) -> int:  # a revoked session's too: what it frees is for the peer waiting for it
         return sum(session.reserved_bytes for session in self._of_peer(peer))
 
     async def _wait_for_revoked(self) -> None:  # a poll's wait; nothing is lent meanwhile: what they free is ours
@@ -443,8 +441,10 @@ class SessionTable:
 
     def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None) -> None:
         nbytes, now = nbytes - self.revoked_bytes(), time.monotonic()  # what revoked sessions free is coming
-        sessions, share, idle_after_s = list(self.sessions.values()), self.peer_cache_bytes, self.limits.preempt_idle_s
-        room = cache_room.choose(sessions, nbytes, keep, for_peer, share, idle_after_s, now, self._step_under_way)
+        room = cache_room.choose(
+            list(self.sessions.values()), nbytes, keep=keep, for_peer=for_peer, share_bytes=self.peer_cache_bytes,
+            idle_after_s=self.limits.preempt_idle_s, now=now, under_way=self._step_under_way,
+        )  # fmt: skip
         if nbytes <= 0 or room is None:
             return
         for session in room.idle:

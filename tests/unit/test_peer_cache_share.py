@@ -365,3 +365,41 @@ def test_the_announced_room_counts_what_taking_back_would_really_free():
     assert cache_room.available_bytes(sessions, 0, 100, idle_soon=True) == 60
     assert cache_room.available_bytes(sessions, 0, 100, idle_soon=False) == 60  # the borrower, taken back
     assert cache_room.available_bytes(sessions, 0, 50, idle_soon=True) == 120
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_announced_lent_room_is_exactly_what_taking_back_frees(seed):
+    """For any mix of peers, borrowers and revoked sessions, the room `available_bytes` announces from lent cache is
+    what `choose` can free for a newcomer within its share: all of it, and not a byte more."""
+    import random
+
+    class Held:
+        def __init__(self, peer_id: str, reserved: int, lent: int, revoked: bool):
+            self.client_peer, self.reserved_bytes, self.lent_bytes = peer_id, reserved, lent
+            self.revoked = SessionPreemptedError("revoked") if revoked else None
+            self.busy, self.inbox, self.last_active = True, asyncio.Queue(), time.monotonic()
+
+        def idle_s(self, now: float) -> float:
+            return now - self.last_active
+
+    rng = random.Random(seed)
+    sessions = []
+    for _ in range(rng.randint(1, 12)):
+        reserved = rng.choice((16, 32, 64, 128))
+        lent = rng.choice((0, 0, reserved // 2, reserved))
+        sessions.append(Held(rng.choice((GATEWAY, OTHER, THIRD)), reserved, lent, revoked=rng.random() < 0.2))
+    share = rng.choice((32, 64, 128, 256))
+    announced = cache_room.available_bytes(sessions, 0, share, idle_soon=False)
+
+    def choose(nbytes: int):
+        return cache_room.choose(
+            sessions, nbytes, keep=None, for_peer=peer(9), share_bytes=share, idle_after_s=float("inf"),
+            now=time.monotonic(), under_way=lambda session: session.busy,
+        )  # fmt: skip
+
+    if announced:
+        room = choose(announced)
+        assert room is not None and not room.idle and not room.lent
+        assert sum(session.reserved_bytes for session in room.revoke) == announced
+        assert all(session.lent_bytes and session.revoked is None for session in room.revoke)
+    assert choose(announced + 1) is None
