@@ -25,10 +25,6 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field
-
-import torch
 
 from nesa_node.errors import (
     BadRequestError,
@@ -38,11 +34,11 @@ from nesa_node.errors import (
     SessionPreemptedError,
     TooManySessionsError,
 )
-from nesa_node.protocol.channel import Channel, Frame, frame
-from nesa_node.protocol.messages import MAX_ID_LENGTH, ErrorReply, LaneSettings, Message, OpenSession, Step
-from nesa_node.protocol.tensors import NO_CODEC, WireCodec
+from nesa_node.protocol.channel import Channel, frame
+from nesa_node.protocol.messages import MAX_ID_LENGTH, ErrorReply, OpenSession, Step
 from nesa_node.server import cache_room
 from nesa_node.server.config import LimitsConfig
+from nesa_node.server.session_state import Inbound, ServerSession, SessionKey
 from nesa_node.sharding.kv_cache import CacheBudget
 
 logger = logging.getLogger(__name__)
@@ -52,137 +48,6 @@ REOPEN_POLL_S = 0.05  # how often a reopen looks whether the old session's step 
 MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
 GROW_WAIT_S = 0.5  # longest a growth waits for revoked sessions to end (a decode step's deadline is 1 s or more)
 RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
-
-SessionKey = tuple[str, str]  # (base58 id of the peer that opened the session, session id)
-
-
-@dataclass
-class Inbound:
-    """One item of a session's queue: a peer's frame and its message (or the error reading it gave), or a report
-    from this node itself (frame None: its push to the next node failed)."""
-
-    frame: Frame | None
-    message: Message | None = None
-    error: Exception | None = None
-    from_peer: bool = True  # took a place in the queue (a report from this node does not)
-
-
-MAX_QUEUED_REPORTS = 4  # a session's reports of its next node's failures waiting to be answered to the client
-
-
-@dataclass
-class ServerSession:
-    session_id: str
-    batch: int  # rows, fixed for the session
-    max_length: int  # tokens the session may reach
-    reserved_bytes: int  # cache reserved in the budget: batch x reserved_tokens x bytes per token
-    cache: object  # the span's KV cache (sharding/span_cache.py SpanCache)
-    blocks: tuple[int, int]  # (first, end): the part of the span this session runs
-    client_peer: str  # base58 peer id that opened the session
-    upstream_peer: str  # the only peer allowed to push steps (the previous node, or the client)
-    next_peer: str | None  # direct chain: push results here; None: answer on the client's stream
-    reply: Channel  # the client's session stream: acks, errors, control answers, outputs when no lane takes them
-    output_codec: WireCodec = NO_CODEC  # how this node encodes its outputs, chosen by the client at open
-    position: int = 0  # tokens already in the cache
-    last_step_id: str | None = None
-    last_position: int = 0  # where the last step started
-    last_digest: bytes = b""  # content of the last step: a duplicate id must come with the same content
-    last_upstream: str | None = None  # the upstream peer when the last step was taken (see retarget)
-    last_output: torch.Tensor | None = None
-    # outputs of every step (batch, seq, hidden), in order: one hidden vector per token, small next to the span's
-    # KV cache (2 * kv width per block per token); lets a replacement of the next node rebuild its cache
-    outputs: list[torch.Tensor] = field(default_factory=list)
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # free places for peers' messages in `inbox` (the node's own reports always fit): LimitsConfig.max_queued_steps
-    room: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(8))
-    refused_in_a_row: int = 0  # consecutive refused steps; the session ends at LimitsConfig.max_step_errors
-    reports_queued: int = 0  # this node's own reports in the inbox (`report`), at most MAX_QUEUED_REPORTS
-    # data lanes (protocol/lane.py), when the client asked for them: the keys of the links into and out of this node
-    # and the next node's lane address
-    lane_in: bytes | None = None  # steps from the upstream peer (the client, or the previous node)
-    lane_out: bytes | None = None  # outputs to the next node, or to the client when this node is the last
-    lane_next: str | None = None  # the next node's lane address; None: push over libp2p
-    output: Channel | None = None  # the client's output lane (this node is the last), once it connects
-    downstream: Channel | None = None  # to the next node (a push stream or lane), opened at the first push
-    downstream_reader: asyncio.Task | None = None
-    inbound: set = field(default_factory=set)  # data lanes carrying steps into the session
-    push_stream: Channel | None = None  # the libp2p push stream carrying steps into the session (server/lanes.py)
-    reserved_tokens: int = 0  # tokens per row the reservation covers
-    last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
-    busy: bool = False  # a step is being computed or handed on
-    adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
-    adapter_id: str | None = None  # its adapter's id (the sha256 of its manifest)
-    push_key: bytes | None = None  # the client's key for tagging what this node pushes (protocol/push_tag.py)
-    release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
-    window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
-    lent_bytes: int = 0  # of reserved_bytes, what its growth borrowed past its peer's share (server/cache_room.py)
-    revoked: Exception | None = None  # its lent cache is taken back: it ends right after the step under way
-
-    @property
-    def key(self) -> SessionKey:
-        return (self.client_peer, self.session_id)
-
-    def idle_s(self, now: float) -> float:
-        """Seconds since the session last did anything; 0 while it has work queued or under way."""
-        if self.busy or not self.inbox.empty():
-            return 0.0
-        return now - self.last_active
-
-    def apply_lane_settings(self, settings: LaneSettings | None) -> None:
-        """Take the lane settings a client gave (at open or retarget): each named one replaces the current one; a new
-        inbound key ends the lanes of the old upstream, a new outbound key or next address the downstream channel."""
-        if settings is None:
-            return
-        given = settings.model_fields_set
-        if "key_in" in given:
-            self.lane_in = bytes.fromhex(settings.key_in) if settings.key_in is not None else None
-            for channel in list(self.inbound):
-                channel.close()
-        if "key_out" in given:
-            self.lane_out = bytes.fromhex(settings.key_out) if settings.key_out is not None else None
-        if "next" in given:
-            self.lane_next = settings.next
-        if given & {"key_out", "next"}:
-            self.end_downstream()
-
-    def end_downstream(self) -> None:
-        """Close the channel to the next node, if one is open (a later push opens a new one)."""
-        if self.downstream is not None:
-            self.downstream.close()
-        if self.downstream_reader is not None:
-            self.downstream_reader.cancel()
-        self.downstream = self.downstream_reader = None
-
-    def take_push_stream(self, channel: Channel) -> None:
-        """`channel` carries the session's pushes from now on; the push stream that did before is closed."""
-        if self.push_stream is not None and self.push_stream is not channel:
-            self.push_stream.close()
-        self.push_stream = channel
-
-    def close_channels(self) -> None:
-        """Close every channel but the client's stream: inbound lanes and push stream, the output lane, the
-        downstream."""
-        for channel in list(self.inbound):
-            channel.close()
-        self.inbound.clear()
-        if self.push_stream is not None:
-            self.push_stream.close()
-            self.push_stream = None
-        if self.output is not None:
-            self.output.close()
-            self.output = None
-        self.end_downstream()
-
-    def report(self, error: Exception) -> bool:
-        """A failure this node met on the session's behalf (its next node refused or went away): answered to the
-        client in order with the steps. At most MAX_QUEUED_REPORTS wait at once (the first already fails the hop
-        for the client; a next node sending refusals without end cannot fill this node's memory with them): whether
-        this one was queued."""
-        if self.reports_queued >= MAX_QUEUED_REPORTS:
-            return False
-        self.reports_queued += 1
-        self.inbox.put_nowait(Inbound(frame=None, error=error, from_peer=False))
-        return True
 
 
 class SessionTable:

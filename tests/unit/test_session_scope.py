@@ -19,7 +19,8 @@ from nesa_node.errors import (
 )
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server.config import LimitsConfig
-from nesa_node.server.sessions import END_OF_SESSION, MAX_QUEUED_REPORTS, SessionTable
+from nesa_node.server.session_state import MAX_QUEUED_REPORTS
+from nesa_node.server.sessions import END_OF_SESSION, SessionTable
 from nesa_node.sharding.kv_cache import CacheBudget
 
 
