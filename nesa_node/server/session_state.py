@@ -78,6 +78,7 @@ class ServerSession:
     window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
     lent_bytes: int = 0  # of reserved_bytes, what its growth borrowed past its peer's share (server/cache_room.py)
     revoked: Exception | None = None  # its lent cache is taken back: it ends right after the step under way
+    revoked_for: object = None  # the open or growth it was revoked for, which its cache goes to (SessionTable)
 
     @property
     def key(self) -> SessionKey:

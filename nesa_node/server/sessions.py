@@ -61,6 +61,7 @@ class SessionTable:
         self._reopening: set[SessionKey] = set()  # owners' reopens waiting for their old session's step to end
         self._opens: dict[str, Counter[str]] = {}  # peer -> ids it is opening (an adapter coming, a wait for room)
         self._waiting = 0  # opens and growths waiting for revoked sessions to end (server/cache_room.py)
+        self._claims: set[object] = set()  # the opens and growths under way that sessions may be revoked for
         self.idle = asyncio.Event()  # set while no session is open
         self.idle.set()
         self.use_budget(budget)
@@ -97,13 +98,14 @@ class SessionTable:
         return sum(session.inbox.qsize() for session in self.sessions.values())
 
     def open(
-        self, request: OpenSession, *, client_peer: str, blocks: tuple[int, int], cache, reply: Channel
+        self, request: OpenSession, *, client_peer: str, blocks: tuple[int, int], cache, reply: Channel, claim=None
     ) -> ServerSession:
         """Reserve the session's first chunk of cache and register it, preempting idle sessions when the node is
         full. An id this peer already has open here ends that session when it has no step under way (the owner opens
         it again after losing its channel: failover to the same node); with one under way, BadRequestError. Raises
         TooManySessionsError (draining, node limit), BadRequestError (batch or length out of range),
-        QuotaExceededError (the peer's share), CacheBudgetError (the node's budget)."""
+        QuotaExceededError (the peer's share), CacheBudgetError (the node's budget). `claim`: the sessions revoked
+        for this open so far (`open_when_room`'s tries are one claim)."""
         limits = self.limits
         if self.draining:
             raise TooManySessionsError("node is draining and accepts no new sessions")
@@ -134,7 +136,7 @@ class SessionTable:
             self._preempt_idle(slots=1)
             if len(self.sessions) >= limits.max_sessions:
                 raise TooManySessionsError(f"node has {len(self.sessions)} active sessions, its limit")
-        reserved = self._reserve(request.batch, tokens, for_peer=client_peer)  # raises CacheBudgetError
+        reserved = self._reserve(request.batch, tokens, for_peer=client_peer, claim=claim)  # raises CacheBudgetError
         session = ServerSession(
             session_id=request.session_id,
             batch=request.batch,
@@ -203,19 +205,31 @@ class SessionTable:
                     await asyncio.sleep(REOPEN_POLL_S)
             finally:
                 self._reopening.discard(key)
-        while True:
-            try:
-                return self.open(request, **kwargs)
-            except (TooManySessionsError, CacheBudgetError) as refused:
-                revoked = isinstance(refused, CacheBudgetError) and self.revoked_bytes()  # end after their steps
-                wait_s = REOPEN_POLL_S if revoked else self._next_preemptible_s()
-                never = self.budget.session_bytes(request.batch, request.max_length) > self.budget.capacity_bytes
-                if never or self.draining or wait_s is None or time.monotonic() + wait_s > deadline:
-                    raise
-            if revoked:
-                await self._wait_for_revoked()
-            else:
-                await asyncio.sleep(wait_s + 0.01)
+        with self._claim() as claim:  # the sessions revoked for this open, over its tries
+            while True:
+                try:
+                    return self.open(request, claim=claim, **kwargs)
+                except (TooManySessionsError, CacheBudgetError) as refused:
+                    revoked = isinstance(refused, CacheBudgetError) and self.revoked_bytes(claim)  # end after steps
+                    wait_s = REOPEN_POLL_S if revoked else self._next_preemptible_s()
+                    never = self.budget.session_bytes(request.batch, request.max_length) > self.budget.capacity_bytes
+                    if never or self.draining or wait_s is None or time.monotonic() + wait_s > deadline:
+                        raise
+                if revoked:
+                    await self._wait_for_revoked()
+                else:
+                    await asyncio.sleep(wait_s + 0.01)
+
+    @contextlib.contextmanager
+    def _claim(self):
+        """A claim on the cache of the sessions revoked for one open or growth, while it is under way; those of a
+        claim that ended go to the next that makes room (`_make_room`)."""
+        claim = object()
+        self._claims.add(claim)
+        try:
+            yield claim
+        finally:
+            self._claims.discard(claim)
 
     def _step_under_way(self, session: ServerSession) -> bool:
         return self.holds(session) and (session.busy or not session.inbox.empty())
@@ -231,37 +245,52 @@ class SessionTable:
         return max(0.0, min(waiting)) if waiting else None
 
     async def grow(self, session: ServerSession, tokens: int) -> None:
-        """Cover `tokens` per row (doubling, up to max_length): within the share ending sessions for room (waiting
-        GROW_WAIT_S for revoked ones), past it borrowing free cache (server/cache_room.py). Quota/CacheBudgetError."""
+        """Cover `tokens` per row: doubling (up to max_length) as far as its peer's share allows, ending sessions for
+        room (waiting GROW_WAIT_S for revoked ones); when `tokens` alone is past the share, borrowing free cache
+        (server/cache_room.py). Quota/CacheBudgetError."""
         if tokens <= session.reserved_tokens:
             return
-        target = min(session.max_length, max(tokens, 2 * session.reserved_tokens))
-        more, peer = target - session.reserved_tokens, session.client_peer
-        need = self.budget.session_bytes(session.batch, more)
-        deadline = time.monotonic() + GROW_WAIT_S
+        with self._claim() as claim:
+            await self._grow(session, tokens, claim, time.monotonic() + GROW_WAIT_S)
+
+    async def _grow(self, session: ServerSession, tokens: int, claim, deadline: float) -> None:
+        peer, budget = session.client_peer, self.budget
         while True:
             if session.revoked is not None:  # ends after this step: it makes no room for itself
                 raise SessionPreemptedError(session.revoked.message)
-            held = self._charged(peer)
-            past = held + need - self.peer_cache_bytes
-            if self.peer_cache_bytes >= self.budget.capacity_bytes or past <= 0:
+            target = min(session.max_length, max(tokens, 2 * session.reserved_tokens))
+            if (within := self._share_cap(session, tokens)) is not None:
+                target = min(target, within)
                 try:
-                    extra, lent = self._reserve(session.batch, more, keep=session, for_peer=peer), 0
+                    more = target - session.reserved_tokens
+                    extra, lent = self._reserve(session.batch, more, keep=session, for_peer=peer, claim=claim), 0
                 except CacheBudgetError:
-                    if not self.revoked_bytes() or time.monotonic() > deadline:
+                    if not self.revoked_bytes(claim) or time.monotonic() > deadline:
                         raise
                     await self._wait_for_revoked()
                     if not self.holds(session):  # the node dropped it (a move, a stop)
                         raise SessionPreemptedError("the session was closed while it waited for room") from None
                     continue
-            elif need <= self.budget.free_bytes and not (self.revoked_bytes() or self._waiting):  # borrowed
-                extra, lent = self.budget.reserve(session.batch, more), min(need, past)
             else:
-                self._check_peer_share(peer, session.batch, more, whole=target, lending=True)  # raises
+                need = budget.session_bytes(session.batch, target - session.reserved_tokens)
+                if need > budget.free_bytes or self._waiting:  # nothing to lend, or what is freed is for a waiter
+                    more = tokens - session.reserved_tokens  # what the step needs, past the share: refused
+                    self._check_peer_share(peer, session.batch, more, whole=tokens, lending=True)
+                extra = budget.reserve(session.batch, target - session.reserved_tokens)
+                lent = min(need, self._charged(peer) + need - self.peer_cache_bytes)  # borrowed
             break
         session.lent_bytes += lent
         session.reserved_bytes += extra
         session.reserved_tokens = target
+
+    def _share_cap(self, session: ServerSession, tokens: int) -> int | None:
+        """The tokens per row `session` may reach within its peer's share, when `tokens` fits in it (None: past it).
+        A share of the whole node is none: the budget decides."""
+        if self.peer_cache_bytes >= self.budget.capacity_bytes:
+            return session.max_length
+        row_bytes = session.batch * self.budget.bytes_per_token
+        cap = session.reserved_tokens + max(0, self.peer_cache_bytes - self._charged(session.client_peer)) // row_bytes
+        return cap if tokens <= cap else None
 
     def _of_peer(self, peer: str) -> list[ServerSession]:
         return [session for session in self.sessions.values() if session.client_peer == peer]
@@ -281,14 +310,14 @@ class SessionTable:
             )
 
     def _reserve(
-        self, batch: int, tokens: int, keep: ServerSession | None = None, *, for_peer: str | None = None
+        self, batch: int, tokens: int, keep: ServerSession | None = None, *, for_peer: str | None = None, claim=None
     ) -> int:
         """Reserve `batch` x `tokens` for `for_peer` (within its share), ending sessions (never `keep`) when they
         are what stands in the way (server/cache_room.py). CacheBudgetError while the room is not there (yet: a
         revoked session frees its bytes after its step)."""
         need = self.budget.session_bytes(batch, tokens)
         if need > self.budget.free_bytes:
-            self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer)
+            self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer, claim=claim)
         return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
 
     def _charged(self, peer: str) -> int:  # a revoked session's too: what it frees is for the peer waiting for it
@@ -301,11 +330,22 @@ class SessionTable:
         finally:
             self._waiting -= 1
 
-    def revoked_bytes(self) -> int:  # freed when the revoked sessions' steps under way end
-        return sum(session.reserved_bytes for session in self.sessions.values() if session.revoked is not None)
+    def revoked_bytes(self, claim=None) -> int:
+        """Bytes freed when the revoked sessions' steps under way end: those revoked for `claim` (an open's or a
+        growth's), or all of them."""
+        return sum(
+            session.reserved_bytes
+            for session in self.sessions.values()
+            if session.revoked is not None and (claim is None or session.revoked_for is claim)
+        )
 
-    def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None) -> None:
-        nbytes, now = nbytes - self.revoked_bytes(), time.monotonic()  # what revoked sessions free is coming
+    def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None, claim) -> None:
+        # what the sessions revoked for this request free is coming, and what those revoked for a request that is
+        # over free is its now (those revoked for another under way are that one's)
+        for session in self.sessions.values():
+            if claim is not None and session.revoked is not None and session.revoked_for not in self._claims:
+                session.revoked_for = claim
+        nbytes, now = nbytes - (self.revoked_bytes(claim) if claim is not None else 0), time.monotonic()
         room = cache_room.choose(
             list(self.sessions.values()), nbytes, keep=keep, for_peer=for_peer, share_bytes=self.peer_cache_bytes,
             idle_after_s=self.limits.preempt_idle_s, now=now, under_way=self._step_under_way,
@@ -317,7 +357,7 @@ class SessionTable:
         for session in room.lent:
             self.end(session, self._taken_back(session))
         for session in room.revoke:  # ended by its run after the step under way (InferenceService._run)
-            session.revoked = self._taken_back(session)
+            session.revoked, session.revoked_for = self._taken_back(session), claim
 
     def _taken_back(self, session: ServerSession) -> SessionPreemptedError:
         logger.info("session %s of %s holds lent cache: taken back", session.session_id, session.client_peer)

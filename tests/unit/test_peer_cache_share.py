@@ -198,8 +198,8 @@ def test_idle_sessions_go_before_lent_ones_and_together_they_make_room():
     assert sessions.holds(gateway[0]) and sessions.holds(gateway[1]) and other.reserved_tokens == 512
 
 
-def open_request(session_id: str, max_length: int) -> OpenSession:
-    return OpenSession(session_id=session_id, start_block=0, end_block=1, batch=1, max_length=max_length)
+def open_request(session_id: str, max_length: int, batch: int = 1) -> OpenSession:
+    return OpenSession(session_id=session_id, start_block=0, end_block=1, batch=batch, max_length=max_length)
 
 
 def test_a_borrower_with_a_step_under_way_ends_after_it_and_the_open_waits_for_that():
@@ -279,21 +279,43 @@ def test_a_peer_back_within_its_share_once_its_revoked_session_ends_loses_nothin
     assert big.revoked is None and sessions.holds(big) and sessions.holds(filler)
 
 
-def test_nothing_is_lent_while_a_revoked_session_is_on_its_way_out():
+def test_nothing_is_lent_while_a_peer_waits_for_a_revoked_session():
     sessions = table(1024)  # a share of 512
     gateway = [open_session(sessions, GATEWAY, f"g{index}", 512) for index in range(4)]  # 512: its share
     grow(sessions, gateway[0], 129)
     grow(sessions, gateway[1], 129)  # 768 held, 256 of it lent; 256 free
     gateway[1].busy = True
-    with pytest.raises(CacheBudgetError):
-        open_session(sessions, OTHER, "o", 128, batch=3)  # 384 wanted, 128 short: g1 revoked
-    assert gateway[1].revoked is not None
-    with pytest.raises(QuotaExceededError, match="no cache to lend it now"):
-        grow(sessions, gateway[2], 129)  # 256 free, but it is for the peer waiting on g1
-    sessions.close(gateway[1])
-    other = open_session(sessions, OTHER, "o", 128, batch=3)
-    grow(sessions, gateway[2], 129)  # nothing revoked now: the last 128 free is lent
+
+    async def scenario():
+        opening = asyncio.create_task(  # 384 wanted, 128 short: g1 revoked, and the open waits for it
+            sessions.open_when_room(
+                open_request("o", 128, batch=3), client_peer=OTHER, blocks=(0, 1), cache=None, reply=None
+            )
+        )
+        await asyncio.sleep(0.1)
+        assert gateway[1].revoked is not None and not opening.done()
+        with pytest.raises(QuotaExceededError, match="no cache to lend it now"):
+            await sessions.grow(gateway[2], 129)  # 256 free, but it is for the peer waiting on g1
+        sessions.close(gateway[1])
+        other = await opening
+        await sessions.grow(gateway[2], 129)  # nobody waits now: the last 128 free is lent
+        return other
+
+    other = asyncio.run(scenario())
     assert sessions.holds(other) and gateway[2].reserved_tokens == 256 and sessions.budget.free_bytes == 0
+
+
+def test_a_revoked_session_nobody_waits_for_stops_no_lending():
+    sessions = table(1024)  # a share of 512
+    gateway = [open_session(sessions, GATEWAY, f"g{index}", 512) for index in range(4)]
+    grow(sessions, gateway[0], 129)
+    grow(sessions, gateway[1], 129)  # 256 free
+    gateway[1].busy = True
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, OTHER, "o", 128, batch=3)  # g1 revoked; this open gives up at once
+    assert gateway[1].revoked is not None
+    grow(sessions, gateway[2], 129)  # a borrower whose revoked session stalls holds no lending up
+    assert gateway[2].reserved_tokens == 256 and tokens(gateway[2].lent_bytes) == 128
 
 
 def gateway_holding_the_node() -> tuple[SessionTable, list]:
@@ -403,3 +425,61 @@ def test_the_announced_lent_room_is_exactly_what_taking_back_frees(seed):
         assert sum(session.reserved_bytes for session in room.revoke) == announced
         assert all(session.lent_bytes and session.revoked is None for session in room.revoke)
     assert choose(announced + 1) is None
+
+
+def other_within_its_share_next_to_a_borrower(borrower: bool) -> tuple[SessionTable, object]:
+    """A node of 1024 tokens (a share of 512): OTHER holds 384 (o1 at 256 of its 512, o2 at 128); with `borrower`,
+    the gateway holds the rest, 128 of it lent to g3."""
+    sessions = table(1024)
+    first = open_session(sessions, OTHER, "o1", 512)
+    grow(sessions, first, 129)  # 256
+    open_session(sessions, OTHER, "o2", 128)
+    if borrower:
+        gateway = [open_session(sessions, GATEWAY, f"g{index}", 256) for index in range(4)]  # 512: its share
+        grow(sessions, gateway[3], 129)  # borrows the last 128 free
+        assert sessions.budget.free_bytes == 0 and tokens(gateway[3].lent_bytes) == 128
+    return sessions, first
+
+
+def test_a_growth_whose_step_fits_the_share_doubles_only_as_far_as_the_share():
+    sessions, first = other_within_its_share_next_to_a_borrower(borrower=False)
+    grow(sessions, first, 257)  # one token more: doubling to 512 would pass the share, so it stops at 384
+    assert first.reserved_tokens == 384 and first.lent_bytes == 0  # nothing borrowed: nothing to take back later
+
+
+def test_a_growth_whose_step_fits_the_share_takes_back_lent_cache_rather_than_being_refused():
+    sessions, first = other_within_its_share_next_to_a_borrower(borrower=True)
+    grow(sessions, first, 257)
+    assert first.reserved_tokens == 384 and first.lent_bytes == 0
+    assert [session.session_id for session in sessions.sessions.values() if session.client_peer == GATEWAY] == [
+        "g0", "g1", "g2"
+    ]  # fmt: skip
+
+
+def test_a_growth_past_the_share_is_refused_for_what_its_step_needs():
+    sessions, first = other_within_its_share_next_to_a_borrower(borrower=True)
+    grow(sessions, first, 384)  # g3 taken back: 128 free
+    open_session(sessions, GATEWAY, "g4", 128)  # the gateway back at its share: the node full
+    with pytest.raises(QuotaExceededError, match=r"batch 1 x 385 tokens"):  # not the doubled 512
+        grow(sessions, first, 385)
+
+
+def test_what_is_revoked_for_one_waiting_open_is_not_counted_for_another():
+    sessions, gateway = gateway_holding_the_node()
+    gateway[3].busy = True
+
+    async def scenario():
+        waiting = asyncio.create_task(
+            sessions.open_when_room(
+                open_request("o", 128, batch=2), client_peer=OTHER, blocks=(0, 1), cache=None, reply=None
+            )
+        )
+        await asyncio.sleep(0.1)
+        assert gateway[3].revoked is not None and not waiting.done()  # g3's 256 is for OTHER
+        with pytest.raises(CacheBudgetError):
+            open_session(sessions, THIRD, "t", 128, batch=3)  # 384: g3's is not its own, and g2 alone is too few
+        assert [sessions.holds(session) for session in gateway[:3]] == [True, True, True]  # nothing ended for it
+        sessions.close(gateway[3])
+        return await waiting
+
+    assert sessions.holds(asyncio.run(scenario()))
