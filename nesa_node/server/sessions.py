@@ -271,11 +271,13 @@ class SessionTable:
                     if not self.holds(session):  # the node dropped it (a move, a stop)
                         raise SessionPreemptedError("the session was closed while it waited for room") from None
                     continue
-            else:
-                need = budget.session_bytes(session.batch, target - session.reserved_tokens)
-                if need > budget.free_bytes or self._waiting:  # nothing to lend, or what is freed is for a waiter
+            else:  # borrowed, as far as the free cache goes; refused when not even the step fits in it
+                row_bytes = session.batch * budget.bytes_per_token
+                target = min(target, session.reserved_tokens + budget.free_bytes // row_bytes)
+                if target < tokens or self._waiting:  # nothing to lend, or what is freed is for a waiter
                     more = tokens - session.reserved_tokens  # what the step needs, past the share: refused
                     self._check_peer_share(peer, session.batch, more, whole=tokens, lending=True)
+                need = budget.session_bytes(session.batch, target - session.reserved_tokens)
                 extra = budget.reserve(session.batch, target - session.reserved_tokens)
                 lent = min(need, self._charged(peer) + need - self.peer_cache_bytes)  # borrowed
             break
@@ -317,6 +319,7 @@ class SessionTable:
         revoked session frees its bytes after its step)."""
         need = self.budget.session_bytes(batch, tokens)
         if need > self.budget.free_bytes:
+            claim = object() if claim is None else claim  # none: a request of one try
             self._make_room(need - self.budget.free_bytes, keep=keep, for_peer=for_peer, claim=claim)
         return self.budget.reserve(batch, tokens)  # raises CacheBudgetError
 
@@ -340,12 +343,14 @@ class SessionTable:
         )
 
     def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None, claim) -> None:
-        # what the sessions revoked for this request free is coming, and what those revoked for a request that is
-        # over free is its now (those revoked for another under way are that one's)
+        # what the sessions revoked for this request free is coming, and so is what those revoked for a request that
+        # is over free, as much of it as this one needs (those revoked for another under way are that one's)
+        coming = self.revoked_bytes(claim)
         for session in self.sessions.values():
-            if claim is not None and session.revoked is not None and session.revoked_for not in self._claims:
+            if coming < nbytes and session.revoked is not None and session.revoked_for not in self._claims:
                 session.revoked_for = claim
-        nbytes, now = nbytes - (self.revoked_bytes(claim) if claim is not None else 0), time.monotonic()
+                coming += session.reserved_bytes
+        nbytes, now = nbytes - coming, time.monotonic()
         room = cache_room.choose(
             list(self.sessions.values()), nbytes, keep=keep, for_peer=for_peer, share_bytes=self.peer_cache_bytes,
             idle_after_s=self.limits.preempt_idle_s, now=now, under_way=self._step_under_way,

@@ -476,10 +476,21 @@ def test_what_is_revoked_for_one_waiting_open_is_not_counted_for_another():
         )
         await asyncio.sleep(0.1)
         assert gateway[3].revoked is not None and not waiting.done()  # g3's 256 is for OTHER
-        with pytest.raises(CacheBudgetError):
-            open_session(sessions, THIRD, "t", 128, batch=3)  # 384: g3's is not its own, and g2 alone is too few
+        with sessions._claim() as claim, pytest.raises(CacheBudgetError):  # another open under way, as a waiter is
+            request = open_request("t", 128, batch=3)  # 384: g3's is not its own, and g2 alone is too few
+            sessions.open(request, client_peer=THIRD, blocks=(0, 1), cache=None, reply=None, claim=claim)
         assert [sessions.holds(session) for session in gateway[:3]] == [True, True, True]  # nothing ended for it
         sessions.close(gateway[3])
         return await waiting
 
     assert sessions.holds(asyncio.run(scenario()))
+
+
+def test_a_growth_past_the_share_borrows_what_is_free_when_doubling_would_not_fit():
+    sessions = table(1024)  # a share of 512
+    gateway = open_session(sessions, GATEWAY, "g", 1024)
+    grow_to(sessions, gateway, 512)  # its whole share
+    other = open_session(sessions, OTHER, "o", 512)
+    grow(sessions, other, 400)  # 112 tokens free
+    grow(sessions, gateway, 513)  # one token more: doubling to 1024 does not fit, the 112 free do
+    assert gateway.reserved_tokens == 624 and tokens(gateway.lent_bytes) == 112 and sessions.budget.free_bytes == 0
