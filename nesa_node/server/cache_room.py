@@ -16,7 +16,8 @@ A borrower that keeps a step always queued thus loses its lent cache all the sam
 available for routing (SessionTable.tokens_available). A revoked session normally ends within one pass; one whose
 client (or next node) stops reading holds its cache up to twice its step timeout (its step, then its answer), and an
 open or growth waiting for it gives up first (bounded: MAX_ADMISSION_WAIT_S, GROW_WAIT_S; the sessions already ended for
-it stay ended, their cache free for the next one). What a revoked session frees is for the open or growth it was
+it stay ended, their cache free for the next one), and one not ended STALLED_REVOKE_S after it was revoked is waited
+for by no request more: they take their room elsewhere. What a revoked session frees is for the open or growth it was
 revoked for (each counts only its own, so two waiters never count one session twice; one that gave up leaves its
 sessions to the next that makes room), and nothing is lent while such a request waits; a revoked session nobody waits
 for holds no lending up.

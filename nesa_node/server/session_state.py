@@ -79,6 +79,7 @@ class ServerSession:
     lent_bytes: int = 0  # of reserved_bytes, what its growth borrowed past its peer's share (server/cache_room.py)
     revoked: Exception | None = None  # its lent cache is taken back: it ends right after the step under way
     revoked_for: object = None  # the open or growth it was revoked for, which its cache goes to (SessionTable)
+    revoked_s: float = 0.0  # when it was revoked (monotonic s)
 
     @property
     def key(self) -> SessionKey:

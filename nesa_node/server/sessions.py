@@ -47,6 +47,9 @@ END_OF_SESSION = object()  # put in a session's inbox when its stream ends or th
 REOPEN_POLL_S = 0.05  # how often a reopen looks whether the old session's step has ended
 MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
 GROW_WAIT_S = 0.5  # longest a growth waits for revoked sessions to end (a decode step's deadline is 1 s or more)
+# a revoked session not ended this long after (its step stalled: a client or next node that stops reading) is not waited
+# for by the next request; it ends at its step timeout (a pass takes milliseconds to a few hundred: guess)
+STALLED_REVOKE_S = 2.0
 RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
 
 
@@ -345,12 +348,15 @@ class SessionTable:
     def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None, claim) -> None:
         # what the sessions revoked for this request free is coming, and so is what those revoked for a request that
         # is over free, as much of it as this one needs (those revoked for another under way are that one's)
-        coming = self.revoked_bytes(claim)
-        for session in self.sessions.values():
-            if coming < nbytes and session.revoked is not None and session.revoked_for not in self._claims:
+        now = time.monotonic()
+        # a revoked session stalled (its step not done STALLED_REVOKE_S on) is waited for no more
+        revoked = [s for s in self.sessions.values() if s.revoked is not None and now - s.revoked_s < STALLED_REVOKE_S]
+        coming = sum(session.reserved_bytes for session in revoked if session.revoked_for is claim)
+        for session in revoked:
+            if coming < nbytes and session.revoked_for not in self._claims and session.revoked_for is not claim:
                 session.revoked_for = claim
                 coming += session.reserved_bytes
-        nbytes, now = nbytes - coming, time.monotonic()
+        nbytes -= coming
         room = cache_room.choose(
             list(self.sessions.values()), nbytes, keep=keep, for_peer=for_peer, share_bytes=self.peer_cache_bytes,
             idle_after_s=self.limits.preempt_idle_s, now=now, under_way=self._step_under_way,
@@ -362,7 +368,7 @@ class SessionTable:
         for session in room.lent:
             self.end(session, self._taken_back(session))
         for session in room.revoke:  # ended by its run after the step under way (InferenceService._run)
-            session.revoked, session.revoked_for = self._taken_back(session), claim
+            session.revoked, session.revoked_for, session.revoked_s = self._taken_back(session), claim, now
 
     def _taken_back(self, session: ServerSession) -> SessionPreemptedError:
         logger.info("session %s of %s holds lent cache: taken back", session.session_id, session.client_peer)

@@ -16,7 +16,7 @@ from nesa_node.errors import CacheBudgetError, QuotaExceededError, SessionPreemp
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server import cache_room
 from nesa_node.server.config import LimitsConfig
-from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS, SessionTable
+from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS, STALLED_REVOKE_S, SessionTable
 from nesa_node.sharding.kv_cache import CacheBudget
 
 BYTES_PER_TOKEN = 64
@@ -494,3 +494,16 @@ def test_a_growth_past_the_share_borrows_what_is_free_when_doubling_would_not_fi
     grow(sessions, other, 400)  # 112 tokens free
     grow(sessions, gateway, 513)  # one token more: doubling to 1024 does not fit, the 112 free do
     assert gateway.reserved_tokens == 624 and tokens(gateway.lent_bytes) == 112 and sessions.budget.free_bytes == 0
+
+
+def test_a_revoked_borrower_that_stalls_is_not_waited_for_by_the_next_open():
+    sessions, gateway = gateway_holding_the_node()
+    gateway[3].busy = True  # its step never ends: its client stopped reading
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, OTHER, "o", 512)  # g3 revoked; this open gives up
+    with pytest.raises(CacheBudgetError):
+        open_session(sessions, THIRD, "t", 512)  # g3 is on its way: waited for, nothing more ended
+    assert [sessions.holds(session) for session in gateway] == [True, True, True, True]
+    gateway[3].revoked_s -= STALLED_REVOKE_S  # stalled since
+    third = open_session(sessions, THIRD, "t", 512)  # g2 ends for it instead
+    assert sessions.holds(third) and [sessions.holds(session) for session in gateway] == [True, True, False, True]
