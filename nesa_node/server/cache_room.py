@@ -17,7 +17,8 @@ available for routing (SessionTable.tokens_available). A revoked session normall
 client (or next node) stops reading holds its cache up to twice its step timeout (its step, then its answer), and an
 open or growth waiting for it gives up first (bounded: MAX_ADMISSION_WAIT_S, GROW_WAIT_S; the sessions already ended for
 it stay ended, their cache free for the next one), and one not ended STALLED_REVOKE_S after it was revoked is waited
-for by no request more: they take their room elsewhere. What a revoked session frees is for the open or growth it was
+for by no request more, and counts toward its peer's cache again: they take their room elsewhere, from its peer's other
+borrowers too. What a revoked session frees is for the open or growth it was
 revoked for (each counts only its own, so two waiters never count one session twice; one that gave up leaves its
 sessions to the next that makes room), and nothing is lent while such a request waits; a revoked session nobody waits
 for holds no lending up.
@@ -28,6 +29,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+
+# a revoked session not ended this long after (its step stalled: a client or next node that stops reading) is waited for
+# by no request more, and counts toward its peer's cache again; it ends at its step timeout (a pass takes milliseconds
+# to a few hundred: guess)
+STALLED_REVOKE_S = 2.0
 
 TAKEN_BACK = (
     "session ended to give another peer its share of the node's cache: it held cache lent past its peer's share while "
@@ -72,7 +78,7 @@ def choose(
     if freed < nbytes and for_peer is not None:
         chosen = {id(session) for session in room.idle}
         rest = [session for session in sessions if id(session) not in chosen]
-        for session in _borrowers(rest, share_bytes, skip=lambda s: s is keep or s.client_peer == for_peer):
+        for session in _borrowers(rest, share_bytes, now, skip=lambda s: s is keep or s.client_peer == for_peer):
             if freed >= nbytes:
                 break
             (room.revoke if under_way(session) else room.lent).append(session)
@@ -80,21 +86,21 @@ def choose(
     return room if freed >= nbytes else None
 
 
-def available_bytes(sessions: Sequence, free_bytes: int, share_bytes: int, idle_soon: bool) -> int:
+def available_bytes(sessions: Sequence, free_bytes: int, share_bytes: int, idle_soon: bool, now: float) -> int:
     """What a new session within its peer's share could get: the free bytes, those of sessions between steps now
     (`idle_soon`: when the node preempts idle sessions within an open's wait), and those `choose` would take back
     from the rest (its second rule), each session counted once."""
     idle = [session for session in sessions if idle_soon and not session.busy and session.inbox.empty()]
     counted = {id(session) for session in idle}
     rest = [session for session in sessions if id(session) not in counted]  # as `choose` sees them after those
-    lent = sum(session.reserved_bytes for session in _borrowers(rest, share_bytes, skip=lambda session: False))
+    lent = sum(session.reserved_bytes for session in _borrowers(rest, share_bytes, now, skip=lambda session: False))
     return free_bytes + sum(session.reserved_bytes for session in idle) + lent
 
 
-def _borrowers(sessions: Sequence, share_bytes: int, *, skip: Callable[[object], bool]) -> Iterator:
+def _borrowers(sessions: Sequence, share_bytes: int, now: float, *, skip: Callable[[object], bool]) -> Iterator:
     """`choose`'s second rule, lazily: the sessions that borrowed (lent_bytes > 0, not revoked, not `skip`), newest
     first, each while its peer still keeps more than its share once the ones before it are taken."""
-    keeps = _kept(sessions)
+    keeps = _kept(sessions, now)
     for session in reversed(sessions):
         peer = session.client_peer
         if session.lent_bytes and session.revoked is None and keeps[peer] > share_bytes and not skip(session):
@@ -102,14 +108,20 @@ def _borrowers(sessions: Sequence, share_bytes: int, *, skip: Callable[[object],
             yield session
 
 
-def _kept(sessions: Sequence) -> Counter:
-    """Bytes each peer keeps: its revoked sessions' left out, as they are on their way back (and its peer may be
-    within its share with them gone). SessionTable._charged counts them, for the opposite question."""
+def _kept(sessions: Sequence, now: float) -> Counter:
+    """Bytes each peer keeps: its revoked sessions' left out while they are on their way back (its peer may be within
+    its share with them gone), those stalled (`stalled`) counted again. SessionTable._charged counts them all, for the
+    opposite question."""
     keeps = Counter()
     for session in sessions:
-        if session.revoked is None:
+        if session.revoked is None or stalled(session, now):
             keeps[session.client_peer] += session.reserved_bytes
     return keeps
 
 
-__all__ = ["TAKEN_BACK", "Room", "available_bytes", "choose"]
+def stalled(session, now: float) -> bool:
+    """Whether a revoked session's step has not ended STALLED_REVOKE_S after it was revoked."""
+    return now - session.revoked_s >= STALLED_REVOKE_S
+
+
+__all__ = ["STALLED_REVOKE_S", "TAKEN_BACK", "Room", "available_bytes", "choose", "stalled"]

@@ -47,9 +47,6 @@ END_OF_SESSION = object()  # put in a session's inbox when its stream ends or th
 REOPEN_POLL_S = 0.05  # how often a reopen looks whether the old session's step has ended
 MAX_ADMISSION_WAIT_S = 10.0  # longest an open waits for room (a client's open waits twice its request timeout)
 GROW_WAIT_S = 0.5  # longest a growth waits for revoked sessions to end (a decode step's deadline is 1 s or more)
-# a revoked session not ended this long after (its step stalled: a client or next node that stops reading) is not waited
-# for by the next request; it ends at its step timeout (a pass takes milliseconds to a few hundred: guess)
-STALLED_REVOKE_S = 2.0
 RESERVE_CHUNK_TOKENS = 128  # cache reserved at open (per row): a prompt of this length needs no growth (guess)
 
 
@@ -82,7 +79,9 @@ class SessionTable:
         waits for and preempts (when preemption comes within MAX_ADMISSION_WAIT_S), and those lent past a share
         (server/cache_room.py), each session counted once. Announced for routing."""
         sessions, idle_soon = list(self.sessions.values()), self.limits.preempt_idle_s <= MAX_ADMISSION_WAIT_S
-        free = cache_room.available_bytes(sessions, self.budget.free_bytes, self.peer_cache_bytes, idle_soon)
+        free = cache_room.available_bytes(
+            sessions, self.budget.free_bytes, self.peer_cache_bytes, idle_soon, time.monotonic()
+        )
         return free // self.budget.bytes_per_token
 
     def get(self, client_peer: str, session_id: str) -> ServerSession | None:
@@ -349,11 +348,11 @@ class SessionTable:
         # what the sessions revoked for this request free is coming, and so is what those revoked for a request that
         # is over free, as much of it as this one needs (those revoked for another under way are that one's)
         now = time.monotonic()
-        # a revoked session stalled (its step not done STALLED_REVOKE_S on) is waited for no more
-        revoked = [s for s in self.sessions.values() if s.revoked is not None and now - s.revoked_s < STALLED_REVOKE_S]
+        revoked = [session for session in self.sessions.values() if session.revoked is not None]
         coming = sum(session.reserved_bytes for session in revoked if session.revoked_for is claim)
-        for session in revoked:
-            if coming < nbytes and session.revoked_for not in self._claims and session.revoked_for is not claim:
+        for session in revoked:  # those of a request that is over, unless stalled (cache_room.STALLED_REVOKE_S)
+            free = session.revoked_for not in self._claims and session.revoked_for is not claim
+            if coming < nbytes and free and not cache_room.stalled(session, now):
                 session.revoked_for = claim
                 coming += session.reserved_bytes
         nbytes -= coming

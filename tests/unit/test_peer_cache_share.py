@@ -15,8 +15,9 @@ from hivemind.p2p import PeerID
 from nesa_node.errors import CacheBudgetError, QuotaExceededError, SessionPreemptedError
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server import cache_room
+from nesa_node.server.cache_room import STALLED_REVOKE_S
 from nesa_node.server.config import LimitsConfig
-from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS, STALLED_REVOKE_S, SessionTable
+from nesa_node.server.sessions import RESERVE_CHUNK_TOKENS, SessionTable
 from nesa_node.sharding.kv_cache import CacheBudget
 
 BYTES_PER_TOKEN = 64
@@ -384,22 +385,28 @@ def test_the_announced_room_counts_what_taking_back_would_really_free():
     # an older idle session and the newest, busy, that borrowed: with the idle one preempted the peer is within
     # its share of 100, so nothing is taken back from the busy one
     sessions = [Held(60, 0, busy=False), Held(60, 60, busy=True)]
-    assert cache_room.available_bytes(sessions, 0, 100, idle_soon=True) == 60
-    assert cache_room.available_bytes(sessions, 0, 100, idle_soon=False) == 60  # the borrower, taken back
-    assert cache_room.available_bytes(sessions, 0, 50, idle_soon=True) == 120
+    assert cache_room.available_bytes(sessions, 0, 100, idle_soon=True, now=time.monotonic()) == 60
+    assert (
+        cache_room.available_bytes(sessions, 0, 100, idle_soon=False, now=time.monotonic()) == 60
+    )  # the borrower, taken back
+    assert cache_room.available_bytes(sessions, 0, 50, idle_soon=True, now=time.monotonic()) == 120
 
 
 @pytest.mark.parametrize("seed", range(40))
 def test_the_announced_lent_room_is_exactly_what_taking_back_frees(seed):
-    """For any mix of peers, borrowers and revoked sessions, the room `available_bytes` announces from lent cache is
-    what `choose` can free for a newcomer within its share: all of it, and not a byte more."""
+    """For any mix of peers, borrowers and revoked sessions (some of them stalled), the room `available_bytes`
+    announces from lent cache is what `choose` can free for a newcomer within its share: all of it, and not a byte
+    more."""
     import random
 
+    now = time.monotonic()
+
     class Held:
-        def __init__(self, peer_id: str, reserved: int, lent: int, revoked: bool):
+        def __init__(self, peer_id: str, reserved: int, lent: int, revoked: bool, stalled: bool):
             self.client_peer, self.reserved_bytes, self.lent_bytes = peer_id, reserved, lent
             self.revoked = SessionPreemptedError("revoked") if revoked else None
-            self.busy, self.inbox, self.last_active = True, asyncio.Queue(), time.monotonic()
+            self.revoked_s = now - (STALLED_REVOKE_S if stalled else 0.0)
+            self.busy, self.inbox, self.last_active = True, asyncio.Queue(), now
 
         def idle_s(self, now: float) -> float:
             return now - self.last_active
@@ -409,14 +416,15 @@ def test_the_announced_lent_room_is_exactly_what_taking_back_frees(seed):
     for _ in range(rng.randint(1, 12)):
         reserved = rng.choice((16, 32, 64, 128))
         lent = rng.choice((0, 0, reserved // 2, reserved))
-        sessions.append(Held(rng.choice((GATEWAY, OTHER, THIRD)), reserved, lent, revoked=rng.random() < 0.2))
+        owner, revoked, stalled = rng.choice((GATEWAY, OTHER, THIRD)), rng.random() < 0.3, rng.random() < 0.5
+        sessions.append(Held(owner, reserved, lent, revoked=revoked, stalled=stalled))
     share = rng.choice((32, 64, 128, 256))
-    announced = cache_room.available_bytes(sessions, 0, share, idle_soon=False)
+    announced = cache_room.available_bytes(sessions, 0, share, idle_soon=False, now=now)
 
     def choose(nbytes: int):
         return cache_room.choose(
             sessions, nbytes, keep=None, for_peer=peer(9), share_bytes=share, idle_after_s=float("inf"),
-            now=time.monotonic(), under_way=lambda session: session.busy,
+            now=now, under_way=lambda session: session.busy,
         )  # fmt: skip
 
     if announced:
@@ -507,3 +515,7 @@ def test_a_revoked_borrower_that_stalls_is_not_waited_for_by_the_next_open():
     gateway[3].revoked_s -= STALLED_REVOKE_S  # stalled since
     third = open_session(sessions, THIRD, "t", 512)  # g2 ends for it instead
     assert sessions.holds(third) and [sessions.holds(session) for session in gateway] == [True, True, False, True]
+    open_session(sessions, peer(4), "p4", 512)  # the 128 left free
+    # the stalled g3 still holds its cache, so the gateway is still past its share: g1's lent cache is taken back
+    fifth = open_session(sessions, peer(5), "p5", 512)
+    assert sessions.holds(fifth) and [sessions.holds(session) for session in gateway] == [True, False, False, True]
