@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from nesa_node.errors import PeerUnavailableError
+from nesa_node.errors import (
+    CacheBudgetError,
+    NesaError,
+    PeerUnavailableError,
+    QuotaExceededError,
+    SessionPreemptedError,
+    StepTimeoutError,
+)
 from nesa_node.protocol import lane, push_tag
 from nesa_node.protocol.channel import Channel, Frame
 from nesa_node.protocol.framing import StreamChannel
@@ -93,6 +100,15 @@ class LinkFailed(PeerUnavailableError):
         self.through = through
 
 
+def link_ended(error: NesaError, link: ChainLink) -> LinkFailed | None:
+    """A node's refusal that says it dropped the session (preempted it: idle, or holding lent cache; or did not compute
+    a step within its step timeout) or has no room to grow its cache for it, as the failure of its link: it is
+    replaced like a lost node. None for any other refusal."""
+    if isinstance(error, SessionPreemptedError | StepTimeoutError | CacheBudgetError | QuotaExceededError):
+        return LinkFailed(error.message, link, full=isinstance(error, CacheBudgetError | QuotaExceededError))
+    return None
+
+
 def stale_report(answered: ChainLink, message: Message, awaited: list[ChainLink]) -> bool:
     """A node other than those the client waits on, during an open or a replay, reporting that its next node is
     gone: the failure being recovered from (the previous node's push to the lost one failed), not an answer. A live
@@ -104,4 +120,4 @@ def stale_report(answered: ChainLink, message: Message, awaited: list[ChainLink]
     )
 
 
-__all__ = ["ChainLink", "LinkFailed", "stale_report"]
+__all__ = ["ChainLink", "LinkFailed", "link_ended", "stale_report"]

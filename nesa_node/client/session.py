@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nesa_node.client.chain_links import LinkFailed
+from nesa_node.client.chain_links import LinkFailed, link_ended
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
 from nesa_node.client.session_chain import Deadline, OwnAdapter, SessionChain, codec_for
@@ -28,13 +28,9 @@ from nesa_node.client.swarm import Swarm
 from nesa_node.compression.names import AUTO
 from nesa_node.errors import (
     BadRequestError,
-    CacheBudgetError,
     NesaError,
     PeerUnavailableError,
-    QuotaExceededError,
-    SessionPreemptedError,
     SessionStateError,
-    StepTimeoutError,
 )
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import ErrorReply, Step, StepResult
@@ -347,9 +343,8 @@ class InferenceSession:
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
-        if isinstance(error, SessionPreemptedError | StepTimeoutError | CacheBudgetError | QuotaExceededError):
-            full = isinstance(error, CacheBudgetError | QuotaExceededError)
-            raise LinkFailed(error.message, answered, full=full)  # this node dropped the session, or has no room
+        if (ended := link_ended(error, answered)) is not None:
+            raise ended  # this node dropped the session, or has no room
         links = self.links.links
         index = links.index(answered) if answered in links else -1
         if isinstance(error, BadRequestError) and self.links.direct and index > 0:

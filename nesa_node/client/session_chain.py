@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nesa_node.client.chain_links import ChainLink, LinkFailed, stale_report
+from nesa_node.client.chain_links import ChainLink, LinkFailed, link_ended, stale_report
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.auto import compression_pays
@@ -516,7 +516,8 @@ class SessionChain:
                     # a node reporting that its next node is gone (the failure being recovered from), or another
                     # node's refusal of a step sent before: not this exchange's answer, nor for `link` to answer for
                     continue
-                raise message.error()
+                error = message.error()
+                raise link_ended(error, link) or error  # a node that dropped the session fails like a lost one
             if answered is link and isinstance(message, model):
                 return message, answer
 
