@@ -45,7 +45,6 @@ class Peer:
     dht: DHTNode
     signature_validator: RSASignatureValidator | None
     initial_peers: tuple[str, ...] = ()
-    _identity_tmp: tempfile.TemporaryDirectory | None = None
 
     @property
     def peer_id(self) -> str:
@@ -84,15 +83,12 @@ class Peer:
 
     async def shutdown(self, step_s: float = SHUTDOWN_STEP_S) -> None:
         """Leave the DHT, then stop p2pd; each step bounded by `step_s` (peers that are gone must not hold a
-        stopping process). A fresh identity made for this run is deleted."""
+        stopping process)."""
         for closer in (self.dht.shutdown, self.p2p.shutdown):
             try:
                 await asyncio.wait_for(closer(), timeout=step_s)
             except Exception as exc:  # a peer that is gone, or p2pd already stopped: normal during shutdown
                 logger.debug("peer shutdown step failed: %r", exc)
-        if self._identity_tmp is not None:
-            self._identity_tmp.cleanup()
-            self._identity_tmp = None
 
 
 async def start_peer(
@@ -139,15 +135,12 @@ async def start_peer(
             options["dht_mode"] = "client"
         p2p = await _create_p2p(options)
     except P2PDaemonError as exc:
-        if identity_tmp is not None:
-            identity_tmp.cleanup()
         if "bootstrap peers" in str(exc):
             raise InitialPeersError(_no_initial_peer_answered(initial_peers)) from exc
         raise
-    except BaseException:
+    finally:  # p2pd has read a fresh key by now, and this process holds it: no file of it outlives even a killed run
         if identity_tmp is not None:
             identity_tmp.cleanup()
-        raise
     dht = None
     try:
         dht = await DHTNode.create(
@@ -164,10 +157,8 @@ async def start_peer(
             if dht is not None:
                 await asyncio.wait_for(dht.shutdown(), timeout=SHUTDOWN_STEP_S)
             await asyncio.wait_for(p2p.shutdown(), timeout=SHUTDOWN_STEP_S)
-        if identity_tmp is not None:
-            identity_tmp.cleanup()
         raise
-    return Peer(p2p, dht, signature_validator, tuple(initial_peers), identity_tmp)
+    return Peer(p2p, dht, signature_validator, tuple(initial_peers))
 
 
 async def join_dht(dht: DHTNode, initial_peers, rounds: int = DHT_JOIN_ROUNDS) -> bool:

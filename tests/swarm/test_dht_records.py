@@ -263,3 +263,25 @@ def test_a_restarted_bootstrap_dials_the_peers_it_remembered(tmp_path):
             await other.shutdown()
 
     event_loop.run(scenario())
+
+
+def test_a_fresh_identity_leaves_no_file_once_the_peer_runs(tmp_path, monkeypatch):
+    """A node run without --identity signs with a key made for the run: p2pd reads its file at start and this
+    process keeps the key in memory, so the file is gone at once, and a killed node leaves nothing behind."""
+    import tempfile
+
+    from nesa_node import event_loop
+    from nesa_node.peer import start_peer
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    async def scenario() -> None:
+        peer = await start_peer(signs_records=True)
+        try:
+            assert not list(tmp_path.glob("nesa-node-*"))
+            key = peer.signature_validator._private_key.get_public_key()
+            assert peer_id_of_public_key(key).to_base58() == peer.peer_id  # p2pd runs with the key this process holds
+        finally:
+            await peer.shutdown()
+
+    event_loop.run(scenario())
