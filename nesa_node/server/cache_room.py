@@ -3,8 +3,9 @@ a peer's share.
 
 A session opens within its peer's share of the cache (`--max-cache-share-per-peer`). As its steps need more, it grows
 (doubling) within the share as before, as far as the share allows when its step fits in it; when the step itself is
-past the share, a growth borrows cache that is free at that moment and ends no one's session for it (`lent_bytes`). So the many sessions of one peer alone on a node (a gateway's users are all one peer)
-use what nobody else needs, where their growth past the share used to fail them in the middle of a generation.
+past the share, a growth borrows cache that is free at that moment and ends no one's session for it (`lent_bytes`). So
+the many sessions of one peer alone on a node (a gateway's users are all one peer) use what nobody else needs, where
+their growth past the share used to fail them in the middle of a generation.
 
 Room for an open, or a growth within its peer's share, when the cache is full (`choose`), all or nothing:
   1. idle sessions (idle `--preempt-idle` seconds): of the peer holding the most sessions first, then the longest idle;
@@ -13,15 +14,16 @@ Room for an open, or a growth within its peer's share, when the cache is full (`
      steps ends now; one with a step under way is revoked: it ends right after that step (InferenceService._run),
      however many steps its peer keeps queued, and the room comes then (the open or growth waits for it, bounded).
 A borrower that keeps a step always queued thus loses its lent cache all the same, and lent cache is counted as
-available for routing (SessionTable.tokens_available). A revoked session normally ends within one pass; one whose
-client (or next node) stops reading holds its cache up to twice its step timeout (its step, then its answer), and an
-open or growth waiting for it gives up first (bounded: MAX_ADMISSION_WAIT_S, GROW_WAIT_S; the sessions already ended for
-it stay ended, their cache free for the next one), and one not ended STALLED_REVOKE_S after it was revoked is waited
-for by no request more, and counts toward its peer's cache again: they take their room elsewhere, from its peer's other
-borrowers too. What a revoked session frees is for the open or growth it was
-revoked for (each counts only its own, so two waiters never count one session twice; one that gave up leaves its
-sessions to the next that makes room), and nothing is lent while such a request waits; a revoked session nobody waits
-for holds no lending up.
+available for routing (SessionTable.tokens_available).
+
+What a revoked session frees is for the open or growth it was revoked for: each counts only its own, so two waiters
+never count one session twice, and one that gave up leaves its sessions to the next that makes room. Nothing is lent
+while such a request waits; a revoked session nobody waits for holds no lending up. A revoked session normally ends
+within one pass; one whose client (or next node) stops reading holds its cache up to twice its step timeout (its step,
+then its answer). The request waiting for it gives up first (bounded: MAX_ADMISSION_WAIT_S, GROW_WAIT_S; the sessions
+already ended for it stay ended, their cache free for the next one), and once it is STALLED_REVOKE_S past its
+revocation no later request waits for it, and it counts toward its peer's cache again: they take their room elsewhere,
+from its peer's other borrowers too.
 """
 
 from __future__ import annotations
