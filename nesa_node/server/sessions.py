@@ -279,9 +279,8 @@ class SessionTable:
                 if target < tokens or self._waiting:  # nothing to lend, or what is freed is for a waiter
                     more = tokens - session.reserved_tokens  # what the step needs, past the share: refused
                     self._check_peer_share(peer, session.batch, more, whole=tokens, lending=True)
-                need = budget.session_bytes(session.batch, target - session.reserved_tokens)
                 extra = budget.reserve(session.batch, target - session.reserved_tokens)
-                lent = min(need, self._charged(peer) + need - self.peer_cache_bytes)  # borrowed
+                lent = min(extra, self._charged(peer) + extra - self.peer_cache_bytes)  # the part past the share
             break
         session.lent_bytes += lent
         session.reserved_bytes += extra
@@ -335,13 +334,12 @@ class SessionTable:
         finally:
             self._waiting -= 1
 
-    def revoked_bytes(self, claim=None) -> int:
-        """Bytes freed when the revoked sessions' steps under way end: those revoked for `claim` (an open's or a
-        growth's), or all of them."""
+    def revoked_bytes(self, claim) -> int:
+        """Bytes freed when the sessions revoked for `claim` (an open's or a growth's) end after their steps."""
         return sum(
             session.reserved_bytes
             for session in self.sessions.values()
-            if session.revoked is not None and (claim is None or session.revoked_for is claim)
+            if session.revoked is not None and session.revoked_for is claim
         )
 
     def _make_room(self, nbytes: int, *, keep: ServerSession | None, for_peer: str | None, claim) -> None:

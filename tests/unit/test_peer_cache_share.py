@@ -211,7 +211,7 @@ def test_a_borrower_with_a_step_under_way_ends_after_it_and_the_open_waits_for_t
         open_session(sessions, OTHER, "o", 512)  # the room comes only once g3 ends
     assert isinstance(gateway[3].revoked, SessionPreemptedError)
     assert gateway[2].revoked is None  # g3's 256 is enough
-    assert sessions.revoked_bytes() == 256 * BYTES_PER_TOKEN
+    assert sum(session.reserved_bytes for session in gateway if session.revoked is not None) == 256 * BYTES_PER_TOKEN
 
     async def open_when_g3_ends():
         async def g3_step_done():  # what InferenceService._run does after the step: the session ends
@@ -519,3 +519,18 @@ def test_a_revoked_borrower_that_stalls_is_not_waited_for_by_the_next_open():
     # the stalled g3 still holds its cache, so the gateway is still past its share: g1's lent cache is taken back
     fifth = open_session(sessions, peer(5), "p5", 512)
     assert sessions.holds(fifth) and [sessions.holds(session) for session in gateway] == [True, False, False, True]
+
+
+def test_many_fresh_identities_take_back_only_what_was_lent():
+    """Identities cost nothing: each opens within its own share, and together they take back the gateway's lent
+    cache, whole sessions, newest first, but never what it holds within its share."""
+    sessions, gateway = gateway_holding_the_node()  # 4 x 256 tokens, 128 of each lent: 512 past its share of 512
+    opened, refused = [], 0
+    for seed in range(10, 20):  # ten throwaway identities, one chunk of 128 tokens each
+        try:
+            opened.append(open_session(sessions, peer(seed), "s", 128))
+        except CacheBudgetError:
+            refused += 1
+    assert [sessions.holds(session) for session in gateway] == [True, True, False, False]  # g3, then g2
+    assert len(opened) == 4 and refused == 6  # the 512 freed, and nothing more
+    assert tokens(sum(session.reserved_bytes for session in gateway if sessions.holds(session))) == 512
