@@ -8,7 +8,7 @@
 #
 # targets (within a 9-minute lease): the GPU tests, then the figures issue targets need, most uncertain first, each
 # step under its own limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's
-# decode), the same with a 1 ms thread switch interval in every process (NESA_SWITCH_INTERVAL_MS: nesa_node/
+# decode; the 16 sessions from one client process, then from 16), the same with a 1 ms thread switch interval in every process (NESA_SWITCH_INTERVAL_MS: nesa_node/
 # event_loop.py), the codec table, 2 and 4 nodes with graphs (decode against the single process; the first
 # generation through fresh nodes), then 2 eager nodes if time is left (about 8 minutes in all on one H100). With
 # SPY=1, py-spy profiles the first 16-session run (bench/spy.py; it slows the processes it samples).
@@ -56,8 +56,8 @@ if [ "${1:-quick}" = targets ]; then
     spy=()
     for site in ${PYTHONPATH:+${PYTHONPATH//:/ }}; do [ -d "$site/bin" ] && PATH=$PATH:$site/bin; done  # pip install --target
     [ "${SPY:-0}" = 1 ] && command -v py-spy >/dev/null && spy=(--spy "$OUT/graphs-clients16-spy")
-    STEP_TIMEOUT_S=200 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
-        --forward-repeats 0 --keep-logs "$OUT/graphs-clients16-nodes" ${spy[@]+"${spy[@]}"}
+    STEP_TIMEOUT_S=260 step graphs-clients16 "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 --modes direct \
+        --client-processes --forward-repeats 0 --keep-logs "$OUT/graphs-clients16-nodes" ${spy[@]+"${spy[@]}"}
     NESA_SWITCH_INTERVAL_MS=1 STEP_TIMEOUT_S=200 step graphs-clients16-switch1 "$PY" "${SWARM[@]}" --cuda-graphs \
         --nodes 2 --clients 16 --modes direct --forward-repeats 0 --keep-logs "$OUT/graphs-clients16-switch1-nodes"
     STEP_TIMEOUT_S=60 step codecs "$PY" bench/compression.py --device cuda --no-swarm

@@ -16,7 +16,8 @@ generation through the fresh nodes against the later ones (`first_vs_later`).
 
 `--clients N` adds the many-clients figure: aggregate decode tokens/s of N concurrent sessions (one client process,
 one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
-through nodes started with --no-batch-decode.
+through nodes started with --no-batch-decode. `--client-processes` adds the same N sessions from N client processes
+(bench/client_process.py), one session each, as N users with clients of their own.
 
 The single-process baseline, every node and the swarm's client run on torch's default threads (all cores): a chain
 computes one part at a time (the client, then each node in turn), and each process's idle OpenMP threads spin only
@@ -49,6 +50,7 @@ from nesa_node import event_loop, openmp_wait  # noqa: E402
 openmp_wait.short_spin()  # before torch loads: the baseline and the client as the nodes (see the docstring)
 
 import torch  # noqa: E402
+from client_process import processes_decode  # noqa: E402  (bench/client_process.py, beside this file)
 from spy import Spies  # noqa: E402  (bench/spy.py, beside this file)
 
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
@@ -220,6 +222,19 @@ async def aggregate_decode(
             together = await asyncio.gather(*(generate_timed(prompt) for prompt in prompts))
             aggregate_tps = clients * new_tokens / (time.perf_counter() - started)
         after = [await asyncio.to_thread(node_counters, url) for url in metrics_urls]
+        processes = None
+        if args.client_processes:
+            settings = {
+                "peers": peers, "prefix": prefix, "hops": hops, "new_tokens": new_tokens,
+                "device": args.device, "dtype": args.dtype,
+            }  # fmt: skip
+            processes = await asyncio.to_thread(
+                processes_decode,
+                path,
+                [prompt[0].tolist() for prompt in prompts],
+                settings,
+                Path(args.keep_logs or tempfile.gettempdir()) / f"{prefix}-clients",
+            )
     finally:
         await model.close()
     return {
@@ -247,6 +262,22 @@ async def aggregate_decode(
         # each node in chain order, during the concurrent run (empty where prometheus-client is not installed)
         "nodes_during": [node_figures(b, a) for b, a in zip(before, after, strict=True)],
         **({"profile": spies.summary()} if spies else {}),
+        # one client process per session (--client-processes): each its own peer, the sessions' client work on
+        # separate cores; tokens_match: every session's tokens equal those of its session in the run above
+        **(
+            {
+                "processes": {
+                    **{key: value for key, value in processes.items() if key != "tokens"},
+                    "processes_vs_one": round(processes["aggregate_tps"] / one_tps, 3),
+                    "tokens_match": all(
+                        tokens == session[0, input_ids.shape[1] :].tolist()
+                        for tokens, session in zip(processes["tokens"], together, strict=True)
+                    ),
+                }
+            }
+            if processes
+            else {}
+        ),
     }
 
 
@@ -458,6 +489,12 @@ def main() -> None:
         help="concurrent sessions for the aggregate figure (0: none); they are one peer to the nodes, which lend it "
         "cache past its share while nobody else needs it: clients x (prompt + new tokens) must fit a node's cache "
         "(8192 tokens by default; more with --node-arg=--max-cache-tokens=N)",
+    )
+    parser.add_argument(
+        "--client-processes",
+        action="store_true",
+        help="with --clients N: also N client processes, one session each, started together (N users each with "
+        "their own client, against the one process of a gateway); their figure is under `processes`",
     )
     parser.add_argument(
         "--client-threads",
