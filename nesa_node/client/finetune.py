@@ -393,8 +393,9 @@ class AsyncFineTuningSession:
             outputs = await forward_pass(links, embedded.detach().cpu(), f"{step_id}.{part}", self._codec, keep=True)
             loss, grad = await on_caller(self.layers.loss_and_grad, outputs[-1], labels, total)
             steps, grad = await backward_pass(
-                links, grad, f"{step_id}.{part}", self._codec, applies, timeout_of=self._step_timeout_s
-            )
+                links, grad, f"{step_id}.{part}", self._codec, applies, timeout_of=self._step_timeout_s,
+                step_after=self.step + 1,
+            )  # fmt: skip
             await on_caller(self.layers.embed_backward, embedded, grad)
             return loss, steps
 

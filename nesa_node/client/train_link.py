@@ -281,10 +281,13 @@ async def backward_pass(
     applies: Callable[[TrainLink], bool],
     *,
     timeout_of: Callable[[bool], float],
+    step_after: int | None = None,
 ) -> tuple[list[int], torch.Tensor]:
     """The gradient of the last node's output up the chain. `applies(link)`, asked as the request to a link is built:
     whether that node takes its optimizer step after this backward pass (`timeout_of(apply)`: how long the call may
-    take). The steps those nodes report, and the gradient of the chain's input (for the embeddings)."""
+    take). The steps those nodes report, and the gradient of the chain's input (for the embeddings). With
+    `step_after`, the update a step takes the chain to: a node that reports any other is failed (LinkLost, blamed),
+    so a node misreporting its step cannot move the client's count, and with it the checkpoints."""
     steps = []
     for link in reversed(links):
         codec = codec_of(link, grad.numel())
@@ -298,6 +301,8 @@ async def backward_pass(
         )
         if message.step_id != step_id:
             raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
+        if apply and step_after is not None and message.step != step_after:
+            raise LinkLost(link.peer_id, f"reported update {message.step} for update {step_after}")
         grad = link.read_tensor(answer, message.codec, grad).float()
         if apply:
             steps.append(message.step)

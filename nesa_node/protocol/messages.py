@@ -378,7 +378,8 @@ class TrainForward(Message):
 class TrainBackward(Message):
     """The loss's gradient with respect to the outputs of forward `step_id`, in one tensor; answered with the
     gradient with respect to its inputs. `apply`: then take one optimizer step on the gradients gathered since the
-    last one (False: gather more micro-batches first). Sent again after a lost answer, it is answered from record."""
+    last one (False: gather more micro-batches first). A step id's backward pass runs once: sent again (after a lost
+    answer), it is refused, and the client reopens its chain at its last checkpoint."""
 
     kind: Literal["train_backward"] = "train_backward"
     step_id: StepIdText

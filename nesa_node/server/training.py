@@ -25,8 +25,10 @@ Limits: `max_training_sessions` sessions on the node, each peer at most `max_cac
 least, its opens under way counted, refused before their bytes are read); when the node is full, the session idle
 longest, if idle for `preempt_idle_s` (`step_timeout_s` while a forward waits for its backward pass; a refused request
 or one answered from record is no activity), is ended (preempted) to admit a new one. A session's trainable state
-(parameters, gradients and AdamW's two moments: four float32 copies of its slice) and saved inputs stay within
-`max_training_mb`, a forward's room reserved before it runs. Refusals are typed (too_many_sessions, quota,
+(parameters, gradients and AdamW's two moments: four float32 copies of its slice, reserved while an open builds
+it), saved inputs and its replicas' gradients stay within `max_training_mb`, and a peer's sessions within its share
+of it (`max_cache_share_per_peer`), a forward's room reserved before it runs. A saved forward whose backward pass is
+overdue (`_drop_overdue`) is dropped when another session needs the room. Refusals are typed (too_many_sessions, quota,
 adapter_budget, adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
 `session_timeout_s` later on.
 
@@ -48,8 +50,6 @@ import hashlib
 import logging
 import math
 import time
-from collections import OrderedDict
-from dataclasses import dataclass, field
 
 import torch
 from hivemind.p2p import P2PContext
@@ -84,70 +84,13 @@ from nesa_node.protocol.messages import (
 from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto, tensor_to_proto
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
+from nesa_node.server.training_state import ANSWERED_KEPT, Saved, TrainingSession, activation_bytes
 from nesa_node.server.training_sync import ReplicaSync
 from nesa_node.sharding.lora import AdapterSlice, check_fits_model
 from nesa_node.sharding.lora_rows import trainable_adapter
 from nesa_node.sharding.lora_train import OptimizerState, TrainableSlice
 
 logger = logging.getLogger(__name__)
-
-
-ANSWERED_KEPT = 64  # step ids of answered backward passes remembered per session: a reused one is refused
-
-
-def activation_bytes(span, tokens: int, blocks: tuple[int, int]) -> int:
-    """What a forward's autograd graph holds through `blocks` for `tokens` tokens, bytes: per token and block, the
-    inputs of the seven projections and two norms, the attention output and the MLP's intermediate tensors (a guess
-    of 12 hidden-wide and 5 intermediate-wide float32 tensors; eager attention holds its probabilities on top)."""
-    config = span.config
-    per_token = 12 * config.hidden_size + 5 * getattr(config, "intermediate_size", 4 * config.hidden_size)
-    return 4 * tokens * per_token * (blocks[1] - blocks[0])
-
-
-@dataclass
-class Saved:
-    """A forward that waits for its backward pass: its input, and its graph (inputs, output) while kept."""
-
-    input: torch.Tensor
-    graph: tuple[torch.Tensor, torch.Tensor] | None
-    graph_bytes: int
-
-    @property
-    def nbytes(self) -> int:
-        return self.input.nbytes + self.graph_bytes
-
-
-@dataclass
-class TrainingSession:
-    session_id: str
-    client_peer: str
-    blocks: tuple[int, int]
-    slice: TrainableSlice
-    optimizer: torch.optim.Optimizer
-    step: int  # optimizer steps applied
-    saved: OrderedDict[str, Saved] = field(default_factory=OrderedDict)  # step id -> what its backward needs
-    answered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids of the last backward passes
-    pending_grads: bool = False  # gradients gathered since the last optimizer step
-    step_after_answer: object = None  # the optimizer step of the backward pass just answered, run once it is sent
-    replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
-    channel: Channel | None = None
-    busy: bool = False  # a request of the session is being answered
-    last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
-    # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
-    inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)
-    arrived: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def state_bytes(self) -> int:
-        """Parameters, their gradients and AdamW's two moments, what waits for backward passes, replicas' gradients."""
-        inbox = sum(flat.nbytes for got in self.inbox.values() for flat in got.values())
-        return 4 * self.slice.nbytes + sum(saved.nbytes for saved in self.saved.values()) + inbox
-
-    def drop_graphs(self) -> None:
-        """Forget the autograd graphs of forwards that wait for their backward pass (they hold the parameters'
-        values before an optimizer step): those backward passes recompute from their inputs."""
-        for saved in self.saved.values():
-            saved.graph, saved.graph_bytes = None, 0
 
 
 class TrainingService:
@@ -175,6 +118,7 @@ class TrainingService:
         self.model_config = model_config
         self.sessions: dict[tuple[str, str], TrainingSession] = {}
         self.opening: dict[str, int] = {}  # peer -> its opens being checked (not yet sessions): they count as held
+        self.opening_bytes = 0  # training memory of the slices being built for opens under way
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self.updates_applied = 0
 
@@ -356,7 +300,23 @@ class TrainingService:
                 trainable.restore_optimizer(optimizer, saved)
             return trainable, optimizer
 
-        trainable, optimizer = await asyncio.to_thread(build)
+        # the float32 state (parameters, gradients, two moments) is reserved while it is built, so concurrent opens
+        # cannot build more than the training memory holds before any of them is admitted
+        estimate = 16 * sum(factor.lora_a.numel() + factor.lora_b.numel() for factor in piece.factors.values())
+        self._check_peer_bytes(peer, estimate, "training state")
+        crowded = self.used_bytes + estimate > self.max_state_bytes and not self._preemptible(time.monotonic())
+        if crowded or self.opening_bytes + estimate > self.max_state_bytes:
+            raise AdapterBudgetError(
+                f"training state of {estimate} bytes does not fit: {self.used_bytes} of max_training_mb "
+                f"({self.max_state_bytes} bytes) are taken or being built"
+            )
+        self.opening_bytes += estimate
+        try:
+            trainable, optimizer = await asyncio.to_thread(build)
+        except torch.OutOfMemoryError:
+            raise AdapterBudgetError("the device ran out of memory for this training session's state") from None
+        finally:
+            self.opening_bytes -= estimate
         self._admit(peer, message.session_id, 4 * trainable.nbytes, opening=1)
         session = TrainingSession(
             message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
@@ -384,21 +344,62 @@ class TrainingService:
         sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after.
         `opening`: opens under way of `peer` that are this one (1 from `_open`)."""
         self._check_room(peer, session_id, opening=opening)
+        self._check_peer_bytes(peer, nbytes, "training state")
         while len(self.sessions) >= self.limits.max_training_sessions:
             if not self._preempt_idle():
                 raise TooManySessionsError(
                     f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
                 )
-        while (used := self.used_bytes) + nbytes > self.max_state_bytes:
-            if not self._preempt_idle():
-                raise AdapterBudgetError(
-                    f"training state of {nbytes} bytes does not fit: {used} of max_training_mb "
-                    f"({self.max_state_bytes} bytes) are taken"
-                )
+        self._make_room(nbytes, f"training state of {nbytes} bytes does not fit", keep=None, preempt=True)
 
     @property
     def used_bytes(self) -> int:
-        return sum(session.state_bytes for session in self.sessions.values())
+        return sum(session.state_bytes for session in self.sessions.values()) + self.opening_bytes
+
+    @property
+    def peer_share_bytes(self) -> int | None:
+        """Training memory one peer's sessions may hold: `max_cache_share_per_peer` of `max_training_mb` (None: a
+        share of the whole node is no limit of its own)."""
+        share = self.limits.max_cache_share_per_peer
+        return None if share >= 1 else int(self.max_state_bytes * share)
+
+    def peer_bytes(self, peer: str) -> int:
+        return sum(session.state_bytes for (owner, _), session in self.sessions.items() if owner == peer)
+
+    def _check_peer_bytes(self, peer: str, nbytes: int, what: str) -> None:
+        """QuotaExceededError when `nbytes` more would take `peer`'s sessions past its share of the training memory:
+        one peer (a client, or the replica it names) cannot take what other peers' sessions need."""
+        cap = self.peer_share_bytes
+        if cap is not None and (held := self.peer_bytes(peer)) + nbytes > cap:
+            raise QuotaExceededError(
+                f"{what} of {nbytes} bytes would take this peer past its share of max_training_mb ({held} of {cap} "
+                "bytes held here)"
+            )
+
+    def _make_room(self, nbytes: int, refusal: str, *, keep: TrainingSession | None, preempt: bool) -> None:
+        """Room for `nbytes` more training memory: overdue saved inputs of sessions other than `keep` dropped
+        (`_drop_overdue`), then, with `preempt`, idle sessions ended; AdapterBudgetError(`refusal`) otherwise.
+        Synchronous: the caller takes the room right after."""
+        while (used := self.used_bytes) + nbytes > self.max_state_bytes:
+            if not (self._drop_overdue(keep) or (preempt and self._preempt_idle())):
+                raise AdapterBudgetError(
+                    f"{refusal}: {used} of max_training_mb ({self.max_state_bytes} bytes) are taken"
+                )
+
+    def _drop_overdue(self, keep: TrainingSession | None) -> bool:
+        """Drop the saved inputs of forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives
+        a forward: the rest of an honest chain answers within the step timeout) in sessions other than `keep` that
+        are not answering a request now; such a backward pass, if it ever comes, is refused and its client fails
+        over. A session kept alive by other requests cannot hold saved inputs for ever. Whether any was dropped."""
+        limit_s = max(self.limits.preempt_idle_s, self.limits.step_timeout_s)
+        now, dropped = time.monotonic(), False
+        for session in self.sessions.values():
+            if session is keep or session.busy:
+                continue
+            for step_id in [step_id for step_id, saved in session.saved.items() if now - saved.at >= limit_s]:
+                del session.saved[step_id]
+                dropped = True
+        return dropped
 
     def end_all(self, reason: str) -> None:
         """End every training session (the node drains or moves): each owner is told and fails over."""
@@ -424,9 +425,9 @@ class TrainingService:
                 raise BadRequestError(
                     f"{len(session.saved)} forward passes wait for their backward pass, the limit (max_queued_steps)"
                 )
-            used = sum(other.state_bytes for other in self.sessions.values())
-            if used + hidden.nbytes > self.max_state_bytes:
-                raise AdapterBudgetError("saved inputs would exceed max_training_mb; send the waiting backward passes")
+            self._check_peer_bytes(session.client_peer, hidden.nbytes, "saved inputs")
+            refusal = "saved inputs would exceed max_training_mb; send the waiting backward passes"
+            self._make_room(hidden.nbytes, refusal, keep=session, preempt=False)
         span, factors = self.compute.span, session.slice.factors
         graph_bytes = activation_bytes(span, hidden.shape[0] * hidden.shape[1], session.blocks)
         if message.keep and graph_bytes > self.max_state_bytes:  # a backward pass holds it, kept or recomputed
@@ -435,7 +436,12 @@ class TrainingService:
                 f"over max_training_mb ({self.max_state_bytes} bytes): send fewer tokens per pass (micro-batches)"
             )
         used = self.used_bytes + hidden.nbytes
-        keep_graph = message.keep and used + graph_bytes <= self.max_state_bytes  # else recomputed on backward
+        share = self.peer_share_bytes
+        keep_graph = (  # else recomputed on backward
+            message.keep
+            and used + graph_bytes <= self.max_state_bytes
+            and (share is None or self.peer_bytes(session.client_peer) + hidden.nbytes + graph_bytes <= share)
+        )
         if message.keep:  # its bytes reserved before the await: other sessions' forwards meanwhile count them
             session.saved[message.step_id] = Saved(hidden, None, graph_bytes if keep_graph else 0)
 
@@ -572,4 +578,4 @@ class TrainingService:
         self.end_all("node stopped")
 
 
-__all__ = ["TrainingService", "TrainingSession"]
+__all__ = ["TrainingService", "TrainingSession", "activation_bytes"]

@@ -35,7 +35,7 @@ from nesa_node.protocol.messages import (
 from nesa_node.protocol.tensors import tensor_from_proto, tensor_to_proto
 
 if TYPE_CHECKING:
-    from nesa_node.server.training import TrainingSession
+    from nesa_node.server.training_state import TrainingSession
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +63,11 @@ class ReplicaSync:
                 serving = {
                     info.peer_id for info in infos if info.start_block <= blocks[0] and blocks[1] <= info.end_block
                 }
-            except Exception as exc:  # a DHT read that fails: nobody is known to serve the blocks
+            except Exception as exc:  # a DHT read that fails: the node cannot check them now (the client goes on)
                 logger.warning("training: could not read the swarm's records to check replicas: %r", exc)
+                raise PeerUnavailableError(
+                    "this node could not read the swarm's records to check the session's replicas; try another"
+                ) from None
         unknown = sorted(peers - serving)
         if unknown:
             raise BadRequestError(
@@ -76,14 +79,20 @@ class ReplicaSync:
         (peer id, session id), so every replica gets the same bits, then take the optimizer step. Seconds spent."""
         started = asyncio.get_running_loop().time()
         parameters = session.slice.parameters()
-        flat = torch.cat([_grad_of(parameter).reshape(-1) for parameter in parameters]).cpu()
+        # the gradients gathered, summed and serialized off the event loop (tens of MB for a big slice: the loop
+        # serves every other session meanwhile), and serialized once for all replicas on other nodes
+        flat, _ = await self.service._compute(
+            lambda: torch.cat([_grad_of(parameter).reshape(-1) for parameter in parameters]).cpu()
+        )
+        remote = any(peer != self.service.peer_id for peer, _ in session.replicas)
+        wire = await asyncio.to_thread(tensor_to_proto, flat) if remote else None
         round_ = session.step + 1
         me = (self.service.peer_id, session.session_id)
         try:
             async with asyncio.timeout(self.service.network.peer_timeout_s):
                 async with asyncio.TaskGroup() as group:
                     for peer, session_id in session.replicas:
-                        group.create_task(self._send_gradients(session, peer, session_id, round_, flat))
+                        group.create_task(self._send_gradients(session, peer, session_id, round_, flat, wire))
                 inbox = session.inbox.setdefault(round_, {})
                 while not set(session.replicas) <= set(inbox):
                     session.arrived.clear()
@@ -91,16 +100,15 @@ class ReplicaSync:
         except (TimeoutError, ExceptionGroup) as exc:
             session.optimizer.zero_grad(set_to_none=True)  # this update is lost: its gradients must not linger
             session.pending_grads = False
-            session.inbox.pop(round_, None)
-            missing = sorted(set(session.replicas) - set(session.inbox.get(round_, {})))
+            missing = sorted(set(session.replicas) - set(session.inbox.pop(round_, {})))
             raise ReplicaUnavailableError(
                 f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "
                 f"({type(exc).__name__})"
             ) from None
         gradients = {**session.inbox.pop(round_), me: flat}
-        total = functools.reduce(torch.add, (gradients[key] for key in sorted(gradients)))
 
         def step() -> None:
+            total = functools.reduce(torch.add, (gradients[key] for key in sorted(gradients)))
             offset = 0
             for parameter in parameters:
                 count = parameter.numel()
@@ -113,7 +121,7 @@ class ReplicaSync:
         return asyncio.get_running_loop().time() - started
 
     async def _send_gradients(
-        self, session: TrainingSession, peer: str, session_id: str, round_: int, flat: torch.Tensor
+        self, session: TrainingSession, peer: str, session_id: str, round_: int, flat: torch.Tensor, wire
     ) -> None:
         message = TrainSync(
             owner=session.client_peer, session_id=session_id, from_session_id=session.session_id, round=round_
@@ -123,7 +131,7 @@ class ReplicaSync:
             return
         channel = await open_stream(self.service.p2p, peer, rpc.TRAIN_SYNC, max_frame_bytes=MAX_METADATA_BYTES + 4096)
         try:
-            channel.send(frame(message, [tensor_to_proto(flat)]))
+            channel.send(frame(message, [wire]))
             answer = await channel.receive()
             if answer is None:
                 raise PeerUnavailableError(f"replica {peer[:12]}… ended the sync stream")
@@ -150,23 +158,37 @@ class ReplicaSync:
             if session is None:
                 raise BadRequestError(f"no training session {message.session_id} of that client here")
             numel = sum(parameter.numel() for parameter in session.slice.parameters())
-            flat = tensor_from_proto(request.tensors[0], allowed_dtypes=("float32",), max_elements=numel, rank=1)
-            self._deliver(message, context.remote_id.to_base58(), flat)
+
+            def parse() -> tuple[torch.Tensor, bool]:  # off the event loop, as the sender's side
+                flat = tensor_from_proto(request.tensors[0], allowed_dtypes=("float32",), max_elements=numel, rank=1)
+                return flat, bool(torch.isfinite(flat).all())
+
+            flat, finite = await asyncio.to_thread(parse)
+            self._deliver(message, context.remote_id.to_base58(), flat, finite=finite)
             channel.send(frame(TrainSynced()))
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
 
-    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor) -> None:
+    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor, *, finite: bool | None = None) -> None:
+        """Keep a replica's gradients for its update, after every check (`finite`: whether the caller found every
+        value finite already; None: checked here)."""
         session = self.service.sessions.get((message.owner, message.session_id))
         if session is None:
             raise BadRequestError(f"no training session {message.session_id} of that client here")
         if (sender, message.from_session_id) not in session.replicas:
             raise BadRequestError("the sender is not a replica of this training session")
         numel = sum(parameter.numel() for parameter in session.slice.parameters())
-        if flat.shape != (numel,) or not torch.isfinite(flat).all():
+        if flat.shape != (numel,) or not (finite if finite is not None else bool(torch.isfinite(flat).all())):
             raise BadRequestError(f"replica gradients must be {numel} finite float32 values")
         if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
             raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
+        # kept until the update: counted in the session's training memory, and its owner's share of it
+        held = session.inbox.get(message.round, {}).get((sender, message.from_session_id))
+        extra = flat.nbytes - (held.nbytes if held is not None else 0)
+        if extra > 0:
+            self.service._check_peer_bytes(session.client_peer, extra, "replica gradients")
+            refusal = "replica gradients would exceed max_training_mb"
+            self.service._make_room(extra, refusal, keep=session, preempt=False)
         session.inbox.setdefault(message.round, {})[(sender, message.from_session_id)] = flat
         session.arrived.set()
 

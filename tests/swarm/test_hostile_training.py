@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import hashlib
 import math
+import threading
 import time
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -50,6 +51,7 @@ from nesa_node.protocol.messages import (
     TrainSynced,
 )
 from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto
+from nesa_node.server import training as training_module
 from nesa_node.server.training import activation_bytes
 from nesa_node.sharding.blocks import load_config
 from nesa_node.sharding.lora import AdapterSlice, projection_shapes
@@ -535,12 +537,12 @@ class Holder:
         self.channels: list[StreamChannel] = []
 
     def open(self, p2p: P2P, session_id: str, **fields) -> Message | None:
-        async def run():
-            channel = await open_stream(p2p, self.target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
-            self.channels.append(channel)
-            return await ask(channel, opening(session_id=session_id, **fields))
+        return self.target.run(self.opened(p2p, session_id, **fields))
 
-        return self.target.run(run())
+    async def opened(self, p2p: P2P, session_id: str, **fields) -> Message | None:
+        channel = await open_stream(p2p, self.target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+        self.channels.append(channel)
+        return await ask(channel, opening(session_id=session_id, **fields))
 
     def close(self) -> None:
         for channel in self.channels:
@@ -691,7 +693,9 @@ def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_
     rows = hidden(1, 8)
     graph = activation_bytes(training.compute.span, 8, (0, 2))
     room = training.used_bytes + graph + rows.nbytes + rows.nbytes // 2
-    monkeypatch.setattr(training, "limits", dataclasses.replace(training.limits, max_training_mb=room / 2**20))
+    # the node's whole training memory is the limit here (a peer's share of it: the next test)
+    limits = dataclasses.replace(training.limits, max_training_mb=room / 2**20, max_cache_share_per_peer=1.0)
+    monkeypatch.setattr(training, "limits", limits)
     run_work = training.compute.run_work
     started, second_answered = asyncio.Event(), asyncio.Event()
 
@@ -717,6 +721,86 @@ def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_
     assert isinstance(answer_a, TrainOutput)
     assert code(answer_b) == "adapter_budget" and "max_training_mb" in answer_b.message
     assert training.used_bytes <= training.max_state_bytes
+
+
+def test_g3_concurrent_opens_cannot_build_more_training_state_than_the_memory_holds(target, holder, monkeypatch):
+    """An open's float32 state (parameters, gradients, AdamW's moments) is reserved while the node builds it: with
+    room for one, a second open arriving while the first builds is refused (adapter_budget) before anything of it
+    is built, and the first is admitted."""
+    first, second = target.attackers
+    training = target.node.training
+    estimate = 16 * numel_of(adapter().narrow(0, 2))
+    room = (training.used_bytes + estimate * 3 // 2) / 2**20
+    limits = dataclasses.replace(
+        training.limits, max_training_mb=room, preempt_idle_s=3600.0, max_cache_share_per_peer=1.0
+    )  # nobody idle long enough to be preempted: only the reservation decides
+    monkeypatch.setattr(training, "limits", limits)
+    building, release, built = threading.Event(), threading.Event(), []
+    trainable_slice = training_module.TrainableSlice
+
+    def held(*args, **kwargs):  # the first build waits until the second open has its answer
+        built.append(args)
+        building.set()
+        release.wait(20)
+        return trainable_slice(*args, **kwargs)
+
+    monkeypatch.setattr(training_module, "TrainableSlice", held)
+
+    async def both():
+        one = asyncio.create_task(holder.opened(first, "builds-first"))
+        assert await asyncio.to_thread(building.wait, 20)
+        try:
+            two = await holder.opened(second, "builds-second")
+        finally:
+            release.set()
+        return await one, two
+
+    answer_one, answer_two = target.run(both())
+    assert isinstance(answer_one, TrainOpened)
+    assert code(answer_two) == "adapter_budget" and "being built" in answer_two.message
+    assert len(built) == 1 and training.opening_bytes == 0
+    assert training.used_bytes <= training.max_state_bytes
+
+
+def test_g3_one_peer_holds_at_most_its_share_of_the_training_memory(target, holder, monkeypatch):
+    """Saved inputs count in their peer's share of max_training_mb (max_cache_share_per_peer), not only in the node's
+    whole: a forward that would take the peer past it is refused (quota), while passes that keep nothing, and
+    smaller ones within the share, go on."""
+    first = target.attackers[0]
+    assert isinstance(holder.open(first, "memory-share"), TrainOpened)
+    training, peer = target.node.training, first.peer_id.to_base58()
+    small, large = hidden(1, 2), hidden(1, 8)
+    share = (training.peer_bytes(peer) + (small.nbytes + large.nbytes) // 2) / training.max_state_bytes
+    monkeypatch.setattr(training, "limits", dataclasses.replace(training.limits, max_cache_share_per_peer=share))
+    channel = holder.channels[0]
+    over = target.run(ask(channel, forward("large", large)))
+    assert code(over) == "quota" and "share of max_training_mb" in over.message, over
+    assert isinstance(target.run(ask(channel, forward("evaluation", large, keep=False))), TrainOutput)
+    assert isinstance(target.run(ask(channel, forward("small", small))), TrainOutput)
+    assert training.peer_bytes(peer) <= training.peer_share_bytes
+
+
+def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(target, holder, monkeypatch):
+    """A session kept alive by other requests cannot hold its saved forwards for ever: once a forward's backward pass
+    is overdue (past the step timeout an honest chain answers within), its input is dropped when another session
+    needs the room, and that backward pass is refused if it ever comes. Before that, the room is the keeper's."""
+    keeper, other = target.attackers
+    assert isinstance(holder.open(keeper, "keeps"), TrainOpened)
+    assert isinstance(holder.open(other, "needs-room"), TrainOpened)
+    training = target.node.training
+    kept, needed = hidden(1, 8), hidden(1, 4)
+    assert isinstance(target.run(ask(holder.channels[0], forward("kept", kept))), TrainOutput)
+    budget = training.used_bytes + needed.nbytes // 2  # what the other forward lacks is the kept forward's room
+    limits = dataclasses.replace(training.limits, max_training_mb=budget / 2**20, max_cache_share_per_peer=1.0)
+    monkeypatch.setattr(training, "limits", limits)
+    refused = target.run(ask(holder.channels[1], forward("fresh", needed)))
+    assert code(refused) == "adapter_budget" and "max_training_mb" in refused.message
+    session = training.sessions[(keeper.peer_id.to_base58(), "keeps")]
+    session.saved["kept"].at -= max(limits.preempt_idle_s, limits.step_timeout_s) + 1  # its backward is overdue now
+    assert isinstance(target.run(ask(holder.channels[1], forward("later", needed))), TrainOutput)
+    assert "kept" not in session.saved and training.used_bytes <= training.max_state_bytes
+    late = target.run(ask(holder.channels[0], backward("kept", kept)))
+    assert code(late) == "bad_request" and "waits for its backward pass" in late.message
 
 
 # ---- replica gradients (nesa.train_sync) ---------------------------------------------------------------------------
@@ -850,6 +934,50 @@ def test_g1_a_named_replica_cannot_send_gradients_of_the_wrong_size_values_or_ro
     assert (state_after.step, state_after.slice_sha256) == (0, state_before.slice_sha256)
     assert state_after.optimizer_sha256 == state_before.optimizer_sha256
     assert target.honest_hashes() == honest_before
+
+
+def test_g3_replica_gradients_count_in_their_session_owners_share(target, monkeypatch):
+    """Gradients a named replica sends wait in the session's inbox until its update: they count in the training
+    memory of the session's owner, so a client naming replicas of its own cannot grow a session past its share."""
+    me = target.attacker.peer_id.to_base58()
+    training = target.node.training
+    records = training.records
+
+    async def records_with_the_attacker():
+        return [*(await records()), SimpleNamespace(peer_id=me, start_block=0, end_block=2)]
+
+    monkeypatch.setattr(training, "records", records_with_the_attacker)
+    numel = numel_of(adapter().narrow(0, 2))
+
+    def gradients(round_: int) -> tuple[TrainSync, list]:
+        message = TrainSync(owner=me, session_id="dp-share", from_session_id="ghost", round=round_)
+        return message, [tensor_to_proto(torch.zeros(numel))]
+
+    async def scenario():
+        channel = await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+        try:
+            opened = await ask(
+                channel, opening(session_id="dp-share", replicas=(Replica(peer=me, session_id="ghost"),))
+            )
+            assert isinstance(opened, TrainOpened), opened
+            share = (training.peer_bytes(me) + 4 * numel * 3 // 2) / training.max_state_bytes  # room for one round's
+            monkeypatch.setattr(
+                training, "limits", dataclasses.replace(training.limits, max_cache_share_per_peer=share)
+            )
+            first = await sync(target.attacker, target.node, *gradients(1))
+            second = await sync(target.attacker, target.node, *gradients(2))
+            return (
+                first,
+                second,
+                {round_: list(got) for round_, got in training.sessions[(me, "dp-share")].inbox.items()},
+            )
+        finally:
+            channel.close()
+
+    first, second, inbox = target.run(scenario())
+    assert isinstance(first, TrainSynced)
+    assert code(second) == "quota" and "share of max_training_mb" in second.message
+    assert inbox == {1: [(me, "ghost")]}
 
 
 def test_g5_a_node_sends_gradients_only_to_nodes_that_serve_the_blocks(target):

@@ -1,0 +1,76 @@
+"""What a node keeps of one LoRA training session (server/training.py): its trainable slice and optimizer, the
+forwards that wait for their backward pass, and its replicas' gradients, with the bytes each takes of the node's
+training memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from nesa_node.protocol.channel import Channel
+from nesa_node.sharding.lora_train import TrainableSlice
+
+ANSWERED_KEPT = 64  # step ids of answered backward passes remembered per session: a reused one is refused
+
+
+def activation_bytes(span, tokens: int, blocks: tuple[int, int]) -> int:
+    """What a forward's autograd graph holds through `blocks` for `tokens` tokens, bytes: per token and block, the
+    inputs of the seven projections and two norms, the attention output and the MLP's intermediate tensors (a guess
+    of 12 hidden-wide and 5 intermediate-wide float32 tensors; eager attention holds its probabilities on top)."""
+    config = span.config
+    per_token = 12 * config.hidden_size + 5 * getattr(config, "intermediate_size", 4 * config.hidden_size)
+    return 4 * tokens * per_token * (blocks[1] - blocks[0])
+
+
+@dataclass
+class Saved:
+    """A forward that waits for its backward pass: its input, and its graph (inputs, output) while kept."""
+
+    input: torch.Tensor
+    graph: tuple[torch.Tensor, torch.Tensor] | None
+    graph_bytes: int
+    at: float = field(default_factory=time.monotonic)  # when the forward was taken
+
+    @property
+    def nbytes(self) -> int:
+        return self.input.nbytes + self.graph_bytes
+
+
+@dataclass
+class TrainingSession:
+    session_id: str
+    client_peer: str
+    blocks: tuple[int, int]
+    slice: TrainableSlice
+    optimizer: torch.optim.Optimizer
+    step: int  # optimizer steps applied
+    saved: OrderedDict[str, Saved] = field(default_factory=OrderedDict)  # step id -> what its backward needs
+    answered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids of the last backward passes
+    pending_grads: bool = False  # gradients gathered since the last optimizer step
+    step_after_answer: object = None  # the optimizer step of the backward pass just answered, run once it is sent
+    replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
+    channel: Channel | None = None
+    busy: bool = False  # a request of the session is being answered
+    last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
+    # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
+    inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, their gradients and AdamW's two moments, what waits for backward passes, replicas' gradients."""
+        inbox = sum(flat.nbytes for got in self.inbox.values() for flat in got.values())
+        return 4 * self.slice.nbytes + sum(saved.nbytes for saved in self.saved.values()) + inbox
+
+    def drop_graphs(self) -> None:
+        """Forget the autograd graphs of forwards that wait for their backward pass (they hold the parameters'
+        values before an optimizer step): those backward passes recompute from their inputs."""
+        for saved in self.saved.values():
+            saved.graph, saved.graph_bytes = None, 0
+
+
+__all__ = ["ANSWERED_KEPT", "Saved", "TrainingSession", "activation_bytes"]

@@ -1,0 +1,44 @@
+"""A node checks the replicas a training open names against the swarm's records (server/training_sync.py
+check_nodes): a peer that announces no span of the blocks is refused as the client's mistake (bad_request), while a
+records read that fails is the node's own trouble, refused as retryable (the client opens elsewhere)."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from nesa_node.errors import BadRequestError, PeerUnavailableError
+from nesa_node.server.training_sync import ReplicaSync
+
+
+def service(records):
+    return SimpleNamespace(records=records, network=SimpleNamespace(peer_timeout_s=3.0))
+
+
+async def announcing():
+    return [SimpleNamespace(peer_id="serving", start_block=0, end_block=4)]
+
+
+async def failing():
+    raise OSError("the DHT did not answer")
+
+
+async def silent():
+    await asyncio.sleep(60)
+
+
+def test_replicas_that_announce_the_blocks_pass():
+    asyncio.run(ReplicaSync(service(announcing)).check_nodes({"serving"}, (0, 2)))
+
+
+def test_a_replica_announcing_no_such_span_is_the_clients_mistake():
+    with pytest.raises(BadRequestError, match="do not announce blocks 2:6"):
+        asyncio.run(ReplicaSync(service(announcing)).check_nodes({"serving"}, (2, 6)))
+
+
+@pytest.mark.parametrize("records", [failing, silent], ids=["failing", "silent"])
+def test_records_the_node_cannot_read_are_its_own_trouble(records):
+    with pytest.raises(PeerUnavailableError, match="could not read the swarm's records"):
+        asyncio.run(ReplicaSync(service(records)).check_nodes({"serving"}, (0, 2)))
