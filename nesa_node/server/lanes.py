@@ -153,6 +153,7 @@ class LaneServer:
     ) -> None:
         channel: LaneChannel | None = None
         session: ServerSession | None = None
+        role = None
         try:
             async with asyncio.timeout(self.network.lane_hello_timeout_s):
                 role, session_id, salt = await lane.read_hello(reader)
@@ -186,6 +187,8 @@ class LaneServer:
                     await self._serve_steps(channel, session)
         except (NesaError, TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             logger.debug("lane connection ended: %r", exc)
+        except Exception as exc:  # a fault serving it (say, the device out of memory): this connection ends alone
+            logger.warning("lane connection (role %s) failed: %r", role, exc)
         finally:
             if session is not None:
                 session.inbound.discard(channel)

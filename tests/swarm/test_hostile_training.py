@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import functools
 import hashlib
+import logging
 import math
 import threading
 import time
@@ -23,16 +24,17 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import torch
-from hivemind.p2p import P2P
+from hivemind.p2p import P2P, PeerID
 
 from nesa_node.client.finetune import FineTuningSession
 from nesa_node.devtools.tiny_model import TinyModelSpec, build_config
 from nesa_node.errors import NesaError
-from nesa_node.protocol import rpc
-from nesa_node.protocol.channel import Frame, LaneChannel, frame, read
+from nesa_node.protocol import lane, rpc
+from nesa_node.protocol.channel import ChannelClosedError, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
 from nesa_node.protocol.messages import (
     FROM_TRAINING,
+    TICKET_ANSWERS,
     TRAIN_SYNC_ANSWERS,
     ErrorReply,
     Message,
@@ -721,6 +723,43 @@ def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_
     assert isinstance(answer_a, TrainOutput)
     assert code(answer_b) == "adapter_budget" and "max_training_mb" in answer_b.message
     assert training.used_bytes <= training.max_state_bytes
+
+
+def test_g1_a_fault_serving_a_training_lane_ends_that_connection_alone(target, monkeypatch, caplog):
+    """Something other than a typed refusal going wrong while a node serves a TRAIN lane (a device fault, say) ends
+    that connection, logged as one warning line: no unhandled traceback, and the node goes on (the honest client
+    trains on its own lanes after the test)."""
+
+    async def faulty(channel, peer: str) -> None:
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(target.node.lanes, "train", faulty)
+
+    async def attempt():
+        answer = await target.attacker.call_protobuf_handler(
+            PeerID.from_base58(target.node.peer_id), rpc.LANE_TICKET, Frame(), Frame
+        )
+        ticket = read(answer, TICKET_ANSWERS)
+        stream = await lane.connect(
+            target.node.lanes.address, lane.ROLE_TRAIN, ticket.ticket, bytes.fromhex(ticket.key)
+        )
+        channel = LaneChannel(stream)
+        try:
+            channel.send(opening(session_id="faulty"))
+            async with asyncio.timeout(10):
+                return await channel.receive()
+        except ChannelClosedError:
+            return None
+        finally:
+            channel.close()
+
+    with caplog.at_level(logging.WARNING):
+        assert target.run(attempt()) is None  # the lane ended, nothing answered
+        wait_until(lambda: any("device fault" in record.getMessage() for record in caplog.records))
+    faults = [record for record in caplog.records if "device fault" in record.getMessage()]
+    assert [(record.name, record.levelno, record.exc_info) for record in faults] == [
+        ("nesa_node.server.lanes", logging.WARNING, None)
+    ]
 
 
 def test_g3_concurrent_opens_cannot_build_more_training_state_than_the_memory_holds(target, holder, monkeypatch):
