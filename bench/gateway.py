@@ -229,6 +229,9 @@ def main() -> None:
             group.wait_address(process, node_address, timeout_s=300)
         gateway_args = ["gateway", "--model", path, "--initial-peers", *peers, "--dht-prefix", "bench-gateway"]
         gateway_args += ["--port", "0", "--compression", "none"]
+        # every stream of the concurrent figure comes from this one address: one caller, allowed them all
+        gateway_args += ["--max-concurrency", str(max(64, args.concurrent))]
+        gateway_args += ["--max-requests-per-caller", str(max(64, args.concurrent))]
         gateway, gateway_file = group.start("gateway", gateway_args)
         (url,) = group.wait_address(gateway, gateway_file, timeout_s=300)
         figures = asyncio.run(measure(args, path, peers, url))

@@ -38,6 +38,22 @@ def add_parser(commands, add_peer_args) -> None:
         "--max-concurrency", type=PARSERS["positive_int"], default=64, help="requests generating at once (default 64)"
     )
     gateway.add_argument(
+        "--max-requests-per-caller",
+        type=PARSERS["positive_int"],
+        default=None,
+        metavar="N",
+        help="requests one caller may have generating or waiting at once, 429 beyond (a caller: an API key, or "
+        "without --api-key-file a client address, so everyone behind one proxy is one caller; default: a quarter "
+        "of --max-concurrency)",
+    )
+    gateway.add_argument(
+        "--send-timeout",
+        type=PARSERS["positive"],
+        default=30.0,
+        metavar="SECONDS",
+        help="a streamed answer whose client takes nothing for this long is ended, and its slot freed (default 30)",
+    )
+    gateway.add_argument(
         "--compression",
         choices=CLIENT_CODECS,
         default=DEFAULT_CODEC,
@@ -117,6 +133,8 @@ async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
             model_name=name,
             chat_template=chat_template,
             max_concurrency=args.max_concurrency,
+            max_requests_per_caller=args.max_requests_per_caller,
+            send_timeout_s=args.send_timeout,
             topology_period_s=args.topology_period,
             adapter_dir=args.adapter_dir,
             api_keys=api_keys,

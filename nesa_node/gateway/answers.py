@@ -4,8 +4,10 @@ and the pieces of OpenAI's answer shapes (ids, usage, server-sent events)."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from nesa_node.gateway.text import TextStream
 
@@ -44,8 +46,26 @@ def usage(generation: Generation) -> dict:
     }
 
 
+def completion(generation: Generation, *, chat: bool, model: str) -> dict:
+    """The answer of a request that is not streamed, once its generation is over."""
+    choice: dict[str, Any] = {"index": 0, "finish_reason": generation.finish_reason, "logprobs": None}
+    if chat:
+        choice["message"] = {"role": "assistant", "content": generation.text.text}
+    else:
+        choice["text"] = generation.text.text
+    return {
+        "id": answer_id(chat),
+        "object": "chat.completion" if chat else "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(generation),
+        "nesa": {"verification": generation.verification or {"mode": "off"}},
+    }
+
+
 def event(body: dict) -> bytes:
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
-__all__ = ["Generation", "Prepared", "answer_id", "event", "usage"]
+__all__ = ["Generation", "Prepared", "answer_id", "completion", "event", "usage"]

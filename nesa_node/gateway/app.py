@@ -6,8 +6,9 @@ unknown model, 400 for a bad request, never a 500 for the caller's mistake); str
 `data: {json}` per chunk and `data: [DONE]` at the end; `stream_options.include_usage` adds one last chunk with
 empty choices and the usage. `finish_reason` is "stop" (end of sequence or a stop string) or "length" (max_tokens),
 the same streamed or not; stop strings never reach the client, also when they cross tokens (gateway/text.py). A
-client that goes away mid-stream closes the request's session, so the nodes free its cache at once. Who may call
-`/v1/*` (API keys) and load adapters: gateway/auth.py.
+client that goes away mid-stream, or takes nothing of its stream for `send_timeout_s` (gateway/streams.py), closes the
+request's session, so the nodes free its cache at once. Who may call `/v1/*` (API keys) and load adapters:
+gateway/auth.py; how many requests one caller may have at once: gateway/callers.py; errors: gateway/handlers.py.
 """
 
 from __future__ import annotations
@@ -17,33 +18,23 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 from fastapi import Depends, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response
 
 from nesa_node.client.async_model import AsyncDistributedModel, session_of
-from nesa_node.errors import (
-    AdapterBudgetError,
-    AdapterError,
-    AdapterMissingError,
-    CacheBudgetError,
-    NesaError,
-    NoRouteError,
-    PeerUnavailableError,
-    QuotaExceededError,
-    RequestError,
-    TooManySessionsError,
-)
+from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
-from nesa_node.gateway.answers import Generation, Prepared, answer_id, event, usage
-from nesa_node.gateway.auth import ApiKeys, is_loopback
+from nesa_node.gateway.answers import Generation, Prepared, completion
+from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys, is_loopback
+from nesa_node.gateway.callers import CallerLimit, default_limit
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
-from nesa_node.gateway.middleware import CountRequests, LimitBody
+from nesa_node.gateway.handlers import add_error_handlers
+from nesa_node.gateway.middleware import CountRequests, LimitBody, RequireKey
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.requests import (
     BODY_HEADROOM_BYTES,
@@ -51,21 +42,23 @@ from nesa_node.gateway.requests import (
     MAX_CHARS_PER_TOKEN,
     MAX_STOP_CHARS,
     MAX_STOPS,
+    PREFIX_CHARS_PER_TOKEN,
+    PREFIX_SLACK_TOKENS,
     ApiError,
     ChatRequest,
     CompletionRequest,
     content_text,
+    shown,
+    unencodable_field,
     unsupported_parameter,
 )
+from nesa_node.gateway.streams import SEND_TIMEOUT_S, EventStream, answer_events
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
 from nesa_node.protocol.records import NodeState
 
 logger = logging.getLogger(__name__)
 
-# refusals for want of room on the nodes (the session's cache, the caller's share, an adapter budget in use): the
-# swarm's state, not the request's fault
-CAPACITY = (AdapterBudgetError, CacheBudgetError, QuotaExceededError, TooManySessionsError)
 WAITING_PER_SLOT = 4  # requests that may wait for a generation slot, per slot (--max-concurrency): past them, 429
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
@@ -84,9 +77,16 @@ class Gateway:
         topology_period_s: float = TOPOLOGY_PERIOD_S,
         adapter_dir: str | None = None,
         api_keys: ApiKeys | None = None,
+        send_timeout_s: float = SEND_TIMEOUT_S,
+        max_requests_per_caller: int | None = None,
     ):
+        """`send_timeout_s`: the longest a streamed answer waits for its client to take a chunk (gateway/streams.py);
+        `max_requests_per_caller`: requests one API key (without keys: one client address) may have running or
+        waiting at once, by default a quarter of `max_concurrency` (gateway/callers.py)."""
         self.model = model
         self.api_keys = api_keys  # None: /v1 is open (gateway/auth.py)
+        self.send_timeout_s = send_timeout_s
+        self.callers = CallerLimit(max_requests_per_caller or default_limit(max_concurrency))
         self.adapters = GatewayAdapters(model, base_name=model_name, adapter_dir=adapter_dir)
         self.topology_period_s = topology_period_s
         self.tokenizer = tokenizer
@@ -124,7 +124,7 @@ class Gateway:
         except AdapterMissingError:
             raise ApiError(
                 404,
-                f"The model `{name}` does not exist; this gateway serves `{self.model_name}` and its adapters "
+                f"The model `{shown(name)}` does not exist; this gateway serves `{self.model_name}` and its adapters "
                 "(GET /v1/models lists them)",
                 param="model",
                 code="model_not_found",
@@ -139,10 +139,10 @@ class Gateway:
                 raise ApiError(400, "this gateway takes one prompt per request", param="prompt")
             prompt = prompt[0]
         self._check_chars(len(prompt), "prompt")
-        ids = self.tokenizer(prompt, add_special_tokens=True).input_ids
+        ids = self._token_ids(prompt, add_special_tokens=True, param="prompt")
         if not ids:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        return list(ids)
+        return ids
 
     def _chat_ids(self, request: ChatRequest) -> list[int]:
         template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
@@ -163,7 +163,28 @@ class Gateway:
         except Exception as exc:  # a template that fails on these messages is the request's problem
             raise ApiError(400, f"the chat template failed on these messages: {exc}", param="messages") from None
         self._check_chars(len(text), "messages")  # as rendered: many short messages make a long text
-        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._token_ids(text, add_special_tokens=False, param="messages")
+
+    def _token_ids(self, text: str, *, add_special_tokens: bool, param: str) -> list[int]:
+        """The tokens of `text`. A text longer than PREFIX_CHARS_PER_TOKEN characters per token of the model's context
+        is first tokenized in prefixes, each twice the last, and refused (400 `context_length_exceeded`) at the first
+        that has more tokens than the context holds (plus PREFIX_SLACK_TOKENS, for the word cut at the prefix's end):
+        a prompt bound to be refused costs the tokenizer about what the context's worth of text costs, not its whole
+        length, and one that fits at most twice its own."""
+        limit = self.max_length
+        chars = PREFIX_CHARS_PER_TOKEN * limit
+        while chars < len(text):
+            tokens = len(self.tokenizer(text[:chars], add_special_tokens=add_special_tokens).input_ids)
+            if tokens > limit + PREFIX_SLACK_TOKENS:
+                raise ApiError(
+                    400,
+                    f"the {param} has more tokens than the model's context of {limit} holds (its first {chars} "
+                    f"characters have {tokens})",
+                    param=param,
+                    code="context_length_exceeded",
+                )
+            chars *= 2
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
     def _check_chars(self, chars: int, param: str) -> None:
         if chars > self.max_prompt_chars:
@@ -399,117 +420,31 @@ class Gateway:
         generation = None
         async for update in self.generate(request, prepared):
             generation = update[0]
-        text = generation.text.text
-        chat = isinstance(request, ChatRequest)
-        choice: dict[str, Any] = {"index": 0, "finish_reason": generation.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {
-            "id": answer_id(chat),
-            "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": request.model,
-            "choices": [choice],
-            "usage": usage(generation),
-            "nesa": {"verification": generation.verification or {"mode": "off"}},
-        }
+        return completion(generation, chat=isinstance(request, ChatRequest), model=request.model)
 
-    async def events(self, request: CompletionRequest | ChatRequest, prepared: Prepared) -> AsyncIterator[bytes]:
-        """The server-sent events of a streamed answer."""
-        chat = isinstance(request, ChatRequest)
-        include_usage = bool(request.stream_options and request.stream_options.include_usage)
-        base = {
-            "id": answer_id(chat),
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": int(time.time()),
-            "model": request.model,
-        }
-
-        def chunk(piece: str | None, finish_reason: str | None, *, role: bool = False) -> bytes:
-            if chat:
-                delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-                if piece:
-                    delta["content"] = piece
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-            else:
-                choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish_reason}
-            body = {**base, "choices": [choice]}
-            if include_usage:
-                body["usage"] = None
-            return event(body)
-
-        generation = None
-        try:
-            if chat:
-                yield chunk(None, None, role=True)
-            async for update in self.generate(request, prepared, wait_for_checks=False):
-                generation, piece = update
-                if piece:
-                    yield chunk(piece, None)
-            yield chunk(None, generation.finish_reason)
-            if include_usage:
-                yield event({**base, "choices": [], "usage": usage(generation)})
-        except NesaError as exc:
-            yield event({"error": {"message": exc.message, "type": "server_error", "param": None, "code": exc.code}})
-        except ApiError as exc:  # no room left after all (check_room)
-            yield event({"error": {"message": exc.message, "type": exc.kind, "param": exc.param, "code": exc.code}})
-        except Exception as exc:  # the stream has started: the error goes in it, and the stream still ends
-            logger.exception("a streamed answer failed")
-            yield event({"error": {"message": f"internal error: {type(exc).__name__}", "type": "server_error",
-                                    "param": None, "code": "internal"}})  # fmt: skip
-        yield b"data: [DONE]\n\n"
+    def events(self, request: CompletionRequest | ChatRequest, prepared: Prepared) -> AsyncGenerator[bytes, None]:
+        """The server-sent events of a streamed answer (gateway/streams.py)."""
+        return answer_events(request, self.generate(request, prepared, wait_for_checks=False))
 
 
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app of `gateway`."""
     app = FastAPI(title="nesa-node gateway", docs_url=None, redoc_url=None)
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            error = (first.get("ctx") or {}).get("error", "")
-            return ApiError(400, f"the request body is not valid JSON: {error}".rstrip(": ")).response()
-        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        return ApiError(400, f"{param or 'request'}: {first.get('msg', 'invalid request')}", param=param).response()
-
-    @app.exception_handler(NoRouteError)
-    async def no_route(request: Request, exc: NoRouteError) -> JSONResponse:
-        return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
-
-    @app.exception_handler(PeerUnavailableError)
-    async def unavailable(request: Request, exc: PeerUnavailableError) -> JSONResponse:
-        return ApiError(503, exc.message, kind="server_error", code=exc.code).response()
-
-    @app.exception_handler(NesaError)
-    async def refused(request: Request, exc: NesaError) -> JSONResponse:
-        """Any other typed error: a node's refusal of what this request asks (its adapter, its length) is the
-        request's (400); the swarm's capacity (no room for the session, the adapter or the caller's share of either:
-        worth trying again later) and the rest are 503."""
-        status = 400 if isinstance(exc, RequestError) and not isinstance(exc, CAPACITY) else 503
-        kind = "invalid_request_error" if status == 400 else "server_error"
-        return ApiError(status, exc.message, kind=kind, code=exc.code).response()
-
-    @app.exception_handler(Exception)
-    async def failed(request: Request, exc: Exception) -> JSONResponse:
-        """A fault of the gateway's own, in OpenAI's shape (its traceback goes to the log, not to the caller)."""
-        logger.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        message = f"internal error: {type(exc).__name__}"
-        return ApiError(500, message, kind="server_error", code="internal").response()
-
+    add_error_handlers(app)
     app.add_middleware(LimitBody, max_bytes=gateway.max_body_bytes)
+    app.add_middleware(RequireKey, api_keys=gateway.api_keys)  # before the body is read
     app.add_middleware(CountRequests, metrics=gateway.metrics)  # outermost: refused bodies are counted too
 
-    async def authorized(request: Request) -> None:
-        if gateway.api_keys is not None and not gateway.api_keys.allows(request.headers.get("authorization")):
-            raise ApiError(401, "a valid API key is needed: send `Authorization: Bearer KEY` (the client's api_key)",
-                           code="invalid_api_key")  # fmt: skip
+    async def authorized(request: Request) -> str:
+        """Who calls (gateway/callers.py): its API key's id, or without keys its address; ApiError 401 without a key
+        of this gateway's."""
+        if gateway.api_keys is None:
+            return f"address:{request.client.host if request.client else ''}"
+        caller = gateway.api_keys.identify(request.headers.get("authorization"))
+        if caller is None:
+            raise ApiError(401, KEY_NEEDED, code="invalid_api_key")
+        return caller
 
     async def may_manage(request: Request) -> None:
         await authorized(request)
@@ -565,26 +500,34 @@ def create_app(gateway: Gateway) -> FastAPI:
         except AdapterMissingError as exc:
             raise ApiError(404, exc.message, param="name", code=exc.code) from None
 
-    async def answer(request: CompletionRequest | ChatRequest, raw: Request):
-        adapter = await gateway.resolve_model(request.model)
-        prepared = await gateway.prepare(request, adapter)
-        gateway.check_room()  # a stream refused with a status while it can be
-        if request.stream:
-            return StreamingResponse(
-                gateway.events(request, prepared),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
-        answered = await gateway.complete_while_connected(request, prepared, raw)
-        return Response(status_code=499) if answered is None else answered  # 499: nobody is there to read it
+    async def answer(request: CompletionRequest | ChatRequest, raw: Request, caller: str):
+        field = unencodable_field(request)
+        if field is not None:  # nothing downstream (tokenizer, JSON answers) takes such a string
+            raise ApiError(400, f"`{field}` is not valid Unicode (a lone UTF-16 surrogate such as \\ud800): send "
+                           "text that encodes as UTF-8", param=field, code="invalid_unicode")  # fmt: skip
+        held = gateway.callers.admit(caller)  # running or waiting, until its generation is over
+        streamed = False
+        try:
+            adapter = await gateway.resolve_model(request.model)
+            prepared = await gateway.prepare(request, adapter)
+            gateway.check_room()  # a stream refused with a status while it can be
+            if request.stream:
+                events = gateway.events(request, prepared)
+                streamed = True
+                return EventStream(events, send_timeout_s=gateway.send_timeout_s, on_close=held.release)
+            answered = await gateway.complete_while_connected(request, prepared, raw)
+            return Response(status_code=499) if answered is None else answered  # 499: nobody is there to read it
+        finally:
+            if not streamed:
+                held.release()
 
-    @app.post("/v1/completions", dependencies=v1)
-    async def completions(request: CompletionRequest, raw: Request):
-        return await answer(request, raw)
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest, raw: Request, caller: str = Depends(authorized)):
+        return await answer(request, raw, caller)
 
-    @app.post("/v1/chat/completions", dependencies=v1)
-    async def chat_completions(request: ChatRequest, raw: Request):
-        return await answer(request, raw)
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest, raw: Request, caller: str = Depends(authorized)):
+        return await answer(request, raw, caller)
 
     return app
 

@@ -2,9 +2,10 @@
 loaded from.
 
 With keys, every `/v1/*` request needs `Authorization: Bearer KEY` (what OpenAI's clients send as their `api_key`);
-a missing or wrong key is a 401 `invalid_api_key` in OpenAI's shape. The file holds one key per line (blank lines and
-lines starting with `#` are skipped); keys are kept as sha256 digests and compared in constant time. `/health`,
-`/metrics`, the dashboard (`/`) and `/api/swarm` stay open: they show what the swarm's DHT shows anyone.
+a missing or wrong key is a 401 `invalid_api_key` in OpenAI's shape, answered before the request's body is read. The
+file holds one key per line (blank lines and lines starting with `#` are skipped); keys are kept as sha256 digests
+and compared in constant time. `/health`, `/metrics`, the dashboard (`/`) and `/api/swarm` stay open: they show what
+the swarm's DHT shows anyone.
 
 `POST /v1/adapters/load|unload` change what the gateway serves: without keys they are answered only for clients on
 this machine (a loopback address), whatever `--host` the gateway listens on.
@@ -25,8 +26,9 @@ logger = logging.getLogger(__name__)
 
 MAX_KEY_CHARS = 512
 MAX_KEYS = 1024
+KEY_NEEDED = "a valid API key is needed: send `Authorization: Bearer KEY` (the client's api_key)"
 
-__all__ = ["ApiKeys", "is_loopback"]
+__all__ = ["KEY_NEEDED", "ApiKeys", "is_loopback"]
 
 
 class ApiKeys:
@@ -64,11 +66,17 @@ class ApiKeys:
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header's value names one of the keys (`Bearer KEY`)."""
+        return self.identify(authorization) is not None
+
+    def identify(self, authorization: str | None) -> str | None:
+        """Which key an `Authorization` header's value names (`Bearer KEY`): "key:" and the start of its digest, the
+        same for every request with that key and never the key itself; None for no key of this gateway's."""
         scheme, _, key = (authorization or "").strip().partition(" ")
         if scheme.lower() != "bearer" or not key.strip() or len(key) > MAX_KEY_CHARS:
-            return False
+            return None
         digest = hashlib.sha256(key.strip().encode()).digest()
-        return any([hmac.compare_digest(digest, known) for known in self._digests])  # every key compared: no early out
+        matches = [hmac.compare_digest(digest, known) for known in self._digests]  # every key compared: no early out
+        return f"key:{digest.hex()[:16]}" if any(matches) else None
 
 
 def is_loopback(host: str | None) -> bool:

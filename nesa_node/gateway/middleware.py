@@ -1,7 +1,9 @@
-"""The gateway app's ASGI middleware: requests counted by endpoint and status, bodies bounded before they are read."""
+"""The gateway app's ASGI middleware: requests counted by endpoint and status, API keys checked and bodies bounded
+before they are read."""
 
 from __future__ import annotations
 
+from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys
 from nesa_node.gateway.requests import ApiError
 from nesa_node.metrics import GatewayMetrics
 
@@ -81,4 +83,22 @@ class LimitBody:
         await ApiError(413, message, code="request_too_large").response()(scope, receive, send)
 
 
-__all__ = ["ENDPOINTS", "CountRequests", "LimitBody"]
+class RequireKey:
+    """ASGI middleware refusing a `/v1/*` request without one of `api_keys` (401 `invalid_api_key`, gateway/auth.py)
+    before anything of its body is read: a caller without a key costs the gateway no body and no parse. None: no
+    keys, every request goes on."""
+
+    def __init__(self, app, api_keys: ApiKeys | None):
+        self.app, self.api_keys = app, api_keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.api_keys is not None and scope["path"].startswith("/v1/"):
+            # the first Authorization header, as the app's request.headers.get reads it
+            authorization = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+            if not self.api_keys.allows(authorization.decode("latin-1") if authorization is not None else None):
+                await ApiError(401, KEY_NEEDED, code="invalid_api_key").response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+__all__ = ["ENDPOINTS", "CountRequests", "LimitBody", "RequireKey"]

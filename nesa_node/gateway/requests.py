@@ -15,6 +15,11 @@ MAX_STOP_CHARS = 256  # each stop string: every token's text is searched for the
 # more than any tokenizer's longest token, so nothing that fits the context is refused, while a prompt that cannot
 # fit is refused before the tokenizer spends seconds on it
 MAX_CHARS_PER_TOKEN = 32
+# a longer prompt is tokenized in growing prefixes from this many characters per token of the context (about what a
+# token of English takes, so most prompts that fit are tokenized once), each refused once its tokens pass the context
+# by more than the slack: the tokens a word cut at the prefix's end may take more than it does whole (guess, generous)
+PREFIX_CHARS_PER_TOKEN = 4
+PREFIX_SLACK_TOKENS = 64
 # request bodies: the prompt's characters at up to 4 bytes each in UTF-8 (JSON escapes of control characters aside),
 # plus room for the rest of the request
 BODY_HEADROOM_BYTES = 1 << 20
@@ -102,6 +107,37 @@ def content_text(content: str | list[ContentPart] | None) -> str:
     return "".join(part.text for part in content)
 
 
+def unencodable_field(value: object, path: str = "") -> str | None:
+    """The path of the first string in `value` (a request's fields, their lists and parts) that is not valid Unicode,
+    such as a lone UTF-16 surrogate that JSON's "\\ud800" escape gives ("messages.0.content", "prompt.1"); None when
+    every string encodes as UTF-8. A model's fields only: fields this gateway does not read are not looked at."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path or "request"
+        return None
+    if isinstance(value, BaseModel):
+        items = ((name, getattr(value, name)) for name in type(value).model_fields)
+    elif isinstance(value, list | tuple):
+        items = ((str(index), item) for index, item in enumerate(value))
+    else:
+        return None
+    for name, item in items:
+        found = unencodable_field(item, f"{path}.{name}" if path else name)
+        if found is not None:
+            return found
+    return None
+
+
+def shown(text: str, limit: int = 80) -> str:
+    """`text` as it may be quoted in an error message: at most `limit` characters, and what is not valid Unicode
+    (lone surrogates) or not printable as backslash escapes."""
+    head = text[:limit].encode("utf-8", "backslashreplace").decode("utf-8")
+    head = "".join(char if char.isprintable() else char.encode("unicode_escape").decode("ascii") for char in head)
+    return head + ("..." if len(text) > limit else "")
+
+
 def unsupported_parameter(request: CompletionRequest | ChatRequest) -> str | None:
     """The first field of UNSUPPORTED the request sets to another value than null or its defaults, or None."""
     extra = request.model_extra or {}
@@ -118,6 +154,8 @@ __all__ = [
     "MAX_CHARS_PER_TOKEN",
     "MAX_STOPS",
     "MAX_STOP_CHARS",
+    "PREFIX_CHARS_PER_TOKEN",
+    "PREFIX_SLACK_TOKENS",
     "UNSUPPORTED",
     "ApiError",
     "ChatMessage",
@@ -126,5 +164,7 @@ __all__ = [
     "ContentPart",
     "StreamOptions",
     "content_text",
+    "shown",
+    "unencodable_field",
     "unsupported_parameter",
 ]

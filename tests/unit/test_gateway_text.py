@@ -107,3 +107,62 @@ def test_a_word_after_a_skipped_special_token_keeps_its_space(tokens):
     assert streamed == sentencepiece_decode(tokens)
     stream = TextStream(sentencepiece_decode)
     assert "".join(stream.push(token) for token in (0, 2, 1)) + stream.finish() == "Hi there"
+
+
+BYTE_TOKENS = [
+    b"a",
+    b" ",
+    "é".encode(),
+    b"\xc3",
+    b"\xa9",
+    b"\xe2\x82",
+    b"\xac",
+    b"\xf0",
+    b"\x9f",
+    b"\x98\x80",
+    b"\x80",
+    b"\xff",
+]
+
+
+def bytes_decode(tokens: list[int]) -> str:
+    """As a byte-level tokenizer decodes: each token's bytes, joined, with U+FFFD for what is not valid UTF-8."""
+    return b"".join(BYTE_TOKENS[token] for token in tokens).decode("utf-8", errors="replace")
+
+
+@given(st.lists(st.integers(0, len(BYTE_TOKENS) - 1), max_size=40))
+def test_tokens_of_parts_of_characters_and_garbage_stream_as_they_decode_whole(tokens):
+    stream = TextStream(bytes_decode)
+    assert "".join(stream.push(token) for token in tokens) + stream.finish() == bytes_decode(tokens)
+
+
+def test_a_run_of_tokens_that_never_decode_costs_the_same_per_token():
+    """Tokens that never make valid UTF-8 (a lone continuation byte each) are released as they decode, not decoded
+    again with every new one; a character split over tokens after them still comes out whole."""
+    decoded = 0
+
+    def decode(tokens: list[int]) -> str:
+        nonlocal decoded
+        decoded += len(tokens)
+        return bytes_decode(tokens)
+
+    stream = TextStream(decode)
+    garbage = [BYTE_TOKENS.index(b"\x80")] * 2000
+    emoji = [BYTE_TOKENS.index(part) for part in (b"\xf0", b"\x9f", b"\x98\x80")]
+    streamed = "".join(stream.push(token) for token in garbage + emoji) + stream.finish()
+    assert streamed == "\ufffd" * 2000 + "\U0001f600"
+    assert decoded <= 40 * len(garbage)  # a bounded window per token; decoding the pending run each time: ~2000 each
+
+
+def test_special_tokens_that_give_no_text_are_not_decoded_again_and_again():
+    decoded = 0
+
+    def decode(tokens: list[int]) -> str:
+        nonlocal decoded
+        decoded += len(tokens)
+        return sentencepiece_decode(tokens)
+
+    stream = TextStream(decode)
+    tokens = [0] + [2] * 2000 + [1]  # "▁Hi", 2000 special tokens (skipped), "▁there"
+    assert "".join(stream.push(token) for token in tokens) + stream.finish() == "Hi there"
+    assert decoded <= 40 * len(tokens)

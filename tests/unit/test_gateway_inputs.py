@@ -1,0 +1,96 @@
+"""What the gateway's HTTP API refuses, and how (nesa_node/gateway/app.py, requests.py, handlers.py, middleware.py):
+a prompt bound to pass the context is refused after tokenizing a prefix of it, strings that are not valid Unicode are
+a 400 naming their field, a model name is quoted safely, API keys are checked before the body is read, and
+Starlette's own refusals come in OpenAI's error shape."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from nesa_node.gateway.app import create_app
+from nesa_node.gateway.auth import ApiKeys
+from tests.support.gateway import asgi_request, error_of, fake_gateway
+
+CONTEXT = 64  # tokens: the fake model's context, so that 32 characters a token allow prompts of 2048 characters
+
+
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_prompt_far_past_the_context_is_refused_after_tokenizing_a_prefix(chat):
+    gateway = fake_gateway(max_length=CONTEXT)
+    prompt = "a " * 1000  # 2000 characters, 1000 tokens: within the characters allowed, far past the context
+    body = (
+        {"model": "m", "messages": [{"role": "user", "content": prompt}]} if chat else {"model": "m", "prompt": prompt}
+    )
+    answer = await asgi_request(
+        create_app(gateway), "POST", "/v1/chat/completions" if chat else "/v1/completions", body
+    )
+    assert answer["status"] == 400
+    error = error_of(answer)
+    assert error["code"] == "context_length_exceeded" and error["param"] == ("messages" if chat else "prompt")
+    assert f"the model's context of {CONTEXT} holds" in error["message"]
+    # 4 then 8 characters a token of the context: never the whole prompt
+    assert gateway.tokenizer.tokenized == [4 * CONTEXT, 8 * CONTEXT]
+
+
+async def test_a_long_prompt_that_fits_is_tokenized_whole():
+    gateway = fake_gateway(max_length=CONTEXT)
+    prompt = "abcdefghi " * 40  # 400 characters, past the first prefix's 256, in 40 tokens: it fits
+    answer = await asgi_request(create_app(gateway), "POST", "/v1/completions", {"model": "m", "prompt": prompt})
+    assert answer["status"] == 200, answer["body"]
+    assert gateway.tokenizer.tokenized == [4 * CONTEXT, len(prompt)]
+    assert answer["body"].count(b'"prompt_tokens":40') == 1
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/completions", {"model": "m", "prompt": "hi \ud800"}, "prompt"),
+        ("/v1/completions", {"model": "m", "prompt": ["ok \udfff"]}, "prompt.0"),
+        ("/v1/completions", {"model": "x\ud800", "prompt": "hi"}, "model"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "stop": ["ok", "\ud800"]}, "stop.1"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "\udfff"}]}, "messages.0.content"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "ok"}, {"role": "user",
+         "content": [{"type": "text", "text": "a\ud800b"}]}]}, "messages.1.content.0.text"),
+    ],
+)  # fmt: skip
+async def test_a_lone_surrogate_is_a_400_naming_its_field(path, body, param, caplog):
+    with caplog.at_level(logging.ERROR):
+        answer = await asgi_request(create_app(fake_gateway()), "POST", path, body)  # JSON escapes it: "\ud800"
+    assert answer["status"] == 400, answer["body"]
+    error = error_of(answer)
+    assert error["code"] == "invalid_unicode" and error["param"] == param and f"`{param}`" in error["message"]
+    assert "Traceback" not in caplog.text and not caplog.records
+
+
+async def test_an_unknown_model_name_is_quoted_escaped_and_cut():
+    name = "\x1b[31mred\n" + "y" * 5000
+    answer = await asgi_request(create_app(fake_gateway()), "POST", "/v1/completions", {"model": name, "prompt": "hi"})
+    assert answer["status"] == 404
+    error = error_of(answer)
+    assert error["code"] == "model_not_found" and len(error["message"]) < 300
+    assert "`\\x1b[31mred\\nyyy" in error["message"] and "\x1b" not in error["message"]
+
+
+async def test_an_api_key_is_checked_before_the_body_is_read():
+    app = create_app(fake_gateway(api_keys=ApiKeys(["sk-a"])))
+    answer = await asgi_request(app, "POST", "/v1/completions", b'{"model":')
+    assert answer["status"] == 401 and error_of(answer)["code"] == "invalid_api_key"
+    assert answer["reads"] == 0  # nothing of the body received
+    answer = await asgi_request(app, "POST", "/v1/completions", b'{"model":', headers={"Authorization": "Bearer sk-a"})
+    assert answer["status"] == 400 and "not valid JSON" in error_of(answer)["message"]
+    answer = await asgi_request(app, "GET", "/health")  # open without a key
+    assert answer["status"] == 200
+
+
+async def test_starlettes_own_refusals_come_in_openais_shape():
+    app = create_app(fake_gateway())
+    answer = await asgi_request(app, "GET", "/v1/nothing-here")
+    assert answer["status"] == 404
+    error = error_of(answer)
+    assert error["code"] == "not_found" and error["type"] == "invalid_request_error"
+    assert "/v1/nothing-here" in error["message"] and "/v1/chat/completions" in error["message"]
+    answer = await asgi_request(app, "GET", "/v1/completions")
+    assert answer["status"] == 405 and error_of(answer)["code"] == "method_not_allowed"
+    assert answer["headers"]["allow"] == "POST"

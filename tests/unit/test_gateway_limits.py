@@ -1,0 +1,104 @@
+"""What one client can hold of a gateway (nesa_node/gateway/streams.py, callers.py): a stream whose client stops
+reading ends once a chunk waits `send_timeout_s`, freeing its generation slot and closing its session; and one caller
+(an API key, or a client address without keys) has at most `max_requests_per_caller` requests running or waiting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from nesa_node.gateway.app import create_app
+from nesa_node.gateway.auth import ApiKeys
+from tests.support.gateway import asgi_request, error_of, fake_gateway
+
+LONG_STREAM = {"model": "m", "prompt": "hello there", "max_tokens": 5000, "stream": True}
+SHORT = {"model": "m", "prompt": "hello there", "max_tokens": 2}
+
+
+async def until(condition, timeout_s: float = 5.0) -> None:
+    """Poll `condition` until it holds; AssertionError past `timeout_s`."""
+    for _ in range(int(timeout_s / 0.01)):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the condition did not come true")
+
+
+async def test_a_stream_whose_client_stops_reading_ends_and_frees_its_slot_and_session():
+    gateway = fake_gateway(max_concurrency=1, send_timeout_s=0.2)
+    app = create_app(gateway)
+    # the client takes three chunks, then nothing: without a bound on each write, the stream would wait forever
+    stalled = await asyncio.wait_for(
+        asgi_request(app, "POST", "/v1/completions", LONG_STREAM, stop_reading_after=3), 10
+    )
+    assert stalled["status"] == 200 and len(stalled["chunks"]) == 3
+    assert not gateway.slots.locked() and gateway.callers.held("address:127.0.0.1") == 0
+    assert gateway.model.streams_closed == 1
+    await until(lambda: gateway.model.sessions[0].closed, timeout_s=1)  # closed in a task of its own
+    assert gateway.metrics.requests_running._value.get() == 0
+    # the one slot serves the next request at once
+    answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT), 5)
+    assert answer["status"] == 200
+
+
+async def test_a_client_that_goes_away_mid_stream_frees_its_slot_at_once():
+    gateway = fake_gateway(max_concurrency=1, delay_s=0.01)
+    app = create_app(gateway)
+    gone = asyncio.Event()
+    streaming = asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", LONG_STREAM, gone=gone))
+    await until(lambda: gateway.model.sessions)
+    gone.set()
+    await asyncio.wait_for(streaming, 5)
+    assert not gateway.slots.locked() and gateway.model.streams_closed == 1
+    await until(lambda: gateway.model.sessions[0].closed, timeout_s=1)
+
+
+@pytest.mark.parametrize("keys", [False, True])
+async def test_one_caller_holds_at_most_its_share_of_the_gateway(keys):
+    """Without keys a caller is a client address; with keys, a key, from whichever address it comes."""
+    gateway = fake_gateway(
+        max_concurrency=8, delay_s=0.01, api_keys=ApiKeys(["sk-a", "sk-b"]) if keys else None
+    )  # a quarter of 8: 2 requests per caller
+    app = create_app(gateway)
+    first = {"headers": {"Authorization": "Bearer sk-a"}} if keys else {"client": ("192.0.2.1", 1)}
+    same = {"headers": {"Authorization": "Bearer sk-a"}, "client": ("192.0.2.9", 2)} if keys else first
+    other = {"headers": {"Authorization": "Bearer sk-b"}} if keys else {"client": ("192.0.2.2", 1)}
+    gone = asyncio.Event()
+    held = [asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", LONG_STREAM, gone=gone, **first))
+            for _ in range(2)]  # fmt: skip
+    await until(lambda: len(gateway.model.sessions) == 2)
+
+    refused = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT, **same), 5)
+    assert refused["status"] == 429
+    error = error_of(refused)
+    assert error["code"] == "too_many_concurrent_requests" and error["type"] == "rate_limit_error"
+    assert ("this API key" if keys else "this client address") in error["message"] and "(2)" in error["message"]
+    # everyone else is served meanwhile, with the slots and waiting places the caller could not take
+    answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT, **other), 5)
+    assert answer["status"] == 200
+
+    caller = gateway.api_keys.identify("Bearer sk-a") if keys else "address:192.0.2.1"
+    assert gateway.callers.held(caller) == 2
+    gone.set()
+    await asyncio.wait_for(asyncio.gather(*held), 5)
+    assert gateway.callers.held(caller) == 0
+    answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT, **same), 5)
+    assert answer["status"] == 200
+
+
+async def test_a_refused_request_gives_its_place_back():
+    gateway = fake_gateway(max_concurrency=4)  # one request per caller
+    app = create_app(gateway)
+    for _ in range(3):  # each refused before its generation: its place is free for the next
+        answer = await asgi_request(app, "POST", "/v1/completions", {"model": "m", "prompt": "x", "best_of": 2})
+        assert answer["status"] == 400 and error_of(answer)["code"] == "unsupported_parameter"
+    answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT), 5)
+    assert answer["status"] == 200 and gateway.callers.held("address:127.0.0.1") == 0
+
+
+def test_a_callers_share_is_a_quarter_of_the_slots_unless_set():
+    assert fake_gateway(max_concurrency=64).callers.limit == 16
+    assert fake_gateway(max_concurrency=3).callers.limit == 1
+    assert fake_gateway(max_concurrency=3, max_requests_per_caller=5).callers.limit == 5
+    assert fake_gateway().send_timeout_s == 30.0
