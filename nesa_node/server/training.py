@@ -28,7 +28,8 @@ or one answered from record is no activity), is ended (preempted) to admit a new
 (parameters, gradients and AdamW's two moments: four float32 copies of its slice, reserved while an open builds
 it), saved inputs and its replicas' gradients stay within `max_training_mb`, and a peer's sessions within its share
 of it (`max_cache_share_per_peer`), a forward's room reserved before it runs. A saved forward whose backward pass is
-overdue (`_drop_overdue`) is dropped when another session needs the room. Refusals are typed (too_many_sessions, quota,
+overdue, or that its peer keeps past its share, is dropped when another session needs the room
+(server/training_room.py). Refusals are typed (too_many_sessions, quota,
 adapter_budget, adapter, bad_request). A session ends when it sends nothing within `first_step_timeout_s` of opening, or
 `session_timeout_s` later on.
 
@@ -84,7 +85,8 @@ from nesa_node.protocol.messages import (
 from nesa_node.protocol.tensors import bytes_from_proto, bytes_to_proto, tensor_to_proto
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
-from nesa_node.server.training_state import ANSWERED_KEPT, Saved, TrainingSession, activation_bytes
+from nesa_node.server.training_room import TrainingRoom
+from nesa_node.server.training_state import ANSWERED_KEPT, Saved, TrainingSession, activation_bytes, fixed_bytes
 from nesa_node.server.training_sync import ReplicaSync
 from nesa_node.sharding.lora import AdapterSlice, check_fits_model
 from nesa_node.sharding.lora_rows import trainable_adapter
@@ -118,13 +120,13 @@ class TrainingService:
         self.model_config = model_config
         self.sessions: dict[tuple[str, str], TrainingSession] = {}
         self.opening: dict[str, int] = {}  # peer -> its opens being checked (not yet sessions): they count as held
-        self.opening_bytes = 0  # training memory of the slices being built for opens under way
+        self.room = TrainingRoom(self)  # the training memory, and each peer's share of it
         self.draining = False  # refuse new sessions (the node is stopping or moving)
         self.updates_applied = 0
 
     @property
     def max_state_bytes(self) -> int:
-        return int(self.limits.max_training_mb * 2**20)
+        return self.room.max_bytes
 
     # ---- the stream ------------------------------------------------------------------------------------------------
 
@@ -300,24 +302,15 @@ class TrainingService:
                 trainable.restore_optimizer(optimizer, saved)
             return trainable, optimizer
 
-        # the float32 state (parameters, gradients, two moments) is reserved while it is built, so concurrent opens
-        # cannot build more than the training memory holds before any of them is admitted
-        estimate = 16 * sum(factor.lora_a.numel() + factor.lora_b.numel() for factor in piece.factors.values())
-        self._check_peer_bytes(peer, estimate, "training state")
-        crowded = self.used_bytes + estimate > self.max_state_bytes and not self._preemptible(time.monotonic())
-        if crowded or self.opening_bytes + estimate > self.max_state_bytes:
-            raise AdapterBudgetError(
-                f"training state of {estimate} bytes does not fit: {self.used_bytes} of max_training_mb "
-                f"({self.max_state_bytes} bytes) are taken or being built"
-            )
-        self.opening_bytes += estimate
-        try:
-            trainable, optimizer = await asyncio.to_thread(build)
-        except torch.OutOfMemoryError:
-            raise AdapterBudgetError("the device ran out of memory for this training session's state") from None
-        finally:
-            self.opening_bytes -= estimate
-        self._admit(peer, message.session_id, 4 * trainable.nbytes, opening=1)
+        # what the session holds (float32 state, room for its replicas' gradients) is reserved while it is built, so
+        # concurrent opens cannot build more than the training memory holds before any of them is admitted
+        numel = sum(factor.lora_a.numel() + factor.lora_b.numel() for factor in piece.factors.values())
+        with self.room.building(peer, fixed_bytes(4 * numel, len(replicas)), "training state"):
+            try:
+                trainable, optimizer = await asyncio.to_thread(build)
+            except torch.OutOfMemoryError:
+                raise AdapterBudgetError("the device ran out of memory for this training session's state") from None
+        self._admit(peer, message.session_id, fixed_bytes(trainable.nbytes, len(replicas)), opening=1)
         session = TrainingSession(
             message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
         )
@@ -344,62 +337,18 @@ class TrainingService:
         sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after.
         `opening`: opens under way of `peer` that are this one (1 from `_open`)."""
         self._check_room(peer, session_id, opening=opening)
-        self._check_peer_bytes(peer, nbytes, "training state")
+        self.room.check_share(peer, nbytes, "training state")
         while len(self.sessions) >= self.limits.max_training_sessions:
             if not self._preempt_idle():
                 raise TooManySessionsError(
                     f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
                 )
-        self._make_room(nbytes, f"training state of {nbytes} bytes does not fit", keep=None, preempt=True)
+        refusal = f"training state of {nbytes} bytes does not fit"
+        self.room.make_room(nbytes, refusal, peer=peer, keep=None, preempt=True)
 
     @property
     def used_bytes(self) -> int:
-        return sum(session.state_bytes for session in self.sessions.values()) + self.opening_bytes
-
-    @property
-    def peer_share_bytes(self) -> int | None:
-        """Training memory one peer's sessions may hold: `max_cache_share_per_peer` of `max_training_mb` (None: a
-        share of the whole node is no limit of its own)."""
-        share = self.limits.max_cache_share_per_peer
-        return None if share >= 1 else int(self.max_state_bytes * share)
-
-    def peer_bytes(self, peer: str) -> int:
-        return sum(session.state_bytes for (owner, _), session in self.sessions.items() if owner == peer)
-
-    def _check_peer_bytes(self, peer: str, nbytes: int, what: str) -> None:
-        """QuotaExceededError when `nbytes` more would take `peer`'s sessions past its share of the training memory:
-        one peer (a client, or the replica it names) cannot take what other peers' sessions need."""
-        cap = self.peer_share_bytes
-        if cap is not None and (held := self.peer_bytes(peer)) + nbytes > cap:
-            raise QuotaExceededError(
-                f"{what} of {nbytes} bytes would take this peer past its share of max_training_mb ({held} of {cap} "
-                "bytes held here)"
-            )
-
-    def _make_room(self, nbytes: int, refusal: str, *, keep: TrainingSession | None, preempt: bool) -> None:
-        """Room for `nbytes` more training memory: overdue saved inputs of sessions other than `keep` dropped
-        (`_drop_overdue`), then, with `preempt`, idle sessions ended; AdapterBudgetError(`refusal`) otherwise.
-        Synchronous: the caller takes the room right after."""
-        while (used := self.used_bytes) + nbytes > self.max_state_bytes:
-            if not (self._drop_overdue(keep) or (preempt and self._preempt_idle())):
-                raise AdapterBudgetError(
-                    f"{refusal}: {used} of max_training_mb ({self.max_state_bytes} bytes) are taken"
-                )
-
-    def _drop_overdue(self, keep: TrainingSession | None) -> bool:
-        """Drop the saved inputs of forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives
-        a forward: the rest of an honest chain answers within the step timeout) in sessions other than `keep` that
-        are not answering a request now; such a backward pass, if it ever comes, is refused and its client fails
-        over. A session kept alive by other requests cannot hold saved inputs for ever. Whether any was dropped."""
-        limit_s = max(self.limits.preempt_idle_s, self.limits.step_timeout_s)
-        now, dropped = time.monotonic(), False
-        for session in self.sessions.values():
-            if session is keep or session.busy:
-                continue
-            for step_id in [step_id for step_id, saved in session.saved.items() if now - saved.at >= limit_s]:
-                del session.saved[step_id]
-                dropped = True
-        return dropped
+        return self.room.used_bytes
 
     def end_all(self, reason: str) -> None:
         """End every training session (the node drains or moves): each owner is told and fails over."""
@@ -425,9 +374,8 @@ class TrainingService:
                 raise BadRequestError(
                     f"{len(session.saved)} forward passes wait for their backward pass, the limit (max_queued_steps)"
                 )
-            self._check_peer_bytes(session.client_peer, hidden.nbytes, "saved inputs")
             refusal = "saved inputs would exceed max_training_mb; send the waiting backward passes"
-            self._make_room(hidden.nbytes, refusal, keep=session, preempt=False)
+            self.room.make_room(hidden.nbytes, refusal, peer=session.client_peer, keep=session, preempt=False)
         span, factors = self.compute.span, session.slice.factors
         graph_bytes = activation_bytes(span, hidden.shape[0] * hidden.shape[1], session.blocks)
         if message.keep and graph_bytes > self.max_state_bytes:  # a backward pass holds it, kept or recomputed
@@ -436,11 +384,10 @@ class TrainingService:
                 f"over max_training_mb ({self.max_state_bytes} bytes): send fewer tokens per pass (micro-batches)"
             )
         used = self.used_bytes + hidden.nbytes
-        share = self.peer_share_bytes
-        keep_graph = (  # else recomputed on backward
+        keep_graph = (  # else recomputed on backward; kept only in free room, within the peer's share
             message.keep
             and used + graph_bytes <= self.max_state_bytes
-            and (share is None or self.peer_bytes(session.client_peer) + hidden.nbytes + graph_bytes <= share)
+            and self.room.within_share(session.client_peer, hidden.nbytes + graph_bytes)
         )
         if message.keep:  # its bytes reserved before the await: other sessions' forwards meanwhile count them
             session.saved[message.step_id] = Saved(hidden, None, graph_bytes if keep_graph else 0)
@@ -472,6 +419,11 @@ class TrainingService:
     async def _backward(self, session: TrainingSession, request: Frame, message: TrainBackward) -> Frame:
         if message.step_id in session.answered:
             raise BadRequestError(f"the backward pass of step {message.step_id} was run already")
+        if message.step_id in session.dropped:
+            raise SessionPreemptedError(
+                f"the input of forward {message.step_id} was dropped to make room (its backward pass came late, or "
+                "its peer was past its share of max_training_mb): start the pass again"
+            )
         saved = session.saved.get(message.step_id)
         if saved is None:
             raise BadRequestError(f"no forward pass {message.step_id} waits for its backward pass here")

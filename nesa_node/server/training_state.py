@@ -26,6 +26,12 @@ def activation_bytes(span, tokens: int, blocks: tuple[int, int]) -> int:
     return 4 * tokens * per_token * (blocks[1] - blocks[0])
 
 
+def fixed_bytes(slice_bytes: int, replicas: int) -> int:
+    """What a session holds from its open to its end: four float32 copies of its slice (parameters, gradients, AdamW's
+    two moments), and room for its replicas' gradients, of this update and the next (each a slice's worth)."""
+    return (4 + 2 * replicas) * slice_bytes
+
+
 @dataclass
 class Saved:
     """A forward that waits for its backward pass: its input, and its graph (inputs, output) while kept."""
@@ -50,6 +56,7 @@ class TrainingSession:
     step: int  # optimizer steps applied
     saved: OrderedDict[str, Saved] = field(default_factory=OrderedDict)  # step id -> what its backward needs
     answered: OrderedDict[str, None] = field(default_factory=OrderedDict)  # ids of the last backward passes
+    dropped: OrderedDict[str, None] = field(default_factory=OrderedDict)  # saved forwards dropped for room (ids)
     pending_grads: bool = False  # gradients gathered since the last optimizer step
     step_after_answer: object = None  # the optimizer step of the backward pass just answered, run once it is sent
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
@@ -62,9 +69,16 @@ class TrainingSession:
 
     @property
     def state_bytes(self) -> int:
-        """Parameters, their gradients and AdamW's two moments, what waits for backward passes, replicas' gradients."""
-        inbox = sum(flat.nbytes for got in self.inbox.values() for flat in got.values())
-        return 4 * self.slice.nbytes + sum(saved.nbytes for saved in self.saved.values()) + inbox
+        """Parameters, their gradients and AdamW's two moments, what waits for backward passes, and room for its
+        replicas' gradients (`fixed_bytes`)."""
+        return fixed_bytes(self.slice.nbytes, len(self.replicas)) + sum(saved.nbytes for saved in self.saved.values())
+
+    def drop_saved(self, step_id: str) -> None:
+        """Drop a saved forward to make room: its backward pass, if it comes, is refused as preempted."""
+        del self.saved[step_id]
+        self.dropped[step_id] = None
+        while len(self.dropped) > ANSWERED_KEPT:
+            self.dropped.popitem(last=False)
 
     def drop_graphs(self) -> None:
         """Forget the autograd graphs of forwards that wait for their backward pass (they hold the parameters'
@@ -73,4 +87,4 @@ class TrainingSession:
             saved.graph, saved.graph_bytes = None, 0
 
 
-__all__ = ["ANSWERED_KEPT", "Saved", "TrainingSession", "activation_bytes"]
+__all__ = ["ANSWERED_KEPT", "Saved", "TrainingSession", "activation_bytes", "fixed_bytes"]

@@ -154,9 +154,8 @@ class ReplicaSync:
             message = expect(read(request, TRAIN_SYNC), TrainSync)
             if len(request.tensors) != 1:
                 raise BadRequestError("a training sync carries one tensor of gradients")
-            session = self.service.sessions.get((message.owner, message.session_id))
-            if session is None:
-                raise BadRequestError(f"no training session {message.session_id} of that client here")
+            sender = context.remote_id.to_base58()
+            session = self._receiver(message, sender)  # before the gradients are read at all
             numel = sum(parameter.numel() for parameter in session.slice.parameters())
 
             def parse() -> tuple[torch.Tensor, bool]:  # off the event loop, as the sender's side
@@ -164,31 +163,31 @@ class ReplicaSync:
                 return flat, bool(torch.isfinite(flat).all())
 
             flat, finite = await asyncio.to_thread(parse)
-            self._deliver(message, context.remote_id.to_base58(), flat, finite=finite)
+            self._deliver(message, sender, flat, finite=finite)
             channel.send(frame(TrainSynced()))
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
 
-    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor, *, finite: bool | None = None) -> None:
-        """Keep a replica's gradients for its update, after every check (`finite`: whether the caller found every
-        value finite already; None: checked here)."""
+    def _receiver(self, message: TrainSync, sender: str) -> TrainingSession:
+        """The session gradients from `sender` are for: BadRequestError unless it is one of this node's, names the
+        sender's session as a replica, and is at an update that takes them (this one or the next)."""
         session = self.service.sessions.get((message.owner, message.session_id))
         if session is None:
             raise BadRequestError(f"no training session {message.session_id} of that client here")
         if (sender, message.from_session_id) not in session.replicas:
             raise BadRequestError("the sender is not a replica of this training session")
+        if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
+            raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
+        return session
+
+    def _deliver(self, message: TrainSync, sender: str, flat: torch.Tensor, *, finite: bool | None = None) -> None:
+        """Keep a replica's gradients for its update, after every check (`finite`: whether the caller found every
+        value finite already; None: checked here)."""
+        session = self._receiver(message, sender)
         numel = sum(parameter.numel() for parameter in session.slice.parameters())
         if flat.shape != (numel,) or not (finite if finite is not None else bool(torch.isfinite(flat).all())):
             raise BadRequestError(f"replica gradients must be {numel} finite float32 values")
-        if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
-            raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
-        # kept until the update: counted in the session's training memory, and its owner's share of it
-        held = session.inbox.get(message.round, {}).get((sender, message.from_session_id))
-        extra = flat.nbytes - (held.nbytes if held is not None else 0)
-        if extra > 0:
-            self.service._check_peer_bytes(session.client_peer, extra, "replica gradients")
-            refusal = "replica gradients would exceed max_training_mb"
-            self.service._make_room(extra, refusal, keep=session, preempt=False)
+        # kept until the update, one per replica and round, in the room the session reserved for them at its open
         session.inbox.setdefault(message.round, {})[(sender, message.from_session_id)] = flat
         session.arrived.set()
 

@@ -692,10 +692,13 @@ def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_
     assert isinstance(holder.open(first, "memory-a"), TrainOpened)
     assert isinstance(holder.open(second, "memory-b"), TrainOpened)
     training = target.node.training
-    rows = hidden(1, 8)
-    graph = activation_bytes(training.compute.span, 8, (0, 2))
-    room = training.used_bytes + graph + rows.nbytes + rows.nbytes // 2
-    # the node's whole training memory is the limit here (a peer's share of it: the next test)
+    rows = hidden(1, 3)
+    graph = activation_bytes(training.compute.span, 3, (0, 2))
+    room = training.used_bytes + rows.nbytes + rows.nbytes // 2
+    # room for either forward's input, not for a graph (none kept, none to give way), while a backward pass's
+    # activations fit the whole (else both are refused for that)
+    assert rows.nbytes // 2 < graph < room
+    # the node's whole training memory is the limit here (a peer's share of it: the next tests)
     limits = dataclasses.replace(training.limits, max_training_mb=room / 2**20, max_cache_share_per_peer=1.0)
     monkeypatch.setattr(training, "limits", limits)
     run_work = training.compute.run_work
@@ -797,26 +800,33 @@ def test_g3_concurrent_opens_cannot_build_more_training_state_than_the_memory_ho
     answer_one, answer_two = target.run(both())
     assert isinstance(answer_one, TrainOpened)
     assert code(answer_two) == "adapter_budget" and "being built" in answer_two.message
-    assert len(built) == 1 and training.opening_bytes == 0
+    assert len(built) == 1 and not training.room.opening
     assert training.used_bytes <= training.max_state_bytes
 
 
-def test_g3_one_peer_holds_at_most_its_share_of_the_training_memory(target, holder, monkeypatch):
-    """Saved inputs count in their peer's share of max_training_mb (max_cache_share_per_peer), not only in the node's
-    whole: a forward that would take the peer past it is refused (quota), while passes that keep nothing, and
-    smaller ones within the share, go on."""
-    first = target.attackers[0]
-    assert isinstance(holder.open(first, "memory-share"), TrainOpened)
-    training, peer = target.node.training, first.peer_id.to_base58()
-    small, large = hidden(1, 2), hidden(1, 8)
-    share = (training.peer_bytes(peer) + (small.nbytes + large.nbytes) // 2) / training.max_state_bytes
-    monkeypatch.setattr(training, "limits", dataclasses.replace(training.limits, max_cache_share_per_peer=share))
-    channel = holder.channels[0]
-    over = target.run(ask(channel, forward("large", large)))
-    assert code(over) == "quota" and "share of max_training_mb" in over.message, over
-    assert isinstance(target.run(ask(channel, forward("evaluation", large, keep=False))), TrainOutput)
-    assert isinstance(target.run(ask(channel, forward("small", small))), TrainOutput)
-    assert training.peer_bytes(peer) <= training.peer_share_bytes
+def test_g3_a_peer_past_its_share_borrows_free_training_memory_and_gives_it_back(target, holder, monkeypatch):
+    """Saved forwards of a peer past its share of max_training_mb (max_cache_share_per_peer) take only free memory;
+    when a peer within its share needs the room, the newest of them is dropped, and its backward pass is refused as
+    preempted (its client starts the pass again, blaming nobody). With nothing to take back, it is refused."""
+    borrower, other = target.attackers
+    assert isinstance(holder.open(borrower, "borrows"), TrainOpened)
+    assert isinstance(holder.open(other, "within"), TrainOpened)
+    training, room = target.node.training, target.node.training.room
+    small, large = hidden(1, 1), hidden(1, 3)
+    budget = training.used_bytes + large.nbytes + small.nbytes // 2  # free room for the large forward alone
+    share = (room.peer_bytes(borrower.peer_id.to_base58()) + small.nbytes) / budget
+    limits = dataclasses.replace(training.limits, max_training_mb=budget / 2**20, max_cache_share_per_peer=share)
+    monkeypatch.setattr(training, "limits", limits)
+    borrowing, within = holder.channels
+    assert isinstance(target.run(ask(borrowing, forward("large", large))), TrainOutput)  # past its share, free room
+    assert isinstance(target.run(ask(within, forward("small", small))), TrainOutput)  # within its share: taken back
+    session = training.sessions[(borrower.peer_id.to_base58(), "borrows")]
+    assert "large" not in session.saved and training.used_bytes <= training.max_state_bytes
+    late = target.run(ask(borrowing, backward("large", large)))
+    assert code(late) == "preempted" and "dropped to make room" in late.message
+    refused = target.run(ask(borrowing, forward("again", large)))  # no free room, and nothing it may take back
+    assert code(refused) == "adapter_budget" and "max_training_mb" in refused.message
+    assert isinstance(target.run(ask(within, backward("small", small))), TrainGrad)  # the peer within keeps its pass
 
 
 def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(target, holder, monkeypatch):
@@ -829,17 +839,18 @@ def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(
     training = target.node.training
     kept, needed = hidden(1, 8), hidden(1, 4)
     assert isinstance(target.run(ask(holder.channels[0], forward("kept", kept))), TrainOutput)
+    session = training.sessions[(keeper.peer_id.to_base58(), "keeps")]
+    session.drop_graphs()  # graphs give way first (recomputed): here only the saved input holds the room
     budget = training.used_bytes + needed.nbytes // 2  # what the other forward lacks is the kept forward's room
     limits = dataclasses.replace(training.limits, max_training_mb=budget / 2**20, max_cache_share_per_peer=1.0)
     monkeypatch.setattr(training, "limits", limits)
     refused = target.run(ask(holder.channels[1], forward("fresh", needed)))
     assert code(refused) == "adapter_budget" and "max_training_mb" in refused.message
-    session = training.sessions[(keeper.peer_id.to_base58(), "keeps")]
     session.saved["kept"].at -= max(limits.preempt_idle_s, limits.step_timeout_s) + 1  # its backward is overdue now
     assert isinstance(target.run(ask(holder.channels[1], forward("later", needed))), TrainOutput)
     assert "kept" not in session.saved and training.used_bytes <= training.max_state_bytes
     late = target.run(ask(holder.channels[0], backward("kept", kept)))
-    assert code(late) == "bad_request" and "waits for its backward pass" in late.message
+    assert code(late) == "preempted" and "dropped to make room" in late.message
 
 
 # ---- replica gradients (nesa.train_sync) ---------------------------------------------------------------------------
@@ -975,9 +986,10 @@ def test_g1_a_named_replica_cannot_send_gradients_of_the_wrong_size_values_or_ro
     assert target.honest_hashes() == honest_before
 
 
-def test_g3_replica_gradients_count_in_their_session_owners_share(target, monkeypatch):
-    """Gradients a named replica sends wait in the session's inbox until its update: they count in the training
-    memory of the session's owner, so a client naming replicas of its own cannot grow a session past its share."""
+def test_g3_an_open_reserves_room_for_its_replicas_gradients_within_its_share(target, monkeypatch):
+    """Gradients a named replica sends wait in the session's inbox until its update: the open reserves room for two
+    updates' worth from each replica, within its peer's share, so a client naming replicas of its own cannot grow a
+    session past its share, and honest replicas' gradients always have their room."""
     me = target.attacker.peer_id.to_base58()
     training = target.node.training
     records = training.records
@@ -987,36 +999,40 @@ def test_g3_replica_gradients_count_in_their_session_owners_share(target, monkey
 
     monkeypatch.setattr(training, "records", records_with_the_attacker)
     numel = numel_of(adapter().narrow(0, 2))
+    slice_bytes = 4 * numel
 
     def gradients(round_: int) -> tuple[TrainSync, list]:
         message = TrainSync(owner=me, session_id="dp-share", from_session_id="ghost", round=round_)
         return message, [tensor_to_proto(torch.zeros(numel))]
 
     async def scenario():
-        channel = await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+        held = training.room.peer_bytes(me)
+        share = (held + 6 * slice_bytes) / training.max_state_bytes  # the state, and room for one replica's two
+        # (sessions are shared out by the same fraction: their limit raised, so only the bytes decide here)
+        limits = dataclasses.replace(training.limits, max_cache_share_per_peer=share, max_training_sessions=10**6)
+        monkeypatch.setattr(training, "limits", limits)
+        channels = [
+            await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+            for _ in range(2)
+        ]
         try:
-            opened = await ask(
-                channel, opening(session_id="dp-share", replicas=(Replica(peer=me, session_id="ghost"),))
-            )
-            assert isinstance(opened, TrainOpened), opened
-            share = (training.peer_bytes(me) + 4 * numel * 3 // 2) / training.max_state_bytes  # room for one round's
-            monkeypatch.setattr(
-                training, "limits", dataclasses.replace(training.limits, max_cache_share_per_peer=share)
-            )
-            first = await sync(target.attacker, target.node, *gradients(1))
-            second = await sync(target.attacker, target.node, *gradients(2))
-            return (
-                first,
-                second,
-                {round_: list(got) for round_, got in training.sessions[(me, "dp-share")].inbox.items()},
-            )
+            replica = (Replica(peer=me, session_id="ghost"),)
+            opened = await ask(channels[0], opening(session_id="dp-share", replicas=replica))
+            reserved = training.room.peer_bytes(me) - held
+            synced = [await sync(target.attacker, target.node, *gradients(round_)) for round_ in (1, 2)]
+            after = training.room.peer_bytes(me) - held
+            more = await ask(channels[1], opening(session_id="dp-more"))
+            inbox = {round_: list(got) for round_, got in training.sessions[(me, "dp-share")].inbox.items()}
+            return opened, reserved, synced, after, more, inbox
         finally:
-            channel.close()
+            for channel in channels:
+                channel.close()
 
-    first, second, inbox = target.run(scenario())
-    assert isinstance(first, TrainSynced)
-    assert code(second) == "quota" and "share of max_training_mb" in second.message
-    assert inbox == {1: [(me, "ghost")]}
+    opened, reserved, synced, after, more, inbox = target.run(scenario())
+    assert isinstance(opened, TrainOpened) and reserved == after == 6 * slice_bytes
+    assert all(isinstance(answer, TrainSynced) for answer in synced)
+    assert inbox == {1: [(me, "ghost")], 2: [(me, "ghost")]}
+    assert code(more) == "quota" and "share of max_training_mb" in more.message
 
 
 def test_g5_a_node_sends_gradients_only_to_nodes_that_serve_the_blocks(target):

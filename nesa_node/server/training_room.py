@@ -1,0 +1,150 @@
+"""The training memory of a node (`max_training_mb`) and each peer's share of it (`max_cache_share_per_peer`), for
+server/training.py's sessions.
+
+What a session holds: from its open to its end, four float32 copies of its slice and room for its replicas'
+gradients (training_state.fixed_bytes), within its peer's share, reserved while the open builds them; then the
+inputs of its forwards that wait for their backward pass, and their autograd graphs while kept. Room for a request
+(`make_room`), in this order:
+  1. saved forwards whose backward pass is overdue (past the step timeout an honest chain answers within), of
+     sessions not answering a request now;
+  2. kept autograd graphs of other sessions (their backward passes recompute from the inputs instead);
+  3. for a peer within its share only: saved forwards of peers past their share (what they borrowed from free
+     memory), the newest first, of sessions not answering a request now;
+  4. for an open: idle sessions, preempted (TrainingService._preempt_idle).
+A dropped forward's backward pass, if it comes, is refused as preempted (its client fails over, blaming nobody).
+So a peer may use free memory past its share while nobody else needs it, and one that keeps saved forwards alive
+with other requests holds them no longer than the step timeout once another session needs the room.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from nesa_node.errors import AdapterBudgetError, QuotaExceededError
+
+if TYPE_CHECKING:
+    from nesa_node.server.training_state import TrainingSession
+
+__all__ = ["TrainingRoom"]
+
+
+class TrainingRoom:
+    """The training memory of a TrainingService's sessions (module docstring)."""
+
+    def __init__(self, service):
+        self.service = service  # server/training.py TrainingService: its sessions, limits, preemption
+        self.opening: Counter[str] = Counter()  # peer -> bytes reserved for its opens being built
+
+    @property
+    def max_bytes(self) -> int:
+        return int(self.service.limits.max_training_mb * 2**20)
+
+    @property
+    def share_bytes(self) -> int | None:
+        """What one peer's sessions may hold of it, borrowing aside (None: a share of the whole node is no limit)."""
+        share = self.service.limits.max_cache_share_per_peer
+        return None if share >= 1 else int(self.max_bytes * share)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(session.state_bytes for session in self.service.sessions.values()) + self.opening.total()
+
+    def peer_bytes(self, peer: str) -> int:
+        """What `peer`'s sessions hold, and its opens being built."""
+        held = sum(session.state_bytes for session in self.service.sessions.values() if session.client_peer == peer)
+        return held + self.opening[peer]
+
+    def within_share(self, peer: str, nbytes: int) -> bool:
+        share = self.share_bytes
+        return share is None or self.peer_bytes(peer) + nbytes <= share
+
+    def check_share(self, peer: str, nbytes: int, what: str) -> None:
+        """QuotaExceededError when `nbytes` more would take `peer` past its share: what a session holds from its
+        open to its end is never borrowed."""
+        if not self.within_share(peer, nbytes):
+            raise QuotaExceededError(
+                f"{what} of {nbytes} bytes would take this peer past its share of max_training_mb ({self.peer_bytes(peer)}"
+                f" of {self.share_bytes} bytes held here)"
+            )
+
+    @contextlib.contextmanager
+    def building(self, peer: str, nbytes: int, what: str):
+        """Hold `nbytes` for an open of `peer` while its state is built: within its share, and refused
+        (AdapterBudgetError) when the memory is taken and nothing could make room, or opens being built would take
+        all of it. Given back on the way out, however the build ends."""
+        self.check_share(peer, nbytes, what)
+        if self.used_bytes + nbytes > self.max_bytes:
+            self._drop_overdue(None)
+        crowded = self.used_bytes + nbytes > self.max_bytes and not self.service._preemptible(time.monotonic())
+        if crowded or self.opening.total() + nbytes > self.max_bytes:
+            raise AdapterBudgetError(
+                f"{what} of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb ({self.max_bytes} "
+                "bytes) are taken or being built"
+            )
+        self.opening[peer] += nbytes
+        try:
+            yield
+        finally:
+            self.opening[peer] -= nbytes
+            if self.opening[peer] <= 0:
+                del self.opening[peer]
+
+    def make_room(self, nbytes: int, refusal: str, *, peer: str, keep: TrainingSession | None, preempt: bool) -> None:
+        """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
+        `keep` giving it; AdapterBudgetError(`refusal`) when nothing more can. Synchronous: the caller takes the room
+        right after."""
+        while (used := self.used_bytes) + nbytes > self.max_bytes:
+            if not (
+                self._drop_overdue(keep)
+                or self._drop_graphs(keep)
+                or (self.within_share(peer, nbytes) and self._take_back(keep))
+                or (preempt and self.service._preempt_idle())
+            ):
+                raise AdapterBudgetError(f"{refusal}: {used} of max_training_mb ({self.max_bytes} bytes) are taken")
+
+    def _drop_overdue(self, keep: TrainingSession | None) -> bool:
+        """Drop the saved forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives a forward)
+        of sessions other than `keep` not answering a request now. Whether any was."""
+        limits = self.service.limits
+        limit_s = max(limits.preempt_idle_s, limits.step_timeout_s)
+        now, dropped = time.monotonic(), False
+        for session in self._givers(keep):
+            for step_id in [step_id for step_id, saved in session.saved.items() if now - saved.at >= limit_s]:
+                session.drop_saved(step_id)
+                dropped = True
+        return dropped
+
+    def _drop_graphs(self, keep: TrainingSession | None) -> bool:
+        """Forget the kept autograd graphs of sessions other than `keep` (a backward pass under way holds what it
+        read, and one that finds none recomputes). Whether any was kept."""
+        dropped = False
+        for session in self.service.sessions.values():
+            if session is not keep and any(saved.graph_bytes for saved in session.saved.values()):
+                session.drop_graphs()
+                dropped = True
+        return dropped
+
+    def _take_back(self, keep: TrainingSession | None) -> bool:
+        """Drop the newest saved forward of a peer past its share (of a session other than `keep` not answering a
+        request now). Whether there was one."""
+        share = self.share_bytes
+        if share is None:
+            return False
+        over = {peer for peer in {session.client_peer for session in self.service.sessions.values()}
+                if self.peer_bytes(peer) > share}  # fmt: skip
+        newest = max(
+            ((saved.at, session, step_id) for session in self._givers(keep) if session.client_peer in over
+             for step_id, saved in session.saved.items()),
+            key=lambda entry: entry[0],
+            default=None,
+        )  # fmt: skip
+        if newest is None:
+            return False
+        newest[1].drop_saved(newest[2])
+        return True
+
+    def _givers(self, keep: TrainingSession | None) -> list[TrainingSession]:
+        return [session for session in self.service.sessions.values() if session is not keep and not session.busy]
