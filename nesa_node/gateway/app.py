@@ -31,7 +31,7 @@ from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.answers import Generation, Prepared, completion
 from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys, is_loopback
-from nesa_node.gateway.callers import CallerLimit, default_limit
+from nesa_node.gateway.callers import CallerLimit, caller_address, default_limit
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.handlers import add_error_handlers
 from nesa_node.gateway.middleware import CountRequests, LimitBody, RequireKey
@@ -170,7 +170,7 @@ class Gateway:
         is first tokenized in prefixes, each twice the last, and refused (400 `context_length_exceeded`) at the first
         that has more tokens than the context holds (plus PREFIX_SLACK_TOKENS, for the word cut at the prefix's end):
         a prompt bound to be refused costs the tokenizer about what the context's worth of text costs, not its whole
-        length, and one that fits at most twice its own."""
+        length, and one that fits less than three times its own."""
         limit = self.max_length
         chars = PREFIX_CHARS_PER_TOKEN * limit
         while chars < len(text):
@@ -347,6 +347,11 @@ class Gateway:
             generation.finish_reason = "length"
         yield generation, generation.text.finish()
 
+    @property
+    def contended(self) -> bool:
+        """Whether every generation slot is taken, or requests wait for one (callers then keep to their share)."""
+        return self.slots.locked() or self._waiting > 0
+
     def check_room(self, *, preparing: bool = False) -> None:
         """ApiError 429 when `max_waiting` requests already wait, for a slot while every slot is taken, or for the
         tokenizer (`preparing`: a request about to be tokenized)."""
@@ -440,7 +445,7 @@ def create_app(gateway: Gateway) -> FastAPI:
         """Who calls (gateway/callers.py): its API key's id, or without keys its address; ApiError 401 without a key
         of this gateway's."""
         if gateway.api_keys is None:
-            return f"address:{request.client.host if request.client else ''}"
+            return caller_address(request.client.host if request.client else "")
         caller = gateway.api_keys.identify(request.headers.get("authorization"))
         if caller is None:
             raise ApiError(401, KEY_NEEDED, code="invalid_api_key")
@@ -505,7 +510,8 @@ def create_app(gateway: Gateway) -> FastAPI:
         if field is not None:  # nothing downstream (tokenizer, JSON answers) takes such a string
             raise ApiError(400, f"`{field}` is not valid Unicode (a lone UTF-16 surrogate such as \\ud800): send "
                            "text that encodes as UTF-8", param=field, code="invalid_unicode")  # fmt: skip
-        held = gateway.callers.admit(caller)  # running or waiting, until its generation is over
+        # running or waiting, until its generation is over; past its share only while slots are free
+        held = gateway.callers.admit(caller, contended=gateway.contended)
         streamed = False
         try:
             adapter = await gateway.resolve_model(request.model)

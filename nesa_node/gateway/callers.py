@@ -1,17 +1,38 @@
-"""Each caller's share of a gateway: at most `limit` requests running or waiting at once per caller, so that one
-caller cannot take every generation slot and every waiting place (and leave everyone else 429 `overloaded`).
+"""Each caller's share of a gateway: while its generation slots are all taken (or requests wait for one), a caller
+with `limit` requests running or waiting gets no more, so that one caller cannot take every waiting place too (and
+leave everyone else 429 `overloaded`); while slots are free, a caller may use them past its share (one user of a
+local gateway is not held to a quarter of it), and the waiting places that fill once they are taken are left to
+others. Requests past the share end in their own time: a stream whose client stops reading ends after the gateway's
+send timeout (gateway/streams.py).
 
-A caller is an API key when the gateway has keys (gateway/auth.py), else a client address: behind a reverse proxy
-every client has the proxy's address, and shares one caller's limit.
+A caller is an API key when the gateway has keys (gateway/auth.py), else a client address (`caller_address`: an IPv6
+client's /64, what one host or site is given). That address is the one the HTTP server reports: behind a reverse
+proxy on the gateway's own machine that sets X-Forwarded-For, the client's (uvicorn trusts that header from
+127.0.0.1 only); behind any other, the proxy's, and every client behind it shares one caller's limit.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections import Counter
 
 from nesa_node.gateway.requests import ApiError
 
-__all__ = ["CallerLimit", "Held", "default_limit"]
+__all__ = ["CallerLimit", "Held", "caller_address", "default_limit"]
+
+
+def caller_address(host: str) -> str:
+    """The caller a client address is: the address, or for IPv6 its /64 (a single host or site is commonly given a
+    whole /64, and could otherwise be as many callers as it likes)."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return f"address:{host}"
+    if address.version == 6:
+        if address.ipv4_mapped is not None:  # an IPv4 client on a dual-stack socket
+            return f"address:{address.ipv4_mapped}"
+        return f"address:{ipaddress.ip_network(f'{address}/64', strict=False)}"
+    return f"address:{address}"
 
 
 def default_limit(max_concurrency: int) -> int:
@@ -41,15 +62,16 @@ class CallerLimit:
         self.limit = limit
         self._held: Counter[str] = Counter()
 
-    def admit(self, caller: str) -> Held:
+    def admit(self, caller: str, *, contended: bool = True) -> Held:
         """A place for one more request of `caller`; ApiError 429 `too_many_concurrent_requests` when it has `limit`
-        requests running or waiting already."""
-        if self._held[caller] >= self.limit:
+        requests running or waiting already and the gateway is `contended` (module docstring)."""
+        if self._held[caller] >= self.limit and contended:
             who = "this API key" if caller.startswith("key:") else "this client address"
             raise ApiError(
                 429,
-                f"{who} has {self._held[caller]} requests running or waiting, the most one caller may have at once "
-                f"on this gateway ({self.limit}): wait for one to end, then retry",
+                f"{who} has {self._held[caller]} request(s) running or waiting, and the gateway's generation slots "
+                f"are all taken: one caller may then have at most {self.limit} at once; wait for one to end, then "
+                "retry",
                 kind="rate_limit_error",
                 code="too_many_concurrent_requests",
             )

@@ -30,7 +30,10 @@ __all__ = ["CAPACITY", "add_error_handlers"]
 # refusals for want of room on the nodes (the session's cache, the caller's share, an adapter budget in use): the
 # swarm's state, not the request's fault
 CAPACITY = (AdapterBudgetError, CacheBudgetError, QuotaExceededError, TooManySessionsError)
-SERVED = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health"
+SERVED = (
+    "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /v1/adapters/load and /unload, GET /health, "
+    "GET /metrics, the dashboard at /"
+)
 
 
 def add_error_handlers(app: FastAPI) -> None:

@@ -54,8 +54,10 @@ class EventStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()  # a stream never started (the request cancelled first): nothing runs
-            self.on_close()
+            try:
+                await self.body_iterator.aclose()  # a stream never started (the request cancelled first): none runs
+            finally:
+                self.on_close()
 
     async def stream_response(self, send: Send) -> None:
         async def bounded(message: Message) -> None:

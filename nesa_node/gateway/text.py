@@ -6,8 +6,11 @@ a stop string appears, the text before it is the last piece and the stream is fi
 short window of the tokens before it (the text of the window's tokens up to the new ones, then with them: the
 difference is the new text), so a token costs the same at the end of a long generation as at its start, where
 decoding the whole output each time would cost the square of its length. The tokens waiting for the rest of a
-character are at most MAX_PENDING: a run of tokens that never make valid UTF-8 (a model's garbage) is released as it
-decodes, replacement characters included, rather than decoded again and again as it grows. Streaming every piece and
+character are at most MAX_PENDING while what they decode to ends in more than one replacement character: a run of
+tokens that never make valid UTF-8 (a model's garbage) is released as it decodes, replacement characters included,
+rather than decoded again and again as it grows. Text ending in one replacement character is an incomplete character
+at its end, as byte-level vocabularies make with tokens that end one character and begin the next: those wait for
+the token that completes it, up to MAX_WAITING tokens. Streaming every piece and
 decoding the whole output at once give the same text (the property tests check this over random stop strings
 crossing token boundaries, and characters split over tokens).
 """
@@ -21,6 +24,9 @@ REPLACEMENT = "\ufffd"  # what a decoder gives for an incomplete UTF-8 sequence 
 # its 4th token, so 4 tokens that still end in an incomplete character hold some that never will be one (a special
 # token, which gives no byte, inside a character is the exception: that character comes out as replacements)
 MAX_PENDING = 4
+# tokens that each end a character and begin the next (the text keeps ending in one incomplete character) wait this
+# long for a token that ends on a character's end: real text gives one within a few; beyond, it is garbage after all
+MAX_WAITING = 32
 # tokens that gave no text are kept after the context up to this many (beyond: special tokens, skipped): enough for
 # the last bytes of the context's last character (3) after a full window of tokens read at once (MAX_PENDING)
 MAX_CONTEXT = 2 * MAX_PENDING
@@ -48,7 +54,8 @@ class TextStream:
         self._pending.append(token)
         new = self._new_text()
         if not new or new.endswith(REPLACEMENT):  # no text yet, or a character split across tokens: wait for more
-            if len(self._pending) < MAX_PENDING:
+            incomplete = new.endswith(REPLACEMENT) and not new.endswith(2 * REPLACEMENT)  # one character's start
+            if len(self._pending) < (MAX_WAITING if incomplete else MAX_PENDING):
                 return ""
             self._settle(new)
         else:

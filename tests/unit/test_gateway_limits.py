@@ -1,6 +1,7 @@
 """What one client can hold of a gateway (nesa_node/gateway/streams.py, callers.py): a stream whose client stops
 reading ends once a chunk waits `send_timeout_s`, freeing its generation slot and closing its session; and one caller
-(an API key, or a client address without keys) has at most `max_requests_per_caller` requests running or waiting."""
+(an API key, or a client address without keys) has at most `max_requests_per_caller` requests running or waiting
+while the gateway's slots are all taken."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from nesa_node.gateway.app import create_app
 from nesa_node.gateway.auth import ApiKeys
+from nesa_node.gateway.callers import caller_address
 from tests.support.gateway import asgi_request, error_of, fake_gateway
 
 LONG_STREAM = {"model": "m", "prompt": "hello there", "max_tokens": 5000, "stream": True}
@@ -55,32 +57,38 @@ async def test_a_client_that_goes_away_mid_stream_frees_its_slot_at_once():
 
 
 @pytest.mark.parametrize("keys", [False, True])
-async def test_one_caller_holds_at_most_its_share_of_the_gateway(keys):
-    """Without keys a caller is a client address; with keys, a key, from whichever address it comes."""
+async def test_one_caller_holds_at_most_its_share_of_a_full_gateway(keys):
+    """Without keys a caller is a client address; with keys, a key, from whichever address it comes. While slots
+    are free a caller may use them past its share; once they are all taken, it gets no more (not even a waiting
+    place), while others still wait for the next free slot and are served."""
     gateway = fake_gateway(
-        max_concurrency=8, delay_s=0.01, api_keys=ApiKeys(["sk-a", "sk-b"]) if keys else None
-    )  # a quarter of 8: 2 requests per caller
+        max_concurrency=4, delay_s=0.01, api_keys=ApiKeys(["sk-a", "sk-b"]) if keys else None
+    )  # a quarter of 4: 1 request per caller while the gateway is full
     app = create_app(gateway)
     first = {"headers": {"Authorization": "Bearer sk-a"}} if keys else {"client": ("192.0.2.1", 1)}
     same = {"headers": {"Authorization": "Bearer sk-a"}, "client": ("192.0.2.9", 2)} if keys else first
     other = {"headers": {"Authorization": "Bearer sk-b"}} if keys else {"client": ("192.0.2.2", 1)}
     gone = asyncio.Event()
-    held = [asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", LONG_STREAM, gone=gone, **first))
-            for _ in range(2)]  # fmt: skip
-    await until(lambda: len(gateway.model.sessions) == 2)
+    held = []
+    for count in range(1, 5):  # past its share of 1, each taking a free slot
+        held.append(
+            asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", LONG_STREAM, gone=gone, **first))
+        )
+        await until(lambda count=count: len(gateway.model.sessions) == count)
+    assert gateway.slots.locked()
 
     refused = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT, **same), 5)
     assert refused["status"] == 429
     error = error_of(refused)
     assert error["code"] == "too_many_concurrent_requests" and error["type"] == "rate_limit_error"
-    assert ("this API key" if keys else "this client address") in error["message"] and "(2)" in error["message"]
-    # everyone else is served meanwhile, with the slots and waiting places the caller could not take
-    answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT, **other), 5)
-    assert answer["status"] == 200
-
+    assert ("this API key" if keys else "this client address") in error["message"] and "at most 1" in error["message"]
     caller = gateway.api_keys.identify("Bearer sk-a") if keys else "address:192.0.2.1"
-    assert gateway.callers.held(caller) == 2
+    assert gateway.callers.held(caller) == 4
+    # another caller waits for the next free slot, and is served once the first caller's streams end
+    waiting = asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", SHORT, **other))
+    await until(lambda: gateway.contended and not waiting.done() and gateway._waiting == 1)
     gone.set()
+    assert (await asyncio.wait_for(waiting, 5))["status"] == 200
     await asyncio.wait_for(asyncio.gather(*held), 5)
     assert gateway.callers.held(caller) == 0
     answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT, **same), 5)
@@ -102,3 +110,18 @@ def test_a_callers_share_is_a_quarter_of_the_slots_unless_set():
     assert fake_gateway(max_concurrency=3).callers.limit == 1
     assert fake_gateway(max_concurrency=3, max_requests_per_caller=5).callers.limit == 5
     assert fake_gateway().send_timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("host", "caller"),
+    [
+        ("192.0.2.7", "address:192.0.2.7"),
+        ("2001:db8:1:2:aaaa::1", "address:2001:db8:1:2::/64"),
+        ("2001:db8:1:2:bbbb::9", "address:2001:db8:1:2::/64"),
+        ("::ffff:192.0.2.7", "address:192.0.2.7"),
+        ("testclient", "address:testclient"),
+    ],
+)
+def test_an_ipv6_client_is_one_caller_per_64(host, caller):
+    """A host given a whole /64 (as IPv6 hosts and sites commonly are) is one caller, not one per address."""
+    assert caller_address(host) == caller

@@ -122,6 +122,9 @@ BYTE_TOKENS = [
     b"\x98\x80",
     b"\x80",
     b"\xff",
+    b"\xad\xe6",  # the end of one character and the start of the next, as byte-level vocabularies have
+    b"\x87\xe5",
+    b"\xa9\xe2\x82",
 ]
 
 
@@ -134,6 +137,27 @@ def bytes_decode(tokens: list[int]) -> str:
 def test_tokens_of_parts_of_characters_and_garbage_stream_as_they_decode_whole(tokens):
     stream = TextStream(bytes_decode)
     assert "".join(stream.push(token) for token in tokens) + stream.finish() == bytes_decode(tokens)
+
+
+@pytest.mark.parametrize(
+    ("text", "parts"),
+    [
+        ("中文字", [b"\xe4", b"\xb8", b"\xad\xe6", b"\x96", b"\x87\xe5", b"\xad", b"\x97"]),
+        ("中文字", [b"\xe4\xb8", b"\xad\xe6", b"\x96", b"\x87\xe5", b"\xad\x97"]),
+        ("é€中", [b"\xc3", b"\xa9\xe2", b"\x82", b"\xac\xe4", b"\xb8\xad"]),
+    ],
+)
+def test_tokens_that_end_one_character_and_begin_the_next_stream_whole(text, parts):
+    """Byte-level tokens crossing character boundaries, each leaving the text with an incomplete character at its
+    end, more of them in a row than garbage may wait: the text still streams as it decodes whole."""
+    vocabulary = sorted(set(parts))
+
+    def decode(tokens: list[int]) -> str:
+        return b"".join(vocabulary[token] for token in tokens).decode("utf-8", errors="replace")
+
+    tokens = [vocabulary.index(part) for part in parts]
+    stream = TextStream(decode)
+    assert "".join(stream.push(token) for token in tokens) + stream.finish() == text == decode(tokens)
 
 
 def test_a_run_of_tokens_that_never_decode_costs_the_same_per_token():
