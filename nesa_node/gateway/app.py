@@ -93,6 +93,7 @@ class Gateway:
         self.model_name = model_name
         self.chat_template = chat_template
         self.created = int(time.time())
+        self.max_concurrency = max_concurrency
         self.slots = asyncio.Semaphore(max_concurrency)
         self.max_waiting = WAITING_PER_SLOT * max_concurrency
         self._waiting = 0  # requests waiting for a slot
@@ -349,8 +350,9 @@ class Gateway:
 
     @property
     def contended(self) -> bool:
-        """Whether every generation slot is taken, or requests wait for one (callers then keep to their share)."""
-        return self.slots.locked() or self._waiting > 0
+        """Whether the gateway holds as many requests (running, waiting, being prepared) as it has generation slots:
+        callers then keep to their share (gateway/callers.py). Counted at admission, so a burst is seen at once."""
+        return self.callers.total >= self.max_concurrency
 
     def check_room(self, *, preparing: bool = False) -> None:
         """ApiError 429 when `max_waiting` requests already wait, for a slot while every slot is taken, or for the

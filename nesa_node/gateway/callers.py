@@ -1,5 +1,5 @@
-"""Each caller's share of a gateway: while its generation slots are all taken (or requests wait for one), a caller
-with `limit` requests running or waiting gets no more, so that one caller cannot take every waiting place too (and
+"""Each caller's share of a gateway: while it holds as many requests (running, waiting or being prepared) as it has
+generation slots, a caller with `limit` requests running or waiting gets no more, so that one caller cannot take every waiting place too (and
 leave everyone else 429 `overloaded`); while slots are free, a caller may use them past its share (one user of a
 local gateway is not held to a quarter of it), and the waiting places that fill once they are taken are left to
 others. Requests past the share end in their own time: a stream whose client stops reading ends after the gateway's
@@ -69,14 +69,19 @@ class CallerLimit:
             who = "this API key" if caller.startswith("key:") else "this client address"
             raise ApiError(
                 429,
-                f"{who} has {self._held[caller]} request(s) running or waiting, and the gateway's generation slots "
-                f"are all taken: one caller may then have at most {self.limit} at once; wait for one to end, then "
-                "retry",
+                f"{who} has {self._held[caller]} request(s) running or waiting, and the gateway has as many requests "
+                f"as generation slots: one caller may then have at most {self.limit} at once; wait for one to end, "
+                "then retry",
                 kind="rate_limit_error",
                 code="too_many_concurrent_requests",
             )
         self._held[caller] += 1
         return Held(self, caller)
+
+    @property
+    def total(self) -> int:
+        """Requests of every caller running or waiting now."""
+        return self._held.total()
 
     def held(self, caller: str) -> int:
         """Requests of `caller` running or waiting now."""

@@ -368,7 +368,11 @@ class TrainingService:
         hidden = self.compute.read_hidden(request, message.codec, batch=None)
         output_codec = self.compute.codec(message.output_codec)
         if message.keep:
-            if message.step_id in session.saved or message.step_id in session.answered:
+            if (
+                message.step_id in session.saved
+                or message.step_id in session.answered
+                or message.step_id in session.dropped
+            ):
                 raise BadRequestError(f"step {message.step_id} was run already in this session")
             if len(session.saved) >= self.limits.max_queued_steps:
                 raise BadRequestError(
@@ -436,8 +440,9 @@ class TrainingService:
         synced = message.apply and bool(session.replicas)
 
         def run() -> torch.Tensor:
-            if saved.graph is not None:  # the forward's own graph
-                inputs, output = saved.graph
+            graph = saved.graph  # read once: the event loop may drop it meanwhile (training_room.py)
+            if graph is not None:  # the forward's own graph
+                inputs, output = graph
             else:  # recomputed from the saved input
                 inputs = hidden.to(span.spec.device, span.dtype_).detach().requires_grad_(True)
                 with torch.enable_grad(), trainable_adapter(span, trainable.factors):

@@ -76,8 +76,7 @@ class TrainingRoom:
         (AdapterBudgetError) when the memory is taken and nothing could make room, or opens being built would take
         all of it. Given back on the way out, however the build ends."""
         self.check_share(peer, nbytes, what)
-        if self.used_bytes + nbytes > self.max_bytes:
-            self._drop_overdue(None)
+        self._free(nbytes, peer=peer, keep=None)
         crowded = self.used_bytes + nbytes > self.max_bytes and not self.service._preemptible(time.monotonic())
         if crowded or self.opening.total() + nbytes > self.max_bytes:
             raise AdapterBudgetError(
@@ -96,14 +95,22 @@ class TrainingRoom:
         """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
         `keep` giving it; AdapterBudgetError(`refusal`) when nothing more can. Synchronous: the caller takes the room
         right after."""
-        while (used := self.used_bytes) + nbytes > self.max_bytes:
+        while not self._free(nbytes, peer=peer, keep=keep):
+            if not (preempt and self.service._preempt_idle()):
+                used = self.used_bytes
+                raise AdapterBudgetError(f"{refusal}: {used} of max_training_mb ({self.max_bytes} bytes) are taken")
+
+    def _free(self, nbytes: int, *, peer: str, keep: TrainingSession | None) -> bool:
+        """Whether there is room for `nbytes` more of `peer`'s, once what may give way without ending a session has
+        (steps 1 to 3 of the module docstring)."""
+        while self.used_bytes + nbytes > self.max_bytes:
             if not (
                 self._drop_overdue(keep)
                 or self._drop_graphs(keep)
                 or (self.within_share(peer, nbytes) and self._take_back(keep))
-                or (preempt and self.service._preempt_idle())
             ):
-                raise AdapterBudgetError(f"{refusal}: {used} of max_training_mb ({self.max_bytes} bytes) are taken")
+                return False
+        return True
 
     def _drop_overdue(self, keep: TrainingSession | None) -> bool:
         """Drop the saved forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives a forward)

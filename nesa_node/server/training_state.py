@@ -65,6 +65,7 @@ class TrainingSession:
     last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
     # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
     inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)
+    synced_round: int = 0  # the last update whose replicas' gradients were read from the inbox
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -106,6 +106,7 @@ class ReplicaSync:
                 f"({type(exc).__name__})"
             ) from None
         gradients = {**session.inbox.pop(round_), me: flat}
+        session.synced_round = round_  # read: a late copy for it is refused, never kept (_receiver)
 
         def step() -> None:
             total = functools.reduce(torch.add, (gradients[key] for key in sorted(gradients)))
@@ -176,7 +177,8 @@ class ReplicaSync:
             raise BadRequestError(f"no training session {message.session_id} of that client here")
         if (sender, message.from_session_id) not in session.replicas:
             raise BadRequestError("the sender is not a replica of this training session")
-        if not session.step < message.round <= session.step + 2:  # this update or the next, nothing else is kept
+        # this update or the next, nothing else is kept: not one already read (its step may still be running)
+        if not max(session.step, session.synced_round) < message.round <= session.step + 2:
             raise BadRequestError(f"gradients for update {message.round}; this session is at update {session.step}")
         return session
 

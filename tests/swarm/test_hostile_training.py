@@ -829,6 +829,39 @@ def test_g3_a_peer_past_its_share_borrows_free_training_memory_and_gives_it_back
     assert isinstance(target.run(ask(within, backward("small", small))), TrainGrad)  # the peer within keeps its pass
 
 
+def test_g3_an_open_within_its_share_takes_back_what_a_busy_borrower_holds(target, holder, monkeypatch):
+    """A peer whose saved forwards fill the free training memory past its share, and that keeps stepping (so none of
+    its sessions is idle), does not keep a newcomer within its share out: the open takes back the borrower's newest
+    forwards, as many as it needs, and their backward passes are refused as preempted."""
+    borrower, newcomer = target.attackers
+    assert isinstance(holder.open(borrower, "borrows-much"), TrainOpened)
+    training, room = target.node.training, target.node.training.room
+    fixed = room.peer_bytes(borrower.peer_id.to_base58())  # what the newcomer's open needs too
+    rows, count = hidden(1, 3), 24
+    assert count * rows.nbytes > fixed
+    budget = training.used_bytes + count * rows.nbytes + fixed // 2
+    limits = dataclasses.replace(
+        training.limits,
+        max_training_mb=budget / 2**20,
+        max_cache_share_per_peer=(fixed + rows.nbytes) / budget,
+        max_queued_steps=count,
+        max_training_sessions=10**6,  # sessions are shared out by the same fraction: only the bytes decide here
+    )
+    monkeypatch.setattr(training, "limits", limits)
+    channel = holder.channels[0]
+    for index in range(count):  # each in free memory, past the borrower's share
+        assert isinstance(target.run(ask(channel, forward(f"f{index}", rows))), TrainOutput)
+    assert training.used_bytes + fixed > training.max_state_bytes and not training._preemptible(time.monotonic())
+    assert isinstance(holder.open(newcomer, "newcomer"), TrainOpened)
+    session = training.sessions[(borrower.peer_id.to_base58(), "borrows-much")]
+    kept = [f"f{index}" for index in range(count) if f"f{index}" in session.saved]
+    assert kept == [f"f{index}" for index in range(len(kept))] and 0 < len(kept) < count  # the newest went
+    late = target.run(ask(channel, backward(f"f{count - 1}", rows)))
+    assert code(late) == "preempted"
+    assert isinstance(target.run(ask(channel, backward("f0", rows))), TrainGrad)
+    assert training.used_bytes <= training.max_state_bytes
+
+
 def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(target, holder, monkeypatch):
     """A session kept alive by other requests cannot hold its saved forwards for ever: once a forward's backward pass
     is overdue (past the step timeout an honest chain answers within), its input is dropped when another session
@@ -1031,6 +1064,7 @@ def test_g3_an_open_reserves_room_for_its_replicas_gradients_within_its_share(ta
     opened, reserved, synced, after, more, inbox = target.run(scenario())
     assert isinstance(opened, TrainOpened) and reserved == after == 6 * slice_bytes
     assert all(isinstance(answer, TrainSynced) for answer in synced)
+    # what waits is within the room reserved: one slice's worth per replica and update, two updates
     assert inbox == {1: [(me, "ghost")], 2: [(me, "ghost")]}
     assert code(more) == "quota" and "share of max_training_mb" in more.message
 

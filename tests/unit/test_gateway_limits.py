@@ -82,11 +82,12 @@ async def test_one_caller_holds_at_most_its_share_of_a_full_gateway(keys):
     error = error_of(refused)
     assert error["code"] == "too_many_concurrent_requests" and error["type"] == "rate_limit_error"
     assert ("this API key" if keys else "this client address") in error["message"] and "at most 1" in error["message"]
+    assert gateway.contended
     caller = gateway.api_keys.identify("Bearer sk-a") if keys else "address:192.0.2.1"
     assert gateway.callers.held(caller) == 4
     # another caller waits for the next free slot, and is served once the first caller's streams end
     waiting = asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", SHORT, **other))
-    await until(lambda: gateway.contended and not waiting.done() and gateway._waiting == 1)
+    await until(lambda: not waiting.done() and gateway._waiting == 1)
     gone.set()
     assert (await asyncio.wait_for(waiting, 5))["status"] == 200
     await asyncio.wait_for(asyncio.gather(*held), 5)
@@ -125,3 +126,22 @@ def test_a_callers_share_is_a_quarter_of_the_slots_unless_set():
 def test_an_ipv6_client_is_one_caller_per_64(host, caller):
     """A host given a whole /64 (as IPv6 hosts and sites commonly are) is one caller, not one per address."""
     assert caller_address(host) == caller
+
+
+async def test_a_burst_past_the_slots_is_held_to_the_share_from_its_first_request_over():
+    """Requests are counted as they are admitted (before their prompts are prepared or their adapters looked up):
+    a burst of one caller takes the free slots, and past them it is refused at once, the waiting places left to
+    others."""
+    gateway = fake_gateway(max_concurrency=4, delay_s=0.01)  # a share of 1 while the gateway is full
+    app = create_app(gateway)
+    gone = asyncio.Event()
+    burst = [asyncio.ensure_future(asgi_request(app, "POST", "/v1/completions", LONG_STREAM, gone=gone))
+             for _ in range(6)]  # fmt: skip
+    await until(lambda: sum(task.done() for task in burst) == 2)  # the two past the slots, refused
+    refused = [task.result() for task in burst if task.done()]
+    assert [answer["status"] for answer in refused] == [429, 429]
+    assert {error_of(answer)["code"] for answer in refused} == {"too_many_concurrent_requests"}
+    assert gateway._waiting == 0 and gateway.callers.total == 4
+    gone.set()
+    await asyncio.wait_for(asyncio.gather(*burst), 5)
+    assert gateway.callers.total == 0

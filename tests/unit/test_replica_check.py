@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from nesa_node.errors import BadRequestError, PeerUnavailableError
+from nesa_node.protocol.messages import TrainSync
 from nesa_node.server.training_sync import ReplicaSync
 
 
@@ -42,3 +43,20 @@ def test_a_replica_announcing_no_such_span_is_the_clients_mistake():
 def test_records_the_node_cannot_read_are_its_own_trouble(records):
     with pytest.raises(PeerUnavailableError, match="could not read the swarm's records"):
         asyncio.run(ReplicaSync(service(records)).check_nodes({"serving"}, (0, 2)))
+
+
+def test_gradients_for_an_update_already_read_are_refused_not_kept():
+    """A replica's gradients for the update whose step is still running (read from the inbox already) would never
+    be read again: refused, so nothing piles up outside the room the session reserved."""
+    owner, replica = "client", ("replica-node", "replica-session")
+    session = SimpleNamespace(replicas=(replica,), step=4, synced_round=5, inbox={})
+    sync = ReplicaSync(SimpleNamespace(sessions={(owner, "s"): session}))
+
+    def message(round_: int) -> TrainSync:
+        return TrainSync(owner=owner, session_id="s", from_session_id=replica[1], round=round_)
+
+    with pytest.raises(BadRequestError, match="gradients for update 5"):
+        sync._receiver(message(5), replica[0])
+    assert sync._receiver(message(6), replica[0]) is session  # the next update's are kept
+    session.synced_round = 0  # nothing read yet: this update's own are taken
+    assert sync._receiver(message(5), replica[0]) is session
