@@ -391,13 +391,15 @@ class TrainBackward(Message):
 class TrainSync(Message):
     """Node -> node (protocol.rpc.TRAIN_SYNC): the sender's session `from_session_id` gives its gradients for update
     `round` to the receiver's session `session_id` of client `owner`, its replica: one float32 tensor of every LoRA
-    parameter's gradient, flattened in the slice's parameter order."""
+    parameter's gradient, flattened in the slice's parameter order. `probe`: no tensor, only whether the receiver
+    would take them (a sender asks once per replica before its first gradients go out)."""
 
     kind: Literal["train_sync"] = "train_sync"
     owner: Id
     session_id: Id
     from_session_id: Id
     round: int = Field(ge=1, le=1 << 40)
+    probe: bool = False
 
 
 class TrainSynced(Message):

@@ -66,6 +66,7 @@ class TrainingSession:
     # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
     inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)
     synced_round: int = 0  # the last update whose replicas' gradients were read from the inbox
+    confirmed: set[tuple[str, str]] = field(default_factory=set)  # replicas on other nodes that said they take ours
     arrived: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property

@@ -6,7 +6,9 @@ instead of hivemind's averager finding one).
   TrainSync   node -> node on rpc.TRAIN_SYNC: one replica's flat gradients for one update; TrainSynced, or refused
 
 Only a session's named replicas are heard, only for this update or the next, and a node sends gradients only to
-replicas that announce the blocks on the DHT.
+replicas that announce the blocks on the DHT, and only once the replica said it holds a session that names this one
+as its replica (a probe, metadata alone, before the first gradients): a client naming nodes that hold no such
+session cannot make a node upload its gradients to each of them at every step.
 """
 
 from __future__ import annotations
@@ -19,7 +21,13 @@ from typing import TYPE_CHECKING
 import torch
 from hivemind.p2p import P2PContext
 
-from nesa_node.errors import BadRequestError, PeerUnavailableError, ReplicaUnavailableError, RequestError
+from nesa_node.errors import (
+    BadRequestError,
+    NesaError,
+    PeerUnavailableError,
+    ReplicaUnavailableError,
+    RequestError,
+)
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
@@ -101,9 +109,11 @@ class ReplicaSync:
             session.optimizer.zero_grad(set_to_none=True)  # this update is lost: its gradients must not linger
             session.pending_grads = False
             missing = sorted(set(session.replicas) - set(session.inbox.pop(round_, {})))
+            # why: a replica's refusal in its words, else what failed (a timeout: one sent nothing)
+            errors = exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,)
+            why = next((error.message for error in errors if isinstance(error, NesaError)), type(errors[0]).__name__)
             raise ReplicaUnavailableError(
-                f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} "
-                f"({type(exc).__name__})"
+                f"update {round_}: no gradients from replicas {', '.join(peer[:12] for peer, _ in missing)} ({why})"
             ) from None
         gradients = {**session.inbox.pop(round_), me: flat}
         session.synced_round = round_  # read: a late copy for it is refused, never kept (_receiver)
@@ -130,9 +140,20 @@ class ReplicaSync:
         if peer == self.service.peer_id:  # a replica on this node
             self._deliver(message, self.service.peer_id, flat)
             return
+        if (peer, session_id) not in session.confirmed:  # asked first, with nothing but the message
+            await self._exchange(peer, frame(message.model_copy(update={"probe": True})))
+            session.confirmed.add((peer, session_id))
+        try:
+            await self._exchange(peer, frame(message, [wire]))
+        except RequestError:
+            session.confirmed.discard((peer, session_id))  # it took them before: asked again next time
+            raise
+
+    async def _exchange(self, peer: str, request) -> None:
+        """One TrainSync to `peer` on a stream of its own, answered TrainSynced; its refusal raised typed."""
         channel = await open_stream(self.service.p2p, peer, rpc.TRAIN_SYNC, max_frame_bytes=MAX_METADATA_BYTES + 4096)
         try:
-            channel.send(frame(message, [wire]))
+            channel.send(request)
             answer = await channel.receive()
             if answer is None:
                 raise PeerUnavailableError(f"replica {peer[:12]}… ended the sync stream")
@@ -153,10 +174,13 @@ class ReplicaSync:
             return
         try:
             message = expect(read(request, TRAIN_SYNC), TrainSync)
-            if len(request.tensors) != 1:
-                raise BadRequestError("a training sync carries one tensor of gradients")
+            if len(request.tensors) != (0 if message.probe else 1):
+                raise BadRequestError("a training sync carries one tensor of gradients (a probe none)")
             sender = context.remote_id.to_base58()
             session = self._receiver(message, sender)  # before the gradients are read at all
+            if message.probe:  # whether gradients from the sender would be taken: they would
+                channel.send(frame(TrainSynced()))
+                return
             numel = sum(parameter.numel() for parameter in session.slice.parameters())
 
             def parse() -> tuple[torch.Tensor, bool]:  # off the event loop, as the sender's side

@@ -1069,6 +1069,47 @@ def test_g3_an_open_reserves_room_for_its_replicas_gradients_within_its_share(ta
     assert code(more) == "quota" and "share of max_training_mb" in more.message
 
 
+def test_g5_gradients_go_to_a_named_replica_only_once_it_holds_a_session_naming_them(target, monkeypatch):
+    """A client names an honest node that holds no session of its own as a replica: the node asks that replica
+    first with the message alone (a probe), is refused, and uploads no gradients to it, so naming many such nodes
+    amplifies nothing. The step fails typed (replica_unavailable) and the session stays."""
+    other = target.swarm.nodes[1]  # an honest node (blocks 2:4), passed for one serving 0:2 in the records read
+    training = target.node.training
+    records = training.records
+
+    async def records_with_the_other_node():
+        return [*(await records()), SimpleNamespace(peer_id=other.peer_id, start_block=0, end_block=2)]
+
+    monkeypatch.setattr(training, "records", records_with_the_other_node)
+    heard: list[bool] = []  # what the honest replica's node was sent: a probe, or gradients
+    receiver = other.training.sync._receiver
+
+    def recording(message, sender):
+        heard.append(message.probe)
+        return receiver(message, sender)
+
+    monkeypatch.setattr(other.training.sync, "_receiver", recording)
+
+    async def scenario():
+        channel = await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
+        try:
+            replica = (Replica(peer=other.peer_id, session_id="never-opened"),)
+            opened = await ask(channel, opening(session_id="amplifies", replicas=replica))
+            assert isinstance(opened, TrainOpened), opened
+            rows = hidden(1, 2)
+            assert isinstance(await ask(channel, forward("p", rows)), TrainOutput)
+            failed = await ask(channel, backward("p", rows, apply=True))
+            state = await ask(channel, frame(TrainStateRequest()))
+            return failed, state
+        finally:
+            channel.close()
+
+    failed, state = target.run(scenario())
+    assert code(failed) == "replica_unavailable" and "no training session" in failed.message
+    assert heard == [True]  # asked once, with nothing but the message; no gradients uploaded
+    assert isinstance(state, TrainState) and state.step == 0  # the session stays, no update taken
+
+
 def test_g5_a_node_sends_gradients_only_to_nodes_that_serve_the_blocks(target):
     """The attacker names its second identity, a plain libp2p peer that is no node at all, as its session's replica.
     Whether the node refuses the open or fails the step, it must not open a stream to that peer."""
