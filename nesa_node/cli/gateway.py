@@ -42,10 +42,10 @@ def add_parser(commands, add_peer_args) -> None:
         type=PARSERS["positive_int"],
         default=None,
         metavar="N",
-        help="requests one caller may have generating or waiting while the gateway holds --max-concurrency "
-        "requests, 429 beyond (a caller: "
-        "an API key, or without --api-key-file a client address, so everyone behind one proxy is one caller; while "
-        "slots are free a caller may use them past this; default: a quarter of --max-concurrency)",
+        help="requests one caller may have generating or waiting while the gateway holds --max-concurrency requests, "
+        "429 beyond (a caller: an API key, or without --api-key-file a client address, so everyone behind one proxy "
+        "is one caller; while slots are free a caller may use them past this; default: a quarter of "
+        "--max-concurrency)",
     )
     gateway.add_argument(
         "--send-timeout",

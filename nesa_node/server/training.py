@@ -155,6 +155,8 @@ class TrainingService:
                 try:
                     answer, answered = await self._answer(session, request)
                     channel.send(answer)
+                    if session.failed:  # told why in the answer; its owner fails over to its last checkpoint
+                        return
                     if session.step_after_answer is not None:  # the step, off the client's critical path
                         step, session.step_after_answer = session.step_after_answer, None
                         if not await self._step_after_answer(session, step):

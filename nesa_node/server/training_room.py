@@ -76,8 +76,10 @@ class TrainingRoom:
         (AdapterBudgetError) when the memory is taken and nothing could make room, or opens being built would take
         all of it. Given back on the way out, however the build ends."""
         self.check_share(peer, nbytes, what)
-        self._free(nbytes, peer=peer, keep=None)
-        crowded = self.used_bytes + nbytes > self.max_bytes and not self.service._preemptible(time.monotonic())
+        preemptible = bool(self.service._preemptible(time.monotonic()))
+        if preemptible or self._could_fit(nbytes, peer=peer, keep=None):  # nothing given way for an open refused
+            self._free(nbytes, peer=peer, keep=None)
+        crowded = self.used_bytes + nbytes > self.max_bytes and not preemptible
         if crowded or self.opening.total() + nbytes > self.max_bytes:
             raise AdapterBudgetError(
                 f"{what} of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb ({self.max_bytes} "
@@ -95,7 +97,10 @@ class TrainingRoom:
         """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
         `keep` giving it; AdapterBudgetError(`refusal`) when nothing more can. Synchronous: the caller takes the room
         right after."""
-        while not self._free(nbytes, peer=peer, keep=keep):
+        preemptible = preempt and bool(self.service._preemptible(time.monotonic()))
+        while not (
+            (preemptible or self._could_fit(nbytes, peer=peer, keep=keep)) and self._free(nbytes, peer=peer, keep=keep)
+        ):  # nothing gives way for a request that is refused anyway
             if not (preempt and self.service._preempt_idle()):
                 used = self.used_bytes
                 raise AdapterBudgetError(f"{refusal}: {used} of max_training_mb ({self.max_bytes} bytes) are taken")
@@ -111,6 +116,30 @@ class TrainingRoom:
             ):
                 return False
         return True
+
+    def _could_fit(self, nbytes: int, *, peer: str, keep: TrainingSession | None) -> bool:
+        """Whether `nbytes` more of `peer`'s could fit once what `_free` may drop has gone (counted, nothing dropped:
+        at most what it may take back from each peer past its share, its excess and one forward more)."""
+        limits, share = self.service.limits, self.share_bytes
+        limit_s, now = max(limits.preempt_idle_s, limits.step_timeout_s), time.monotonic()
+        givers = self._givers(keep)
+        freeable = sum(
+            saved.nbytes for session in givers for saved in session.saved.values() if now - saved.at >= limit_s
+        )
+        freeable += sum(
+            saved.graph_bytes for s in self.service.sessions.values() if s is not keep for saved in s.saved.values()
+        )
+        if share is not None and self.within_share(peer, nbytes):
+            for owner in {session.client_peer for session in givers}:
+                saved = [
+                    saved.nbytes
+                    for session in givers
+                    if session.client_peer == owner
+                    for saved in session.saved.values()
+                ]
+                if saved and (excess := self.peer_bytes(owner) - share) > 0:
+                    freeable += min(sum(saved), excess + max(saved))
+        return self.used_bytes - freeable + nbytes <= self.max_bytes
 
     def _drop_overdue(self, keep: TrainingSession | None) -> bool:
         """Drop the saved forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives a forward)

@@ -62,6 +62,7 @@ class TrainingSession:
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
     channel: Channel | None = None
     busy: bool = False  # a request of the session is being answered
+    failed: bool = False  # its slice may be half updated (an optimizer step failed): it ends once that is answered
     last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
     # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
     inbox: dict[int, dict[tuple[str, str], torch.Tensor]] = field(default_factory=dict)

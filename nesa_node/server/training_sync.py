@@ -22,6 +22,7 @@ import torch
 from hivemind.p2p import P2PContext
 
 from nesa_node.errors import (
+    AdapterError,
     BadRequestError,
     NesaError,
     PeerUnavailableError,
@@ -128,7 +129,11 @@ class ReplicaSync:
             session.optimizer.step()
             session.optimizer.zero_grad(set_to_none=True)
 
-        await self.service._compute(step)
+        try:
+            await self.service._compute(step)
+        except Exception as exc:  # the slice may be half updated: the session ends once this is answered
+            session.failed = True
+            raise exc if isinstance(exc, RequestError) else AdapterError(f"optimizer step failed: {exc!r}") from None
         return asyncio.get_running_loop().time() - started
 
     async def _send_gradients(

@@ -862,6 +862,32 @@ def test_g3_an_open_within_its_share_takes_back_what_a_busy_borrower_holds(targe
     assert training.used_bytes <= training.max_state_bytes
 
 
+def test_g3_an_open_that_cannot_fit_takes_nothing_back(target, holder, monkeypatch):
+    """An open that would not fit even with everything it may take back is refused before anything gives way: a
+    newcomer sending opens too large for the room cannot wipe a borrower's forwards again and again."""
+    borrower, newcomer = target.attackers
+    assert isinstance(holder.open(borrower, "borrows-little"), TrainOpened)
+    training, room = target.node.training, target.node.training.room
+    fixed = room.peer_bytes(borrower.peer_id.to_base58())
+    rows, count = hidden(1, 3), 4
+    budget = training.used_bytes + count * rows.nbytes + fixed // 2
+    assert count * rows.nbytes + fixed // 2 < fixed  # the free room and all the borrower holds past its share: short
+    limits = dataclasses.replace(
+        training.limits,
+        max_training_mb=budget / 2**20,
+        max_cache_share_per_peer=(fixed + rows.nbytes) / budget,
+        max_queued_steps=count,
+        max_training_sessions=10**6,
+    )
+    monkeypatch.setattr(training, "limits", limits)
+    for index in range(count):
+        assert isinstance(target.run(ask(holder.channels[0], forward(f"f{index}", rows))), TrainOutput)
+    refused = holder.open(newcomer, "too-large")
+    assert code(refused) == "adapter_budget"
+    session = training.sessions[(borrower.peer_id.to_base58(), "borrows-little")]
+    assert list(session.saved) == [f"f{index}" for index in range(count)] and not session.dropped
+
+
 def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(target, holder, monkeypatch):
     """A session kept alive by other requests cannot hold its saved forwards for ever: once a forward's backward pass
     is overdue (past the step timeout an honest chain answers within), its input is dropped when another session

@@ -160,33 +160,32 @@ def test_tokens_that_end_one_character_and_begin_the_next_stream_whole(text, par
     assert "".join(stream.push(token) for token in tokens) + stream.finish() == text == decode(tokens)
 
 
+def counting(decode):
+    """`decode`, and a list whose one item counts the tokens it was given in all."""
+    decoded = [0]
+
+    def counted(tokens: list[int]) -> str:
+        decoded[0] += len(tokens)
+        return decode(tokens)
+
+    return counted, decoded
+
+
 def test_a_run_of_tokens_that_never_decode_costs_the_same_per_token():
     """Tokens that never make valid UTF-8 (a lone continuation byte each) are released as they decode, not decoded
     again with every new one; a character split over tokens after them still comes out whole."""
-    decoded = 0
-
-    def decode(tokens: list[int]) -> str:
-        nonlocal decoded
-        decoded += len(tokens)
-        return bytes_decode(tokens)
-
+    decode, decoded = counting(bytes_decode)
     stream = TextStream(decode)
     garbage = [BYTE_TOKENS.index(b"\x80")] * 2000
     emoji = [BYTE_TOKENS.index(part) for part in (b"\xf0", b"\x9f", b"\x98\x80")]
     streamed = "".join(stream.push(token) for token in garbage + emoji) + stream.finish()
     assert streamed == "\ufffd" * 2000 + "\U0001f600"
-    assert decoded <= 40 * len(garbage)  # a bounded window per token; decoding the pending run each time: ~2000 each
+    assert decoded[0] <= 40 * len(garbage)  # a bounded window per token; the pending run each time: ~2000 each
 
 
 def test_special_tokens_that_give_no_text_are_not_decoded_again_and_again():
-    decoded = 0
-
-    def decode(tokens: list[int]) -> str:
-        nonlocal decoded
-        decoded += len(tokens)
-        return sentencepiece_decode(tokens)
-
+    decode, decoded = counting(sentencepiece_decode)
     stream = TextStream(decode)
     tokens = [0] + [2] * 2000 + [1]  # "▁Hi", 2000 special tokens (skipped), "▁there"
     assert "".join(stream.push(token) for token in tokens) + stream.finish() == "Hi there"
-    assert decoded <= 40 * len(tokens)
+    assert decoded[0] <= 40 * len(tokens)

@@ -8,8 +8,9 @@ import asyncio
 from types import SimpleNamespace
 
 import pytest
+import torch
 
-from nesa_node.errors import BadRequestError, PeerUnavailableError
+from nesa_node.errors import AdapterError, BadRequestError, PeerUnavailableError
 from nesa_node.protocol.messages import TrainSync
 from nesa_node.server.training_sync import ReplicaSync
 
@@ -60,3 +61,33 @@ def test_gradients_for_an_update_already_read_are_refused_not_kept():
     assert sync._receiver(message(6), replica[0]) is session  # the next update's are kept
     session.synced_round = 0  # nothing read yet: this update's own are taken
     assert sync._receiver(message(5), replica[0]) is session
+
+
+def test_a_synced_step_that_fails_marks_its_session_to_end_typed():
+    """The optimizer step after the replicas' gradients are summed fails (out of memory, say): the slice may be half
+    updated, so the session is marked to end once the refusal is answered, and the refusal is typed."""
+    parameter = torch.nn.Parameter(torch.zeros(3))
+    parameter.grad = torch.ones(3)
+    calls = []
+
+    async def compute(work):
+        calls.append(work)
+        if len(calls) == 2:  # the optimizer step
+            raise RuntimeError("CUDA error: an illegal memory access")
+        return work(), 0.0
+
+    session = SimpleNamespace(
+        slice=SimpleNamespace(parameters=lambda: [parameter]),
+        replicas=(),
+        step=0,
+        synced_round=0,
+        session_id="s",
+        client_peer="client",
+        inbox={},
+        arrived=asyncio.Event(),
+        failed=False,
+    )
+    service = SimpleNamespace(peer_id="node", network=SimpleNamespace(peer_timeout_s=3.0), _compute=compute)
+    with pytest.raises(AdapterError, match="optimizer step failed"):
+        asyncio.run(ReplicaSync(service).sync_and_step(session))
+    assert session.failed and len(calls) == 2
