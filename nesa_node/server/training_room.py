@@ -76,11 +76,10 @@ class TrainingRoom:
         (AdapterBudgetError) when the memory is taken and nothing could make room, or opens being built would take
         all of it. Given back on the way out, however the build ends."""
         self.check_share(peer, nbytes, what)
-        preemptible = bool(self.service._preemptible(time.monotonic()))
-        if preemptible or self._could_fit(nbytes, peer=peer, keep=None):  # nothing given way for an open refused
-            self._free(nbytes, peer=peer, keep=None)
-        crowded = self.used_bytes + nbytes > self.max_bytes and not preemptible
-        if crowded or self.opening.total() + nbytes > self.max_bytes:
+        fits = self.opening.total() + nbytes <= self.max_bytes and (
+            self._free(nbytes, peer=peer, keep=None) or self._fits_once_idle_end(nbytes, peer=peer)
+        )
+        if not fits:
             raise AdapterBudgetError(
                 f"{what} of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb ({self.max_bytes} "
                 "bytes) are taken or being built"
@@ -95,53 +94,51 @@ class TrainingRoom:
 
     def make_room(self, nbytes: int, refusal: str, *, peer: str, keep: TrainingSession | None, preempt: bool) -> None:
         """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
-        `keep` giving it; AdapterBudgetError(`refusal`) when nothing more can. Synchronous: the caller takes the room
-        right after."""
-        preemptible = preempt and bool(self.service._preemptible(time.monotonic()))
-        while not (
-            (preemptible or self._could_fit(nbytes, peer=peer, keep=keep)) and self._free(nbytes, peer=peer, keep=keep)
-        ):  # nothing gives way for a request that is refused anyway
-            if not (preempt and self.service._preempt_idle()):
-                used = self.used_bytes
-                raise AdapterBudgetError(f"{refusal}: {used} of max_training_mb ({self.max_bytes} bytes) are taken")
+        `keep` giving it; AdapterBudgetError(`refusal`) when nothing more can, with nothing given way (a request
+        refused anyway takes nothing from anyone). Synchronous: the caller takes the room right after."""
+        if self._free(nbytes, peer=peer, keep=keep):
+            return
+        if preempt and self._fits_once_idle_end(nbytes, peer=peer, keep=keep):
+            while not self._free(nbytes, peer=peer, keep=keep) and self.service._preempt_idle():
+                pass
+            if self.used_bytes + nbytes <= self.max_bytes:
+                return
+        raise AdapterBudgetError(f"{refusal}: {self.used_bytes} of max_training_mb ({self.max_bytes} bytes) are taken")
 
-    def _free(self, nbytes: int, *, peer: str, keep: TrainingSession | None) -> bool:
-        """Whether there is room for `nbytes` more of `peer`'s, once what may give way without ending a session has
-        (steps 1 to 3 of the module docstring)."""
+    def _free(self, nbytes: int, *, peer: str, keep: TrainingSession | None, commit: bool = True) -> bool:
+        """Whether there is room for `nbytes` more of `peer`'s once what may give way without ending a session has
+        (steps 1 to 3 of the module docstring). All or nothing: when it is not enough (or without `commit`), what was
+        dropped on the way is put back."""
+        undo: list = []
         while self.used_bytes + nbytes > self.max_bytes:
             if not (
-                self._drop_overdue(keep)
-                or self._drop_graphs(keep)
-                or (self.within_share(peer, nbytes) and self._take_back(keep))
+                self._drop_overdue(keep, undo)
+                or self._drop_graphs(keep, undo)
+                or (self.within_share(peer, nbytes) and self._take_back(keep, undo))
             ):
-                return False
-        return True
+                break
+        fits = self.used_bytes + nbytes <= self.max_bytes
+        if not (fits and commit):
+            for action in reversed(undo):
+                action()
+        return fits
 
-    def _could_fit(self, nbytes: int, *, peer: str, keep: TrainingSession | None) -> bool:
-        """Whether `nbytes` more of `peer`'s could fit once what `_free` may drop has gone (counted, nothing dropped:
-        at most what it may take back from each peer past its share, its excess and one forward more)."""
-        limits, share = self.service.limits, self.share_bytes
-        limit_s, now = max(limits.preempt_idle_s, limits.step_timeout_s), time.monotonic()
-        givers = self._givers(keep)
-        freeable = sum(
-            saved.nbytes for session in givers for saved in session.saved.values() if now - saved.at >= limit_s
-        )
-        freeable += sum(
-            saved.graph_bytes for s in self.service.sessions.values() if s is not keep for saved in s.saved.values()
-        )
-        if share is not None and self.within_share(peer, nbytes):
-            for owner in {session.client_peer for session in givers}:
-                saved = [
-                    saved.nbytes
-                    for session in givers
-                    if session.client_peer == owner
-                    for saved in session.saved.values()
-                ]
-                if saved and (excess := self.peer_bytes(owner) - share) > 0:
-                    freeable += min(sum(saved), excess + max(saved))
-        return self.used_bytes - freeable + nbytes <= self.max_bytes
+    def _fits_once_idle_end(self, nbytes: int, *, peer: str, keep: TrainingSession | None = None) -> bool:
+        """Whether `nbytes` more of `peer`'s would fit with the sessions preemptible now ended and what `_free` may
+        drop dropped (tried on the side: nothing changes)."""
+        sessions = self.service.sessions
+        idle = {id(session) for session in self.service._preemptible(time.monotonic())}
+        if not idle:
+            return False
+        ended = {key: session for key, session in sessions.items() if id(session) in idle}
+        for key in ended:
+            del sessions[key]
+        try:
+            return self._free(nbytes, peer=peer, keep=keep, commit=False)
+        finally:
+            sessions.update(ended)
 
-    def _drop_overdue(self, keep: TrainingSession | None) -> bool:
+    def _drop_overdue(self, keep: TrainingSession | None, undo: list) -> bool:
         """Drop the saved forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives a forward)
         of sessions other than `keep` not answering a request now. Whether any was."""
         limits = self.service.limits
@@ -149,21 +146,23 @@ class TrainingRoom:
         now, dropped = time.monotonic(), False
         for session in self._givers(keep):
             for step_id in [step_id for step_id, saved in session.saved.items() if now - saved.at >= limit_s]:
-                session.drop_saved(step_id)
+                self._drop_saved(session, step_id, undo)
                 dropped = True
         return dropped
 
-    def _drop_graphs(self, keep: TrainingSession | None) -> bool:
+    def _drop_graphs(self, keep: TrainingSession | None, undo: list) -> bool:
         """Forget the kept autograd graphs of sessions other than `keep` (a backward pass under way holds what it
         read, and one that finds none recomputes). Whether any was kept."""
         dropped = False
         for session in self.service.sessions.values():
-            if session is not keep and any(saved.graph_bytes for saved in session.saved.values()):
+            kept = [(saved, saved.graph, saved.graph_bytes) for saved in session.saved.values() if saved.graph_bytes]
+            if session is not keep and kept:
                 session.drop_graphs()
+                undo.append(lambda kept=kept: [setattr_graph(saved, graph, size) for saved, graph, size in kept])
                 dropped = True
         return dropped
 
-    def _take_back(self, keep: TrainingSession | None) -> bool:
+    def _take_back(self, keep: TrainingSession | None, undo: list) -> bool:
         """Drop the newest saved forward of a peer past its share (of a session other than `keep` not answering a
         request now). Whether there was one."""
         share = self.share_bytes
@@ -179,8 +178,24 @@ class TrainingRoom:
         )  # fmt: skip
         if newest is None:
             return False
-        newest[1].drop_saved(newest[2])
+        self._drop_saved(newest[1], newest[2], undo)
         return True
+
+    @staticmethod
+    def _drop_saved(session: TrainingSession, step_id: str, undo: list) -> None:
+        order = list(session.saved.items())
+
+        def put_back() -> None:
+            session.saved.clear()
+            session.saved.update(order)
+            session.dropped.pop(step_id, None)
+
+        session.drop_saved(step_id)
+        undo.append(put_back)
 
     def _givers(self, keep: TrainingSession | None) -> list[TrainingSession]:
         return [session for session in self.service.sessions.values() if session is not keep and not session.busy]
+
+
+def setattr_graph(saved, graph, size: int) -> None:
+    saved.graph, saved.graph_bytes = graph, size

@@ -863,20 +863,24 @@ def test_g3_an_open_within_its_share_takes_back_what_a_busy_borrower_holds(targe
 
 
 def test_g3_an_open_that_cannot_fit_takes_nothing_back(target, holder, monkeypatch):
-    """An open that would not fit even with everything it may take back is refused before anything gives way: a
-    newcomer sending opens too large for the room cannot wipe a borrower's forwards again and again."""
+    """An open that would not fit even with everything it may take back (a kept graph, forwards borrowed past a
+    share) is refused before anything gives way: a newcomer sending opens too large for the room cannot wipe a
+    borrower's graphs and forwards again and again."""
     borrower, newcomer = target.attackers
     assert isinstance(holder.open(borrower, "borrows-little"), TrainOpened)
     training, room = target.node.training, target.node.training.room
     fixed = room.peer_bytes(borrower.peer_id.to_base58())
-    rows, count = hidden(1, 3), 4
-    budget = training.used_bytes + count * rows.nbytes + fixed // 2
-    assert count * rows.nbytes + fixed // 2 < fixed  # the free room and all the borrower holds past its share: short
+    assert isinstance(target.run(ask(holder.channels[0], forward("g", hidden(1, 1)))), TrainOutput)  # graph kept
+    session = training.sessions[(borrower.peer_id.to_base58(), "borrows-little")]
+    graph = session.saved["g"].graph_bytes
+    rows, count, free = hidden(1, 3), 2, 256
+    budget = training.used_bytes + count * rows.nbytes + free
+    assert 0 < graph and graph + count * rows.nbytes + free < fixed  # all that could give way: still short
     limits = dataclasses.replace(
         training.limits,
         max_training_mb=budget / 2**20,
         max_cache_share_per_peer=(fixed + rows.nbytes) / budget,
-        max_queued_steps=count,
+        max_queued_steps=count + 1,
         max_training_sessions=10**6,
     )
     monkeypatch.setattr(training, "limits", limits)
@@ -884,8 +888,8 @@ def test_g3_an_open_that_cannot_fit_takes_nothing_back(target, holder, monkeypat
         assert isinstance(target.run(ask(holder.channels[0], forward(f"f{index}", rows))), TrainOutput)
     refused = holder.open(newcomer, "too-large")
     assert code(refused) == "adapter_budget"
-    session = training.sessions[(borrower.peer_id.to_base58(), "borrows-little")]
-    assert list(session.saved) == [f"f{index}" for index in range(count)] and not session.dropped
+    assert list(session.saved) == ["g"] + [f"f{index}" for index in range(count)] and not session.dropped
+    assert session.saved["g"].graph_bytes == graph and session.saved["g"].graph is not None
 
 
 def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(target, holder, monkeypatch):
@@ -1134,6 +1138,41 @@ def test_g5_gradients_go_to_a_named_replica_only_once_it_holds_a_session_naming_
     assert code(failed) == "replica_unavailable" and "no training session" in failed.message
     assert heard == [True]  # asked once, with nothing but the message; no gradients uploaded
     assert isinstance(state, TrainState) and state.step == 0  # the session stays, no update taken
+
+
+def test_g1_a_synced_optimizer_step_that_fails_ends_its_session_after_the_refusal(target, monkeypatch):
+    """Two sessions on one node, each other's replica: the optimizer step after their gradients are summed fails in
+    one of them (a device fault). Its slice may be half updated, so it answers the refusal, typed, and ends; the
+    other takes its step."""
+    me, node = target.attacker.peer_id.to_base58(), target.node.peer_id
+    training = target.node.training
+
+    def broken() -> None:
+        raise RuntimeError("device fault")
+
+    async def scenario():
+        channels = [
+            await open_stream(target.attacker, node, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES) for _ in range(2)
+        ]
+        try:
+            for channel, (name, other) in zip(channels, (("dp-a", "dp-b"), ("dp-b", "dp-a")), strict=True):
+                replica = (Replica(peer=node, session_id=other),)
+                assert isinstance(await ask(channel, opening(session_id=name, replicas=replica)), TrainOpened)
+            monkeypatch.setattr(training.sessions[(me, "dp-a")].optimizer, "step", broken)
+            rows = hidden(1, 2)
+            for channel in channels:
+                assert isinstance(await ask(channel, forward("p", rows)), TrainOutput)
+            answers = await asyncio.gather(*(ask(channel, backward("p", rows, apply=True)) for channel in channels))
+            after = await ask(channels[0], frame(TrainStateRequest()))
+            return answers, after
+        finally:
+            for channel in channels:
+                channel.close()
+
+    (failed, stepped), after = target.run(scenario())
+    assert code(failed) == "adapter" and "optimizer step failed" in failed.message and "device fault" in failed.message
+    assert isinstance(stepped, TrainGrad) and stepped.step == 1
+    assert after is None and (me, "dp-a") not in training.sessions  # the stream ended with the session
 
 
 def test_g5_a_node_sends_gradients_only_to_nodes_that_serve_the_blocks(target):
