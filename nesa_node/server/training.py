@@ -340,6 +340,11 @@ class TrainingService:
         `opening`: opens under way of `peer` that are this one (1 from `_open`)."""
         self._check_room(peer, session_id, opening=opening)
         self.room.check_share(peer, nbytes, "training state")
+        if not self.room.could_take(nbytes, peer=peer):  # before anyone is ended for it
+            raise AdapterBudgetError(
+                f"training state of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb "
+                f"({self.max_state_bytes} bytes) are taken"
+            )
         while len(self.sessions) >= self.limits.max_training_sessions:
             if not self._preempt_idle():
                 raise TooManySessionsError(

@@ -7,10 +7,13 @@ inputs of its forwards that wait for their backward pass, and their autograd gra
 (`make_room`), in this order:
   1. saved forwards whose backward pass is overdue (past the step timeout an honest chain answers within), of
      sessions not answering a request now;
-  2. kept autograd graphs of other sessions (their backward passes recompute from the inputs instead);
+  2. kept autograd graphs of other sessions not answering a request now (their backward passes recompute from the
+     inputs instead);
   3. for a peer within its share only: saved forwards of peers past their share (what they borrowed from free
      memory), the newest first, of sessions not answering a request now;
   4. for an open: idle sessions, preempted (TrainingService._preempt_idle).
+All or nothing: a request that would not fit even then is refused with nothing given way (`_free` puts back what
+it dropped, and an open is tried on the side, `could_take`, before it builds and before anyone is ended for it).
 A dropped forward's backward pass, if it comes, is refused as preempted (its client fails over, blaming nobody).
 So a peer may use free memory past its share while nobody else needs it, and one that keeps saved forwards alive
 with other requests holds them no longer than the step timeout once another session needs the room.
@@ -76,9 +79,7 @@ class TrainingRoom:
         (AdapterBudgetError) when the memory is taken and nothing could make room, or opens being built would take
         all of it. Given back on the way out, however the build ends."""
         self.check_share(peer, nbytes, what)
-        fits = self.opening.total() + nbytes <= self.max_bytes and (
-            self._free(nbytes, peer=peer, keep=None) or self._fits_once_idle_end(nbytes, peer=peer)
-        )
+        fits = self.opening.total() + nbytes <= self.max_bytes and self.could_take(nbytes, peer=peer)
         if not fits:
             raise AdapterBudgetError(
                 f"{what} of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb ({self.max_bytes} "
@@ -91,6 +92,11 @@ class TrainingRoom:
             self.opening[peer] -= nbytes
             if self.opening[peer] <= 0:
                 del self.opening[peer]
+
+    def could_take(self, nbytes: int, *, peer: str) -> bool:
+        """Whether `nbytes` more of `peer`'s (a new session's) would fit, what may give way and the idle sessions
+        ended: tried on the side, nothing changes (an open checks it before it builds, and before it ends anyone)."""
+        return self._free(nbytes, peer=peer, keep=None, commit=False) or self._fits_once_idle_end(nbytes, peer=peer)
 
     def make_room(self, nbytes: int, refusal: str, *, peer: str, keep: TrainingSession | None, preempt: bool) -> None:
         """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
@@ -110,17 +116,20 @@ class TrainingRoom:
         (steps 1 to 3 of the module docstring). All or nothing: when it is not enough (or without `commit`), what was
         dropped on the way is put back."""
         undo: list = []
-        while self.used_bytes + nbytes > self.max_bytes:
-            if not (
-                self._drop_overdue(keep, undo)
-                or self._drop_graphs(keep, undo)
-                or (self.within_share(peer, nbytes) and self._take_back(keep, undo))
-            ):
-                break
-        fits = self.used_bytes + nbytes <= self.max_bytes
-        if not (fits and commit):
-            for action in reversed(undo):
-                action()
+        fits = False
+        try:
+            while self.used_bytes + nbytes > self.max_bytes:
+                if not (
+                    self._drop_overdue(keep, undo)
+                    or self._drop_graphs(keep, undo)
+                    or (self.within_share(peer, nbytes) and self._take_back(keep, undo))
+                ):
+                    break
+            fits = self.used_bytes + nbytes <= self.max_bytes
+        finally:
+            if not (fits and commit):
+                for action in reversed(undo):
+                    action()
         return fits
 
     def _fits_once_idle_end(self, nbytes: int, *, peer: str, keep: TrainingSession | None = None) -> bool:
@@ -151,10 +160,10 @@ class TrainingRoom:
         return dropped
 
     def _drop_graphs(self, keep: TrainingSession | None, undo: list) -> bool:
-        """Forget the kept autograd graphs of sessions other than `keep` (a backward pass under way holds what it
-        read, and one that finds none recomputes). Whether any was kept."""
+        """Forget the kept autograd graphs of sessions other than `keep` not answering a request now (their backward
+        passes recompute from the inputs). Whether any was kept."""
         dropped = False
-        for session in self.service.sessions.values():
+        for session in self._givers(keep):
             kept = [(saved, saved.graph, saved.graph_bytes) for saved in session.saved.values() if saved.graph_bytes]
             if session is not keep and kept:
                 session.drop_graphs()
@@ -183,12 +192,13 @@ class TrainingRoom:
 
     @staticmethod
     def _drop_saved(session: TrainingSession, step_id: str, undo: list) -> None:
-        order = list(session.saved.items())
+        order, dropped = list(session.saved.items()), list(session.dropped)
 
         def put_back() -> None:
             session.saved.clear()
             session.saved.update(order)
-            session.dropped.pop(step_id, None)
+            session.dropped.clear()
+            session.dropped.update(dict.fromkeys(dropped))
 
         session.drop_saved(step_id)
         undo.append(put_back)
