@@ -13,7 +13,15 @@ import torch
 from torch import nn
 
 from nesa_node.client.session_chain import ANSWER_HEADROOM_BYTES
-from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, RequestError
+from nesa_node.errors import (
+    AdapterBudgetError,
+    BadRequestError,
+    NesaError,
+    PeerUnavailableError,
+    QuotaExceededError,
+    RequestError,
+    TooManySessionsError,
+)
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import open_stream
@@ -223,7 +231,9 @@ class TrainLink:
             raise LinkLost(self.peer_id, f"sent a malformed answer: {exc.message}") from None
         if isinstance(message, ErrorReply):
             error = message.error()
-            if isinstance(error, PeerUnavailableError):  # preempted, or a replica of this node's session failed
+            # preempted, a replica of this node's session failed, or no room for now (its memory, its sessions):
+            # replaced without blame (a node that has no room is not at fault)
+            if isinstance(error, PeerUnavailableError | AdapterBudgetError | QuotaExceededError | TooManySessionsError):
                 raise LinkLost(self.peer_id, f"reported [{error.code}] {error.message}", blame=False) from None
             if isinstance(error, BadRequestError):
                 raise error

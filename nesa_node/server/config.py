@@ -117,7 +117,7 @@ class LimitsConfig:
         0.5,
         "fraction of the KV cache budget one peer's sessions open within; as they grow they may borrow past it from "
         "free cache, taken back (newest borrower first) when a peer within its share needs it; also of the adapter "
-        "budget its sessions' adapters may hold",
+        "budget its sessions' adapters may hold, and of the training memory (max_training_mb), borrowed the same way",
         parse="fraction",
     )
     max_queued_steps: int = option(
@@ -149,7 +149,8 @@ class LimitsConfig:
     # a rank-16 adapter on every projection of 8 blocks of a 7B Llama is about 20 MB; x4 for AdamW (guess: a few)
     max_training_mb: float = option(
         1024.0,
-        "memory training sessions may take together: parameters, gradients, AdamW moments and saved inputs, MiB",
+        "memory training sessions may take together: parameters, gradients, AdamW moments, room for replicas' "
+        "gradients, saved inputs and their graphs, MiB",
         parse="positive",
         metavar="MB",
     )

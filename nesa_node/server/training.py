@@ -307,14 +307,25 @@ class TrainingService:
         # what the session holds (float32 state, room for its replicas' gradients) is reserved while it is built, so
         # concurrent opens cannot build more than the training memory holds before any of them is admitted
         numel = sum(factor.lora_a.numel() + factor.lora_b.numel() for factor in piece.factors.values())
-        with self.room.building(peer, fixed_bytes(4 * numel, len(replicas)), "training state"):
+        remote = sum(replica_peer != self.peer_id for replica_peer, _ in replicas)
+        with self.room.building(peer, fixed_bytes(4 * numel, remote), "training state"):
             try:
                 trainable, optimizer = await asyncio.to_thread(build)
             except torch.OutOfMemoryError:
                 raise AdapterBudgetError("the device ran out of memory for this training session's state") from None
-        self._admit(peer, message.session_id, fixed_bytes(trainable.nbytes, len(replicas)), opening=1)
+        nbytes = fixed_bytes(trainable.nbytes, remote)
+        lent = not self.room.within_share(peer, nbytes)  # past the share: free memory only, ended first for others
+        self._admit(peer, message.session_id, nbytes, opening=1)
         session = TrainingSession(
-            message.session_id, peer, blocks, trainable, optimizer, step=message.step, replicas=replicas
+            message.session_id,
+            peer,
+            blocks,
+            trainable,
+            optimizer,
+            step=message.step,
+            replicas=replicas,
+            lent=lent,
+            remote_replicas=remote,
         )
         self.sessions[(peer, message.session_id)] = session
         return session
@@ -339,7 +350,6 @@ class TrainingService:
         sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after.
         `opening`: opens under way of `peer` that are this one (1 from `_open`)."""
         self._check_room(peer, session_id, opening=opening)
-        self.room.check_share(peer, nbytes, "training state")
         if not self.room.could_take(nbytes, peer=peer):  # before anyone is ended for it
             raise AdapterBudgetError(
                 f"training state of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb "

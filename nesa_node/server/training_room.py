@@ -2,34 +2,40 @@
 server/training.py's sessions.
 
 What a session holds: from its open to its end, four float32 copies of its slice and room for its replicas'
-gradients (training_state.fixed_bytes), within its peer's share, reserved while the open builds them; then the
-inputs of its forwards that wait for their backward pass, and their autograd graphs while kept. Room for a request
-(`make_room`), in this order:
-  1. saved forwards whose backward pass is overdue (past the step timeout an honest chain answers within), of
-     sessions not answering a request now;
+gradients from other nodes (training_state.fixed_bytes), reserved while the open builds them; then the inputs of
+its forwards that wait for their backward pass, and their autograd graphs while kept. What takes a peer past its
+share is borrowed: it takes free memory only (and what gives way to anyone, 1 and 2 below), and it is the first to
+go when a peer within its share needs the room. Room for a request (`make_room`), in this order:
+  1. saved forwards whose backward pass is overdue (waiting past the step timeout an honest chain answers within),
+     of sessions that have answered no request for as long (not answering one now);
   2. kept autograd graphs of other sessions not answering a request now (their backward passes recompute from the
      inputs instead);
   3. for a peer within its share only: saved forwards of peers past their share (what they borrowed from free
      memory), the newest first, of sessions not answering a request now;
-  4. for an open: idle sessions, preempted (TrainingService._preempt_idle).
+  4. for a peer within its share: sessions opened past their peer's share (`lent`), while it still is past it, the
+     newest first; and for an open, idle sessions (TrainingService._preemptible), the longest idle first: ended,
+     their owners told why (preempted: they fail over, blaming nobody).
 All or nothing: a request that would not fit even then is refused with nothing given way (`_free` puts back what
 it dropped, and an open is tried on the side, `could_take`, before it builds and before anyone is ended for it).
 A dropped forward's backward pass, if it comes, is refused as preempted (its client fails over, blaming nobody).
-So a peer may use free memory past its share while nobody else needs it, and one that keeps saved forwards alive
-with other requests holds them no longer than the step timeout once another session needs the room.
+So a peer alone on a node may use all of its memory, and a peer within its share gets back what others borrowed;
+what a peer holds within its share is taken from it only once its sessions idle.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from nesa_node.errors import AdapterBudgetError, QuotaExceededError
+from nesa_node.errors import AdapterBudgetError, SessionPreemptedError
 
 if TYPE_CHECKING:
     from nesa_node.server.training_state import TrainingSession
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["TrainingRoom"]
 
@@ -64,26 +70,16 @@ class TrainingRoom:
         share = self.share_bytes
         return share is None or self.peer_bytes(peer) + nbytes <= share
 
-    def check_share(self, peer: str, nbytes: int, what: str) -> None:
-        """QuotaExceededError when `nbytes` more would take `peer` past its share: what a session holds from its
-        open to its end is never borrowed."""
-        if not self.within_share(peer, nbytes):
-            raise QuotaExceededError(
-                f"{what} of {nbytes} bytes would take this peer past its share of max_training_mb ({self.peer_bytes(peer)}"
-                f" of {self.share_bytes} bytes held here)"
-            )
-
     @contextlib.contextmanager
     def building(self, peer: str, nbytes: int, what: str):
-        """Hold `nbytes` for an open of `peer` while its state is built: within its share, and refused
-        (AdapterBudgetError) when the memory is taken and nothing could make room, or opens being built would take
-        all of it. Given back on the way out, however the build ends."""
-        self.check_share(peer, nbytes, what)
+        """Hold `nbytes` for an open of `peer` while its state is built, refused (AdapterBudgetError) when it could
+        not be admitted (`could_take`) or opens being built would take all of the memory. Given back on the way out,
+        however the build ends."""
         fits = self.opening.total() + nbytes <= self.max_bytes and self.could_take(nbytes, peer=peer)
         if not fits:
             raise AdapterBudgetError(
                 f"{what} of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb ({self.max_bytes} "
-                "bytes) are taken or being built"
+                "bytes) are taken or being built, and no session may be ended for it"
             )
         self.opening[peer] += nbytes
         try:
@@ -94,9 +90,13 @@ class TrainingRoom:
                 del self.opening[peer]
 
     def could_take(self, nbytes: int, *, peer: str) -> bool:
-        """Whether `nbytes` more of `peer`'s (a new session's) would fit, what may give way and the idle sessions
-        ended: tried on the side, nothing changes (an open checks it before it builds, and before it ends anyone)."""
-        return self._free(nbytes, peer=peer, keep=None, commit=False) or self._fits_once_idle_end(nbytes, peer=peer)
+        """Whether a new session of `peer` holding `nbytes` would fit once what may give way has, sessions that may
+        be ended for it included: tried on the side, nothing changes (an open checks it before it builds, and before
+        anyone is ended for it)."""
+        if self._free(nbytes, peer=peer, keep=None, commit=False):
+            return True
+        enders = self._enders(nbytes, peer=peer, keep=None, preempt=True)
+        return bool(enders) and self._fits_without(nbytes, peer=peer, keep=None, gone=enders)
 
     def make_room(self, nbytes: int, refusal: str, *, peer: str, keep: TrainingSession | None, preempt: bool) -> None:
         """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
@@ -104,12 +104,42 @@ class TrainingRoom:
         refused anyway takes nothing from anyone). Synchronous: the caller takes the room right after."""
         if self._free(nbytes, peer=peer, keep=keep):
             return
-        if preempt and self._fits_once_idle_end(nbytes, peer=peer, keep=keep):
-            while not self._free(nbytes, peer=peer, keep=keep) and self.service._preempt_idle():
-                pass
-            if self.used_bytes + nbytes <= self.max_bytes:
-                return
+        enders = self._enders(nbytes, peer=peer, keep=keep, preempt=preempt)
+        if enders and self._fits_without(nbytes, peer=peer, keep=keep, gone=enders):
+            for victim, why in enders:
+                if (victim.client_peer, victim.session_id) in self.service.sessions:
+                    logger.info("training session %s of %s ended to make room: %s", victim.session_id,
+                                victim.client_peer, why)  # fmt: skip
+                    self.service._end(victim, SessionPreemptedError(f"training session ended: {why}"))
+                if self._free(nbytes, peer=peer, keep=keep):
+                    return
         raise AdapterBudgetError(f"{refusal}: {self.used_bytes} of max_training_mb ({self.max_bytes} bytes) are taken")
+
+    def _enders(
+        self, nbytes: int, *, peer: str, keep: TrainingSession | None, preempt: bool
+    ) -> list[tuple[TrainingSession, str]]:
+        """Sessions that may be ended for `nbytes` more of `peer`'s, in the order they would be, with why: for a
+        peer within its share, sessions opened past their peer's share while it still is past it (the newest first);
+        with `preempt`, idle ones (TrainingService._preemptible, the longest idle first)."""
+        enders: list[tuple[TrainingSession, str]] = []
+        share = self.share_bytes
+        if share is not None and self.within_share(peer, nbytes):
+            lenders = [
+                session
+                for session in self._givers(keep)
+                if session.lent and session.client_peer != peer and self.peer_bytes(session.client_peer) > share
+            ]
+            why = (
+                "it was opened past its peer's share of max_training_mb (max_cache_share_per_peer), and a peer within "
+                "its share needs the room"
+            )
+            enders += [(session, why) for session in sorted(lenders, key=lambda session: session.opened, reverse=True)]
+        if preempt:
+            now, listed = time.monotonic(), {id(session) for session, _ in enders}
+            for session in sorted(self.service._preemptible(now), key=lambda session: session.last_active):
+                if session is not keep and id(session) not in listed:
+                    enders.append((session, f"idle for {now - session.last_active:.0f} s, and the node is full"))
+        return enders
 
     def _free(self, nbytes: int, *, peer: str, keep: TrainingSession | None, commit: bool = True) -> bool:
         """Whether there is room for `nbytes` more of `peer`'s once what may give way without ending a session has
@@ -132,14 +162,11 @@ class TrainingRoom:
                     action()
         return fits
 
-    def _fits_once_idle_end(self, nbytes: int, *, peer: str, keep: TrainingSession | None = None) -> bool:
-        """Whether `nbytes` more of `peer`'s would fit with the sessions preemptible now ended and what `_free` may
-        drop dropped (tried on the side: nothing changes)."""
-        sessions = self.service.sessions
-        idle = {id(session) for session in self.service._preemptible(time.monotonic())}
-        if not idle:
-            return False
-        ended = {key: session for key, session in sessions.items() if id(session) in idle}
+    def _fits_without(self, nbytes: int, *, peer: str, keep: TrainingSession | None, gone) -> bool:
+        """Whether `nbytes` more of `peer`'s would fit with the sessions `gone` ended and what `_free` may drop
+        dropped (tried on the side: nothing changes)."""
+        sessions, gone_ids = self.service.sessions, {id(session) for session, _ in gone}
+        ended = {key: session for key, session in sessions.items() if id(session) in gone_ids}
         for key in ended:
             del sessions[key]
         try:
@@ -154,6 +181,8 @@ class TrainingRoom:
         limit_s = max(limits.preempt_idle_s, limits.step_timeout_s)
         now, dropped = time.monotonic(), False
         for session in self._givers(keep):
+            if now - session.last_active < limit_s:  # stepping: its forwards wait for a chain that is running
+                continue
             for step_id in [step_id for step_id, saved in session.saved.items() if now - saved.at >= limit_s]:
                 self._drop_saved(session, step_id, undo)
                 dropped = True

@@ -28,7 +28,8 @@ def activation_bytes(span, tokens: int, blocks: tuple[int, int]) -> int:
 
 def fixed_bytes(slice_bytes: int, replicas: int) -> int:
     """What a session holds from its open to its end: four float32 copies of its slice (parameters, gradients, AdamW's
-    two moments), and room for its replicas' gradients, of this update and the next (each a slice's worth)."""
+    two moments), and room for its replicas' gradients on other nodes, of this update and the next (each a slice's
+    worth; a replica on the same node hands over its own tensor)."""
     return (4 + 2 * replicas) * slice_bytes
 
 
@@ -62,6 +63,9 @@ class TrainingSession:
     replicas: tuple[tuple[str, str], ...] = ()  # (peer id, session id) of the sessions training the same blocks
     channel: Channel | None = None
     busy: bool = False  # a request of the session is being answered
+    lent: bool = False  # opened past its peer's share: ended first when a peer within its share needs the room
+    remote_replicas: int = 0  # replicas on other nodes: their gradients wait in the inbox (local ones are shared)
+    opened: float = field(default_factory=time.monotonic)
     failed: bool = False  # its slice may be half updated (an optimizer step failed): it ends once that is answered
     last_active: float = field(default_factory=time.monotonic)  # when it last had an answer (or opened)
     # update round -> {(peer id, session id): the replica's flat gradients}, and a wake-up on each arrival
@@ -74,7 +78,7 @@ class TrainingSession:
     def state_bytes(self) -> int:
         """Parameters, their gradients and AdamW's two moments, what waits for backward passes, and room for its
         replicas' gradients (`fixed_bytes`)."""
-        return fixed_bytes(self.slice.nbytes, len(self.replicas)) + sum(saved.nbytes for saved in self.saved.values())
+        return fixed_bytes(self.slice.nbytes, self.remote_replicas) + sum(saved.nbytes for saved in self.saved.values())
 
     def drop_saved(self, step_id: str) -> None:
         """Drop a saved forward to make room: its backward pass, if it comes, is refused as preempted."""

@@ -33,6 +33,9 @@ def service(budget: int, share: float, *sessions: TrainingSession, idle=()) -> S
         ended.append(held.pop((left[0].client_peer, left[0].session_id)))
         return True
 
+    def end(one: TrainingSession, error) -> None:
+        ended.append(held.pop((one.client_peer, one.session_id)))
+
     limits = SimpleNamespace(
         max_training_mb=budget / MB, max_cache_share_per_peer=share, preempt_idle_s=5.0, step_timeout_s=30.0
     )
@@ -42,6 +45,7 @@ def service(budget: int, share: float, *sessions: TrainingSession, idle=()) -> S
         ended=ended,
         _preemptible=lambda now: [one for one in idle if (one.client_peer, one.session_id) in held],
         _preempt_idle=preempt_idle,
+        _end=end,
     )
 
 
@@ -69,6 +73,7 @@ def test_a_request_that_cannot_fit_leaves_everything_as_it_was():
     borrower.dropped.update(dict.fromkeys(f"old{index}" for index in range(ANSWERED_KEPT)))
     save(borrower, "graph", 400, graph=4000)
     save(borrower, "late", 400, age_s=60)
+    borrower.last_active -= 60
     for index in range(3):
         save(borrower, f"f{index}", 400)
     room = TrainingRoom(service(4000 * 2 + 6000 + 500, 0.4, borrower, other))
@@ -85,6 +90,7 @@ def test_room_is_made_in_order_and_no_further_than_needed():
     borrower, other = session("b", "borrows"), session("o", "other")
     save(borrower, "late", 400, age_s=60)
     save(borrower, "graph", 400, graph=1000, age_s=2)
+    borrower.last_active -= 60  # silent as long as its oldest forward: that one is overdue
     for index in range(6):
         save(borrower, f"f{index}", 400, age_s=1 - index / 100)  # the later, the newer
     used = 8 * SLICE_BYTES + 8 * 400 + 1000
@@ -132,6 +138,8 @@ def test_room_making_is_all_or_nothing(seed):
     sessions = [session(f"p{rng.randrange(3)}", f"s{index}") for index in range(rng.randrange(2, 6))]
     for one in sessions:
         one.busy = rng.random() < 0.2
+        one.last_active -= rng.choice((0, 60))
+        one.lent = rng.random() < 0.3
         for index in range(rng.randrange(0, 6)):
             save(one, f"f{index}", 400 * rng.randrange(1, 4), graph=rng.choice((0, 0, 2000)), age_s=rng.choice((0, 60)))
     used = sum(one.state_bytes for one in sessions)
@@ -147,3 +155,22 @@ def test_room_making_is_all_or_nothing(seed):
         assert not expected and snapshot(*sessions) == before
     else:
         assert expected and room.used_bytes + nbytes <= room.max_bytes
+
+
+def test_a_peer_alone_borrows_whole_sessions_and_a_peer_within_its_share_ends_the_newest():
+    """A peer alone may open past its share (into free memory: its sessions are marked lent); a peer within its
+    share needing the room ends the newest lent session, as far as it needs; a peer past its share ends none."""
+    lone = [session("l", f"l{index}") for index in range(3)]
+    for index, one in enumerate(lone):
+        one.opened += index  # l2 the newest
+        one.lent = index > 0  # the first within the share, the others opened past it
+    room = TrainingRoom(state := service(3 * 4 * SLICE_BYTES + 1000, 0.4, *lone))
+    assert room.could_take(4 * SLICE_BYTES, peer="n")  # a newcomer within its share: l2 would be ended
+    assert room.share_bytes < room.peer_bytes("l")
+    room.make_room(4 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=False)
+    assert state.ended == [lone[2]]
+    past = session("p", "past")
+    state.sessions[("p", "past")] = past
+    with pytest.raises(AdapterBudgetError):  # the newcomer past its share (its own 4000 and 4000 more) ends nobody
+        room.make_room(4 * SLICE_BYTES, "no room", peer="p", keep=past, preempt=False)
+    assert state.ended == [lone[2]]
