@@ -210,18 +210,6 @@ class TrainingService:
             if not session.busy and now - session.last_active >= self.idle_limit_s(session)
         ]
 
-    def _preempt_idle(self) -> bool:
-        """End the session idle longest among those idle past their limit (`idle_limit_s`; its owner is told, and
-        fails over): a node full of sessions that never step, or that keep a forward and never send its backward
-        pass, must still admit a client that trains. Whether one was."""
-        now = time.monotonic()
-        idle = self._preemptible(now)
-        if not idle:
-            return False
-        oldest = min(idle, key=lambda session: session.last_active)
-        self._end(oldest, SessionPreemptedError(f"training session idle for {now - oldest.last_active:.0f} s, ended"))
-        return True
-
     async def _answer(self, session: TrainingSession, request: Frame) -> tuple[Frame, bool]:
         """The answer to one request of the session, and whether it was served (False: refused, typed)."""
         step_id = None
@@ -346,22 +334,18 @@ class TrainingService:
             )
 
     def _admit(self, peer: str, session_id: str, nbytes: int, *, opening: int = 0) -> None:
-        """Room for a new session of `peer` holding `nbytes`, preempting idle sessions when the node is full (of
-        sessions or of training memory); the typed refusal otherwise. Synchronous: the caller inserts right after.
-        `opening`: opens under way of `peer` that are this one (1 from `_open`)."""
+        """Room for a new session of `peer` holding `nbytes`, ending sessions when the node is full (of sessions or of
+        training memory: server/training_room.py says which); the typed refusal otherwise, with nobody ended.
+        Synchronous: the caller inserts right after. `opening`: opens under way of `peer` that are this one (1 from
+        `_open`)."""
         self._check_room(peer, session_id, opening=opening)
-        if not self.room.could_take(nbytes, peer=peer):  # before anyone is ended for it
-            raise AdapterBudgetError(
-                f"training state of {nbytes} bytes does not fit: {self.used_bytes} of max_training_mb "
-                f"({self.max_state_bytes} bytes) are taken"
+        slots = max(0, len(self.sessions) + 1 - self.limits.max_training_sessions)  # places to free in the limit
+        if slots and not self.room.could_take(nbytes, peer=peer, slots=slots):
+            raise TooManySessionsError(
+                f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
             )
-        while len(self.sessions) >= self.limits.max_training_sessions:
-            if not self._preempt_idle():
-                raise TooManySessionsError(
-                    f"this node holds {len(self.sessions)} training sessions, its limit (max_training_sessions)"
-                )
         refusal = f"training state of {nbytes} bytes does not fit"
-        self.room.make_room(nbytes, refusal, peer=peer, keep=None, preempt=True)
+        self.room.make_room(nbytes, refusal, peer=peer, keep=None, preempt=True, slots=slots)
 
     @property
     def used_bytes(self) -> int:

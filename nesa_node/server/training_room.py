@@ -12,14 +12,15 @@ go when a peer within its share needs the room. Room for a request (`make_room`)
      inputs instead);
   3. for a peer within its share only: saved forwards of peers past their share (what they borrowed from free
      memory), the newest first, of sessions not answering a request now;
-  4. for a peer within its share: sessions opened past their peer's share (`lent`), while it still is past it, the
-     newest first; and for an open, idle sessions (TrainingService._preemptible), the longest idle first: ended,
-     their owners told why (preempted: they fail over, blaming nobody).
+  4. for an open of a peer within its share (or one at the session limit): idle sessions
+     (TrainingService._preemptible), the longest idle first, then sessions opened past their peer's share (`lent`)
+     while it still is past it, the newest first: ended, their owners told why (preempted: they fail over, blaming
+     nobody). A forward ends no session: a whole one for a few bytes would be too much.
 All or nothing: a request that would not fit even then is refused with nothing given way (`_free` puts back what
 it dropped, and an open is tried on the side, `could_take`, before it builds and before anyone is ended for it).
 A dropped forward's backward pass, if it comes, is refused as preempted (its client fails over, blaming nobody).
 So a peer alone on a node may use all of its memory, and a peer within its share gets back what others borrowed;
-what a peer holds within its share is taken from it only once its sessions idle.
+what a peer holds within its share is taken from it only once its sessions idle. A peer past its share ends nobody.
 """
 
 from __future__ import annotations
@@ -89,56 +90,86 @@ class TrainingRoom:
             if self.opening[peer] <= 0:
                 del self.opening[peer]
 
-    def could_take(self, nbytes: int, *, peer: str) -> bool:
+    def could_take(self, nbytes: int, *, peer: str, slots: int = 0) -> bool:
         """Whether a new session of `peer` holding `nbytes` would fit once what may give way has, sessions that may
-        be ended for it included: tried on the side, nothing changes (an open checks it before it builds, and before
-        anyone is ended for it)."""
-        if self._free(nbytes, peer=peer, keep=None, commit=False):
-            return True
-        enders = self._enders(nbytes, peer=peer, keep=None, preempt=True)
-        return bool(enders) and self._fits_without(nbytes, peer=peer, keep=None, gone=enders)
+        be ended for it included (at least `slots` of them: places in the session limit): tried on the side, nothing
+        changes (an open checks it before it builds, and before anyone is ended for it)."""
+        return self._plan(nbytes, peer=peer, keep=None, preempt=True, slots=slots) is not None
 
-    def make_room(self, nbytes: int, refusal: str, *, peer: str, keep: TrainingSession | None, preempt: bool) -> None:
+    def make_room(
+        self, nbytes: int, refusal: str, *, peer: str, keep: TrainingSession | None, preempt: bool, slots: int = 0
+    ) -> None:
         """Room for `nbytes` more of `peer`'s (module docstring: what gives way, in order), sessions other than
-        `keep` giving it; AdapterBudgetError(`refusal`) when nothing more can, with nothing given way (a request
-        refused anyway takes nothing from anyone). Synchronous: the caller takes the room right after."""
-        if self._free(nbytes, peer=peer, keep=keep):
-            return
-        enders = self._enders(nbytes, peer=peer, keep=keep, preempt=preempt)
-        if enders and self._fits_without(nbytes, peer=peer, keep=keep, gone=enders):
-            for victim, why in enders:
-                if (victim.client_peer, victim.session_id) in self.service.sessions:
-                    logger.info("training session %s of %s ended to make room: %s", victim.session_id,
-                                victim.client_peer, why)  # fmt: skip
-                    self.service._end(victim, SessionPreemptedError(f"training session ended: {why}"))
-                if self._free(nbytes, peer=peer, keep=keep):
-                    return
-        raise AdapterBudgetError(f"{refusal}: {self.used_bytes} of max_training_mb ({self.max_bytes} bytes) are taken")
+        `keep` giving it, and with `preempt` (an open) at least `slots` sessions ended; AdapterBudgetError(`refusal`)
+        when nothing more can, with nothing given way (a request refused anyway takes nothing from anyone).
+        Synchronous: the caller takes the room right after."""
+        plan = self._plan(nbytes, peer=peer, keep=keep, preempt=preempt, slots=slots)
+        if plan is None:
+            raise AdapterBudgetError(
+                f"{refusal}: {self.used_bytes} of max_training_mb ({self.max_bytes} bytes) are taken"
+            )
+        for victim, why in plan:
+            logger.info("training session %s of %s ended to make room: %s", victim.session_id, victim.client_peer, why)
+            self.service._end(victim, SessionPreemptedError(f"training session ended: {why}"))
+        if not self._free(nbytes, peer=peer, keep=keep):  # as planned (nothing awaited since)
+            raise AdapterBudgetError(
+                f"{refusal}: {self.used_bytes} of max_training_mb ({self.max_bytes} bytes) are taken"
+            )
+
+    def _plan(
+        self, nbytes: int, *, peer: str, keep: TrainingSession | None, preempt: bool, slots: int
+    ) -> list[tuple[TrainingSession, str]] | None:
+        """The sessions to end so that `nbytes` more of `peer`'s fit once what may give way has, and at least `slots`
+        are ended: the fewest, taken in the order `_enders` gives, each only while it may still be ended (a lent one
+        while its peer is still past its share once those before it are gone); None when none does. Tried on the
+        side: nothing changes."""
+        if not slots and self._free(nbytes, peer=peer, keep=keep, commit=False):
+            return []
+        sessions, gone, plan = self.service.sessions, {}, []
+        try:
+            for victim, why, lent in self._enders(nbytes, peer=peer, keep=keep, preempt=preempt):
+                share = self.share_bytes
+                if lent and (share is None or self.peer_bytes(victim.client_peer) <= share):
+                    continue
+                key = (victim.client_peer, victim.session_id)
+                gone[key] = sessions.pop(key)
+                plan.append((victim, why))
+                if len(plan) >= slots and self._free(nbytes, peer=peer, keep=keep, commit=False):
+                    return plan
+            return None
+        finally:
+            sessions.update(gone)
 
     def _enders(
         self, nbytes: int, *, peer: str, keep: TrainingSession | None, preempt: bool
-    ) -> list[tuple[TrainingSession, str]]:
-        """Sessions that may be ended for `nbytes` more of `peer`'s, in the order they would be, with why: for a
-        peer within its share, sessions opened past their peer's share while it still is past it (the newest first);
-        with `preempt`, idle ones (TrainingService._preemptible, the longest idle first)."""
-        enders: list[tuple[TrainingSession, str]] = []
-        share = self.share_bytes
-        if share is not None and self.within_share(peer, nbytes):
-            lenders = [
-                session
-                for session in self._givers(keep)
-                if session.lent and session.client_peer != peer and self.peer_bytes(session.client_peer) > share
-            ]
-            why = (
-                "it was opened past its peer's share of max_training_mb (max_cache_share_per_peer), and a peer within "
-                "its share needs the room"
-            )
-            enders += [(session, why) for session in sorted(lenders, key=lambda session: session.opened, reverse=True)]
-        if preempt:
-            now, listed = time.monotonic(), {id(session) for session, _ in enders}
-            for session in sorted(self.service._preemptible(now), key=lambda session: session.last_active):
-                if session is not keep and id(session) not in listed:
-                    enders.append((session, f"idle for {now - session.last_active:.0f} s, and the node is full"))
+    ) -> list[tuple[TrainingSession, str, bool]]:
+        """Sessions that may be ended for an open (`preempt`) of `peer` within its share holding `nbytes`, in the order
+        they would be, with why and whether each is lent: idle ones (TrainingService._preemptible), the longest idle
+        first, then sessions opened past their peer's share (`lent`), the newest first. None for a forward, or for a
+        peer past its share (what it borrows is free memory only)."""
+        if not preempt or not self.within_share(peer, nbytes):
+            return []
+        now = time.monotonic()
+        idle = sorted(
+            (session for session in self.service._preemptible(now) if session is not keep),
+            key=lambda session: session.last_active,
+        )
+        enders = [
+            (session, f"idle for {now - session.last_active:.0f} s, and the node is full", False) for session in idle
+        ]
+        listed = {id(session) for session in idle}
+        lenders = [
+            session
+            for session in self._givers(keep)
+            if session.lent and session.client_peer != peer and id(session) not in listed
+        ]
+        why = (
+            "it was opened past its peer's share of max_training_mb (max_cache_share_per_peer), and a peer within its "
+            "share needs the room"
+        )
+        enders += [
+            (session, why, True) for session in sorted(lenders, key=lambda session: session.opened, reverse=True)
+        ]
         return enders
 
     def _free(self, nbytes: int, *, peer: str, keep: TrainingSession | None, commit: bool = True) -> bool:
@@ -161,18 +192,6 @@ class TrainingRoom:
                 for action in reversed(undo):
                     action()
         return fits
-
-    def _fits_without(self, nbytes: int, *, peer: str, keep: TrainingSession | None, gone) -> bool:
-        """Whether `nbytes` more of `peer`'s would fit with the sessions `gone` ended and what `_free` may drop
-        dropped (tried on the side: nothing changes)."""
-        sessions, gone_ids = self.service.sessions, {id(session) for session, _ in gone}
-        ended = {key: session for key, session in sessions.items() if id(session) in gone_ids}
-        for key in ended:
-            del sessions[key]
-        try:
-            return self._free(nbytes, peer=peer, keep=keep, commit=False)
-        finally:
-            sessions.update(ended)
 
     def _drop_overdue(self, keep: TrainingSession | None, undo: list) -> bool:
         """Drop the saved forwards whose backward pass is overdue (waiting longer than `idle_limit_s` gives a forward)

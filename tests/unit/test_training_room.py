@@ -26,13 +26,6 @@ def service(budget: int, share: float, *sessions: TrainingSession, idle=()) -> S
     held = {(one.client_peer, one.session_id): one for one in sessions}
     ended = []
 
-    def preempt_idle() -> bool:
-        left = [one for one in idle if (one.client_peer, one.session_id) in held]
-        if not left:
-            return False
-        ended.append(held.pop((left[0].client_peer, left[0].session_id)))
-        return True
-
     def end(one: TrainingSession, error) -> None:
         ended.append(held.pop((one.client_peer, one.session_id)))
 
@@ -44,7 +37,6 @@ def service(budget: int, share: float, *sessions: TrainingSession, idle=()) -> S
         sessions=held,
         ended=ended,
         _preemptible=lambda now: [one for one in idle if (one.client_peer, one.session_id) in held],
-        _preempt_idle=preempt_idle,
         _end=end,
     )
 
@@ -167,10 +159,42 @@ def test_a_peer_alone_borrows_whole_sessions_and_a_peer_within_its_share_ends_th
     room = TrainingRoom(state := service(3 * 4 * SLICE_BYTES + 1000, 0.4, *lone))
     assert room.could_take(4 * SLICE_BYTES, peer="n")  # a newcomer within its share: l2 would be ended
     assert room.share_bytes < room.peer_bytes("l")
-    room.make_room(4 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=False)
+    with pytest.raises(AdapterBudgetError):  # a forward ends no session: a whole one for a few bytes is too much
+        room.make_room(4 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=False)
+    assert state.ended == []
+    room.make_room(4 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=True)
     assert state.ended == [lone[2]]
     past = session("p", "past")
     state.sessions[("p", "past")] = past
-    with pytest.raises(AdapterBudgetError):  # the newcomer past its share (its own 4000 and 4000 more) ends nobody
-        room.make_room(4 * SLICE_BYTES, "no room", peer="p", keep=past, preempt=False)
+    with pytest.raises(AdapterBudgetError):  # an open past its share (its own 4000 and 4000 more) ends nobody
+        room.make_room(4 * SLICE_BYTES, "no room", peer="p", keep=None, preempt=True)
     assert state.ended == [lone[2]]
+
+
+def test_a_lent_session_is_ended_only_while_its_peer_is_past_its_share():
+    """Sessions a and then b, c opened past the share: an open needing more than c gives back is refused, b not
+    ended (with c gone its peer is within its share), and nobody is (all or nothing)."""
+    held = [session("x", name) for name in "abc"]
+    for index, one in enumerate(held):
+        one.opened += index
+        one.lent = index > 0
+    state = service(14 * SLICE_BYTES, 8 / 14, *held)
+    room = TrainingRoom(state)
+    assert room.share_bytes == 8 * SLICE_BYTES
+    with pytest.raises(AdapterBudgetError):
+        room.make_room(8 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=True)
+    assert state.ended == []
+    room.make_room(4 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=True)
+    assert state.ended == [held[2]]
+
+
+def test_an_open_at_the_session_limit_ends_a_session_even_with_memory_to_spare():
+    idle = session("i", "idle")
+    state = service(100 * SLICE_BYTES, 1.0, idle, idle=[idle])
+    room = TrainingRoom(state)
+    assert room.could_take(4 * SLICE_BYTES, peer="n", slots=1)
+    room.make_room(4 * SLICE_BYTES, "no room", peer="n", keep=None, preempt=True, slots=1)
+    assert state.ended == [idle]
+    busy = session("b", "busy")
+    state.sessions[("b", "busy")] = busy
+    assert not room.could_take(4 * SLICE_BYTES, peer="n", slots=1)  # nobody may be ended: refused, nobody ended
