@@ -210,14 +210,17 @@ class TrainingRoom:
     def _drop_graphs(self, keep: TrainingSession | None, undo: list) -> bool:
         """Forget the kept autograd graphs of sessions other than `keep` not answering a request now (their backward
         passes recompute from the inputs). Whether any was kept."""
-        dropped = False
-        for session in self._givers(keep):
-            kept = [(saved, saved.graph, saved.graph_bytes) for saved in session.saved.values() if saved.graph_bytes]
-            if session is not keep and kept:
-                session.drop_graphs()
-                undo.append(lambda kept=kept: [setattr_graph(saved, graph, size) for saved, graph, size in kept])
-                dropped = True
-        return dropped
+        kept = [(saved, saved.graph, saved.graph_bytes) for session in self._givers(keep)
+                for saved in session.saved.values() if saved.graph_bytes]  # fmt: skip
+
+        def put_back() -> None:
+            for saved, graph, size in kept:
+                saved.graph, saved.graph_bytes = graph, size
+
+        for saved, _, _ in kept:
+            saved.graph, saved.graph_bytes = None, 0
+        undo.append(put_back)
+        return bool(kept)
 
     def _take_back(self, keep: TrainingSession | None, undo: list) -> bool:
         """Drop the newest saved forward of a peer past its share (of a session other than `keep` not answering a
@@ -253,7 +256,3 @@ class TrainingRoom:
 
     def _givers(self, keep: TrainingSession | None) -> list[TrainingSession]:
         return [session for session in self.service.sessions.values() if session is not keep and not session.busy]
-
-
-def setattr_graph(saved, graph, size: int) -> None:
-    saved.graph, saved.graph_bytes = graph, size

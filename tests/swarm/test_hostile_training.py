@@ -237,6 +237,12 @@ def refusal(target: Target, requests: list[Frame]) -> ErrorReply:
     return answers[-1]
 
 
+def limited(training, monkeypatch, **changes):
+    """The node's training limits with `changes`, for the test's length (monkeypatch undoes them)."""
+    monkeypatch.setattr(training, "limits", dataclasses.replace(training.limits, **changes))
+    return training.limits
+
+
 def raw(fields: dict, tensors: list | None = None) -> Frame:
     """A frame written by hand, as a hostile peer would, rather than by the message models."""
     return Frame(metadata=msgpack.packb(fields), tensors=tensors or [])
@@ -699,8 +705,7 @@ def test_g3_concurrent_forwards_of_two_sessions_cannot_pass_the_training_memory_
     # activations fit the whole (else both are refused for that)
     assert rows.nbytes // 2 < graph < room
     # the node's whole training memory is the limit here (a peer's share of it: the next tests)
-    limits = dataclasses.replace(training.limits, max_training_mb=room / 2**20, max_cache_share_per_peer=1.0)
-    monkeypatch.setattr(training, "limits", limits)
+    limited(training, monkeypatch, max_training_mb=room / 2**20, max_cache_share_per_peer=1.0)
     run_work = training.compute.run_work
     started, second_answered = asyncio.Event(), asyncio.Event()
 
@@ -773,10 +778,9 @@ def test_g3_concurrent_opens_cannot_build_more_training_state_than_the_memory_ho
     training = target.node.training
     estimate = 16 * numel_of(adapter().narrow(0, 2))
     room = (training.used_bytes + estimate * 3 // 2) / 2**20
-    limits = dataclasses.replace(
-        training.limits, max_training_mb=room, preempt_idle_s=3600.0, max_cache_share_per_peer=1.0
+    limited(
+        training, monkeypatch, max_training_mb=room, preempt_idle_s=3600.0, max_cache_share_per_peer=1.0
     )  # nobody idle long enough to be preempted: only the reservation decides
-    monkeypatch.setattr(training, "limits", limits)
     building, release, built = threading.Event(), threading.Event(), []
     trainable_slice = training_module.TrainableSlice
 
@@ -815,8 +819,7 @@ def test_g3_a_peer_past_its_share_borrows_free_training_memory_and_gives_it_back
     small, large = hidden(1, 1), hidden(1, 3)
     budget = training.used_bytes + large.nbytes + small.nbytes // 2  # free room for the large forward alone
     share = (room.peer_bytes(borrower.peer_id.to_base58()) + small.nbytes) / budget
-    limits = dataclasses.replace(training.limits, max_training_mb=budget / 2**20, max_cache_share_per_peer=share)
-    monkeypatch.setattr(training, "limits", limits)
+    limited(training, monkeypatch, max_training_mb=budget / 2**20, max_cache_share_per_peer=share)
     borrowing, within = holder.channels
     assert isinstance(target.run(ask(borrowing, forward("large", large))), TrainOutput)  # past its share, free room
     assert isinstance(target.run(ask(within, forward("small", small))), TrainOutput)  # within its share: taken back
@@ -840,14 +843,14 @@ def test_g3_an_open_within_its_share_takes_back_what_a_busy_borrower_holds(targe
     rows, count = hidden(1, 3), 24
     assert count * rows.nbytes > fixed
     budget = training.used_bytes + count * rows.nbytes + fixed // 2
-    limits = dataclasses.replace(
-        training.limits,
+    limited(
+        training,
+        monkeypatch,
         max_training_mb=budget / 2**20,
         max_cache_share_per_peer=(fixed + rows.nbytes) / budget,
         max_queued_steps=count,
-        max_training_sessions=10**6,  # sessions are shared out by the same fraction: only the bytes decide here
-    )
-    monkeypatch.setattr(training, "limits", limits)
+        max_training_sessions=10**6,
+    )  # sessions are shared out by the same fraction: only the bytes decide here
     channel = holder.channels[0]
     for index in range(count):  # each in free memory, past the borrower's share
         assert isinstance(target.run(ask(channel, forward(f"f{index}", rows))), TrainOutput)
@@ -876,14 +879,14 @@ def test_g3_an_open_that_cannot_fit_takes_nothing_back(target, holder, monkeypat
     rows, count, free = hidden(1, 3), 2, 256
     budget = training.used_bytes + count * rows.nbytes + free
     assert 0 < graph and graph + count * rows.nbytes + free < fixed  # all that could give way: still short
-    limits = dataclasses.replace(
-        training.limits,
+    limited(
+        training,
+        monkeypatch,
         max_training_mb=budget / 2**20,
         max_cache_share_per_peer=(fixed + rows.nbytes) / budget,
         max_queued_steps=count + 1,
         max_training_sessions=10**6,
     )
-    monkeypatch.setattr(training, "limits", limits)
     for index in range(count):
         assert isinstance(target.run(ask(holder.channels[0], forward(f"f{index}", rows))), TrainOutput)
     refused = holder.open(newcomer, "too-large")
@@ -905,8 +908,7 @@ def test_g3_saved_inputs_whose_backward_is_overdue_make_room_for_other_sessions(
     session = training.sessions[(keeper.peer_id.to_base58(), "keeps")]
     session.drop_graphs()  # graphs give way first (recomputed): here only the saved input holds the room
     budget = training.used_bytes + needed.nbytes // 2  # what the other forward lacks is the kept forward's room
-    limits = dataclasses.replace(training.limits, max_training_mb=budget / 2**20, max_cache_share_per_peer=1.0)
-    monkeypatch.setattr(training, "limits", limits)
+    limits = limited(training, monkeypatch, max_training_mb=budget / 2**20, max_cache_share_per_peer=1.0)
     refused = target.run(ask(holder.channels[1], forward("fresh", needed)))
     assert code(refused) == "adapter_budget" and "max_training_mb" in refused.message
     overdue_s = max(limits.preempt_idle_s, limits.step_timeout_s) + 1
@@ -1075,8 +1077,7 @@ def test_g3_an_open_reserves_room_for_its_replicas_gradients(target, monkeypatch
         held = training.room.peer_bytes(me)
         share = (held + 6 * slice_bytes) / training.max_state_bytes  # the state, and room for one replica's two
         # (sessions are shared out by the same fraction: their limit raised, so only the bytes decide here)
-        limits = dataclasses.replace(training.limits, max_cache_share_per_peer=share, max_training_sessions=10**6)
-        monkeypatch.setattr(training, "limits", limits)
+        limited(training, monkeypatch, max_cache_share_per_peer=share, max_training_sessions=10**6)
         channels = [
             await open_stream(target.attacker, target.node.peer_id, rpc.TRAIN, max_frame_bytes=CLIENT_FRAME_BYTES)
             for _ in range(2)
