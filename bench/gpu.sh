@@ -4,8 +4,10 @@
 # where the project is installed without its dependencies (`pip install --no-deps -e .`: the machine's torch stays;
 # bench/gpu-wheels.sh fetches the other dependencies for a machine without network).
 #
-#   bench/gpu.sh [quick|full|targets]
+#   bench/gpu.sh [quick|full|targets|passes]
 #
+# passes (about 4 minutes): 16 sessions through 2 nodes replaying graphs with passes uncapped and capped at 8 steps
+# (`--max-pass-steps`), then the GPU tests.
 # targets (within a 9-minute lease): the GPU tests, then the figures issue targets need, most uncertain first, each
 # step under its own limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's
 # decode; the 16 sessions from one client process, then from 16), the same with a 1 ms thread switch interval in every process (NESA_SWITCH_INTERVAL_MS: nesa_node/
@@ -49,6 +51,19 @@ SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
 GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/unit/test_span_cache.py
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py
     tests/unit/test_decode_gathering.py tests/unit/test_embed_lookup.py)
+if [ "${1:-quick}" = passes ]; then
+    # 16 sessions through 2 nodes replaying CUDA graphs (one client process, then 16), with passes uncapped and
+    # capped at 8 steps (--max-pass-steps: two passes a round that follow each other down the chain), then the GPU
+    # tests (about 4 minutes on one H200)
+    for cap in 0 8; do
+        STEP_TIMEOUT_S=130 step "clients16-cap$cap" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 \
+            --client-processes --clients-only --modes direct --forward-repeats 0 --node-arg="--max-pass-steps=$cap" \
+            --keep-logs "$OUT/clients16-cap$cap-nodes"
+    done
+    STEP_TIMEOUT_S=90 step gpu-tests "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}"
+    tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"
+    exit 0
+fi
 if [ "${1:-quick}" = targets ]; then
     STEP_TIMEOUT_S=120 step gpu-tests "$PY" -m pytest -q -s -m gpu "${GPU_TESTS[@]}"
     # with SPY=1, py-spy's profiles of the nodes and the client during the 16 sessions (where their round goes),

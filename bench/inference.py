@@ -17,7 +17,9 @@ generation through the fresh nodes against the later ones (`first_vs_later`).
 `--clients N` adds the many-clients figure: aggregate decode tokens/s of N concurrent sessions (one client process,
 one P2P host, as a gateway runs them) against one session, through nodes that batch concurrent decode steps and
 through nodes started with --no-batch-decode. `--client-processes` adds the same N sessions from N client processes
-(bench/client_process.py), one session each, as N users with clients of their own.
+(bench/client_process.py), one session each, as N users with clients of their own. `--clients-only` measures the
+batching nodes' concurrent figures alone (no chain figures, no --no-batch-decode twin): a short run to compare
+settings of the nodes (`--node-arg`).
 
 The single-process baseline, every node and the swarm's client run on torch's default threads (all cores): a chain
 computes one part at a time (the client, then each node in turn), and each process's idle OpenMP threads spin only
@@ -497,6 +499,12 @@ def main() -> None:
         "their own client, against the one process of a gateway); their figure is under `processes`",
     )
     parser.add_argument(
+        "--clients-only",
+        action="store_true",
+        help="with --clients: only the concurrent figures through batching nodes (no chain figures, no "
+        "--no-batch-decode twin; a short run to compare node settings)",
+    )
+    parser.add_argument(
         "--client-threads",
         type=int,
         default=0,
@@ -551,14 +559,14 @@ def main() -> None:
         bootstrap, address_file = group.start("dht", ["dht"])
         peers = group.wait_address(bootstrap, address_file)
         swarms = [(count, f"bench-{count}", []) for count in args.nodes]
-        if args.clients:
+        if args.clients and not args.clients_only:
             swarms += [(count, f"bench-{count}-nobatch", ["--no-batch-decode"]) for count in args.nodes]
         swarm_results, clients_results = {}, {}
         for count, prefix, extra in swarms:  # one swarm at a time: no idle node shares the cores with the measured
             nodes, metrics_urls = start_swarm(group, path, peers, prefix, count, extra, args)
             figures = {}
             try:
-                if not extra:
+                if not extra and not (args.clients and args.clients_only):
                     figures = chain_figures(
                         path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args, metrics_urls
                     )

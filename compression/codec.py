@@ -428,6 +428,7 @@ def wire_bytes(codec: str, shape: tuple[int, ...], dtype: str | torch.dtype = "f
 
 
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)  # the float dtypes numpy holds as they are
+_BF16_EXPONENT, _BF16_MAGNITUDE = np.int16(0x7F80), np.int16(0x7FFF)  # a bfloat16's exponent bits, all but its sign
 SMALL_CHECK_ELEMENTS = 1 << 16  # up to this many elements of a CPU tensor, numpy checks them (see all_finite)
 
 
@@ -435,10 +436,15 @@ def all_finite(tensor: torch.Tensor) -> bool:
     """True when no element is nan or inf."""
     if not tensor.numel():
         return True
-    if tensor.device.type == "cpu" and tensor.dtype in _NUMPY_FLOATS and tensor.numel() <= SMALL_CHECK_ELEMENTS:
+    if tensor.device.type == "cpu" and tensor.numel() <= SMALL_CHECK_ELEMENTS:
         # a decode step's hidden states (hundreds to thousands of elements): numpy's exact check on a view of the
         # tensor costs a third of one torch call's dispatch, and every hop of every token pays it
-        return bool(np.isfinite(tensor.detach().numpy()).all())
+        if tensor.dtype in _NUMPY_FLOATS:
+            return bool(np.isfinite(tensor.detach().numpy()).all())
+        if tensor.dtype == torch.bfloat16:  # numpy has no bfloat16: nan and inf are those whose exponent is all ones,
+            # the magnitudes (sign bit cleared) from 0x7F80 up
+            magnitudes = np.bitwise_and(tensor.detach().view(torch.int16).numpy(), _BF16_MAGNITUDE)
+            return bool(magnitudes.max() < _BF16_EXPONENT)
     # nan and inf propagate through a sum, so a finite sum proves every element finite at the cost of one read (an
     # isfinite mask costs several times more); only a non-finite sum, which huge finite values can also cause,
     # pays for the exact check

@@ -43,17 +43,48 @@ class _StampedBuffer:
 
 class ReservedLayer(DynamicLayer):
     """One full-attention layer's keys and values in growable buffers; `keys` and `values` view the filled part.
-    `stamp` changes whenever either buffer is set (a number never given before): equal stamps, same buffers."""
+    `stamp` changes whenever either buffer is set (a number never given before): equal stamps, same buffers.
+
+    The views are made when read, once per change of length or buffers: a batched pass replayed as a CUDA graph
+    moves the length of every layer of every session in it (16 sessions x 8 layers) and reads none of the views."""
 
     _keys = _StampedBuffer()
     _values = _StampedBuffer()
 
     def __init__(self):
+        self._viewed = None  # (stamp, length) of the views made last
+        self._loose = (None, None)  # keys and values set from outside while no buffer is held (transformers' own)
         super().__init__()
         self.length = 0  # tokens held
         self.reserved = 0  # capacity the owner reserved (0: none; the buffer doubles)
         self._keys: torch.Tensor | None = None  # (batch, kv_heads, capacity, head_dim)
         self._values: torch.Tensor | None = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return self._filled()[0]
+
+    @keys.setter
+    def keys(self, keys: torch.Tensor | None) -> None:
+        self._loose = (keys, self._loose[1])
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return self._filled()[1]
+
+    @values.setter
+    def values(self, values: torch.Tensor | None) -> None:
+        self._loose = (self._loose[0], values)
+
+    def _filled(self) -> tuple:
+        """(keys, values) of the filled part of the buffers (what transformers set, while there is no buffer)."""
+        if self._keys is None:
+            return self._loose
+        now = (self.stamp, self.length)
+        if self._viewed != now:
+            self._viewed = now
+            self._views = (self._keys[..., : self.length, :], self._values[..., : self.length, :])
+        return self._views
 
     @property
     def capacity(self) -> int:
@@ -89,9 +120,7 @@ class ReservedLayer(DynamicLayer):
         self._keys, self._values = keys, values
 
     def _view(self, length: int) -> None:
-        self.length = length
-        self.keys = self._keys[..., :length, :]
-        self.values = self._values[..., :length, :]
+        self.length = length  # `keys` and `values` view the new filled part when next read
 
     def get_seq_length(self) -> int:
         return self.length

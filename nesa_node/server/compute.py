@@ -364,10 +364,14 @@ class BlockCompute:
                 ranges.setdefault(step.blocks, []).append(step)
             delays = {}
             now = time.monotonic()
+            cap = self.config.max_pass_steps
             for blocks, steps in ranges.items():
                 gathering = self.gatherings.get(blocks)
                 queued = {step.member for step in steps}
-                delays[blocks] = 0.0 if gathering is None else gathering.wait_s(queued, steps[0].arrived_s, now, late_s)
+                full = cap and len(steps) >= cap  # a pass's worth queued: nobody is waited for
+                delays[blocks] = (
+                    0.0 if gathering is None or full else gathering.wait_s(queued, steps[0].arrived_s, now, late_s)
+                )
                 if delays[blocks] <= 0:
                     self.gather_wait_s += now - started
                     return blocks
@@ -380,11 +384,13 @@ class BlockCompute:
                 pass  # judged again: a range whose window is over runs now
 
     def _next_decode_batch(self, blocks: tuple[int, int]) -> list[_DecodeStep]:
-        """The waiting steps on `blocks`, within the step limit (tokens: rows x seq); the rest wait."""
-        batch, rest, tokens = [], [], 0
+        """The waiting steps on `blocks`, the first of them within the step limit (tokens: rows x seq) and the cap
+        of steps a pass (`max_pass_steps`); the rest wait."""
+        batch, rest, tokens, cap = [], [], 0, self.config.max_pass_steps or len(self._decode_queue)
         for step in self._decode_queue:
             size = step.hidden.shape[0] * step.hidden.shape[1]
-            fits = step.blocks == blocks and (not batch or tokens + size <= self.limits.max_tokens_per_step)
+            room = not batch or (tokens + size <= self.limits.max_tokens_per_step and len(batch) < cap)
+            fits = step.blocks == blocks and room
             if fits and not step.future.done():
                 batch.append(step)
                 tokens += size

@@ -213,6 +213,15 @@ class ComputeConfig:
         "expected by then, so they run in one pass; a lone session never waits (0: never wait)",
         parse="non_negative",
     )
+    # a cap splits a round's steps into passes that follow each other down the chain: while the next node runs the
+    # first, this one runs the second (the stages of a chain overlap where each has cores and device time of its own)
+    max_pass_steps: int = option(
+        0,
+        "a batched pass takes at most N sessions' steps, and starts without waiting once N are queued; the rest form "
+        "the next pass (0: no cap, one pass takes every step waiting)",
+        parse="non_negative_int",
+        metavar="N",
+    )
     measure_throughput: bool = option(
         True, "measure the span's throughput at start", none_flag=("--no-measure", "skip the throughput measurement")
     )

@@ -222,6 +222,14 @@ def test_all_finite_agrees_with_an_elementwise_check_on_every_path(size, dtype, 
     assert all_finite(tensor) == bool(torch.isfinite(tensor.detach()).all())
 
 
+def test_all_finite_on_every_bfloat16_value_agrees_with_torch():
+    """bfloat16, which numpy does not hold, is checked on its bits: every one of the 65,536 values alone."""
+    every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    finite = torch.isfinite(every).tolist()
+    assert [all_finite(every[index : index + 1]) for index in range(every.numel())] == finite
+    assert finite.count(False) == 2 * (1 << 7)  # +-inf and every nan: the all-ones exponent with any mantissa
+
+
 def test_payload_must_match_shape():
     encoded = encode(torch.ones(2, 3))
     with pytest.raises(CodecError, match="needs 24"):

@@ -90,6 +90,59 @@ def test_a_lone_session_never_waits_and_a_closed_one_is_not_waited_for(tiny_llam
     assert asyncio.run(program()) == (0, 0)
 
 
+def test_a_cap_on_steps_a_pass_splits_a_round_into_passes_that_start_without_waiting(tiny_llama):
+    """With --max-pass-steps 2, five sessions stepping together run in passes of at most two steps (three a round),
+    none waiting for the others once two are queued (the window is long: without the cap every round is one pass
+    after a wait), and each session's outputs equal its own steps run alone."""
+    compute, span = compute_of(tiny_llama, batch_window_ms=500.0, max_pass_steps=2)
+    members = ["a", "b", "c", "d", "e"]
+
+    async def program() -> list[list[torch.Tensor]]:
+        caches = {member: span.new_cache() for member in members}
+        outputs = []
+        for position in range(4):
+            outputs.append(
+                await asyncio.gather(*(step(compute, caches[member], position, member) for member in members))
+            )
+            await asyncio.sleep(ROUND_S)
+        compute.close()
+        return outputs
+
+    rounds = asyncio.run(program())
+    assert compute.steps_in_passes <= 2 * compute.batches_run and compute.batches_run >= 2 * 3
+    alone = {member: span.new_cache() for member in members}
+    with torch.inference_mode():
+        for position, outputs in enumerate(rounds):
+            for member, output in zip(members, outputs, strict=True):
+                hidden = torch.randn(1, 1, span.hidden_size, generator=torch.Generator().manual_seed(position))
+                assert torch.allclose(output, span(hidden, alone[member], position), atol=1e-5), (position, member)
+
+
+@pytest.mark.serial  # the waits are timed
+@pytest.mark.parametrize("cap", [0, 2])
+def test_once_a_pass_of_steps_is_queued_nobody_is_waited_for(tiny_llama, cap):
+    """a and b step together every round, c 30 ms after them. Without a cap their passes wait for c (expected within
+    the window); with --max-pass-steps 2, a and b make a pass at once and c's step runs when it comes."""
+    compute, span = compute_of(tiny_llama, batch_window_ms=200.0, max_pass_steps=cap)
+
+    async def program() -> None:
+        caches = {member: span.new_cache() for member in "abc"}
+        for position in range(6):
+            await asyncio.gather(
+                step(compute, caches["a"], position, "a"),
+                step(compute, caches["b"], position, "b"),
+                step(compute, caches["c"], position, "c", 0.03 if position >= 2 else 0.0),
+            )
+            await asyncio.sleep(ROUND_S)
+        compute.close()
+
+    asyncio.run(program())
+    if cap:
+        assert compute.gather_wait_s < 0.02 and compute.steps_in_passes <= 2 * compute.batches_run
+    else:
+        assert compute.gather_wait_s >= 3 * 0.02  # rounds 3 to 6 waited for c (first two: its period unknown)
+
+
 def test_sessions_expected_on_one_range_do_not_hold_back_a_step_on_another(tiny_llama):
     """Two sessions step on blocks 0:2 every round; then one of them stops while the other's step waits for it. A
     step on blocks 2:4 that comes meanwhile runs at once, not after 0:2's wait."""

@@ -31,6 +31,29 @@ def test_outputs_equal_a_dynamic_cache_bit_for_bit(tiny_models, arch, dtype):
         assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
 
 
+def test_keys_and_values_view_the_filled_part_of_the_buffers_whatever_moved_them():
+    """The views are made when read: after a step, a length moved without them (a replayed pass), a crop, a new
+    buffer and a reset, each is the filled part of the buffer held then (the same memory, not a copy)."""
+    layer = ReservedLayer()
+    assert layer.keys is None and layer.values is None
+    keys, values = torch.randn(1, 2, 3, 4), torch.randn(1, 2, 3, 4)
+    got = layer.update(keys, values)
+    assert got[0].shape[-2] == 3 and torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    layer._keys[..., 3, :] = 5.0
+    layer._view(4)  # what a replayed pass does: the length moves, nothing is sliced
+    assert layer.keys.shape[-2] == layer.values.shape[-2] == 4 and bool((layer.keys[..., 3, :] == 5).all())
+    assert layer.keys.data_ptr() == layer._keys.data_ptr() and layer.values.data_ptr() == layer._values.data_ptr()
+    layer.crop(-2)
+    assert layer.keys.shape[-2] == 2 and torch.equal(layer.keys, keys[..., :2, :])
+    layer.update(torch.randn(1, 2, 2 * MIN_CAPACITY, 4), torch.randn(1, 2, 2 * MIN_CAPACITY, 4))  # a new buffer
+    assert layer.keys.shape[-2] == 2 + 2 * MIN_CAPACITY and layer.keys.data_ptr() == layer._keys.data_ptr()
+    assert torch.equal(layer.values[..., :2, :], values[..., :2, :])
+    layer.batch_repeat_interleave(2)  # new buffers of the same length
+    assert layer.keys.shape[0] == layer.values.shape[0] == 2 and layer.keys.data_ptr() == layer._keys.data_ptr()
+    layer.reset()
+    assert layer.keys is None and layer.values is None and layer.get_seq_length() == 0
+
+
 def test_sliding_window_layers_keep_transformers_layer(tiny_models):
     span = load_block_span(tiny_models["mistral"], SpanSpec(0, 4))  # the tiny mistral's layers are all sliding
     assert all(isinstance(layer, DynamicSlidingWindowLayer) for layer in span.new_cache().layers)
