@@ -23,8 +23,9 @@ import torch
 from nesa_node.client.chain_links import LinkFailed, link_ended
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
-from nesa_node.client.session_chain import Deadline, OwnAdapter, SessionChain, codec_for
+from nesa_node.client.session_chain import REPLAY_CHUNK_TOKENS, Deadline, OwnAdapter, SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
+from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO
 from nesa_node.errors import (
     BadRequestError,
@@ -318,13 +319,13 @@ class InferenceSession:
                 link.send_step(request)
             except PeerUnavailableError as exc:
                 if (said := self.links.said(link)) is not None:  # the node said why it closed (ended the session)
-                    self._raise_step_error(link, *said, step_id=step_id, shape=tuple(hidden.shape))
+                    self._raise_step_error(link, *said, step_id=step_id, sent=(link, hidden))
                 raise LinkFailed(f"channel to {link.peer_id} closed: {exc.message}", link) from None
             expected = link if relay else links[-1]
             until = Deadline.after(deadline_s)  # for this answer, however many others come first
             while True:
                 answered, message, answer = await self.links.next_answer(until)
-                self._raise_step_error(answered, message, answer, step_id=step_id, shape=tuple(hidden.shape))
+                self._raise_step_error(answered, message, answer, step_id=step_id, sent=(link, hidden))
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break
             received += answer.ByteSize()
@@ -332,14 +333,17 @@ class InferenceSession:
             compute_s += message.compute_s
         return hidden, compute_s, sent, received, inputs
 
-    def _raise_step_error(self, answered, message, answer, *, step_id: str, shape: tuple[int, int, int]) -> None:
+    def _raise_step_error(self, answered, message, answer, *, step_id: str, sent: tuple[object, torch.Tensor]) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
         peer_unavailable: that next node failed. A node that ended the session (preempted it: idle, or holding lent cache; or did not
         compute a step within its step timeout) or cannot grow its cache for it failed itself: it is replaced like a
         lost node. A node of a direct chain that refuses the pushed step `step_id` (of `shape`) accuses the node
         that pushed it: the pushed step it returns under the pusher's tag (protocol/push_tag.py) shows which of the two
         is at fault; without it, the pusher's record of its outputs is checked before either is blamed
-        (Failover.judge). A refusal of another step (an earlier one's, answered since) is stale: passed over."""
+        (Failover.judge). A refusal of another step (an earlier one's, answered since) is stale: passed over. A node
+        that refuses step `step_id` whose input this client sent it (`sent`: the link fed and its input: the first
+        node, or any in relay mode), well-formed by the checks every node makes, failed: it is replaced, not the
+        user's request refused."""
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
@@ -347,6 +351,10 @@ class InferenceSession:
             raise ended  # this node dropped the session, or has no room
         links = self.links.links
         index = links.index(answered) if answered in links else -1
+        fed, hidden = sent
+        shape = tuple(hidden.shape)
+        if isinstance(error, BadRequestError) and answered is fed and message.step_id == step_id and self._sane(hidden):
+            raise LinkFailed(f"{answered.peer_id} refused a well-formed step: {error.message}", answered)
         if isinstance(error, BadRequestError) and self.links.direct and index > 0:
             if message.step_id != step_id:
                 return
@@ -366,6 +374,14 @@ class InferenceSession:
         if self.links.direct and 0 <= index < len(links) - 1:
             raise LinkFailed(error.message, links[index + 1])
         raise LinkFailed(error.message, answered)
+
+    def _sane(self, sent: torch.Tensor) -> bool:
+        """Whether a step's input passes every check an honest node makes of it: finite, of the model's width (once
+        known) and the session's rows, within its max_length (`step` checked those two), and no more tokens than
+        every node takes in one message (REPLAY_CHUNK_TOKENS: a longer prompt may be over a node's own step limit)."""
+        rows, tokens, width = sent.shape
+        known = self.links.hidden_size
+        return known is not None and width == known and 0 < rows * tokens <= REPLAY_CHUNK_TOKENS and all_finite(sent)
 
 
 __all__ = ["MIN_STEP_DEADLINE_S", "InferenceSession", "StepTiming"]

@@ -118,6 +118,42 @@ def test_a_node_pushing_nan_is_blamed_on_its_own_word(local_swarm, tiny_llama, r
         assert model.swarm.faulty() == {spoiler.peer_id}
 
 
+@pytest.mark.parametrize("mode", ["direct", "relay"])
+def test_a_node_refusing_the_clients_own_well_formed_steps_is_replaced(local_swarm, tiny_llama, reference, mode):
+    """A node answering bad_request to the steps the client itself sends it (the first node; in relay mode any node)
+    would turn the user's request into their own error (a gateway's 400): the client's input passes every check an
+    honest node makes, so the refuser failed and is replaced, and the tokens equal one process's. An input that is
+    not well formed (NaN from the caller) is still the caller's error."""
+    prefix = f"own-refuser-{mode}"
+    refused_span, other_span = ((0, 2), (2, 4)) if mode == "direct" else ((2, 4), (0, 2))
+    other = local_swarm.start_node(tiny_llama, *other_span, dht_prefix=prefix)
+    liar, honest = (local_swarm.start_node(tiny_llama, *refused_span, dht_prefix=prefix) for _ in range(2))
+    refused = []
+
+    def lie(frame, codec, *, batch):
+        refused.append(batch)
+        raise BadRequestError("hidden states contain NaN or Inf")
+
+    model = DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none", mode=mode
+    )
+    with model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(honest.peer_id)  # the chain starts on the liar
+        liar.compute.read_hidden = lie
+        with model.inference_session(max_length=32) as session:
+            assert liar.peer_id in session.chain.peer_ids
+            model.swarm.unban(honest.peer_id)
+            output = generate(model)
+            failed = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
+        assert torch.equal(output, reference)
+        assert failed == [(liar.peer_id, [honest.peer_id])] and len(refused) == 1, session.failovers
+        assert liar.peer_id in model.swarm.banned() and other.peer_id not in model.swarm.banned()
+        with model.inference_session(max_length=32) as session:  # the caller's own NaN: the caller's error
+            with pytest.raises(BadRequestError):
+                session.step(torch.full((1, 1, other.compute.span.hidden_size), float("nan")))
+
+
 def test_a_node_refusing_every_open_is_passed_over_not_the_end_of_the_session(local_swarm, tiny_llama, reference):
     """A node that answers every open with a refusal of no routable kind (bad_request here) would otherwise fail
     every session routed through it: the client leaves it out of that open and routes to another node; once that
