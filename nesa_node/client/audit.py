@@ -194,6 +194,7 @@ class Auditor:
                 adapter=adapter,
                 own_adapter=links.own_adapter,
                 adapter_block_bytes=links.adapter_block_bytes,
+                hidden_size=self.model.model_config.hidden_size,
             )
             try:
                 async with check:

@@ -184,6 +184,7 @@ class CanaryChecker:
             self.model.config.replace(compression=LOSSLESS),
             batch=1,
             max_length=max(max_length, tokens),
+            hidden_size=self.model.model_config.hidden_size,
         )
         sent = str(given.dtype).removeprefix("torch.")
         tolerance = self.canaries.tolerance(hop.start_block, hop.end_block, dtype, sent)

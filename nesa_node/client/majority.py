@@ -227,6 +227,7 @@ async def open_majority_session(
             adapter=adapter,
             own_adapter=model.own_adapters.get(adapter) if adapter is not None else None,
             adapter_block_bytes=adapter_block_bytes,
+            hidden_size=model.model_config.hidden_size,
         )
 
     def flush_plain() -> None:

@@ -353,7 +353,13 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         """An open session on exactly `chain` (tests and tools that pick nodes themselves)."""
         reroute = self.client.router.reachable_chain if failover else None
         session = InferenceSession(
-            self.client.swarm, chain, self.client.config, batch=batch, max_length=max_length, reroute=reroute
+            self.client.swarm,
+            chain,
+            self.client.config,
+            batch=batch,
+            max_length=max_length,
+            reroute=reroute,
+            hidden_size=self.client.model_config.hidden_size,
         )
         return SyncSession(self.client.with_edges(self.call(session.open())), self.runner)
 

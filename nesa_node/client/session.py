@@ -23,7 +23,7 @@ import torch
 from nesa_node.client.chain_links import LinkFailed, link_ended
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
-from nesa_node.client.session_chain import REPLAY_CHUNK_TOKENS, Deadline, OwnAdapter, SessionChain, codec_for
+from nesa_node.client.session_chain import Deadline, OwnAdapter, SessionChain, codec_for
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO
@@ -114,6 +114,10 @@ class InferenceSession:
         self._stepping = False  # a step is under way: the answers of the chain belong to it
         self._sent_codec = "none"
         self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
+        # per peer fed by the client: (step id, the input last sent it under that id, whether the client ever sent
+        # it other content under that id: a step interrupted and taken again, or a relay input recomputed upstream)
+        self._fed: dict[str, tuple[str, torch.Tensor, bool]] = {}
+        self._taken: dict[str, int] = {}  # per peer fed by the client: the most tokens (rows x seq) of a step it took
 
     @property
     def chain(self) -> Chain:
@@ -302,6 +306,9 @@ class InferenceSession:
         chosen = self._step_codecs[1]  # a step sent again keeps its codec: a node refuses a step id's other content
         for link in fed:
             inputs.append(hidden)
+            record = self._fed.get(link.peer_id)
+            changed = record is not None and record[0] == step_id and (record[2] or not torch.equal(record[1], hidden))
+            self._fed[link.peer_id] = (step_id, hidden, changed)
             codec = chosen.get(link.peer_id) or codec_for(
                 None,
                 link.hop,
@@ -319,31 +326,34 @@ class InferenceSession:
                 link.send_step(request)
             except PeerUnavailableError as exc:
                 if (said := self.links.said(link)) is not None:  # the node said why it closed (ended the session)
-                    self._raise_step_error(link, *said, step_id=step_id, sent=(link, hidden))
+                    self._raise_step_error(link, *said, step_id=step_id, fed=link, shape=tuple(hidden.shape))
                 raise LinkFailed(f"channel to {link.peer_id} closed: {exc.message}", link) from None
             expected = link if relay else links[-1]
             until = Deadline.after(deadline_s)  # for this answer, however many others come first
             while True:
                 answered, message, answer = await self.links.next_answer(until)
-                self._raise_step_error(answered, message, answer, step_id=step_id, sent=(link, hidden))
+                self._raise_step_error(answered, message, answer, step_id=step_id, fed=link, shape=tuple(hidden.shape))
                 if answered is expected and isinstance(message, StepResult) and message.step_id == step_id:
                     break
             received += answer.ByteSize()
+            self._taken[link.peer_id] = max(self._taken.get(link.peer_id, 0), hidden.shape[0] * hidden.shape[1])
             hidden = self.links.read_hidden(answered, answer, message.codec, hidden.numel(), tuple(hidden.shape))
             compute_s += message.compute_s
         return hidden, compute_s, sent, received, inputs
 
-    def _raise_step_error(self, answered, message, answer, *, step_id: str, sent: tuple[object, torch.Tensor]) -> None:
+    def _raise_step_error(self, answered, message, answer, *, step_id: str, fed, shape: tuple[int, ...]) -> None:
         """A node's refusal as the typed error it names. A node that could not push a step to its next node reports
         peer_unavailable: that next node failed. A node that ended the session (preempted it: idle, or holding lent cache; or did not
         compute a step within its step timeout) or cannot grow its cache for it failed itself: it is replaced like a
         lost node. A node of a direct chain that refuses the pushed step `step_id` (of `shape`) accuses the node
         that pushed it: the pushed step it returns under the pusher's tag (protocol/push_tag.py) shows which of the two
         is at fault; without it, the pusher's record of its outputs is checked before either is blamed
-        (Failover.judge). A refusal of another step (an earlier one's, answered since) is stale: passed over. A node
-        that refuses step `step_id` whose input this client sent it (`sent`: the link fed and its input: the first
-        node, or any in relay mode), well-formed by the checks every node makes, failed: it is replaced, not the
-        user's request refused."""
+        (Failover.judge). A refusal of another step (an earlier one's, answered or failed since) is stale: passed
+        over, as is, in relay mode, any refusal from a node other than `fed` (the one the client is sending this
+        step's input: the first node, or each in turn in relay mode; the others answered it already or were not sent
+        it). `fed` refusing the step although the input passes every check an honest node makes failed
+        (`_own_input_sane`): it is replaced, the user's request not refused; and so is a node of a direct chain
+        refusing a step for anything but its input (an unknown session, an adapter it no longer has)."""
         if not isinstance(message, ErrorReply):
             return
         error = message.error()
@@ -351,13 +361,17 @@ class InferenceSession:
             raise ended  # this node dropped the session, or has no room
         links = self.links.links
         index = links.index(answered) if answered in links else -1
-        fed, hidden = sent
-        shape = tuple(hidden.shape)
-        if isinstance(error, BadRequestError) and answered is fed and message.step_id == step_id and self._sane(hidden):
-            raise LinkFailed(f"{answered.peer_id} refused a well-formed step: {error.message}", answered)
+        if not isinstance(error, PeerUnavailableError):
+            if message.step_id != step_id or index < 0 or (answered is not fed and not self.links.direct):
+                return  # stale, or from a node with nothing of this step's to refuse
+            if answered is fed:
+                if self._own_input_sane(answered, step_id):
+                    refused = f"{answered.peer_id} refused a well-formed step ({error.code}): {error.message}"
+                    raise LinkFailed(refused, answered)
+                raise error  # the caller's input: the caller's error
+            if not isinstance(error, BadRequestError):
+                raise LinkFailed(f"{answered.peer_id} refused the step ({error.code}): {error.message}", answered)
         if isinstance(error, BadRequestError) and self.links.direct and index > 0:
-            if message.step_id != step_id:
-                return
             # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
             # (NaN, a wrong shape) is that node's fault, if the refusing node tells the truth
             accused, accuser = links[index - 1], links[index]
@@ -375,13 +389,21 @@ class InferenceSession:
             raise LinkFailed(error.message, links[index + 1])
         raise LinkFailed(error.message, answered)
 
-    def _sane(self, sent: torch.Tensor) -> bool:
-        """Whether a step's input passes every check an honest node makes of it: finite, of the model's width (once
-        known) and the session's rows, within its max_length (`step` checked those two), and no more tokens than
-        every node takes in one message (REPLAY_CHUNK_TOKENS: a longer prompt may be over a node's own step limit)."""
+    def _own_input_sane(self, link, step_id: str) -> bool:
+        """Whether the input this client sent `link` under `step_id` passes every check an honest node makes of it:
+        three dimensions, finite, of the model's width (once known) and the session's rows, within its max_length
+        (`step` checked those two), the only content the client sent it under that id, and no more tokens (rows x
+        seq) than in a step it took before, or one token a row: a node's own step limit is not announced, so the
+        refusal of a longer prompt may be honest (the caller's error, as before)."""
+        record = self._fed.get(link.peer_id)
+        if record is None or record[0] != step_id or record[2]:
+            return False
+        sent, known = record[1], self.links.hidden_size
+        if sent.dim() != 3 or known is None:
+            return False
         rows, tokens, width = sent.shape
-        known = self.links.hidden_size
-        return known is not None and width == known and 0 < rows * tokens <= REPLAY_CHUNK_TOKENS and all_finite(sent)
+        within = tokens == 1 or rows * tokens <= self._taken.get(link.peer_id, 0)
+        return width == known and rows > 0 and within and all_finite(sent)
 
 
 __all__ = ["MIN_STEP_DEADLINE_S", "InferenceSession", "StepTiming"]

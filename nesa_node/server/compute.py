@@ -361,7 +361,10 @@ class BlockCompute:
         while True:
             ranges: dict[tuple[int, int], list[_DecodeStep]] = {}
             for step in self._decode_queue:
-                ranges.setdefault(step.blocks, []).append(step)
+                if not step.future.done():  # a step given up is dropped when the pass is taken
+                    ranges.setdefault(step.blocks, []).append(step)
+            if not ranges:
+                return self._decode_queue[0].blocks  # every step was given up: the pass takes none of them
             delays = {}
             now = time.monotonic()
             cap = self.config.max_pass_steps

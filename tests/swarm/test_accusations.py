@@ -129,10 +129,14 @@ def test_a_node_refusing_the_clients_own_well_formed_steps_is_replaced(local_swa
     other = local_swarm.start_node(tiny_llama, *other_span, dht_prefix=prefix)
     liar, honest = (local_swarm.start_node(tiny_llama, *refused_span, dht_prefix=prefix) for _ in range(2))
     refused = []
+    honest_read = liar.compute.read_hidden
 
-    def lie(frame, codec, *, batch):
-        refused.append(batch)
-        raise BadRequestError("hidden states contain NaN or Inf")
+    def lie(frame, codec, *, batch):  # every one-token step "is malformed" (a prompt's refusal may be honest)
+        hidden = honest_read(frame, codec, batch=batch)
+        if hidden.shape[1] == 1:
+            refused.append(batch)
+            raise BadRequestError("hidden states contain NaN or Inf")
+        return hidden
 
     model = DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none", mode=mode

@@ -1,0 +1,125 @@
+"""How the client reads a node's refusal of a step (client/session.py `_raise_step_error`): a node refusing an input
+the client itself sent it, which passes every check an honest node makes, failed and is replaced (a LinkFailed),
+rather than the refusal reaching the user as their own error; an input that is not sane, or longer than any step
+the node took (its step limit is not announced), is the caller's error as before; refusals of other steps, and in
+relay mode refusals from nodes not being sent this step, are passed over."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nesa_node.client.chain_links import LinkFailed
+from nesa_node.client.config import ClientConfig
+from nesa_node.client.session import InferenceSession
+from nesa_node.errors import AdapterMissingError, BadRequestError, SessionNotFoundError
+from nesa_node.protocol.messages import ErrorReply
+from nesa_node.routing.chain import Chain
+
+HIDDEN = 8
+STEP = "session:5"
+
+
+def session_of(mode: str, hidden_size: int | None = HIDDEN) -> tuple[InferenceSession, list]:
+    session = InferenceSession(
+        SimpleNamespace(),  # the swarm: not reached by the refusal's reading
+        Chain(hops=()),
+        ClientConfig(mode=mode),
+        batch=1,
+        max_length=32,
+        session_id="session",
+        hidden_size=hidden_size,
+    )
+    links = [SimpleNamespace(peer_id=name) for name in ("first", "middle", "last")]
+    session.links.links = list(links)
+    return session, links
+
+
+def fed(session: InferenceSession, link, hidden: torch.Tensor, step_id: str = STEP) -> None:
+    """What `_step` notes when it sends `hidden` to `link` under `step_id`."""
+    record = session._fed.get(link.peer_id)
+    changed = record is not None and record[0] == step_id and (record[2] or not torch.equal(record[1], hidden))
+    session._fed[link.peer_id] = (step_id, hidden, changed)
+
+
+def refuse(session, answered, to, error, step_id: str | None = STEP, hidden=None, current: str = STEP) -> None:
+    """`answered`'s refusal (for `step_id`) while the client waits on step `current`, sent to `to`."""
+    shape = tuple(hidden.shape) if hidden is not None else (1, 1, HIDDEN)
+    session._raise_step_error(answered, ErrorReply.of(error, step_id), None, step_id=current, fed=to, shape=shape)
+
+
+ONE_TOKEN = torch.ones(1, 1, HIDDEN)
+
+
+@pytest.mark.parametrize("mode", ["direct", "relay"])
+@pytest.mark.parametrize("error", [BadRequestError("NaN"), SessionNotFoundError("no such"), AdapterMissingError("x")])
+def test_a_refusal_of_a_sane_one_token_step_the_client_sent_fails_that_node(mode, error):
+    session, (first, middle, _) = session_of(mode)
+    to = first if mode == "direct" else middle
+    fed(session, to, ONE_TOKEN)
+    with pytest.raises(LinkFailed) as failed:
+        refuse(session, to, to, error)
+    assert failed.value.link is to and not failed.value.fault
+
+
+def test_a_prompt_longer_than_any_step_the_node_took_is_the_callers_error_until_it_took_one():
+    session, (first, _, _) = session_of("direct")
+    prompt = torch.ones(1, 5, HIDDEN)
+    fed(session, first, prompt)
+    with pytest.raises(BadRequestError):  # its step limit may be below 5 tokens: an honest refusal
+        refuse(session, first, first, BadRequestError("too many tokens"), hidden=prompt)
+    session._taken[first.peer_id] = 5
+    with pytest.raises(LinkFailed):
+        refuse(session, first, first, BadRequestError("too many tokens"), hidden=prompt)
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        torch.full((1, 1, HIDDEN), float("nan")),  # not finite
+        torch.ones(1, 1, HIDDEN + 1),  # not the model's width
+        torch.ones(1, HIDDEN),  # not three dimensions
+    ],
+    ids=["nan", "width", "rank"],
+)
+def test_a_refusal_of_an_input_that_is_not_sane_is_the_callers_error(sent):
+    session, (first, _, _) = session_of("direct")
+    fed(session, first, sent)
+    with pytest.raises(BadRequestError):
+        refuse(session, first, first, BadRequestError("malformed"))
+
+
+def test_without_the_models_width_known_a_refusal_is_the_callers_error():
+    session, (first, _, _) = session_of("direct", hidden_size=None)
+    fed(session, first, ONE_TOKEN)
+    with pytest.raises(BadRequestError):
+        refuse(session, first, first, BadRequestError("malformed"))
+
+
+def test_a_node_sent_other_content_under_the_same_step_id_is_not_blamed():
+    """A step interrupted and taken again with other content (or a relay input recomputed upstream): the node's
+    refusal of a reused id may be honest."""
+    session, (first, _, _) = session_of("direct")
+    fed(session, first, ONE_TOKEN)
+    fed(session, first, 2 * ONE_TOKEN)
+    with pytest.raises(BadRequestError):
+        refuse(session, first, first, BadRequestError("step id already used for different content"))
+    fed(session, first, ONE_TOKEN, step_id="session:6")  # a new id: judged again
+    with pytest.raises(LinkFailed):
+        refuse(session, first, first, BadRequestError("x"), step_id="session:6", current="session:6")
+
+
+def test_refusals_of_other_steps_and_from_nodes_not_being_fed_in_relay_mode_are_passed_over():
+    session, (first, middle, last) = session_of("relay")
+    fed(session, middle, ONE_TOKEN)
+    assert refuse(session, middle, middle, BadRequestError("stale"), step_id="session:4") is None
+    assert refuse(session, middle, middle, BadRequestError("no id"), step_id=None) is None
+    assert refuse(session, first, middle, BadRequestError("answered already")) is None  # fed before middle
+    assert refuse(session, last, middle, SessionNotFoundError("not sent yet")) is None
+    direct, (first, middle, _) = session_of("direct")
+    fed(direct, first, ONE_TOKEN)
+    with pytest.raises(LinkFailed) as failed:  # a direct chain's later node refusing for anything but its input
+        refuse(direct, middle, first, SessionNotFoundError("lost it"))
+    assert failed.value.link is middle
