@@ -263,7 +263,11 @@ class Failover:
             history = torch.cat(inputs[index], dim=1)  # (batch, position, hidden)
         else:
             with self._timed("history"):
-                history = await chain.history(previous, position)
+                try:
+                    history = await chain.history(previous, position)
+                except RequestError as refusal:  # it holds the outputs of every step it took (or failed)
+                    message = f"{previous.peer_id} refused its outputs for a replacement: {refusal.message}"
+                    raise LinkFailed(message, previous) from None
         upstream = previous.peer_id if previous is not None else self.swarm.peer_id
         new_links: list[ChainLink] = []
         try:
@@ -277,6 +281,9 @@ class Failover:
             chain.close_links(new_links)
             failed = _failed_peer(failure)
             if failed not in {hop.peer_id for hop in hops}:
+                named = next((link for link in chain.links if link.peer_id == failed), None)
+                if isinstance(failure, RequestError) and named is not None:  # a node of the chain, not the user
+                    raise LinkFailed(f"{failed} refused during a replacement: {failure.message}", named) from None
                 raise
             self.swarm.ban(failed, fault=getattr(failure, "fault", False))
             # without room for the session: marks the lost node's link only when it was the node opened again
@@ -290,16 +297,18 @@ class Failover:
         try:
             # direct mode: the neighbours now talk to the replacement (previous pushes to it, following accepts
             # its pushes); in relay mode every node talks to the client only
+            # (a neighbour already closed, lost too, is replaced in turn: the step through it fails next)
             with self._timed("retarget"):
-                if previous is not None and not relay:
+                if previous is not None and not relay and not previous.closed:
                     first = new_links[0]
                     lanes = LaneSettings(key_out=first.key_in.hex(), next=self.swarm.lane_address(first.peer_id))
-                    await chain.retarget(previous, Retarget(next=first.peer_id, lane=lanes if chain.lanes else None))
+                    message = Retarget(next=first.peer_id, lane=lanes if chain.lanes else None)
+                    await _retarget(chain, previous, message)
                     previous.key_out = first.key_in
-                if following is not None and not relay:
+                if following is not None and not relay and not following.closed:
                     lanes = LaneSettings(key_in=new_links[-1].key_out.hex())
                     message = Retarget(upstream=new_links[-1].peer_id, lane=lanes if chain.lanes else None)
-                    await chain.retarget(following, message)
+                    await _retarget(chain, following, message)
                     following.key_in = new_links[-1].key_out
         except BaseException:
             chain.close_links(new_links)
@@ -309,6 +318,17 @@ class Failover:
         chain.links[index : index + 1] = new_links
         with self._timed("lanes"):
             await chain.connect_client_lanes()  # a new first or last node: the client's lanes to it
+
+
+async def _retarget(chain: SessionChain, link: ChainLink, message: Retarget) -> None:
+    """Tell a neighbour of a replacement to talk to it; a neighbour that refuses (an honest one of a live session
+    takes it) or cannot be reached failed, as a node of the chain, not as the user's error."""
+    try:
+        await chain.retarget(link, message)
+    except LinkFailed:
+        raise
+    except (RequestError, PeerUnavailableError) as failure:
+        raise LinkFailed(f"{link.peer_id} did not take a retarget: {failure.message}", link) from None
 
 
 def _failed_peer(failure: LinkFailed | RequestError) -> str | None:

@@ -114,9 +114,10 @@ class InferenceSession:
         self._stepping = False  # a step is under way: the answers of the chain belong to it
         self._sent_codec = "none"
         self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
-        # per peer fed by the client: (step id, the input last sent it under that id, whether the client ever sent
-        # it other content under that id: a step interrupted and taken again, or a relay input recomputed upstream)
-        self._fed: dict[str, tuple[str, torch.Tensor, bool]] = {}
+        # per peer fed by the client: (step id, what identified the content last sent it under that id (position,
+        # codec, tensor as sent: what a node compares a step id's content by), that input, whether the client ever
+        # sent it other content under that id: a step interrupted and taken again, a relay input recomputed upstream)
+        self._fed: dict[str, tuple[str, tuple, torch.Tensor, bool]] = {}
         self._taken: dict[str, int] = {}  # per peer fed by the client: the most tokens (rows x seq) of a step it took
 
     @property
@@ -306,9 +307,6 @@ class InferenceSession:
         chosen = self._step_codecs[1]  # a step sent again keeps its codec: a node refuses a step id's other content
         for link in fed:
             inputs.append(hidden)
-            record = self._fed.get(link.peer_id)
-            changed = record is not None and record[0] == step_id and (record[2] or not torch.equal(record[1], hidden))
-            self._fed[link.peer_id] = (step_id, hidden, changed)
             codec = chosen.get(link.peer_id) or codec_for(
                 None,
                 link.hop,
@@ -318,9 +316,9 @@ class InferenceSession:
             )
             chosen[link.peer_id] = codec
             self._sent_codec = codec.name
-            request = frame(
-                Step(step_id=step_id, position=self.position, codec=codec), [tensor_to_proto(hidden, codec)]
-            )
+            tensor = tensor_to_proto(hidden, codec)
+            request = frame(Step(step_id=step_id, position=self.position, codec=codec), [tensor])
+            self._note_fed(link.peer_id, step_id, (self.position, codec, tensor), hidden)
             sent += request.ByteSize()
             try:
                 link.send_step(request)
@@ -362,6 +360,8 @@ class InferenceSession:
         links = self.links.links
         index = links.index(answered) if answered in links else -1
         if not isinstance(error, PeerUnavailableError):
+            if answered is fed and message.step_id is None:  # about no step: this one is all the client awaits
+                raise LinkFailed(f"{answered.peer_id} refused ({error.code}): {error.message}", answered)
             if message.step_id != step_id or index < 0 or (answered is not fed and not self.links.direct):
                 return  # stale, or from a node with nothing of this step's to refuse
             if answered is fed:
@@ -389,16 +389,24 @@ class InferenceSession:
             raise LinkFailed(error.message, links[index + 1])
         raise LinkFailed(error.message, answered)
 
+    def _note_fed(self, peer_id: str, step_id: str, content: tuple, hidden: torch.Tensor) -> None:
+        """Note the input sent to `peer_id` under `step_id`, with what identifies its content (`content`: position,
+        codec and the tensor message as sent), and whether other content went to it under that id before."""
+        record = self._fed.get(peer_id)
+        changed = record is not None and record[0] == step_id and (record[3] or record[1] != content)
+        self._fed[peer_id] = (step_id, content, hidden, changed)
+
     def _own_input_sane(self, link, step_id: str) -> bool:
         """Whether the input this client sent `link` under `step_id` passes every check an honest node makes of it:
         three dimensions, finite, of the model's width (once known) and the session's rows, within its max_length
         (`step` checked those two), the only content the client sent it under that id, and no more tokens (rows x
-        seq) than in a step it took before, or one token a row: a node's own step limit is not announced, so the
-        refusal of a longer prompt may be honest (the caller's error, as before)."""
+        seq) than in a step it took before, or one token a row (a node refuses at open a batch over its step limit):
+        a node's own step limit is not announced, so the refusal of a longer prompt may be honest (the caller's
+        error, as before)."""
         record = self._fed.get(link.peer_id)
-        if record is None or record[0] != step_id or record[2]:
+        if record is None or record[0] != step_id or record[3]:
             return False
-        sent, known = record[1], self.links.hidden_size
+        sent, known = record[2], self.links.hidden_size
         if sent.dim() != 3 or known is None:
             return False
         rows, tokens, width = sent.shape

@@ -517,6 +517,7 @@ class SessionChain:
                     # node's refusal of a step sent before: not this exchange's answer, nor for `link` to answer for
                     continue
                 error = message.error()
+                error.peer_id = link.peer_id  # who refused
                 raise link_ended(error, link) or error  # a node that dropped the session fails like a lost one
             if answered is link and isinstance(message, model):
                 return message, answer

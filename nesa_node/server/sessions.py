@@ -116,8 +116,10 @@ class SessionTable:
                 raise BadRequestError(f"session {request.session_id!r} is already open on this node, a step under way")
             logger.info("session %s of %s opened again by its owner: the old one ended", old.session_id, client_peer)
             self.end(old, BadRequestError(f"session {old.session_id!r} was opened again by its owner"))
-        if request.batch > limits.max_batch:
-            raise BadRequestError(f"batch must be in 1..{limits.max_batch}, got {request.batch}")
+        if request.batch > min(limits.max_batch, limits.max_tokens_per_step):  # a step is at least a token a row
+            raise BadRequestError(
+                f"batch must be in 1..{min(limits.max_batch, limits.max_tokens_per_step)}, got {request.batch}"
+            )
         if request.max_length > limits.max_length:
             raise BadRequestError(f"max_length must be in 1..{limits.max_length}, got {request.max_length}")
         budget = self.budget

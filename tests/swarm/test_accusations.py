@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.errors import BadRequestError
-from nesa_node.protocol.messages import ErrorReply
+from nesa_node.protocol.messages import ErrorReply, HistoryRequest
 from nesa_node.protocol.push_tag import push_tag
 from nesa_node.protocol.tensors import tensor_to_proto
 from tests.support.swarm import wait_for_chain
@@ -156,6 +157,42 @@ def test_a_node_refusing_the_clients_own_well_formed_steps_is_replaced(local_swa
         with model.inference_session(max_length=32) as session:  # the caller's own NaN: the caller's error
             with pytest.raises(BadRequestError):
                 session.step(torch.full((1, 1, other.compute.span.hidden_size), float("nan")))
+
+
+def test_a_neighbour_refusing_its_outputs_to_a_replacement_is_replaced_too(local_swarm, tiny_llama, reference):
+    """The last node dies mid-generation; its replacement's cache is rebuilt from the outputs the first node kept,
+    and the first node refuses them (bad_request). That refusal is the first node's failure, not the user's error:
+    it is replaced too, and the tokens equal one process's."""
+    prefix = "history-refuser"
+    refuser, spare_first = (local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix) for _ in range(2))
+    victim, spare_last = (local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix) for _ in range(2))
+    honest_control = refuser.inference._control
+
+    def refuse_history(session, message):
+        if isinstance(message, HistoryRequest):
+            raise BadRequestError("no history here")
+        return honest_control(session, message)
+
+    refuser.inference._control = refuse_history
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        for spare in (spare_first, spare_last):
+            model.swarm.ban(spare.peer_id)  # the chain starts on the refuser and the victim
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids == (refuser.peer_id, victim.peer_id)
+            for spare in (spare_first, spare_last):
+                model.swarm.unban(spare.peer_id)
+            output = model.generate(
+                PROMPT,
+                max_new_tokens=NEW_TOKENS,
+                min_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                streamer=AfterTokens(2, lambda: local_swarm.stop_node(victim)),
+            )
+            failed = {entry["failed"] for entry in session.failovers}
+        assert torch.equal(output, reference)
+        assert {refuser.peer_id, victim.peer_id} <= failed, session.failovers
+        assert refuser.peer_id in model.swarm.banned()
 
 
 def test_a_node_refusing_every_open_is_passed_over_not_the_end_of_the_session(local_swarm, tiny_llama, reference):

@@ -12,7 +12,7 @@ import multihash
 import pytest
 from hivemind.p2p import PeerID
 
-from nesa_node.errors import CacheBudgetError, QuotaExceededError, SessionPreemptedError
+from nesa_node.errors import BadRequestError, CacheBudgetError, QuotaExceededError, SessionPreemptedError
 from nesa_node.protocol.messages import OpenSession
 from nesa_node.server import cache_room
 from nesa_node.server.cache_room import STALLED_REVOKE_S
@@ -59,6 +59,16 @@ def all_idle(sessions: SessionTable) -> list:
 
 def tokens(nbytes: int) -> int:
     return nbytes // BYTES_PER_TOKEN
+
+
+def test_a_batch_over_the_step_limit_is_refused_at_open():
+    """A step holds at least a token a row: a session of more rows than a node's step limit could take no step, and
+    a client counts on one-token steps within it (client/session.py `_own_input_sane`)."""
+    limits = LimitsConfig(max_batch=64, max_tokens_per_step=8)
+    sessions = SessionTable(limits, CacheBudget.for_tokens(4096, bytes_per_token=BYTES_PER_TOKEN))
+    with pytest.raises(BadRequestError, match=r"batch must be in 1\.\.8, got 9"):
+        open_session(sessions, GATEWAY, "s" * 32, max_length=16, batch=9)
+    assert open_session(sessions, GATEWAY, "t" * 32, max_length=16, batch=8) is not None
 
 
 # ---- the share is checked first -----------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.client.session import InferenceSession
 from nesa_node.errors import AdapterMissingError, BadRequestError, SessionNotFoundError
 from nesa_node.protocol.messages import ErrorReply
+from nesa_node.protocol.tensors import tensor_to_proto
 from nesa_node.routing.chain import Chain
 
 HIDDEN = 8
@@ -38,10 +39,8 @@ def session_of(mode: str, hidden_size: int | None = HIDDEN) -> tuple[InferenceSe
 
 
 def fed(session: InferenceSession, link, hidden: torch.Tensor, step_id: str = STEP) -> None:
-    """What `_step` notes when it sends `hidden` to `link` under `step_id`."""
-    record = session._fed.get(link.peer_id)
-    changed = record is not None and record[0] == step_id and (record[2] or not torch.equal(record[1], hidden))
-    session._fed[link.peer_id] = (step_id, hidden, changed)
+    """What `_step` notes when it sends `hidden` to `link` under `step_id` (at position 5, codec "none")."""
+    session._note_fed(link.peer_id, step_id, (5, "none", tensor_to_proto(hidden)), hidden)
 
 
 def refuse(session, answered, to, error, step_id: str | None = STEP, hidden=None, current: str = STEP) -> None:
@@ -98,12 +97,29 @@ def test_without_the_models_width_known_a_refusal_is_the_callers_error():
         refuse(session, first, first, BadRequestError("malformed"))
 
 
-def test_a_node_sent_other_content_under_the_same_step_id_is_not_blamed():
+def changed_buffer(first, session) -> None:
+    buffer = ONE_TOKEN.clone()
+    fed(session, first, buffer)
+    buffer.add_(1)  # the caller's buffer, reused for the step taken again
+    fed(session, first, buffer)
+
+
+def changed_dtype(first, session) -> None:
+    fed(session, first, ONE_TOKEN)
+    fed(session, first, ONE_TOKEN.to(torch.float16))  # the same values, other bytes
+
+
+@pytest.mark.parametrize("resend", [changed_buffer, changed_dtype])
+def test_a_node_sent_other_content_under_the_same_step_id_is_not_blamed(resend):
     """A step interrupted and taken again with other content (or a relay input recomputed upstream): the node's
-    refusal of a reused id may be honest."""
+    refusal of a reused id may be honest. The same content sent again leaves the node to blame."""
     session, (first, _, _) = session_of("direct")
     fed(session, first, ONE_TOKEN)
-    fed(session, first, 2 * ONE_TOKEN)
+    fed(session, first, ONE_TOKEN.clone())  # the same content again (a retry)
+    with pytest.raises(LinkFailed):
+        refuse(session, first, first, BadRequestError("refused"))
+    session, (first, _, _) = session_of("direct")
+    resend(first, session)
     with pytest.raises(BadRequestError):
         refuse(session, first, first, BadRequestError("step id already used for different content"))
     fed(session, first, ONE_TOKEN, step_id="session:6")  # a new id: judged again
@@ -112,10 +128,13 @@ def test_a_node_sent_other_content_under_the_same_step_id_is_not_blamed():
 
 
 def test_refusals_of_other_steps_and_from_nodes_not_being_fed_in_relay_mode_are_passed_over():
+    """A refusal naming no step, from the node being fed, fails it at once (the client awaits this step alone)."""
     session, (first, middle, last) = session_of("relay")
     fed(session, middle, ONE_TOKEN)
     assert refuse(session, middle, middle, BadRequestError("stale"), step_id="session:4") is None
-    assert refuse(session, middle, middle, BadRequestError("no id"), step_id=None) is None
+    with pytest.raises(LinkFailed) as failed:
+        refuse(session, middle, middle, BadRequestError("no id"), step_id=None)
+    assert failed.value.link is middle
     assert refuse(session, first, middle, BadRequestError("answered already")) is None  # fed before middle
     assert refuse(session, last, middle, SessionNotFoundError("not sent yet")) is None
     direct, (first, middle, _) = session_of("direct")
