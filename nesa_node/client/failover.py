@@ -262,12 +262,16 @@ class Failover:
         elif previous is None or relay:
             history = torch.cat(inputs[index], dim=1)  # (batch, position, hidden)
         else:
+            if previous.closed:  # lost too (a failure met while replacing it): replaced first, then this one
+                raise LinkFailed(f"{previous.peer_id}, whose outputs a replacement needs, is lost too", previous)
             with self._timed("history"):
                 try:
                     history = await chain.history(previous, position)
-                except RequestError as refusal:  # it holds the outputs of every step it took (or failed)
-                    message = f"{previous.peer_id} refused its outputs for a replacement: {refusal.message}"
-                    raise LinkFailed(message, previous) from None
+                except (RequestError, PeerUnavailableError) as failure:  # it holds the outputs of every step it took
+                    link = (failure.link or previous) if isinstance(failure, LinkFailed) else previous
+                    raise LinkFailed(
+                        f"{previous.peer_id} gave no outputs for a replacement: {failure.message}", link
+                    ) from None
         upstream = previous.peer_id if previous is not None else self.swarm.peer_id
         new_links: list[ChainLink] = []
         try:
@@ -310,6 +314,10 @@ class Failover:
                     message = Retarget(upstream=new_links[-1].peer_id, lane=lanes if chain.lanes else None)
                     await _retarget(chain, following, message)
                     following.key_in = new_links[-1].key_out
+                elif following is not None and not following.closed:
+                    # relay mode: the step may come again with the replacement's recomputed output (other last
+                    # bits); a node told its upstream changed answers such a resend from its record
+                    await _retarget(chain, following, Retarget(upstream=self.swarm.peer_id))
         except BaseException:
             chain.close_links(new_links)
             raise
@@ -325,8 +333,8 @@ async def _retarget(chain: SessionChain, link: ChainLink, message: Retarget) -> 
     takes it) or cannot be reached failed, as a node of the chain, not as the user's error."""
     try:
         await chain.retarget(link, message)
-    except LinkFailed:
-        raise
+    except LinkFailed as failure:  # silence: the neighbour's, the only node that owes an answer
+        raise LinkFailed(failure.message, failure.link or link) from None
     except (RequestError, PeerUnavailableError) as failure:
         raise LinkFailed(f"{link.peer_id} did not take a retarget: {failure.message}", link) from None
 

@@ -395,6 +395,9 @@ class InferenceSession:
         record = self._fed.get(peer_id)
         changed = record is not None and record[0] == step_id and (record[3] or record[1] != content)
         self._fed[peer_id] = (step_id, content, hidden, changed)
+        if len(self._fed) > len(self.links.links):  # peers replaced since: nothing more is sent them
+            current = {link.peer_id for link in self.links.links} | {peer_id}
+            self._fed = {peer: record for peer, record in self._fed.items() if peer in current}
 
     def _own_input_sane(self, link, step_id: str) -> bool:
         """Whether the input this client sent `link` under `step_id` passes every check an honest node makes of it:

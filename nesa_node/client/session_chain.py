@@ -59,7 +59,7 @@ from nesa_node.verification.receipts import MAX_RECORD_BYTES, HopRecord, key_pee
 
 logger = logging.getLogger(__name__)
 
-REPLAY_CHUNK_TOKENS = 1024  # history replayed per message: well under a node's max_tokens_per_step
+REPLAY_CHUNK_TOKENS = 1024  # history replayed per message, rows x tokens: well under a node's max_tokens_per_step
 MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
 AUTO_ELEMENTS = 4096  # hidden size "auto" assumes before the model's is known (a 7B model's)
 ANSWER_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # the message and protobuf framing around an answer's tensor
@@ -530,8 +530,9 @@ class SessionChain:
         for link in links:
             inputs.append([history])
             outputs = []
-            for start in range(0, history.shape[1], REPLAY_CHUNK_TOKENS):
-                chunk = history[:, start : start + REPLAY_CHUNK_TOKENS]  # (batch, <= chunk, hidden)
+            tokens = max(1, REPLAY_CHUNK_TOKENS // history.shape[0])  # a chunk's rows x tokens within the bound
+            for start in range(0, history.shape[1], tokens):
+                chunk = history[:, start : start + tokens]  # (batch, <= tokens, hidden)
                 step_id = f"{self.session_id}:replay:{start}"
                 link.send(frame(Step(step_id=step_id, position=start, replay=True), [tensor_to_proto(chunk)]))
                 until = Deadline.after(self.swarm.request_timeout_s)
