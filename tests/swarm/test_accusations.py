@@ -37,8 +37,10 @@ def connect(swarm, path: str, prefix: str) -> DistributedModelForCausalLM:
     )
 
 
-def generate(model) -> torch.Tensor:
-    return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+def generate(model, streamer=None) -> torch.Tensor:
+    return model.generate(
+        PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, streamer=streamer
+    )
 
 
 @pytest.mark.parametrize("evidence", [True, False], ids=["with-evidence", "evidence-kept-back"])
@@ -182,13 +184,7 @@ def test_a_neighbour_refusing_its_outputs_to_a_replacement_is_replaced_too(local
             assert session.chain.peer_ids == (refuser.peer_id, victim.peer_id)
             for spare in (spare_first, spare_last):
                 model.swarm.unban(spare.peer_id)
-            output = model.generate(
-                PROMPT,
-                max_new_tokens=NEW_TOKENS,
-                min_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                streamer=AfterTokens(2, lambda: local_swarm.stop_node(victim)),
-            )
+            output = generate(model, AfterTokens(2, lambda: local_swarm.stop_node(victim)))
             failed = {entry["failed"] for entry in session.failovers}
         assert torch.equal(output, reference)
         assert {refuser.peer_id, victim.peer_id} <= failed, session.failovers

@@ -1,7 +1,7 @@
 """A node's refusal during a failover's control exchange (client/session_chain.py `_control_answer`, used by
 `retarget`): a neighbour that dropped the session meanwhile (its cache taken back, preempted idle, a step timeout) or
 has no room fails like a lost node, so the failover replaces it too, rather than ending the user's step; any other
-refusal stays the typed error it names."""
+refusal stays the typed error it names, naming the node that refused (`peer_id`)."""
 
 from __future__ import annotations
 
@@ -39,19 +39,20 @@ def control_answer(link, answers):
     [(SessionPreemptedError(TAKEN_BACK), False), (StepTimeoutError("slow"), False), (CacheBudgetError("full"), True)],
 )
 def test_a_neighbour_that_dropped_the_session_fails_like_a_lost_node(error, full):
-    neighbour = object()
+    neighbour = SimpleNamespace(peer_id="neighbour")
     with pytest.raises(LinkFailed) as failed:
         control_answer(neighbour, [(neighbour, ErrorReply.of(error))])
     assert failed.value.link is neighbour and failed.value.full is full and failed.value.message == error.message
 
 
 def test_another_refusal_stays_the_error_it_names_and_other_nodes_refusals_are_passed_over():
-    neighbour, other = object(), object()
+    neighbour, other = SimpleNamespace(peer_id="neighbour"), SimpleNamespace(peer_id="other")
     refusals = [
         (other, ErrorReply.of(SessionPreemptedError("not this exchange's"))),
         (neighbour, ErrorReply.of(BadRequestError("bad retarget"))),
     ]
-    with pytest.raises(BadRequestError, match="bad retarget"):
+    with pytest.raises(BadRequestError, match="bad retarget") as refused:
         control_answer(neighbour, refusals)
+    assert refused.value.peer_id == "neighbour"
     answer = Retargeted()
     assert control_answer(neighbour, [(neighbour, answer)])[0] == answer
