@@ -35,7 +35,7 @@ from nesa_node.errors import (
 )
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import ErrorReply, Step, StepResult
-from nesa_node.protocol.tensors import tensor_to_proto
+from nesa_node.protocol.tensors import tensor_to_wire
 from nesa_node.routing.chain import Chain
 from nesa_node.verification.receipts import HopRecord, ReceiptsBuilder
 
@@ -314,9 +314,9 @@ class InferenceSession:
                 elements=hidden.numel(),
                 bandwidth_mbps=self.swarm.bandwidth_mbps(link.peer_id, None),
             )
+            tensor, codec = tensor_to_wire(hidden, codec)  # lossless where the codec cannot carry these values
             chosen[link.peer_id] = codec
             self._sent_codec = codec.name
-            tensor = tensor_to_proto(hidden, codec)
             request = frame(Step(step_id=step_id, position=self.position, codec=codec), [tensor])
             self._note_fed(link.peer_id, step_id, (self.position, codec, tensor), hidden)
             sent += request.ByteSize()

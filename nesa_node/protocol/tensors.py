@@ -10,7 +10,16 @@ from typing import Any
 import torch
 from hivemind.proto import runtime_pb2
 
-from nesa_node.compression.codec import CODECS, MAX_RANK, CodecError, EncodedTensor, decode, encode, wire_bytes
+from nesa_node.compression.codec import (
+    CODECS,
+    MAX_RANK,
+    CodecError,
+    EncodedTensor,
+    all_finite,
+    decode,
+    encode,
+    wire_bytes,
+)
 from nesa_node.errors import BadRequestError
 
 MAX_CODEC_PARAMS = 4
@@ -75,6 +84,18 @@ def tensor_to_proto(tensor: torch.Tensor, codec: WireCodec = NO_CODEC) -> runtim
     )
 
 
+def tensor_to_wire(tensor: torch.Tensor, codec: WireCodec) -> tuple[runtime_pb2.Tensor, WireCodec]:
+    """`tensor_to_proto` with `codec`, or lossless where that codec cannot carry finite values (beyond fp16's
+    range): (the tensor message, the codec it was encoded with, which its message must name). Every peer takes
+    "none". BadRequestError for nan or inf, as `tensor_to_proto`."""
+    try:
+        return tensor_to_proto(tensor, codec), codec
+    except BadRequestError:
+        if codec.name == "none" or not all_finite(tensor):
+            raise
+        return tensor_to_proto(tensor, NO_CODEC), NO_CODEC
+
+
 def tensor_from_proto(
     proto: runtime_pb2.Tensor,
     *,
@@ -120,4 +141,12 @@ def bytes_from_proto(proto: runtime_pb2.Tensor, *, max_bytes: int) -> bytes:
     return bytes(proto.buffer)
 
 
-__all__ = ["NO_CODEC", "WireCodec", "bytes_from_proto", "bytes_to_proto", "tensor_from_proto", "tensor_to_proto"]
+__all__ = [
+    "NO_CODEC",
+    "WireCodec",
+    "bytes_from_proto",
+    "bytes_to_proto",
+    "tensor_from_proto",
+    "tensor_to_proto",
+    "tensor_to_wire",
+]

@@ -59,7 +59,7 @@ from nesa_node.protocol.messages import (
     expect,
 )
 from nesa_node.protocol.push_tag import push_tag
-from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto
+from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto, tensor_to_wire
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
@@ -129,7 +129,8 @@ class InferenceService:
             hidden = self.compute.read_hidden(request, message.codec, batch=None)
             output_codec = self.compute.codec(message.output_codec)
             output, seconds = await self.compute.run(hidden, None, 0, blocks)
-            return frame(ForwardResult(compute_s=seconds, codec=output_codec), [tensor_to_proto(output, output_codec)])
+            proto, sent_codec = tensor_to_wire(output, output_codec)
+            return frame(ForwardResult(compute_s=seconds, codec=sent_codec), [proto])
         except RequestError as exc:
             return frame(ErrorReply.of(exc))
 
@@ -365,7 +366,9 @@ class InferenceService:
         try:
             async with asyncio.timeout(self.limits.step_timeout_s):
                 output, seconds = await self._compute_step(session, request, step)
-                tensors = [tensor_to_proto(output, session.output_codec)]
+                # lossless where the session's codec cannot carry these values (beyond fp16's range)
+                proto, sent_codec = tensor_to_wire(output, session.output_codec)
+                tensors = [proto]
                 compute_s = seconds + step.compute_s  # this node's and those before it
                 if not step.replay and session.next_peer is not None:
                     pushed, pushing = time.perf_counter(), True
@@ -373,7 +376,7 @@ class InferenceService:
                         out = Step(
                             step_id=step.step_id,
                             position=session.last_position,  # of this step, also when it was a duplicate
-                            codec=session.output_codec,
+                            codec=sent_codec,
                             compute_s=compute_s,
                             session_id=session.session_id,
                             owner=session.client_peer,
@@ -406,7 +409,7 @@ class InferenceService:
             step_id=step.step_id,
             position=session.last_position,
             compute_s=compute_s,
-            codec=session.output_codec,
+            codec=sent_codec,
             replayed=step.replay,
         )
         try:

@@ -91,3 +91,29 @@ def test_client_falls_back_to_none_for_nodes_without_its_codec(module_swarm, tin
         assert all(hop.codecs == ("none",) for hop in model.choose_chain().hops)
         output = model.generate(input_ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
     assert torch.equal(output, expected)
+
+
+@pytest.mark.parametrize("mode", ["direct", "relay"])
+def test_values_beyond_fp16_go_lossless_instead_of_failing_the_step(module_swarm, tiny_llama, mode):
+    """With compression="fp16", the first node's outputs grow past fp16's range (finite: an honest model's large
+    activations): the node, and in relay mode the client, send those steps lossless and say so; nobody is refused,
+    replaced or banned."""
+    prefix = f"beyond-fp16-{mode}"
+    first = module_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_run = first.compute.run
+
+    async def large(hidden, cache, position, blocks, adapter=None):
+        output, seconds = await honest_run(hidden, cache, position, blocks, adapter)
+        return output * 1e6, seconds  # past 65504 for every |value| above 0.07
+
+    first.compute.run = large
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, compression="fp16", mode=mode
+    ) as model:
+        wait_for_chain(model, hops=2)
+        with model.inference_session(max_length=32) as session:
+            output = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=6, min_new_tokens=6)
+        assert output.shape == (1, 11) and session.failovers == [] and not model.swarm.banned()
+        if mode == "relay":  # the client's own sends to the second node (those that fit fp16 keep it)
+            assert "none" in session.step_codecs, session.step_codecs

@@ -15,7 +15,7 @@ from nesa_node.compression.codec import MAX_RANK, CodecError, EncodedTensor
 from nesa_node.compression.codec import decode as decode_tensor
 from nesa_node.errors import BadRequestError
 from nesa_node.protocol.messages import TO_SESSION, Step, decode, encode
-from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto
+from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto, tensor_to_wire
 from nesa_node.routing.chain import Hop
 
 
@@ -71,6 +71,19 @@ def test_non_finite_tensor_under_a_lossy_codec_is_a_typed_error():
     hidden = torch.tensor([[[1.0, float("nan")]]])
     with pytest.raises(BadRequestError, match="cannot encode"):
         tensor_to_proto(hidden, WireCodec.of("blockwise8"))
+
+
+def test_values_a_codec_cannot_carry_go_lossless_and_say_so():
+    """Finite values beyond fp16's range go with codec "none" (named in the message, taken by every peer), exactly;
+    values fp16 carries keep it; nan or inf stay an error."""
+    large = torch.tensor([[[1.0, 1e6]]])
+    proto, codec = tensor_to_wire(large, WireCodec.of("fp16"))
+    assert codec == NO_CODEC
+    assert torch.equal(tensor_from_proto(proto, allowed_dtypes=("float32",), max_elements=8, codec=codec), large)
+    small = torch.tensor([[[1.0, 2.0]]])
+    assert tensor_to_wire(small, WireCodec.of("fp16"))[1] == WireCodec.of("fp16")
+    with pytest.raises(BadRequestError, match="cannot encode"):
+        tensor_to_wire(torch.tensor([[[1.0, float("inf")]]]), WireCodec.of("fp16"))
 
 
 def test_hivemind_compression_field_is_not_trusted():
