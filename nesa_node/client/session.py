@@ -383,8 +383,7 @@ class InferenceSession:
                 raise LinkFailed(f"{accuser.peer_id} refused a well-formed input: {error.message}", accuser)
             refused = f"{accuser.peer_id} refused its input: {error.message}"
             raise LinkFailed(refused, accused, accuser=accuser, through=self.position + shape[1])
-        if not isinstance(error, PeerUnavailableError):
-            raise error
+        # only peer_unavailable is left here: every other refusal was passed over or raised above
         if self.links.direct and 0 <= index < len(links) - 1:
             raise LinkFailed(error.message, links[index + 1])
         raise LinkFailed(error.message, answered)
