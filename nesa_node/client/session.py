@@ -212,9 +212,25 @@ class InferenceSession:
             )
         self._stepping = True
         try:
-            return await self._step_with_failover(hidden)
+            if hidden.shape[1] == 1:
+                return await self._step_with_failover(hidden)
+            outputs, done = [], 0
+            while done < hidden.shape[1]:  # a prompt longer than the chain takes a step goes in steps it takes
+                tokens = hidden.shape[1] - done
+                if (bound := self._chain_step_tokens()) and hidden.shape[0] * tokens > bound:
+                    tokens = max(1, bound // hidden.shape[0])
+                outputs.append(await self._step_with_failover(hidden[:, done : done + tokens]))
+                done += tokens
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         finally:
             self._stepping = False
+
+    def _chain_step_tokens(self) -> int:
+        """Rows x tokens of the largest step every node of the chain announces it takes (each is sent the whole step,
+        in either mode); 0 when none announces a limit. Asked again for each part of a long prompt: a replacement
+        may announce a smaller one."""
+        bounds = [bound for link in self.links.links if (bound := self.links.step_tokens(link))]
+        return min(bounds, default=0)
 
     async def _step_with_failover(self, hidden: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
@@ -402,9 +418,9 @@ class InferenceSession:
         """Whether the input this client sent `link` under `step_id` passes every check an honest node makes of it:
         three dimensions, finite, of the model's width (once known) and the session's rows, within its max_length
         (`step` checked those two), the only content the client sent it under that id, and no more tokens (rows x
-        seq) than in a step it took before, or one token a row (a node refuses at open a batch over its step limit):
-        a node's own step limit is not announced, so the refusal of a longer prompt may be honest (the caller's
-        error, as before)."""
+        seq) than the node announces it takes (`max_step_tokens`: a client splits longer prompts) or than in a step it
+        took before, or one token a row (a node refuses at open a batch over its step limit). A longer prompt to a node
+        that announces no limit may be refused honestly: the caller's error, as before."""
         record = self._fed.get(link.peer_id)
         if record is None or record[0] != step_id or record[3]:
             return False
@@ -412,7 +428,7 @@ class InferenceSession:
         if sent.dim() != 3 or known is None:
             return False
         rows, tokens, width = sent.shape
-        within = tokens == 1 or rows * tokens <= self._taken.get(link.peer_id, 0)
+        within = tokens == 1 or rows * tokens <= max(self._taken.get(link.peer_id, 0), self.links.step_tokens(link))
         return width == known and rows > 0 and within and all_finite(sent)
 
 

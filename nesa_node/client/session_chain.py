@@ -522,6 +522,12 @@ class SessionChain:
             if answered is link and isinstance(message, model):
                 return message, answer
 
+    def step_tokens(self, link: ChainLink) -> int:
+        """Rows x tokens of the largest step `link`'s node announces it takes (NodeInfo.max_step_tokens); 0: none
+        announced (no record at hand, or a node that does not say)."""
+        info = self.swarm.announced(link.peer_id)
+        return info.max_step_tokens if info is not None else 0
+
     async def replay(self, links: list[ChainLink], history: torch.Tensor) -> list[list[torch.Tensor]]:
         """Rebuild the caches of replacement nodes: the history (batch, position, hidden) goes through them one by
         one, via the client. Returns each link's input history (one tensor per link). Raises LinkFailed naming a node
@@ -530,7 +536,8 @@ class SessionChain:
         for link in links:
             inputs.append([history])
             outputs = []
-            tokens = max(1, REPLAY_CHUNK_TOKENS // history.shape[0])  # a chunk's rows x tokens within the bound
+            bound = min(REPLAY_CHUNK_TOKENS, self.step_tokens(link) or REPLAY_CHUNK_TOKENS)
+            tokens = max(1, bound // history.shape[0])  # a chunk's rows x tokens within the bound
             for start in range(0, history.shape[1], tokens):
                 chunk = history[:, start : start + tokens]  # (batch, <= tokens, hidden)
                 step_id = f"{self.session_id}:replay:{start}"

@@ -102,6 +102,9 @@ class NodeInfo(BaseModel):
     location: tuple[float, float] | None = None  # (lat, lon)
     links: tuple[LinkInfo, ...] = Field((), max_length=MAX_LIST_ITEMS)
     max_length: int = Field(0, ge=0, le=MAX_COUNT)  # longest session the node accepts, tokens
+    # rows x tokens of the largest step (or replayed chunk) the node takes; 0: not announced. Clients split longer
+    # prompts into steps within it, and a node refusing a step within what it announced has failed, not the caller
+    max_step_tokens: int = Field(0, ge=0, le=MAX_COUNT)
     lane: str | None = Field(
         None, max_length=64, pattern=LANE_ADDRESS
     )  # "ip:port" of the node's data lane (nesa_node.protocol.lane); None: none

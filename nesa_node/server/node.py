@@ -97,6 +97,16 @@ def max_frame_bytes(config: NodeConfig, hidden_size: int) -> int:
     return limits.max_message_bytes or limits.max_tokens_per_step * hidden_size * 4 + MAX_METADATA_BYTES + 1024
 
 
+def max_step_tokens(config: NodeConfig, hidden_size: int) -> int:
+    """Rows x tokens of the largest step the node takes (announced as `NodeInfo.max_step_tokens`): its step limit, or
+    fewer where a frame limit set by hand cannot carry that many in float32 (the widest a codec sends); at least 1."""
+    limits = config.limits
+    if not limits.max_message_bytes or hidden_size <= 0:
+        return limits.max_tokens_per_step
+    room = (limits.max_message_bytes - MAX_METADATA_BYTES - 1024) // (hidden_size * 4)
+    return max(1, min(limits.max_tokens_per_step, room))
+
+
 class Node:
     def __init__(self, config: NodeConfig, model_config, peer: Peer, throughput: dict[str, float]):
         self.config = config
@@ -313,6 +323,7 @@ class Node:
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,
             max_length=self.config.limits.max_length,
+            max_step_tokens=max_step_tokens(self.config, self.model_config.hidden_size),
             links=tuple(self.prober.links.values()),
             lane=self.lanes.address,
             adapters=self.adapters.announced(),

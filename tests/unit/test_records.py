@@ -55,6 +55,9 @@ def test_adapters_round_trip():
         {"load": {"sessions": 2**31 + 1}},
         {"cache_tokens_left": 2**63},
         {"max_length": 2**63},
+        {"max_step_tokens": 2**63},
+        {"max_step_tokens": -1},
+        {"max_step_tokens": "8192"},
         {"start_block": 2**62, "end_block": 2**62 + 1},
         # names a page or a log shows: one word, no markup, no second line
         {"codecs": ["none", '<img src=x onerror="alert(1)">']},
@@ -100,3 +103,21 @@ def test_validator_accepts_own_record_and_rejects_forged_or_bad_expiration():
     assert not reader.validate(_signed_record(other, make_info(peer_id=owner_id), "model", now + 30))
     for expiration in (float("nan"), float("inf"), now + 10**6):
         assert not reader.validate(_signed_record(owner, make_info(peer_id=owner_id), "model", expiration))
+
+
+def test_the_step_limit_announced_is_the_nodes_or_what_its_frame_limit_carries():
+    """`max_step_tokens`: rows x tokens of the largest step a node takes, its `--max-tokens-per-step`, or fewer where a
+    frame limit set by hand cannot carry them in float32; a record from a node that does not say reads as 0."""
+    from nesa_node.protocol.messages import MAX_METADATA_BYTES
+    from nesa_node.server.config import NodeConfig
+    from nesa_node.server.node import max_frame_bytes, max_step_tokens
+
+    config = NodeConfig(model_path="m", start_block=0, end_block=1).with_settings(max_tokens_per_step=100)
+    assert max_step_tokens(config, 64) == 100
+    small = config.with_settings(max_message_bytes=MAX_METADATA_BYTES + 1024 + 64 * 4 * 30 + 5)
+    assert max_step_tokens(small, 64) == 30
+    assert max_frame_bytes(small, 64) >= 30 * 64 * 4 + MAX_METADATA_BYTES + 1024  # 30 tokens fit its frame
+    assert max_step_tokens(config.with_settings(max_message_bytes=10), 64) == 1
+    older = json.loads(make_info().to_wire())
+    del older["max_step_tokens"]
+    assert NodeInfo.from_wire(json.dumps(older)).max_step_tokens == 0

@@ -1,8 +1,8 @@
 """How the client reads a node's refusal of a step (client/session.py `_raise_step_error`): a node refusing an input
 the client itself sent it, which passes every check an honest node makes, failed and is replaced (a LinkFailed),
-rather than the refusal reaching the user as their own error; an input that is not sane, or longer than any step
-the node took (its step limit is not announced), is the caller's error as before; refusals of other steps, and in
-relay mode refusals from nodes not being sent this step, are passed over."""
+rather than the refusal reaching the user as their own error; an input that is not sane, or longer than both the
+step limit the node announces (when it does) and any step it took, is the caller's error as before; refusals of
+other steps, and in relay mode refusals from nodes not being sent this step, are passed over."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ STEP = "session:5"
 
 def session_of(mode: str, hidden_size: int | None = HIDDEN) -> tuple[InferenceSession, list]:
     session = InferenceSession(
-        SimpleNamespace(),  # the swarm: not reached by the refusal's reading
+        SimpleNamespace(announced=lambda peer_id: None),  # the swarm: no node's record at hand
         Chain(hops=()),
         ClientConfig(mode=mode),
         batch=1,
@@ -72,6 +72,32 @@ def test_a_prompt_longer_than_any_step_the_node_took_is_the_callers_error_until_
     session._taken[first.peer_id] = 5
     with pytest.raises(LinkFailed):
         refuse(session, first, first, BadRequestError("too many tokens"), hidden=prompt)
+
+
+@pytest.mark.parametrize("mode", ["direct", "relay"])
+def test_a_prompt_within_the_step_limit_the_node_announces_is_its_fault_and_beyond_it_the_callers(mode):
+    session, (first, middle, _) = session_of(mode)
+    to = first if mode == "direct" else middle
+    session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=6))
+    within, beyond = torch.ones(2, 3, HIDDEN), torch.ones(2, 4, HIDDEN)  # 6 and 8 tokens (rows x seq)
+    fed(session, to, within)
+    with pytest.raises(LinkFailed) as failed:
+        refuse(session, to, to, BadRequestError("too many tokens"), hidden=within)
+    assert failed.value.link is to
+    fed(session, to, beyond, step_id="session:6")
+    with pytest.raises(BadRequestError):  # over what it announces: an honest node refuses it
+        refuse(session, to, to, BadRequestError("too many"), hidden=beyond, step_id="session:6", current="session:6")
+
+
+def test_the_chains_step_limit_is_the_least_any_of_its_nodes_announces():
+    session, _ = session_of("direct")
+    limits = {"first": 0, "middle": 9, "last": 4}  # 0: announces none
+    session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=limits[peer_id]))
+    assert session._chain_step_tokens() == 4
+    limits.update(middle=0, last=0)
+    assert session._chain_step_tokens() == 0
+    session.links.swarm = SimpleNamespace(announced=lambda peer_id: None)  # no records at hand
+    assert session._chain_step_tokens() == 0
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,110 @@
+"""Step limits nodes announce (`NodeInfo.max_step_tokens`): a prompt longer than the chain takes a step goes in steps
+every node takes, a replacement's cache is replayed in chunks it takes, and a node refusing a prompt within the limit
+it announced failed (it is replaced) rather than making the user's request their own error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from nesa_node import DistributedModelForCausalLM
+from nesa_node.devtools.chaos import AfterTokens
+from nesa_node.errors import BadRequestError
+from tests.support.swarm import wait_for_chain
+
+PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])  # 11 tokens
+NEW_TOKENS = 6
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama) -> torch.Tensor:
+    with torch.inference_mode():
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+
+
+def connect(swarm, path: str, prefix: str) -> DistributedModelForCausalLM:
+    return DistributedModelForCausalLM.from_pretrained(
+        path, initial_peers=swarm.initial_peers, dht_prefix=prefix, compression="none"
+    )
+
+
+def generate(model, streamer=None) -> torch.Tensor:
+    return model.generate(
+        PROMPT, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, streamer=streamer
+    )
+
+
+def record_steps(node) -> list[int]:
+    """The tokens (rows x seq) of every input `node` reads, replays included."""
+    seen, honest_read = [], node.compute.read_hidden
+
+    def read(frame, codec, *, batch):
+        hidden = honest_read(frame, codec, batch=batch)
+        seen.append(hidden.shape[0] * hidden.shape[1])
+        return hidden
+
+    node.compute.read_hidden = read
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["direct", "relay"])
+def test_a_prompt_longer_than_a_node_takes_goes_in_steps_within_every_limit(local_swarm, tiny_llama, reference, mode):
+    """The first node takes 4 tokens a step, the last 3: the 11-token prompt goes in steps of at most 3, and the
+    tokens equal one process's; the last node dies mid-generation and its replacement (taking 2 a step) gets the
+    history in chunks of at most 2. Before, every node refused the prompt (the user's error)."""
+    prefix = f"step-limits-{mode}"
+    first = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix, max_tokens_per_step=4)
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=3)
+    spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=2)
+    seen = {node.peer_id: record_steps(node) for node in (first, last, spare)}
+    assert first.current_info().max_step_tokens == 4
+    model = DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none", mode=mode
+    )
+    with model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(spare.peer_id)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids == (first.peer_id, last.peer_id)
+            model.swarm.unban(spare.peer_id)
+            output = generate(model, AfterTokens(2, lambda: local_swarm.stop_node(last)))
+            failed = [entry["failed"] for entry in session.failovers]
+    assert torch.equal(output, reference)
+    assert failed == [last.peer_id], session.failovers
+    assert seen[first.peer_id][:4] == [3, 3, 3, 2], seen[first.peer_id]  # the prompt, within the chain's least limit
+    assert seen[last.peer_id][:4] == [3, 3, 3, 2]
+    assert seen[spare.peer_id] and max(seen[spare.peer_id]) <= 2, seen[spare.peer_id]
+    assert sum(seen[spare.peer_id]) >= len(PROMPT[0]) + 2  # the whole history, replayed in chunks it takes
+
+
+def test_a_node_refusing_a_prompt_within_the_limit_it_announced_is_replaced(local_swarm, tiny_llama, reference):
+    """A first node answering "too many tokens" to a prompt within the step limit it announces would make the user's
+    prompt their own error (a gateway's 400): it failed, and is replaced; a prompt the chain's records say no node
+    takes is never sent whole."""
+    prefix = "prompt-refuser"
+    liar = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    honest = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    refused, honest_read = [], liar.compute.read_hidden
+
+    def lie(frame, codec, *, batch):  # a prompt "is too long", although within the 8192 tokens it announces
+        hidden = honest_read(frame, codec, batch=batch)
+        if hidden.shape[1] > 1:
+            refused.append(hidden.shape[1])
+            raise BadRequestError(f"{hidden.shape[1]} tokens exceed this node's step limit")
+        return hidden
+
+    liar.compute.read_hidden = lie
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        model.swarm.ban(honest.peer_id)  # the chain starts on the liar
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids[0] == liar.peer_id
+            model.swarm.unban(honest.peer_id)
+            output = generate(model)
+            failed = [(entry["failed"], entry["replacements"][:1]) for entry in session.failovers]
+        assert torch.equal(output, reference)
+        assert refused == [len(PROMPT[0])] and failed == [(liar.peer_id, [honest.peer_id])], session.failovers
+        assert liar.peer_id in model.swarm.banned()
