@@ -36,7 +36,8 @@ class ClientEdges(nn.Module):
     of a CPU client's time a token), so on a CPU with torch threads to spare a large head's rows are split into
     `SPLIT_PARTS` parts computed at once on threads of the client's own: each logit is the same dot product, over the
     same row of the head, as in the head's own call, and the first split product of a weight is checked against that
-    call bit for bit (a library computing otherwise keeps the head's own call for that weight).
+    call bit for bit (a library computing otherwise keeps the head's own call for that weight). Not under CPU
+    autocast (a thread's own setting), nor while another thread's split product holds the threads (no call waits).
 
     `lookup` gives token embeddings on the CPU, for the wire. A table on another device (a CUDA client) is read
     through a host copy of it, made at the first lookup and remade when the weight changes: a lookup copies rows,
@@ -52,9 +53,8 @@ class ClientEdges(nn.Module):
         self.lm_head = lm_head
         self._head_t: tuple[torch.Tensor, tuple[int, int], torch.Tensor] | None = None  # (weight, key, weight.T)
         self._embed_host: tuple[torch.Tensor, tuple, torch.Tensor] | None = None  # (weight, key, copy)
-        self._split: tuple[torch.Tensor, tuple, bool] | None = None  # (weight, key, whether split products are exact)
-        self._split_pool: ThreadPoolExecutor | None = None
-        self._split_lock = threading.Lock()
+        # (the head weight's key, whether split products of it are exact): see `_split_scores`
+        self._split: tuple[tuple, bool] | None = None
 
     def lookup(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings (..., hidden) of `input_ids`, on the CPU (the class docstring says how). A hooked
@@ -86,8 +86,9 @@ class ClientEdges(nn.Module):
             type(head) is nn.Linear and head.bias is None and not head._forward_hooks and not head._forward_pre_hooks
             and not torch.is_grad_enabled() and not weight.is_inference()  # an inference tensor keeps no version
         )  # fmt: skip
-        if rows == 1 and plain and weight.device.type == "cpu" and (parts := split_parts(weight)) > 1:
-            return self._split_scores(normed, weight, parts)
+        if rows == 1 and plain and weight.device.type == "cpu" and not torch.is_autocast_enabled("cpu"):
+            if (parts := split_parts(weight)) > 1 and (scores := self._split_scores(normed, weight, parts)) is not None:
+                return scores
         if rows < 2 or not plain or weight.device.type != "cpu" or weight.dtype != torch.float32:
             return head(normed)
         held = self._head_t
@@ -98,34 +99,49 @@ class ClientEdges(nn.Module):
                 held = self._head_t = (weight, key, weight.detach().t().contiguous())
         return normed @ held[2]
 
-    def _split_scores(self, normed: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor:
-        """One row's logits, the head's rows in `parts` parts computed at once (the class docstring); the head's own
-        product where a first check found the split one not bit for bit the same for this weight."""
+    def _split_scores(self, normed: torch.Tensor, weight: torch.Tensor, parts: int) -> torch.Tensor | None:
+        """One row's logits, the head's rows in `parts` parts computed at once on the process's head threads (the
+        class docstring); None where the head's own call is to run instead: a first check found the split product not
+        bit for bit the same for this weight, or the threads are taken (another thread's split product: none waits)."""
         key = (weight.data_ptr(), weight._version, weight.dtype, tuple(weight.shape), parts)
         held = self._split
-        if held is not None and held[0] is weight and held[1] == key and not held[2]:
-            return self.lm_head(normed)
-        chunks = weight.chunk(parts)  # views: whole rows of the head, one after the other
-        with self._split_lock:  # the pool's threads are this module's: one split product at a time
-            if self._split_pool is None:
-                self._split_pool = ThreadPoolExecutor(SPLIT_PARTS - 1, thread_name_prefix="nesa-head")
-            inference = torch.is_inference_mode_enabled()
-
-            def part(chunk: torch.Tensor) -> torch.Tensor:
-                with torch.inference_mode(inference), torch.no_grad():  # grad modes are per thread
-                    return head_part(normed, chunk)
-
-            pending = [self._split_pool.submit(part, chunk) for chunk in chunks[1:]]
-            first = part(chunks[0])
-            scores = torch.cat([first] + [future.result() for future in pending], dim=-1)
-        if held is None or held[0] is not weight or held[1] != key:
+        checked = held is not None and held[0] == key  # the verdict is the library's: any weight of this key shares it
+        if checked and not held[1]:
+            return None
+        if not _SPLIT_LOCK.acquire(blocking=False):
+            return None
+        try:
+            scores = _split_product(normed, weight.chunk(parts))  # views: whole rows of the head, in order
+        finally:
+            _SPLIT_LOCK.release()
+        if not checked:
             exact = torch.equal(scores, self.lm_head(normed))
-            self._split = (weight, key, exact)
+            self._split = (key, exact)
             if not exact:
-                return self.lm_head(normed)
+                return None
         return scores
 
 
+def _split_product(normed: torch.Tensor, chunks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The logits of `normed` over each of `chunks` (rows of the head), the first on this thread and the others on
+    the head threads at once, in the caller's grad mode (a thread's own setting), joined in order."""
+    global _SPLIT_POOL
+    if _SPLIT_POOL is None:
+        _SPLIT_POOL = ThreadPoolExecutor(SPLIT_PARTS - 1, thread_name_prefix="nesa-head")
+    inference = torch.is_inference_mode_enabled()
+
+    def part(chunk: torch.Tensor) -> torch.Tensor:
+        with torch.inference_mode(inference), torch.no_grad():
+            return head_part(normed, chunk)
+
+    pending = [_SPLIT_POOL.submit(part, chunk) for chunk in chunks[1:]]
+    first = part(chunks[0])
+    return torch.cat([first] + [future.result() for future in pending], dim=-1)
+
+
+# the threads one row's split head product runs on, one product at a time in the process (`_split_scores`)
+_SPLIT_POOL: ThreadPoolExecutor | None = None
+_SPLIT_LOCK = threading.Lock()
 SPLIT_PARTS = 4  # the most parts one row's head product is split into (threads: `split_parts`)
 SPLIT_MIN_ELEMENTS = 1 << 22  # heads smaller than this (16 MB in float32) are not worth the threads' hand-offs
 

@@ -42,7 +42,7 @@ def test_one_rows_split_product_is_the_heads_own_bit_for_bit(two_threads, dtype)
         for seed in range(5):
             normed = torch.randn(1, 1, HIDDEN, generator=torch.Generator().manual_seed(seed)).to(dtype)
             assert torch.equal(edges.scores(normed), edges.lm_head(normed))
-    assert edges._split is not None and edges._split[2]  # checked exact, and split since
+    assert edges._split is not None and edges._split[1]  # checked exact, and split since
 
 
 def test_a_weight_changed_in_place_is_checked_again_and_followed(two_threads):
@@ -72,7 +72,7 @@ def test_a_split_product_that_differs_keeps_the_heads_own_call_for_that_weight(t
     with torch.inference_mode():
         assert torch.equal(edges.scores(normed), edges.lm_head(normed))
         tried = len(calls)
-        assert tried == 2 and edges._split[2] is False
+        assert tried == 2 and edges._split[1] is False
         assert torch.equal(edges.scores(rows(1)), edges.lm_head(rows(1)))
     assert len(calls) == tried  # not split again
 
@@ -92,3 +92,35 @@ def test_small_heads_several_rows_grad_mode_and_one_thread_are_not_split(monkeyp
         assert split_parts(edges.lm_head.weight) == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_under_autocast_or_while_another_split_runs_the_head_answers_itself(two_threads, monkeypatch):
+    """Autocast is a thread's own setting (the head threads would not share it); a split product under way on another
+    thread holds the head threads, and a second one does not wait for them."""
+    edges = edges_of()
+    calls = []
+    monkeypatch.setattr(
+        client_edges, "head_part", lambda normed, part: calls.append(1) or nn.functional.linear(normed, part)
+    )
+    normed = rows(1)
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        scores = edges.scores(normed)
+        assert torch.equal(scores, edges.lm_head(normed)) and scores.dtype == torch.bfloat16
+    assert calls == [] and edges._split is None
+    with client_edges._SPLIT_LOCK, torch.inference_mode():  # as if another thread's split product were under way
+        assert torch.equal(edges.scores(normed), edges.lm_head(normed))
+    assert calls == [] and edges._split is None
+
+
+def test_the_edges_copy_and_save_after_a_split_product(two_threads):
+    import copy
+    import io
+
+    edges = edges_of()
+    with torch.inference_mode():
+        edges.scores(rows(1))
+    assert edges._split is not None
+    copied = copy.deepcopy(edges)
+    torch.save(edges, io.BytesIO())
+    with torch.inference_mode():
+        assert torch.equal(copied.scores(rows(1)), edges.lm_head(rows(1)))
