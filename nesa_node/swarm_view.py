@@ -108,6 +108,7 @@ def build_snapshot(
             inference_tps=_tps(speeds[info.peer_id].block_ms, info.end_block - info.start_block),
             cache_tokens_left=info.cache_tokens_left,
             max_length=info.max_length,
+            max_step_tokens=info.max_step_tokens,
             rtt_ms=client_rtt_ms.get(info.peer_id),
             codecs=info.codecs,
             access_ms=access.get(info.peer_id),

@@ -66,7 +66,7 @@ def _usable(node: NodeView, request: ChainRequest) -> bool:
             return False
         if node.cache_tokens_left < request.batch * request.max_length:
             return False
-    return True
+    return not (request.step_tokens and node.max_step_tokens and node.max_step_tokens < request.step_tokens)
 
 
 def _gets_adapter(node: NodeView, request: ChainRequest) -> bool:
@@ -94,6 +94,8 @@ def usable_nodes(snapshot: SwarmSnapshot, request: ChainRequest, moves: Moves | 
     if request.max_length:
         mask &= (arrays.max_length == 0) | (request.max_length <= arrays.max_length)
         mask &= arrays.cache_tokens_left >= request.batch * request.max_length
+    if request.step_tokens:
+        mask &= (arrays.max_step_tokens == 0) | (arrays.max_step_tokens >= request.step_tokens)
     if moves.enter_anywhere:
         mask &= (arrays.start < end) & (arrays.end > first)
     else:

@@ -34,6 +34,7 @@ class NodeView:
     inference_tps: float = 0.0  # tokens/s through the node's whole span, one token at a time
     cache_tokens_left: int = 0
     max_length: int = 0  # 0: unknown/unlimited
+    max_step_tokens: int = 0  # rows x tokens of the largest step the node takes; 0: unknown/unlimited
     rtt_ms: float | None = None  # measured by the client
     codecs: tuple[str, ...] = ("none",)  # hidden-state codecs the node accepts
     draining: bool = False  # finishing its sessions, takes no new ones
@@ -65,6 +66,8 @@ class SwarmSnapshot:
 class ChainRequest:
     batch: int = 1
     max_length: int = 0  # tokens the session reserves; 0: a cacheless forward
+    # rows x tokens of a step every node of the chain must take (a prompt's part under way, say); 0: any
+    step_tokens: int = 0
     exclude: frozenset[str] = field(default_factory=frozenset)  # peer ids not to use
     start_block: int = 0  # the chain covers blocks [start_block, end_block): a sub-range replaces a lost span
     end_block: int | None = None  # None: the model's last block + 1
@@ -133,6 +136,7 @@ class SnapshotArrays:
     available: np.ndarray  # (n,) bool: online and not draining
     cache_tokens_left: np.ndarray  # (n,) int64
     max_length: np.ndarray  # (n,) int64
+    max_step_tokens: np.ndarray  # (n,) int64
     client_rtt_ms: np.ndarray  # (n,) float64, nan where unmeasured
     region: np.ndarray  # (n,) int64; unknown regions map to the last row/column of `backbone`
     backbone: np.ndarray  # (regions + 1, regions + 1) one-way ms; the extra row/column (unknown) is zero
@@ -193,6 +197,7 @@ class SnapshotArrays:
             available=available,
             cache_tokens_left=np.fromiter((node.cache_tokens_left for node in nodes), np.int64, count),
             max_length=np.fromiter((node.max_length for node in nodes), np.int64, count),
+            max_step_tokens=np.fromiter((node.max_step_tokens for node in nodes), np.int64, count),
             client_rtt_ms=rtt,
             region=region,
             backbone=backbone,

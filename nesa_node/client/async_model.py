@@ -262,6 +262,7 @@ class AsyncDistributedModel(AdapterLookup):
             end_block=end,
             batch=batch,
             max_length=max_length,
+            step_tokens=self.config.step_tokens(batch, max_length),
             exclude=exclude | exclude_more,
             prompt_tokens=prompt_tokens,
             new_tokens=new_tokens,

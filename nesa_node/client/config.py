@@ -86,6 +86,10 @@ class ClientConfig:
     routing_params: RoutingParams = field(default_factory=RoutingParams)  # eq. 18 exponents (`nesa-node tune`)
     partial_spans: bool = True  # a chain may use part of a node's span
     max_failovers: int = 3  # node failures survived per step (each bans the node and replaces its span)
+    # nodes announcing a step limit (NodeInfo.max_step_tokens) below this many rows x tokens (or the session's whole
+    # batch x max_length, when less) are not routed to: each would make every prompt go in that many tokens a step.
+    # 0: any node
+    min_step_tokens: int = 256
     # chains tried when opening a session, and replacements tried in one failover: records of crashed nodes linger
     # until they expire (3 announce periods + 10 s), so after a burst of crashes many dead nodes can be met in a row;
     # each one that fails is banned, so every attempt removes a candidate
@@ -133,6 +137,15 @@ class ClientConfig:
             raise ValueError("head_batch_window_ms must be 0 or more")
         if self.max_failovers < 0 or self.max_open_attempts < 1 or self.max_pinged_candidates < 0:
             raise ValueError("max_failovers and max_pinged_candidates must be >= 0, max_open_attempts >= 1")
+        if self.min_step_tokens < 0:
+            raise ValueError("min_step_tokens must be >= 0")
+
+    def step_tokens(self, batch: int, max_length: int) -> int:
+        """Rows x tokens of a step every node of a session's chain must announce it takes (`min_step_tokens`): 0
+        (any) for a cacheless forward or with min_step_tokens 0; never below a token a row."""
+        if not max_length or not self.min_step_tokens:
+            return 0
+        return max(batch, min(self.min_step_tokens, batch * max_length))
 
     def replace(self, **changes) -> ClientConfig:
         return dataclasses.replace(self, **changes)

@@ -96,11 +96,18 @@ class Failover:
             self._phases[phase] = self._phases.get(phase, 0.0) + time.perf_counter() - started
 
     async def recover(
-        self, failure: LinkFailed, *, position: int, inputs: list[list[torch.Tensor]], may_keep: bool = True
+        self,
+        failure: LinkFailed,
+        *,
+        position: int,
+        inputs: list[list[torch.Tensor]],
+        may_keep: bool = True,
+        step_tokens: int = 0,
     ) -> bool:
         """Replace the failed node. `position`: tokens the nodes' caches hold; `inputs`: what the client sent per link
         and step (the first link's in direct mode, every link's in relay mode), updated for replaced links in relay
-        mode. Returns True when the node was replaced, False when the chain was kept (only if `may_keep`): it went
+        mode; `step_tokens`: rows x tokens of the step to be sent again (a replacement must announce it takes that
+        many, or announce no limit). Returns True when the node was replaced, False when the chain was kept (only if `may_keep`): it went
         quiet yet every node answers the probe, or the node that did not had no other node to take its span and
         answered the longer probe; the step is to be sent again. Raises NoRouteError when no node can take the span,
         LinkFailed when every replacement failed, PeerUnavailableError when the chain went quiet yet every node still
@@ -133,6 +140,7 @@ class Failover:
             request = ChainRequest(
                 batch=chain.batch,
                 max_length=chain.max_length,
+                step_tokens=step_tokens,
                 exclude=frozenset(link.peer_id for link in chain.links),  # reroute adds the banned peers
                 start_block=lost.start_block,
                 end_block=lost.end_block,

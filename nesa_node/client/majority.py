@@ -249,6 +249,7 @@ async def open_majority_session(
                 end_block=hop.end_block,
                 batch=batch,
                 max_length=max_length,
+                step_tokens=model.config.step_tokens(batch, max_length),
                 exclude=frozenset(used),
                 adapter=adapter,
                 adapter_block_bytes=adapter_block_bytes,

@@ -112,6 +112,7 @@ class InferenceSession:
         self._inputs: list[list[torch.Tensor]] = []  # [link][step] (batch, seq, hidden)
         self._opened = self._closed = False
         self._stepping = False  # a step is under way: the answers of the chain belong to it
+        self._broken: str | None = None  # why no step may be sent any more (a prompt failed part-way)
         self._sent_codec = "none"
         self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
         # per peer fed by the client: (step id, what identified the content last sent it under that id (position,
@@ -202,6 +203,8 @@ class InferenceSession:
         """Run the new tokens' hidden states (batch, seq, hidden) through the chain; returns the last block's."""
         if self._closed or not self._opened:
             raise SessionStateError("the inference session is not open")
+        if self._broken is not None:
+            raise SessionStateError(self._broken)
         if self._stepping:
             raise SessionStateError("a step is already under way on this session: steps go one at a time")
         if hidden.shape[0] != self.batch:
@@ -219,7 +222,15 @@ class InferenceSession:
                 tokens = hidden.shape[1] - done
                 if (bound := self._chain_step_tokens()) and hidden.shape[0] * tokens > bound:
                     tokens = max(1, bound // hidden.shape[0])
-                outputs.append(await self._step_with_failover(hidden[:, done : done + tokens]))
+                try:
+                    outputs.append(await self._step_with_failover(hidden[:, done : done + tokens]))
+                except BaseException as exc:
+                    if done:  # the nodes took part of the prompt: the session cannot take it again, nor go on
+                        self._broken = (
+                            f"this session failed after its nodes took {done} of a prompt's {hidden.shape[1]} tokens "
+                            f"({type(exc).__name__}): open another session"
+                        )
+                    raise
                 done += tokens
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
         finally:
@@ -236,6 +247,11 @@ class InferenceSession:
         started = time.perf_counter()
         failovers = 0
         deadline_s = self.deadline(hidden.shape[0] * hidden.shape[1])
+        # what a replacement must take at once: this step (a prompt's part), and what any node of the chain must
+        step_tokens = max(
+            hidden.shape[0] * hidden.shape[1] if hidden.shape[1] > 1 else 0,
+            self.config.step_tokens(self.batch, self.max_length),
+        )
         failure: LinkFailed | None = None
         kept = False
         while True:
@@ -247,7 +263,7 @@ class InferenceSession:
                 # a failure of the replacement
                 if failure is not None:
                     if not await self.failover.recover(
-                        failure, position=self.position, inputs=self._inputs, may_keep=not kept
+                        failure, position=self.position, inputs=self._inputs, may_keep=not kept, step_tokens=step_tokens
                     ):
                         kept = True
                     deadline_s = max(deadline_s, self.swarm.request_timeout_s)

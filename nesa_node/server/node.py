@@ -99,12 +99,19 @@ def max_frame_bytes(config: NodeConfig, hidden_size: int) -> int:
 
 def max_step_tokens(config: NodeConfig, hidden_size: int) -> int:
     """Rows x tokens of the largest step the node takes (announced as `NodeInfo.max_step_tokens`): its step limit, or
-    fewer where a frame limit set by hand cannot carry that many in float32 (the widest a codec sends); at least 1."""
+    fewer where a frame limit set by hand cannot carry that many in float32 (the widest a codec sends). ValueError
+    for a frame limit that cannot carry one token."""
     limits = config.limits
     if not limits.max_message_bytes or hidden_size <= 0:
         return limits.max_tokens_per_step
     room = (limits.max_message_bytes - MAX_METADATA_BYTES - 1024) // (hidden_size * 4)
-    return max(1, min(limits.max_tokens_per_step, room))
+    if room < 1:
+        least = MAX_METADATA_BYTES + 1024 + hidden_size * 4
+        raise ValueError(
+            f"--max-message-bytes {limits.max_message_bytes} cannot carry one token of this model's hidden states "
+            f"(at least {least} bytes: give more, or 0 for room for the largest step)"
+        )
+    return min(limits.max_tokens_per_step, room)
 
 
 class Node:
@@ -156,6 +163,7 @@ class Node:
         if config.rebalance.trigger != "off":
             trigger = make_trigger(config.rebalance.trigger, period_s=config.rebalance.period_s)
         model_config = load_config(config.model_path)
+        max_step_tokens(config, model_config.hidden_size)  # a frame limit that cannot carry a token: said at once
         book = load_schema_book(config.rebalance, model_config.num_hidden_layers)
         spec = SpanSpec(
             config.start_block, config.end_block, compute.dtype, compute.device, compute.quant, compute.cuda_graphs
@@ -201,6 +209,7 @@ class Node:
         )
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
+        node.sessions.step_tokens = max_step_tokens(config, model_config.hidden_size)
         adapters.connect(  # an open waits for an idle session holding an adapter as for the KV cache
             fetcher,
             request_timeout_s=network.peer_timeout_s,
@@ -323,7 +332,7 @@ class Node:
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,
             max_length=self.config.limits.max_length,
-            max_step_tokens=max_step_tokens(self.config, self.model_config.hidden_size),
+            max_step_tokens=self.sessions.step_tokens,
             links=tuple(self.prober.links.values()),
             lane=self.lanes.address,
             adapters=self.adapters.announced(),

@@ -55,6 +55,9 @@ class SessionTable:
 
     def __init__(self, limits: LimitsConfig, budget: CacheBudget, *, metrics=None):
         self.limits = limits
+        # rows x tokens of the largest step taken (announced as NodeInfo.max_step_tokens: the node sets it from its
+        # frame limit too)
+        self.step_tokens = limits.max_tokens_per_step
         self.metrics = metrics  # nesa_node.metrics.NodeMetrics, or None
         self.sessions: dict[SessionKey, ServerSession] = {}
         self.draining = False  # refuse new sessions (the node is stopping or moving)
@@ -116,10 +119,8 @@ class SessionTable:
                 raise BadRequestError(f"session {request.session_id!r} is already open on this node, a step under way")
             logger.info("session %s of %s opened again by its owner: the old one ended", old.session_id, client_peer)
             self.end(old, BadRequestError(f"session {old.session_id!r} was opened again by its owner"))
-        if request.batch > min(limits.max_batch, limits.max_tokens_per_step):  # a step is at least a token a row
-            raise BadRequestError(
-                f"batch must be in 1..{min(limits.max_batch, limits.max_tokens_per_step)}, got {request.batch}"
-            )
+        if request.batch > min(limits.max_batch, self.step_tokens):  # a step is at least a token a row
+            raise BadRequestError(f"batch must be in 1..{min(limits.max_batch, self.step_tokens)}, got {request.batch}")
         if request.max_length > limits.max_length:
             raise BadRequestError(f"max_length must be in 1..{limits.max_length}, got {request.max_length}")
         budget = self.budget

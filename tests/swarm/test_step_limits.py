@@ -9,8 +9,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.config import ClientConfig
 from nesa_node.devtools.chaos import AfterTokens
-from nesa_node.errors import BadRequestError
+from nesa_node.errors import BadRequestError, NesaError, NoRouteError, SessionStateError, StepTimeoutError
 from tests.support.swarm import wait_for_chain
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])  # 11 tokens
@@ -24,9 +25,15 @@ def reference(tiny_llama) -> torch.Tensor:
         return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
 
 
-def connect(swarm, path: str, prefix: str) -> DistributedModelForCausalLM:
+def connect(swarm, path: str, prefix: str, mode: str = "direct", **settings) -> DistributedModelForCausalLM:
+    """A client; `settings`: ClientConfig fields (min_step_tokens=0 routes to nodes taking a few tokens a step)."""
     return DistributedModelForCausalLM.from_pretrained(
-        path, initial_peers=swarm.initial_peers, dht_prefix=prefix, compression="none"
+        path,
+        initial_peers=swarm.initial_peers,
+        dht_prefix=prefix,
+        compression="none",
+        mode=mode,
+        config=ClientConfig(**settings),
     )
 
 
@@ -60,9 +67,7 @@ def test_a_prompt_longer_than_a_node_takes_goes_in_steps_within_every_limit(loca
     spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=2)
     seen = {node.peer_id: record_steps(node) for node in (first, last, spare)}
     assert first.current_info().max_step_tokens == 4
-    model = DistributedModelForCausalLM.from_pretrained(
-        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none", mode=mode
-    )
+    model = connect(local_swarm, tiny_llama, prefix, mode, min_step_tokens=0)
     with model:
         wait_for_chain(model, hops=2, max_length=32)
         model.swarm.ban(spare.peer_id)
@@ -108,3 +113,103 @@ def test_a_node_refusing_a_prompt_within_the_limit_it_announced_is_replaced(loca
         assert torch.equal(output, reference)
         assert refused == [len(PROMPT[0])] and failed == [(liar.peer_id, [honest.peer_id])], session.failovers
         assert liar.peer_id in model.swarm.banned()
+
+
+def fail_prompt_parts(node, seen: list[int], *, after: int = 0) -> None:
+    """`node` drops its session (a step timeout, as a node too slow for it) at the first prompt part it is given
+    after `after` others; every input it reads is noted in `seen` (rows x tokens)."""
+    honest_read = node.compute.read_hidden
+
+    def read(frame, codec, *, batch):
+        hidden = honest_read(frame, codec, batch=batch)
+        seen.append(hidden.shape[0] * hidden.shape[1])
+        if hidden.shape[1] > 1 and sum(1 for tokens in seen if tokens > 1) > after:
+            raise StepTimeoutError("step not computed in time: the session ended")
+        return hidden
+
+    node.compute.read_hidden = read
+
+
+def test_a_replacement_found_while_a_prompts_part_is_under_way_takes_that_part_whole(
+    local_swarm, tiny_llama, reference
+):
+    """The last node fails on the prompt's first part (8 tokens, the chain's limit): its replacement must announce
+    it takes 8 tokens a step, so the spare taking 4 is passed over (it would refuse the part resent whole, and an
+    honest node would be banned for it)."""
+    prefix = "part-under-way"
+    first = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix, max_tokens_per_step=8)
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=8)
+    small = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=4)
+    big = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=8)
+    lost = []
+    fail_prompt_parts(last, lost)
+    small_seen = record_steps(small)
+    with connect(local_swarm, tiny_llama, prefix, min_step_tokens=0) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        for spare in (small, big):
+            model.swarm.ban(spare.peer_id)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids == (first.peer_id, last.peer_id)
+            asked, reroute = [], session.failover.reroute
+
+            async def rerouted(request):
+                asked.append(request.step_tokens)
+                return await reroute(request)
+
+            session.failover.reroute = rerouted
+            for spare in (small, big):
+                model.swarm.unban(spare.peer_id)
+            output = generate(model)
+            replaced = [(entry["failed"], entry["replacements"]) for entry in session.failovers]
+    assert torch.equal(output, reference)
+    assert lost == [8] and asked == [8], (lost, asked)
+    assert replaced == [(last.peer_id, [big.peer_id])] and small_seen == [], replaced
+    assert small.peer_id not in model.swarm.banned()
+
+
+def test_a_prompt_failing_part_way_leaves_the_session_unusable_and_says_why(local_swarm, tiny_llama):
+    """Nodes took the prompt's first part and no node can take the second: the step fails, and the session, whose
+    nodes hold part of the prompt, refuses further steps with the reason rather than computing from a torn cache."""
+    prefix = "torn-prompt"
+    local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix, max_tokens_per_step=4)
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, max_tokens_per_step=4)
+    fail_prompt_parts(last, [], after=1)
+    with connect(local_swarm, tiny_llama, prefix, min_step_tokens=0) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        with model.inference_session(max_length=32) as session:
+            with pytest.raises(NesaError):  # the last node's span has no other node, and it fails its replay too
+                model.generate(PROMPT, max_new_tokens=2)
+            assert session.position == 4  # the first part went through
+            with pytest.raises(SessionStateError, match="took 4 of a prompt's 11 tokens"):
+                session.step(torch.zeros(1, 1, last.compute.span.hidden_size))
+
+
+def test_nodes_announcing_a_step_limit_below_the_clients_floor_are_not_routed_to(local_swarm, tiny_llama):
+    """A node announcing a tiny step limit would make every prompt go a few tokens a step: by default the client
+    routes around it (min_step_tokens: 256 rows x tokens, or the session's batch x max_length when less)."""
+    prefix = "tiny-limit"
+    tiny = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix, max_tokens_per_step=4)
+    usual = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    with connect(local_swarm, tiny_llama, prefix) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+        for _ in range(3):
+            with model.inference_session(max_length=32) as session:
+                assert session.chain.peer_ids[0] == usual.peer_id
+        model.swarm.ban(usual.peer_id)  # lifted again when no chain is left without it (it answers): never the tiny
+        try:
+            with model.inference_session(max_length=32) as session:
+                assert tiny.peer_id not in session.chain.peer_ids
+        except NoRouteError:
+            pass
+    config = ClientConfig()  # what a session asks of its nodes: the floor, its whole size when less, a token a row
+    assert (config.step_tokens(1, 32), config.step_tokens(1, 1000), config.step_tokens(4, 2)) == (32, 256, 8)
+    assert (
+        config.step_tokens(300, 8),
+        config.step_tokens(1, 0),
+        ClientConfig(min_step_tokens=0).step_tokens(1, 32),
+    ) == (
+        300,
+        0,
+        0,
+    )

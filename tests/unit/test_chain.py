@@ -40,6 +40,19 @@ def test_nodes_without_cache_room_are_skipped():
         select_chain(snapshot, ChainRequest(batch=2, max_length=10_000))
 
 
+def test_nodes_announcing_a_smaller_step_limit_than_the_step_asks_are_skipped():
+    """A replacement found while a prompt's part is under way must take that part whole (its own step limit, as it
+    announces it; 0: none announced, not skipped)."""
+    snapshot = SwarmSnapshot(
+        num_blocks=2, nodes=(node("a", 0, 2, max_step_tokens=100, rtt_ms=0.1), node("b", 0, 2, rtt_ms=50))
+    )
+    assert select_chain(snapshot, ChainRequest(step_tokens=100)).peer_ids == ("a",)
+    assert select_chain(snapshot, ChainRequest(step_tokens=101)).peer_ids == ("b",)
+    unannounced = SwarmSnapshot(num_blocks=2, nodes=(node("a", 0, 2, max_step_tokens=100),))
+    with pytest.raises(NoRouteError):
+        select_chain(unannounced, ChainRequest(step_tokens=101))
+
+
 spans = st.lists(st.tuples(st.integers(0, 11), st.integers(1, 6), st.booleans()), max_size=14)
 
 

@@ -69,6 +69,9 @@ def test_a_batch_over_the_step_limit_is_refused_at_open():
     with pytest.raises(BadRequestError, match=r"batch must be in 1\.\.8, got 9"):
         open_session(sessions, GATEWAY, "s" * 32, max_length=16, batch=9)
     assert open_session(sessions, GATEWAY, "t" * 32, max_length=16, batch=8) is not None
+    sessions.step_tokens = 5  # what the node announces: fewer where its frame limit cannot carry 8 tokens
+    with pytest.raises(BadRequestError, match=r"batch must be in 1\.\.5, got 6"):
+        open_session(sessions, GATEWAY, "u" * 32, max_length=16, batch=6)
 
 
 # ---- the share is checked first -----------------------------------------------------------------------------------

@@ -117,7 +117,8 @@ def test_the_step_limit_announced_is_the_nodes_or_what_its_frame_limit_carries()
     small = config.with_settings(max_message_bytes=MAX_METADATA_BYTES + 1024 + 64 * 4 * 30 + 5)
     assert max_step_tokens(small, 64) == 30
     assert max_frame_bytes(small, 64) >= 30 * 64 * 4 + MAX_METADATA_BYTES + 1024  # 30 tokens fit its frame
-    assert max_step_tokens(config.with_settings(max_message_bytes=10), 64) == 1
+    with pytest.raises(ValueError, match="cannot carry one token"):
+        max_step_tokens(config.with_settings(max_message_bytes=10), 64)
     older = json.loads(make_info().to_wire())
     del older["max_step_tokens"]
     assert NodeInfo.from_wire(json.dumps(older)).max_step_tokens == 0
