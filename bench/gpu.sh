@@ -6,8 +6,9 @@
 #
 #   bench/gpu.sh [quick|full|targets|passes]
 #
-# passes (about 4 minutes): 16 sessions through 2 nodes replaying graphs with passes uncapped and capped at 8 steps
-# (`--max-pass-steps`), then the GPU tests.
+# passes (about 6 minutes): 16 sessions through 2 nodes replaying graphs: as by default, with no gathering wait
+# (`--batch-window-ms 0`: a pass takes the steps queued when it starts, so waves of sessions can follow each other
+# down the chain), and with no wait and passes capped at 8 steps (`--max-pass-steps`); then the GPU tests.
 # targets (within a 9-minute lease): the GPU tests, then the figures issue targets need, most uncertain first, each
 # step under its own limit: 2 nodes replaying CUDA graphs with 16 concurrent sessions (batching, and one session's
 # decode; the 16 sessions from one client process, then from 16), the same with a 1 ms thread switch interval in every process (NESA_SWITCH_INTERVAL_MS: nesa_node/
@@ -52,13 +53,14 @@ GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py
     tests/unit/test_decode_gathering.py tests/unit/test_embed_lookup.py)
 if [ "${1:-quick}" = passes ]; then
-    # 16 sessions through 2 nodes replaying CUDA graphs (one client process, then 16), with passes uncapped and
-    # capped at 8 steps (--max-pass-steps: two passes a round that follow each other down the chain), then the GPU
-    # tests (about 4 minutes on one H200)
-    for cap in 0 8; do
-        STEP_TIMEOUT_S=130 step "clients16-cap$cap" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 \
-            --client-processes --clients-only --modes direct --forward-repeats 0 --node-arg="--max-pass-steps=$cap" \
-            --keep-logs "$OUT/clients16-cap$cap-nodes"
+    # 16 sessions through 2 nodes replaying CUDA graphs (one client process, then 16): nodes as by default, nodes that
+    # never wait to gather a pass (the last GPU profile: 2.5-3 ms of each pass waiting), and those capped at 8 steps a
+    # pass besides (two waves a round that follow each other down the chain); then the GPU tests (about 6 minutes on
+    # one H200)
+    for variant in default:--batch-window-ms=25 window0:--batch-window-ms=0 window0-cap8:"--batch-window-ms=0 --max-pass-steps=8"; do
+        STEP_TIMEOUT_S=130 step "clients16-${variant%%:*}" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 \
+            --client-processes --clients-only --modes direct --forward-repeats 0 --node-arg="${variant#*:}" \
+            --keep-logs "$OUT/clients16-${variant%%:*}-nodes"
     done
     STEP_TIMEOUT_S=90 step gpu-tests "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}"
     tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"
