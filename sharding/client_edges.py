@@ -3,6 +3,7 @@ nodes: blocks.py)."""
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -114,6 +115,8 @@ class ClientEdges(nn.Module):
             scores = _split_product(normed, weight.chunk(parts))  # views: whole rows of the head, in order
         finally:
             _SPLIT_LOCK.release()
+        if scores is None:
+            return None
         if not checked:
             exact = torch.equal(scores, self.lm_head(normed))
             self._split = (key, exact)
@@ -122,9 +125,10 @@ class ClientEdges(nn.Module):
         return scores
 
 
-def _split_product(normed: torch.Tensor, chunks: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def _split_product(normed: torch.Tensor, chunks: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """The logits of `normed` over each of `chunks` (rows of the head), the first on this thread and the others on
-    the head threads at once, in the caller's grad mode (a thread's own setting), joined in order."""
+    the head threads at once, in the caller's grad mode (a thread's own setting), joined in order; None once the
+    interpreter is shutting down."""
     global _SPLIT_POOL
     if _SPLIT_POOL is None:
         _SPLIT_POOL = ThreadPoolExecutor(SPLIT_PARTS - 1, thread_name_prefix="nesa-head")
@@ -134,7 +138,10 @@ def _split_product(normed: torch.Tensor, chunks: tuple[torch.Tensor, ...]) -> to
         with torch.inference_mode(inference), torch.no_grad():
             return head_part(normed, chunk)
 
-    pending = [_SPLIT_POOL.submit(part, chunk) for chunk in chunks[1:]]
+    try:
+        pending = [_SPLIT_POOL.submit(part, chunk) for chunk in chunks[1:]]
+    except RuntimeError:  # the interpreter is shutting down: no new work for threads
+        return None
     first = part(chunks[0])
     return torch.cat([first] + [future.result() for future in pending], dim=-1)
 
@@ -142,6 +149,15 @@ def _split_product(normed: torch.Tensor, chunks: tuple[torch.Tensor, ...]) -> to
 # the threads one row's split head product runs on, one product at a time in the process (`_split_scores`)
 _SPLIT_POOL: ThreadPoolExecutor | None = None
 _SPLIT_LOCK = threading.Lock()
+
+
+def _forget_split_threads() -> None:
+    """In a forked child: the parent's head threads do not exist there (work queued for them would never run)."""
+    global _SPLIT_POOL, _SPLIT_LOCK
+    _SPLIT_POOL, _SPLIT_LOCK = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_split_threads)
 SPLIT_PARTS = 4  # the most parts one row's head product is split into (threads: `split_parts`)
 SPLIT_MIN_ELEMENTS = 1 << 22  # heads smaller than this (16 MB in float32) are not worth the threads' hand-offs
 

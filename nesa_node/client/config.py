@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from nesa_node.compression.names import AUTO, DEFAULT_CODEC
+from nesa_node.protocol.records import STEP_TOKENS_FLOOR
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.cost import RoutingParams
 
@@ -72,6 +73,9 @@ class VerifyPolicy:
         return f"majority:{self.replicas}" + (f"@{self.blocks[0]}:{self.blocks[1]}" if self.blocks else "")
 
 
+STEP_TOKENS_CAP = 8192  # the most rows x tokens a session asks its nodes to take a step: a node's default limit
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     # direct: each node pushes to the next (fig. 2 of the Nesa paper); relay: the client forwards between nodes
@@ -86,10 +90,10 @@ class ClientConfig:
     routing_params: RoutingParams = field(default_factory=RoutingParams)  # eq. 18 exponents (`nesa-node tune`)
     partial_spans: bool = True  # a chain may use part of a node's span
     max_failovers: int = 3  # node failures survived per step (each bans the node and replaces its span)
-    # nodes announcing a step limit (NodeInfo.max_step_tokens) below this many rows x tokens (or the session's whole
-    # batch x max_length, when less) are not routed to: each would make every prompt go in that many tokens a step.
-    # 0: any node
-    min_step_tokens: int = 256
+    # nodes announcing a step limit (NodeInfo.max_step_tokens) below this many tokens a row (the session's max_length
+    # when less; at most STEP_TOKENS_CAP rows x tokens in all) are not routed to: each would make every prompt go a
+    # few tokens a step. 0: any node
+    min_step_tokens: int = STEP_TOKENS_FLOOR
     # chains tried when opening a session, and replacements tried in one failover: records of crashed nodes linger
     # until they expire (3 announce periods + 10 s), so after a burst of crashes many dead nodes can be met in a row;
     # each one that fails is banned, so every attempt removes a candidate
@@ -141,11 +145,12 @@ class ClientConfig:
             raise ValueError("min_step_tokens must be >= 0")
 
     def step_tokens(self, batch: int, max_length: int) -> int:
-        """Rows x tokens of a step every node of a session's chain must announce it takes (`min_step_tokens`): 0
-        (any) for a cacheless forward or with min_step_tokens 0; never below a token a row."""
+        """Rows x tokens of a step every node of a session's chain must announce it takes: `min_step_tokens` (or
+        max_length) tokens a row, at most STEP_TOKENS_CAP (a node with the default limit takes any session's), never
+        below a token a row; 0 (any) for a cacheless forward or with min_step_tokens 0."""
         if not max_length or not self.min_step_tokens:
             return 0
-        return max(batch, min(self.min_step_tokens, batch * max_length))
+        return max(batch, min(batch * min(self.min_step_tokens, max_length), STEP_TOKENS_CAP))
 
     def replace(self, **changes) -> ClientConfig:
         return dataclasses.replace(self, **changes)

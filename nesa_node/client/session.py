@@ -209,6 +209,8 @@ class InferenceSession:
             raise SessionStateError("a step is already under way on this session: steps go one at a time")
         if hidden.shape[0] != self.batch:
             raise SessionStateError(f"session opened for batch {self.batch}, got {hidden.shape[0]} rows")
+        if hidden.dim() >= 2 and hidden.shape[1] == 0:
+            raise SessionStateError("a step takes at least one token")
         if self.position + hidden.shape[1] > self.max_length:
             raise SessionStateError(
                 f"{self.position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}"

@@ -26,6 +26,9 @@ MAX_COUNT = 1 << 31  # queued steps, sessions, session lengths
 MAX_BLOCKS = 1 << 20  # block indices
 MAX_CACHE_TOKENS = 1 << 40
 LANE_ADDRESS = r"^[0-9A-Za-z.:\[\]-]+$"  # host:port, [v6]:port
+# tokens a row a client asks by default of every node of a session's chain to take in one step (ClientConfig
+# min_step_tokens): a node announcing less (max_step_tokens) is routed around
+STEP_TOKENS_FLOOR = 256
 
 
 class NodeState(enum.StrEnum):

@@ -42,7 +42,7 @@ from nesa_node.peer import (
 from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_node_info
 from nesa_node.protocol.dht_storage import limits_of_mib, set_storage_limits
 from nesa_node.protocol.messages import MAX_METADATA_BYTES
-from nesa_node.protocol.records import LoadInfo, NodeInfo, NodeState
+from nesa_node.protocol.records import MAX_COUNT, STEP_TOKENS_FLOOR, LoadInfo, NodeInfo, NodeState
 from nesa_node.server.adapter_fetch import AdapterFetcher
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
@@ -210,6 +210,13 @@ class Node:
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
         node.sessions.step_tokens = max_step_tokens(config, model_config.hidden_size)
+        if node.sessions.step_tokens < STEP_TOKENS_FLOOR:
+            logger.warning(
+                "this node takes %d tokens a step (--max-tokens-per-step, --max-message-bytes): clients with default "
+                "settings route only to nodes taking %d or more (or their whole session)",
+                node.sessions.step_tokens,
+                STEP_TOKENS_FLOOR,
+            )
         adapters.connect(  # an open waits for an idle session holding an adapter as for the KV cache
             fetcher,
             request_timeout_s=network.peer_timeout_s,
@@ -331,8 +338,8 @@ class Node:
             cache_tokens_left=self.sessions.tokens_available(),
             uptime_s=time.monotonic() - self.started_at,
             version=__version__,
-            max_length=self.config.limits.max_length,
-            max_step_tokens=self.sessions.step_tokens,
+            max_length=min(self.config.limits.max_length, MAX_COUNT),  # a record's ceiling: beyond, "unlimited"
+            max_step_tokens=min(self.sessions.step_tokens, MAX_COUNT),
             links=tuple(self.prober.links.values()),
             lane=self.lanes.address,
             adapters=self.adapters.announced(),

@@ -202,14 +202,8 @@ def test_nodes_announcing_a_step_limit_below_the_clients_floor_are_not_routed_to
                 assert tiny.peer_id not in session.chain.peer_ids
         except NoRouteError:
             pass
-    config = ClientConfig()  # what a session asks of its nodes: the floor, its whole size when less, a token a row
-    assert (config.step_tokens(1, 32), config.step_tokens(1, 1000), config.step_tokens(4, 2)) == (32, 256, 8)
-    assert (
-        config.step_tokens(300, 8),
-        config.step_tokens(1, 0),
-        ClientConfig(min_step_tokens=0).step_tokens(1, 32),
-    ) == (
-        300,
-        0,
-        0,
-    )
+    config = ClientConfig()  # what a session asks of its nodes: 256 tokens a row (its max_length when less), a
+    # node's default limit (8192) at most, a token a row at least
+    asked = [config.step_tokens(*size) for size in ((1, 32), (1, 1000), (4, 2), (4, 1000), (64, 1000), (9000, 8))]
+    assert asked == [32, 256, 8, 1024, 8192, 9000]
+    assert config.step_tokens(1, 0) == 0 and ClientConfig(min_step_tokens=0).step_tokens(1, 32) == 0

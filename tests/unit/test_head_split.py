@@ -124,3 +124,17 @@ def test_the_edges_copy_and_save_after_a_split_product(two_threads):
     torch.save(edges, io.BytesIO())
     with torch.inference_mode():
         assert torch.equal(copied.scores(rows(1)), edges.lm_head(rows(1)))
+
+
+def test_once_the_interpreter_shuts_down_the_head_answers_itself(two_threads, monkeypatch):
+    """Threads take no new work at interpreter shutdown (a worker thread still generating then)."""
+    edges = edges_of()
+    with torch.inference_mode():
+        edges.scores(rows(1))  # the pool exists, the weight checked
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(client_edges._SPLIT_POOL, "submit", refuse)
+    with torch.inference_mode():
+        assert torch.equal(edges.scores(rows(1)), edges.lm_head(rows(1)))

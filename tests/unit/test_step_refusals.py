@@ -6,6 +6,7 @@ other steps, and in relay mode refusals from nodes not being sent this step, are
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
@@ -13,11 +14,12 @@ import torch
 
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.config import ClientConfig
+from nesa_node.client.routing import explain_missing
 from nesa_node.client.session import InferenceSession
-from nesa_node.errors import AdapterMissingError, BadRequestError, SessionNotFoundError
+from nesa_node.errors import AdapterMissingError, BadRequestError, SessionNotFoundError, SessionStateError
 from nesa_node.protocol.messages import ErrorReply
 from nesa_node.protocol.tensors import tensor_to_proto
-from nesa_node.routing.chain import Chain
+from nesa_node.routing.chain import Chain, ChainRequest, NodeView, SwarmSnapshot
 
 HIDDEN = 8
 STEP = "session:5"
@@ -168,3 +170,19 @@ def test_refusals_of_other_steps_and_from_nodes_not_being_fed_in_relay_mode_are_
     with pytest.raises(LinkFailed) as failed:  # a direct chain's later node refusing for anything but its input
         refuse(direct, middle, first, SessionNotFoundError("lost it"))
     assert failed.value.link is middle
+
+
+def test_a_step_of_no_tokens_is_the_callers_error_before_anything_is_sent():
+    session, _ = session_of("direct")
+    session._opened = True
+    with pytest.raises(SessionStateError, match="at least one token"):
+        asyncio.run(session.step(torch.ones(1, 0, HIDDEN)))
+
+
+def test_a_no_route_message_says_which_nodes_take_too_few_tokens_a_step():
+    snapshot = SwarmSnapshot(
+        num_blocks=2,
+        nodes=(NodeView("QmSmallLimit", 0, 2, cache_tokens_left=999, max_step_tokens=16),),
+    )
+    said = explain_missing(snapshot, ChainRequest(max_length=32, step_tokens=32), frozenset())
+    assert "takes 16 tokens a step, 32 asked" in said
