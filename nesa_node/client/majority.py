@@ -92,6 +92,7 @@ class MajoritySession:
         self.batch = batch
         self.position = 0
         self.checks = {"agreed": 0, "outvoted": 0, "no_consensus": 0}  # voted span steps by result
+        self._broken: str | None = None  # why no step may be sent any more (a step failed after spans took it)
 
     @property
     def chain(self) -> Chain:
@@ -125,12 +126,22 @@ class MajoritySession:
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """Run the new tokens' hidden states (batch, seq, hidden) through every span, voting on the voted ones;
         NoConsensusError when a voted span's replicas have no strict majority (the session cannot go on)."""
+        if self._broken is not None:
+            raise SessionStateError(self._broken)
         if self.position + hidden.shape[1] > self.max_length:
             raise SessionStateError(
                 f"{self.position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}"
             )
-        for span in self.spans:
-            hidden = await (self._vote_step(span, hidden) if span.voted else span.replicas[0].step(hidden))
+        try:
+            for span in self.spans:
+                hidden = await (self._vote_step(span, hidden) if span.voted else span.replicas[0].step(hidden))
+        except BaseException as exc:
+            moved = [session for span in self.spans for session in span.replicas if session is not None]
+            if any(session.position != self.position for session in moved):  # some spans took the step: the
+                # session's spans no longer hold the same tokens, and a step sent again would be taken twice
+                self._broken = f"this session failed after some of its spans took a step ({type(exc).__name__}): "
+                self._broken += "open another session"
+            raise
         self.position += hidden.shape[1]
         return hidden
 
