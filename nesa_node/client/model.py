@@ -126,6 +126,9 @@ class LoopThread:
             except concurrent.futures.TimeoutError:
                 future.cancel()
                 raise PeerUnavailableError(f"no answer within {timeout} s") from None
+            except BaseException:  # KeyboardInterrupt while waiting: the coroutine stops too (a step, its session)
+                future.cancel()
+                raise
         caller = _Caller()
         token = _CALLER.set(caller)
         try:  # the coroutine's task starts in a copy of this context: it and its subtasks see `caller`

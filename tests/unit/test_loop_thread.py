@@ -101,3 +101,30 @@ def test_work_handed_over_after_the_call_returned_runs_on_the_loop(runner):
 
     inside, loop = runner.call(result())
     assert inside == loop != threading.get_ident()
+
+
+def test_an_interrupt_while_waiting_cancels_the_coroutine(runner, monkeypatch):
+    """Ctrl-C in a synchronous call (a step under way) stops the coroutine too, rather than leaving it running on
+    the loop with its session still stepping."""
+    import concurrent.futures
+
+    cancelled = threading.Event()
+    started = threading.Event()
+
+    async def coroutine() -> None:
+        try:
+            started.set()
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    def interrupted(self, timeout=None):
+        started.wait(5)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(concurrent.futures.Future, "result", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        runner.call(coroutine())
+    monkeypatch.undo()
+    assert cancelled.wait(5)
