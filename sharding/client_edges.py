@@ -157,7 +157,8 @@ def _forget_split_threads() -> None:
     _SPLIT_POOL, _SPLIT_LOCK = None, threading.Lock()
 
 
-os.register_at_fork(after_in_child=_forget_split_threads)
+if hasattr(os, "register_at_fork"):  # POSIX
+    os.register_at_fork(after_in_child=_forget_split_threads)
 SPLIT_PARTS = 4  # the most parts one row's head product is split into (threads: `split_parts`)
 SPLIT_MIN_ELEMENTS = 1 << 22  # heads smaller than this (16 MB in float32) are not worth the threads' hand-offs
 

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from nesa_node.compression.names import AUTO, DEFAULT_CODEC
-from nesa_node.protocol.records import STEP_TOKENS_FLOOR
+from nesa_node.protocol.records import STEP_TOKENS_CAP, STEP_TOKENS_FLOOR
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.cost import RoutingParams
 
@@ -71,9 +71,6 @@ class VerifyPolicy:
         if self.mode in ("audit", "canary"):
             return f"{self.mode}:{self.rate:g}"
         return f"majority:{self.replicas}" + (f"@{self.blocks[0]}:{self.blocks[1]}" if self.blocks else "")
-
-
-STEP_TOKENS_CAP = 8192  # the most rows x tokens a session asks its nodes to take a step: a node's default limit
 
 
 @dataclass(frozen=True)
@@ -141,8 +138,10 @@ class ClientConfig:
             raise ValueError("head_batch_window_ms must be 0 or more")
         if self.max_failovers < 0 or self.max_open_attempts < 1 or self.max_pinged_candidates < 0:
             raise ValueError("max_failovers and max_pinged_candidates must be >= 0, max_open_attempts >= 1")
-        if self.min_step_tokens < 0:
-            raise ValueError("min_step_tokens must be >= 0")
+        if not 0 <= self.min_step_tokens <= STEP_TOKENS_CAP:
+            raise ValueError(
+                f"min_step_tokens must be in 0..{STEP_TOKENS_CAP} (tokens a row), got {self.min_step_tokens}"
+            )
 
     def step_tokens(self, batch: int, max_length: int) -> int:
         """Rows x tokens of a step every node of a session's chain must announce it takes: `min_step_tokens` (or

@@ -140,6 +140,8 @@ class EdgeSession:
     async def step(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last block's hidden states for the new tokens' embeddings `hidden` (batch, seq, hidden)."""
         position = self.session.position
+        if hidden.dim() >= 2 and hidden.shape[1] == 0:
+            raise SessionStateError("a step takes at least one token")
         if position + hidden.shape[1] > self.session.max_length:  # checked before the front caches grow
             raise SessionStateError(
                 f"{position + hidden.shape[1]} tokens exceed the session's max_length {self.session.max_length}"

@@ -29,6 +29,7 @@ LANE_ADDRESS = r"^[0-9A-Za-z.:\[\]-]+$"  # host:port, [v6]:port
 # tokens a row a client asks by default of every node of a session's chain to take in one step (ClientConfig
 # min_step_tokens): a node announcing less (max_step_tokens) is routed around
 STEP_TOKENS_FLOOR = 256
+STEP_TOKENS_CAP = 8192  # the most rows x tokens a client asks so: a node's default --max-tokens-per-step
 
 
 class NodeState(enum.StrEnum):

@@ -42,7 +42,7 @@ from nesa_node.peer import (
 from nesa_node.protocol.dht import default_dht_prefix, fetch_node_infos, store_node_info
 from nesa_node.protocol.dht_storage import limits_of_mib, set_storage_limits
 from nesa_node.protocol.messages import MAX_METADATA_BYTES
-from nesa_node.protocol.records import MAX_COUNT, STEP_TOKENS_FLOOR, LoadInfo, NodeInfo, NodeState
+from nesa_node.protocol.records import MAX_COUNT, STEP_TOKENS_CAP, STEP_TOKENS_FLOOR, LoadInfo, NodeInfo, NodeState
 from nesa_node.server.adapter_fetch import AdapterFetcher
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
@@ -210,12 +210,14 @@ class Node:
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
         node.sessions.step_tokens = max_step_tokens(config, model_config.hidden_size)
-        if node.sessions.step_tokens < STEP_TOKENS_FLOOR:
+        if node.sessions.step_tokens < STEP_TOKENS_CAP:
             logger.warning(
-                "this node takes %d tokens a step (--max-tokens-per-step, --max-message-bytes): clients with default "
-                "settings route only to nodes taking %d or more (or their whole session)",
+                "this node takes %d rows x tokens a step (--max-tokens-per-step, --max-message-bytes): clients with "
+                "default settings route around it sessions asking more (%d tokens a row, or the session's length, at "
+                "most %d in all)",
                 node.sessions.step_tokens,
                 STEP_TOKENS_FLOOR,
+                STEP_TOKENS_CAP,
             )
         adapters.connect(  # an open waits for an idle session holding an adapter as for the KV cache
             fetcher,

@@ -207,3 +207,5 @@ def test_nodes_announcing_a_step_limit_below_the_clients_floor_are_not_routed_to
     asked = [config.step_tokens(*size) for size in ((1, 32), (1, 1000), (4, 2), (4, 1000), (64, 1000), (9000, 8))]
     assert asked == [32, 256, 8, 1024, 8192, 9000]
     assert config.step_tokens(1, 0) == 0 and ClientConfig(min_step_tokens=0).step_tokens(1, 32) == 0
+    with pytest.raises(ValueError, match="min_step_tokens"):  # above what nodes take by default: refused, not capped
+        ClientConfig(min_step_tokens=8193)

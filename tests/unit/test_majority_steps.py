@@ -55,3 +55,14 @@ def test_a_step_failing_before_any_span_took_it_leaves_the_session_as_it_was():
     first.failing = False
     asyncio.run(session.step(torch.zeros(1, 2, 4)))
     assert (first.position, second.position, session.position) == (2, 2, 2)
+
+
+@pytest.mark.parametrize("shape", [(1, 0, 4), (2, 1, 4)], ids=["no-token", "other-batch"])
+def test_a_malformed_step_is_the_callers_error_and_no_replica_is_dropped(shape):
+    first, second = FakeSession(), FakeSession()
+    session = majority(first, second)
+    with pytest.raises(SessionStateError):
+        asyncio.run(session.step(torch.zeros(shape)))
+    assert all(span.replicas[0] is not None for span in session.spans) and first.position == 0
+    asyncio.run(session.step(torch.zeros(1, 1, 4)))
+    assert session.position == 1
