@@ -124,6 +124,8 @@ class LoopThread:
             try:
                 return future.result(timeout=timeout)
             except concurrent.futures.TimeoutError:
+                if future.done():  # the coroutine's own TimeoutError (the same class), not this wait's: typed
+                    raise PeerUnavailableError("timed out waiting for the swarm") from None
                 future.cancel()
                 raise PeerUnavailableError(f"no answer within {timeout} s") from None
             except BaseException:  # KeyboardInterrupt while waiting: the coroutine stops too (a step, its session)

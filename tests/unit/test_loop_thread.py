@@ -128,3 +128,13 @@ def test_an_interrupt_while_waiting_cancels_the_coroutine(runner, monkeypatch):
         runner.call(coroutine())
     monkeypatch.undo()
     assert cancelled.wait(5)
+
+
+def test_the_coroutines_own_timeout_error_is_its_own_not_the_calls(runner):
+    async def coroutine() -> None:
+        async with asyncio.timeout(0.01):
+            await asyncio.sleep(1)
+
+    with pytest.raises(PeerUnavailableError, match="timed out waiting") as raised:  # typed, and not "within 30 s"
+        runner.call(coroutine(), timeout=30)
+    assert "30 s" not in raised.value.message
