@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.config import ClientConfig
 from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.errors import BadRequestError, NesaError, NoRouteError, SessionStateError, StepTimeoutError
+from tests.support.models import greedy_tokens
 from tests.support.swarm import wait_for_chain
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])  # 11 tokens
@@ -20,9 +20,7 @@ NEW_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> torch.Tensor:
-    with torch.inference_mode():
-        model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-        return model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+    return greedy_tokens(tiny_llama, PROMPT, NEW_TOKENS)
 
 
 def connect(swarm, path: str, prefix: str, mode: str = "direct", **settings) -> DistributedModelForCausalLM:
