@@ -31,9 +31,9 @@ class ClientEdges(nn.Module):
     `scores` runs the LM head. On the CPU in float32 a pass over two rows or more reads a transposed copy of the
     head's matrix, made at the first such pass and remade when the weight changes: MKL runs such products about 1.4x
     faster with that layout (32000 x 512 over 8 rows: 20.8 against 15.0 ms on one core), at the cost of one more head
-    matrix of memory. One row keeps the head's own product (a lone session's scores are the single process's bit for
-    bit), as do bfloat16 and float16 (3-5x slower transposed), hooked heads and weights made in inference mode. That
-    product of one row runs on one core (a matrix-vector product: 6.2 ms for 32000 x 512 in float32, the largest part
+    matrix of memory. One row keeps the head's own arithmetic (a lone session's scores are the single process's bit
+    for bit), as do bfloat16 and float16 over several rows (3-5x slower transposed), hooked heads and weights made in
+    inference mode. The head's product of one row runs on one core (a matrix-vector product: 6.2 ms for 32000 x 512 in float32, the largest part
     of a CPU client's time a token), so on a CPU with torch threads to spare a large head's rows are split into
     `SPLIT_PARTS` parts computed at once on threads of the client's own: each logit is the same dot product, over the
     same row of the head, as in the head's own call, and the first split product of a weight is checked against that

@@ -107,9 +107,17 @@ class LimitsConfig:
     max_length: int = option(4096, "longest session accepted, tokens", parse="positive_int")
     max_batch: int = option(64, "rows per session", parse="positive_int")
     max_sessions: int = option(256, "open inference sessions at once", parse="positive_int")
-    max_tokens_per_step: int = option(8192, "batch x tokens of one step or forward call", parse="positive_int")
+    max_tokens_per_step: int = option(
+        8192,
+        "batch x tokens of one step or forward call, announced (as max_step_tokens) so clients split longer prompts; "
+        "below 8192 clients with default settings route sessions asking more (256 tokens a row) around this node",
+        parse="positive_int",
+    )
     max_message_bytes: int = option(
-        0, "longest frame a peer may send, bytes (0: room for the largest step in float32)", parse="non_negative_int"
+        0,
+        "longest frame a peer may send, bytes (0: room for the largest step in float32); a smaller one lowers the step "
+        "limit announced to what it carries, and one that cannot carry a token is refused at start",
+        parse="non_negative_int",
     )
     # one peer's share of this node (a guess at fairness: two busy clients can always both be served)
     max_sessions_per_peer: int = option(32, "open sessions one peer may hold here", parse="positive_int")
