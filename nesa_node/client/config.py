@@ -86,7 +86,9 @@ class ClientConfig:
     request_timeout_s: float = 30.0  # every call to a node or the DHT
     routing_params: RoutingParams = field(default_factory=RoutingParams)  # eq. 18 exponents (`nesa-node tune`)
     partial_spans: bool = True  # a chain may use part of a node's span
-    max_failovers: int = 3  # node failures survived per step (each bans the node and replaces its span)
+    # recoveries of a step from failed nodes (each banned and its span replaced); one cut short by another node lost
+    # (a neighbour whose outputs it needed) is not counted, and a step makes at most twice this many in all
+    max_failovers: int = 3
     # nodes announcing a step limit (NodeInfo.max_step_tokens) below this many tokens a row (the session's max_length
     # when less; at most STEP_TOKENS_CAP rows x tokens in all) are not routed to: each would make every prompt go a
     # few tokens a step. 0: any node

@@ -7,7 +7,9 @@ nodes in both modes; only hidden states of the new tokens travel.
 
 When a node fails during a step (and a rerouter is given), the session's Failover (client/failover.py) replaces it
 and the step is sent again under the same step id: nodes that already did it answer from their record, so every
-cache advances exactly once. At most `max_failovers` per step.
+cache advances exactly once. At most `max_failovers` recoveries per step, not counting one cut short by another node
+of the chain found lost (a neighbour whose kept outputs it needed: that node's recovery is counted instead), and
+at most twice that many in all.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class StepTiming:
     compute_s: float  # time the nodes report spending in their blocks
     bytes_sent: int = 0  # serialized request bytes the client sent for this step
     bytes_received: int = 0  # serialized response bytes the client received for this step
-    failovers: int = 0  # nodes replaced during this step (wall_s then spans failed step to next good step)
+    failovers: int = 0  # recoveries during this step (wall_s then spans failed step to next good step)
     codec: str = "none"  # the codec the client sent this step's hidden states with (its choice under "auto")
 
 
@@ -247,7 +249,7 @@ class InferenceSession:
 
     async def _step_with_failover(self, hidden: torch.Tensor) -> torch.Tensor:
         started = time.perf_counter()
-        failovers = 0
+        failovers = charged = 0  # recoveries this step; those counted against max_failovers
         deadline_s = self.deadline(hidden.shape[0] * hidden.shape[1])
         # what a replacement must take at once: this step (a prompt's part), and what any node of the chain must
         step_tokens = max(
@@ -257,6 +259,7 @@ class InferenceSession:
         failure: LinkFailed | None = None
         kept = False
         while True:
+            recovering = False
             try:
                 # a replacement that fails while its cache is rebuilt fails like any node; a chain kept (slow, not
                 # gone: see Failover.recover) gets the step again, once a step. Either way the step sent again gets
@@ -264,17 +267,26 @@ class InferenceSession:
                 # channels to and from it, its first compute), which a deadline of recent warm steps would take for
                 # a failure of the replacement
                 if failure is not None:
+                    recovering = True
                     if not await self.failover.recover(
                         failure, position=self.position, inputs=self._inputs, may_keep=not kept, step_tokens=step_tokens
                     ):
                         kept = True
+                    recovering = False
                     deadline_s = max(deadline_s, self.swarm.request_timeout_s)
                 output, compute_s, sent, received, inputs = await self._step(hidden, deadline_s)
                 break
             except LinkFailed as failed:
-                if self.reroute is None or failovers >= self.config.max_failovers:
+                named = failure.link.peer_id if failure is not None and failure.link is not None else None
+                if recovering and failed.link is not None and failed.link.peer_id != named:
+                    # the recovery under way was cut short by another node lost (a neighbour whose outputs it
+                    # needed): that node's recovery is counted, this one is tried again after it
+                    charged -= 1
+                limit = self.config.max_failovers
+                if self.reroute is None or charged >= limit or failovers >= 2 * limit:
                     raise PeerUnavailableError(f"{failed.message} (no failover left)") from None
                 failovers += 1
+                charged += 1
                 failure = failed
         wall_s = time.perf_counter() - started
         if failovers == 0 and hidden.shape[1] == 1:  # a decode step through an unchanged chain

@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.config import ClientConfig
 from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.errors import BadRequestError
 from nesa_node.protocol.messages import ErrorReply, HistoryRequest
@@ -161,11 +162,15 @@ def test_a_node_refusing_the_clients_own_well_formed_steps_is_replaced(local_swa
                 session.step(torch.full((1, 1, other.compute.span.hidden_size), float("nan")))
 
 
-def test_a_neighbour_refusing_its_outputs_to_a_replacement_is_replaced_too(local_swarm, tiny_llama, reference):
+@pytest.mark.parametrize("max_failovers", [3, 2])
+def test_a_neighbour_refusing_its_outputs_to_a_replacement_is_replaced_too(
+    local_swarm, tiny_llama, reference, max_failovers
+):
     """The last node dies mid-generation; its replacement's cache is rebuilt from the outputs the first node kept,
     and the first node refuses them (bad_request). That refusal is the first node's failure, not the user's error:
-    it is replaced too, and the tokens equal one process's."""
-    prefix = "history-refuser"
+    it is replaced too, and the tokens equal one process's. Two nodes lost cost two of the step's failovers: the
+    last node's recovery cut short by the first node's is not counted (three recoveries)."""
+    prefix = f"history-refuser-{max_failovers}"
     refuser, spare_first = (local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix) for _ in range(2))
     victim, spare_last = (local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix) for _ in range(2))
     honest_control = refuser.inference._control
@@ -176,7 +181,13 @@ def test_a_neighbour_refusing_its_outputs_to_a_replacement_is_replaced_too(local
         return honest_control(session, message)
 
     refuser.inference._control = refuse_history
-    with connect(local_swarm, tiny_llama, prefix) as model:
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama,
+        initial_peers=local_swarm.initial_peers,
+        dht_prefix=prefix,
+        compression="none",
+        config=ClientConfig(max_failovers=max_failovers),
+    ) as model:
         wait_for_chain(model, hops=2, max_length=32)
         for spare in (spare_first, spare_last):
             model.swarm.ban(spare.peer_id)  # the chain starts on the refuser and the victim
