@@ -120,6 +120,8 @@ class Failover:
                 failure = await self.judge(failure)
         with self._timed("find"):
             index = await self._find_failed(failure)
+        if index is not None and failure.link is None and chain.links[index].closed:
+            failure = LinkFailed(failure.message, chain.links[index])  # its session is over: not a slow chain to keep
         if index is None:
             if not may_keep:
                 # one of them takes steps and never answers them, which no probe tells: each gets a failure's ban
@@ -243,11 +245,15 @@ class Failover:
             return not await self.swarm.unreachable([peer_id], timeout_s=timeout_s, fresh_s=0.0)
 
     async def _find_failed(self, failure: LinkFailed) -> int | None:
-        """Index of the failed node: the one whose stream broke, else the first that does not answer an info call;
-        None when every node answers."""
+        """Index of the failed node: the one whose stream broke, else one whose link the client closed and has not
+        replaced yet (lost while a neighbour was being replaced: its node may still answer, but its session there is
+        over), else the first that does not answer an info call; None when every node answers."""
         links = self.chain.links
         if failure.link is not None and failure.link in links:
             return links.index(failure.link)
+        for index, link in enumerate(links):
+            if link.closed:
+                return index
         for index, link in enumerate(links):
             try:
                 await self.swarm.info(link.peer_id, timeout_s=self.probe_timeout_s)

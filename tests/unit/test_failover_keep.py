@@ -49,7 +49,9 @@ class FakeSwarm:
 
 def chain_of(*peers: str) -> SimpleNamespace:
     links = [
-        SimpleNamespace(peer_id=peer, hop=Hop(peer_id=peer, start_block=2 * index, end_block=2 * index + 2))
+        SimpleNamespace(
+            peer_id=peer, hop=Hop(peer_id=peer, start_block=2 * index, end_block=2 * index + 2), closed=False
+        )
         for index, peer in enumerate(peers)
     ]
     return SimpleNamespace(links=links, batch=1, max_length=32, adapter=None, adapter_block_bytes=0.0)
@@ -74,6 +76,33 @@ def test_a_quiet_chain_whose_nodes_all_answer_is_kept_once():
     assert not swarm.bans
     with pytest.raises(PeerUnavailableError, match="every node of the chain still answers"):
         recover(failover, quiet, may_keep=False)  # the second time in a step: an error, as before
+
+
+def test_a_quiet_chain_with_a_link_the_client_closed_replaces_that_node_not_kept():
+    """A node whose link the client closed while replacing its neighbour (lost too) and did not replace yet may still
+    answer the probe, yet its session there is over: a step that then goes quiet replaces it, without a probe."""
+    swarm = FakeSwarm()
+    chain = chain_of("a", "b")
+    chain.links[1].closed = True
+    replacement = Hop(peer_id="c", start_block=2, end_block=4)
+
+    async def route(request):
+        return SimpleNamespace(hops=(replacement,))
+
+    failover = Failover(chain, swarm, route, max_replacement_attempts=2, probe_timeout_s=1.0)
+    probed, replaced = [], []
+    answer = swarm.info
+
+    async def info(peer_id, timeout_s):
+        probed.append(peer_id)
+        return await answer(peer_id, timeout_s)
+
+    async def replace(index, hops, position, inputs):
+        replaced.append((index, hops))
+
+    swarm.info, failover._replace = info, replace
+    assert recover(failover, LinkFailed("no answer from the chain within 1.0 s", None)) is True
+    assert probed == [] and replaced == [(1, (replacement,))] and "b" in swarm.bans
 
 
 def test_the_last_node_of_its_span_is_kept_only_if_it_answers_the_longer_probe():
