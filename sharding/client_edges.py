@@ -33,12 +33,13 @@ class ClientEdges(nn.Module):
     faster with that layout (32000 x 512 over 8 rows: 20.8 against 15.0 ms on one core), at the cost of one more head
     matrix of memory. One row keeps the head's own arithmetic (a lone session's scores are the single process's bit
     for bit), as do bfloat16 and float16 over several rows (3-5x slower transposed), hooked heads and weights made in
-    inference mode. The head's product of one row runs on one core (a matrix-vector product: 6.2 ms for 32000 x 512 in float32, the largest part
-    of a CPU client's time a token), so on a CPU with torch threads to spare a large head's rows are split into
-    `SPLIT_PARTS` parts computed at once on threads of the client's own: each logit is the same dot product, over the
-    same row of the head, as in the head's own call, and the first split product of a weight is checked against that
-    call bit for bit (a library computing otherwise keeps the head's own call for that weight). Not under CPU
-    autocast (a thread's own setting), nor while another thread's split product holds the threads (no call waits).
+    inference mode. The head's product of one row runs on one core (a matrix-vector product: 6.2 ms for 32000 x 512 in
+    float32, the largest part of a CPU client's time a token), so on a CPU with torch threads to spare a large head's
+    rows are split into `SPLIT_PARTS` parts computed at once on threads of the client's own: each logit is the same dot
+    product, over the same row of the head, as in the head's own call, and the first split product of a weight is
+    checked against that call bit for bit (a library computing otherwise keeps the head's own call for that weight). Not
+    under CPU autocast (a thread's own setting), nor while another thread's split product holds the threads (no call
+    waits).
 
     `lookup` gives token embeddings on the CPU, for the wire. A table on another device (a CUDA client) is read
     through a host copy of it, made at the first lookup and remade when the weight changes: a lookup copies rows,
@@ -159,6 +160,7 @@ def _forget_split_threads() -> None:
 
 if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_forget_split_threads)
+
 SPLIT_PARTS = 4  # the most parts one row's head product is split into (threads: `split_parts`)
 SPLIT_MIN_ELEMENTS = 1 << 22  # heads smaller than this (16 MB in float32) are not worth the threads' hand-offs
 

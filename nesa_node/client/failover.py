@@ -107,11 +107,11 @@ class Failover:
         """Replace the failed node. `position`: tokens the nodes' caches hold; `inputs`: what the client sent per link
         and step (the first link's in direct mode, every link's in relay mode), updated for replaced links in relay
         mode; `step_tokens`: rows x tokens of the step to be sent again (a replacement must announce it takes that
-        many, or announce no limit). Returns True when the node was replaced, False when the chain was kept (only if `may_keep`): it went
-        quiet yet every node answers the probe, or the node that did not had no other node to take its span and
-        answered the longer probe; the step is to be sent again. Raises NoRouteError when no node can take the span,
-        LinkFailed when every replacement failed, PeerUnavailableError when the chain went quiet yet every node still
-        answers (and it may not be kept), or a replacement took over four request timeouts to set up."""
+        many, or announce no limit). Returns True when the node was replaced, False when the chain was kept (only if
+        `may_keep`): it went quiet yet every node answers the probe, or the node that did not had no other node to take
+        its span and answered the longer probe; the step is to be sent again. Raises NoRouteError when no node can take
+        the span, LinkFailed when every replacement failed, PeerUnavailableError when the chain went quiet yet every
+        node still answers (and it may not be kept), or a replacement took over four request timeouts to set up."""
         started = time.perf_counter()
         self._phases = {}
         chain = self.chain

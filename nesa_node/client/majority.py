@@ -128,10 +128,9 @@ class MajoritySession:
         NoConsensusError when a voted span's replicas have no strict majority (the session cannot go on)."""
         if self._broken is not None:
             raise SessionStateError(self._broken)
-        if hidden.dim() != 3 or hidden.shape[0] != self.batch or hidden.shape[1] == 0:  # the caller's, not a replica's
-            raise SessionStateError(
-                f"a step takes hidden states (batch {self.batch}, at least one token, hidden), got {tuple(hidden.shape)}"
-            )
+        if hidden.dim() != 3 or hidden.shape[0] != self.batch or hidden.shape[1] == 0:  # the caller's, no replica's
+            shape = tuple(hidden.shape)
+            raise SessionStateError(f"a step takes hidden states (batch {self.batch}, 1+ tokens, hidden), got {shape}")
         if self.position + hidden.shape[1] > self.max_length:
             raise SessionStateError(
                 f"{self.position + hidden.shape[1]} tokens exceed the session's max_length {self.max_length}"

@@ -163,7 +163,7 @@ class Node:
         if config.rebalance.trigger != "off":
             trigger = make_trigger(config.rebalance.trigger, period_s=config.rebalance.period_s)
         model_config = load_config(config.model_path)
-        max_step_tokens(config, model_config.hidden_size)  # a frame limit that cannot carry a token: said at once
+        step_tokens = max_step_tokens(config, model_config.hidden_size)  # a frame limit too small: said at once
         book = load_schema_book(config.rebalance, model_config.num_hidden_layers)
         spec = SpanSpec(
             config.start_block, config.end_block, compute.dtype, compute.device, compute.quant, compute.cuda_graphs
@@ -209,7 +209,7 @@ class Node:
         )
         node.metrics = node_metrics(network.metrics_port is not None)
         node.sessions = SessionTable(config.limits, budget, metrics=node.metrics)
-        node.sessions.step_tokens = max_step_tokens(config, model_config.hidden_size)
+        node.sessions.step_tokens = step_tokens
         if node.sessions.step_tokens < STEP_TOKENS_CAP:
             logger.warning(
                 "this node takes %d rows x tokens a step (--max-tokens-per-step, --max-message-bytes): clients with "
