@@ -91,7 +91,7 @@ class ClientConfig:
     max_failovers: int = 3
     # nodes announcing a step limit (NodeInfo.max_step_tokens) below this many tokens a row (the session's max_length
     # when less; at most STEP_TOKENS_CAP rows x tokens in all) are not routed to: each would make every prompt go a
-    # few tokens a step. 0: any node
+    # few tokens a step; a node announcing none is sent prompts within this, and fails if it refuses one. 0: any node
     min_step_tokens: int = STEP_TOKENS_FLOOR
     # chains tried when opening a session, and replacements tried in one failover: records of crashed nodes linger
     # until they expire (3 announce periods + 10 s), so after a burst of crashes many dead nodes can be met in a row;

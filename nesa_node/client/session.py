@@ -241,9 +241,9 @@ class InferenceSession:
             self._stepping = False
 
     def _chain_step_tokens(self) -> int:
-        """Rows x tokens of the largest step every node of the chain announces it takes (each is sent the whole step,
-        in either mode); 0 when none announces a limit. Asked again for each part of a long prompt: a replacement
-        may announce a smaller one."""
+        """Rows x tokens of the largest step every node of the chain takes (`SessionChain.step_tokens`: announced, or
+        the floor the session asked; each node is sent the whole step, in either mode); 0 when there is no bound.
+        Asked again for each part of a long prompt: a replacement may announce a smaller one."""
         bounds = [bound for link in self.links.links if (bound := self.links.step_tokens(link))]
         return min(bounds, default=0)
 
@@ -448,9 +448,11 @@ class InferenceSession:
         """Whether the input this client sent `link` under `step_id` passes every check an honest node makes of it:
         three dimensions, finite, of the model's width (once known) and the session's rows, within its max_length
         (`step` checked those two), the only content the client sent it under that id, and no more tokens (rows x
-        seq) than the node announces it takes (`max_step_tokens`: a client splits longer prompts) or than in a step it
-        took before, or one token a row (a node refuses at open a batch over its step limit). A longer prompt to a node
-        that announces no limit may be refused honestly: the caller's error, as before."""
+        seq) than the node takes (`SessionChain.step_tokens`: what it announces, or for a node announcing nothing the
+        floor routing chose it for; a client splits longer prompts) or than in a step it took before, or one token a
+        row (a node refuses at open a batch over its step limit). So a node cannot make a prompt the user's error by
+        announcing no limit. A longer step (with min_step_tokens 0, to a node announcing none) may be refused
+        honestly: the caller's error."""
         record = self._fed.get(link.peer_id)
         if record is None or record[0] != step_id or record[3]:
             return False

@@ -12,7 +12,7 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.errors import BadRequestError, NesaError, NoRouteError, SessionStateError, StepTimeoutError
 from tests.support.models import greedy_tokens
-from tests.support.swarm import wait_for_chain
+from tests.support.swarm import wait_for_chain, wait_until
 
 PROMPT = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]])  # 11 tokens
 NEW_TOKENS = 6
@@ -207,3 +207,46 @@ def test_nodes_announcing_a_step_limit_below_the_clients_floor_are_not_routed_to
     assert config.step_tokens(1, 0) == 0 and ClientConfig(min_step_tokens=0).step_tokens(1, 32) == 0
     with pytest.raises(ValueError, match="min_step_tokens"):  # above what nodes take by default: refused, not capped
         ClientConfig(min_step_tokens=8193)
+
+
+def test_a_node_announcing_no_limit_gets_prompts_within_the_floor_and_fails_if_it_refuses_them(
+    local_swarm, tiny_llama, reference
+):
+    """A first node announcing no step limit (as an older node does) is sent the prompt in parts within the floor the
+    client asked of the chain (min_step_tokens 4 here); refusing one as "too many tokens" does not make the prompt the
+    user's error: it failed, is banned and replaced, and the rest of the prompt goes whole to nodes announcing more."""
+    prefix = "silent-limit"
+    silent = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    honest = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    announce = silent.current_info
+    silent.current_info = lambda: announce().model_copy(update={"max_step_tokens": 0})
+    refused, honest_read = [], silent.compute.read_hidden
+
+    def refuse(frame, codec, *, batch):
+        hidden = honest_read(frame, codec, batch=batch)
+        if hidden.shape[1] > 1:
+            refused.append(hidden.shape[1])
+            raise BadRequestError(f"{hidden.shape[1]} tokens exceed this node's step limit")
+        return hidden
+
+    silent.compute.read_hidden = refuse
+    last_seen = record_steps(last)
+    with connect(local_swarm, tiny_llama, prefix, min_step_tokens=4) as model:
+        wait_for_chain(model, hops=2, max_length=32)
+
+        def announces_none() -> bool:
+            records = model.call(model.swarm.node_records(fresh=True))
+            return any(record.info.peer_id == silent.peer_id and not record.info.max_step_tokens for record in records)
+
+        wait_until(announces_none, 30)
+        model.swarm.ban(honest.peer_id)  # the chain starts on the silent node
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.peer_ids[0] == silent.peer_id
+            model.swarm.unban(honest.peer_id)
+            output = generate(model)
+            failed = [(entry["failed"], entry["replacements"][:1]) for entry in session.failovers]
+        assert torch.equal(output, reference)
+        assert refused == [4] and failed == [(silent.peer_id, [honest.peer_id])], (refused, session.failovers)
+        assert last_seen[:2] == [4, 7], last_seen
+        assert silent.peer_id in model.swarm.banned()

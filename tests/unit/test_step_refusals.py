@@ -25,11 +25,13 @@ HIDDEN = 8
 STEP = "session:5"
 
 
-def session_of(mode: str, hidden_size: int | None = HIDDEN) -> tuple[InferenceSession, list]:
+def session_of(mode: str, hidden_size: int | None = HIDDEN, **settings) -> tuple[InferenceSession, list]:
+    """A session of max_length 32 over three links; `settings`: ClientConfig fields (by default its nodes must take
+    32 tokens a step: min_step_tokens, the session's length being less)."""
     session = InferenceSession(
         SimpleNamespace(announced=lambda peer_id: None),  # the swarm: no node's record at hand
         Chain(hops=()),
-        ClientConfig(mode=mode),
+        ClientConfig(mode=mode, **settings),
         batch=1,
         max_length=32,
         session_id="session",
@@ -66,7 +68,7 @@ def test_a_refusal_of_a_sane_one_token_step_the_client_sent_fails_that_node(mode
 
 
 def test_a_prompt_longer_than_any_step_the_node_took_is_the_callers_error_until_it_took_one():
-    session, (first, _, _) = session_of("direct")
+    session, (first, _, _) = session_of("direct", min_step_tokens=0)  # no floor: nothing says what the node takes
     prompt = torch.ones(1, 5, HIDDEN)
     fed(session, first, prompt)
     with pytest.raises(BadRequestError):  # its step limit may be below 5 tokens: an honest refusal
@@ -96,10 +98,32 @@ def test_the_chains_step_limit_is_the_least_any_of_its_nodes_announces():
     limits = {"first": 0, "middle": 9, "last": 4}  # 0: announces none
     session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=limits[peer_id]))
     assert session._chain_step_tokens() == 4
-    limits.update(middle=0, last=0)
-    assert session._chain_step_tokens() == 0
+    limits.update(middle=0, last=0)  # those announcing none are taken at the floor the session asked: 32 tokens
+    assert session._chain_step_tokens() == 32
+    limits.update(middle=12)
+    assert session._chain_step_tokens() == 12
     session.links.swarm = SimpleNamespace(announced=lambda peer_id: None)  # no records at hand
-    assert session._chain_step_tokens() == 0
+    assert session._chain_step_tokens() == 32
+    unbounded, _ = session_of("direct", min_step_tokens=0)  # no floor asked, none announced: no bound
+    assert unbounded._chain_step_tokens() == 0
+
+
+@pytest.mark.parametrize("mode", ["direct", "relay"])
+def test_a_node_announcing_no_limit_is_held_to_the_floor_the_session_asked(mode):
+    """Announcing no step limit (as an older node does) does not let a node turn a prompt into the user's error: a
+    refusal within the floor routing chose it for (min_step_tokens: 32 tokens here, the session's length) fails it;
+    beyond it, the refusal is the caller's error."""
+    session, (first, middle, _) = session_of(mode)
+    to = first if mode == "direct" else middle
+    session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=0))
+    within, beyond = torch.ones(2, 16, HIDDEN), torch.ones(3, 11, HIDDEN)  # 32 and 33 tokens (rows x seq)
+    fed(session, to, within)
+    with pytest.raises(LinkFailed) as failed:
+        refuse(session, to, to, BadRequestError("too many tokens"), hidden=within)
+    assert failed.value.link is to
+    fed(session, to, beyond, step_id="session:6")
+    with pytest.raises(BadRequestError):
+        refuse(session, to, to, BadRequestError("too many"), hidden=beyond, step_id="session:6", current="session:6")
 
 
 @pytest.mark.parametrize(
