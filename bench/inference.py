@@ -178,7 +178,13 @@ async def aggregate_decode(
     from nesa_node.client.async_model import AsyncDistributedModel
 
     model = await AsyncDistributedModel.from_pretrained(
-        path, initial_peers=peers, dht_prefix=prefix, compression="none", device=args.device, dtype=args.dtype
+        path,
+        initial_peers=peers,
+        dht_prefix=prefix,
+        compression="none",
+        device=args.device,
+        dtype=args.dtype,
+        **dict(args.client_arg),
     )
     try:
         deadline = time.monotonic() + 120
@@ -286,6 +292,17 @@ async def aggregate_decode(
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values) or [float("nan")]
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def client_setting(text: str) -> tuple[str, object]:
+    """NAME=VALUE of --client-arg: (name, the value read as JSON, else the text)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    try:
+        return name, json.loads(value)
+    except json.JSONDecodeError:
+        return name, value
 
 
 def node_threads(args, count: int) -> int:
@@ -464,6 +481,15 @@ def main() -> None:
         help="more `nesa-node run` arguments for every node, e.g. --node-arg='--inline-compute-ms 0' (repeatable)",
     )
     parser.add_argument(
+        "--client-arg",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        type=client_setting,
+        help="a ClientConfig field of the --clients run's client (one process), e.g. --client-arg head_waves=3 "
+        "(repeatable; the value is read as JSON, else as text)",
+    )
+    parser.add_argument(
         "--spy",
         metavar="DIR",
         default=None,
@@ -617,6 +643,7 @@ def main() -> None:
         "compression": args.compression,
         "node_threads": {count: node_threads(args, count) for count in args.nodes},
         "node_args": args.node_arg,
+        "client_args": dict(args.client_arg),
         "baseline_threads": baseline_threads,
         "client_threads": torch.get_num_threads(),
         # the single process, measured before the first swarm and after each one (ratios use the two around a swarm)

@@ -126,7 +126,7 @@ class AsyncDistributedModel(AdapterLookup):
         self.last_verification: dict | None = None  # what the last generation's checks found (audit, canary, majority)
         self.last_receipts = None  # the last audited session's SessionReceipts (verification/receipts.py)
         # next-token scores of concurrent sessions in shared LM head passes
-        self.head = HeadBatcher(self._last_scores, window_s=config.head_batch_window_ms / 1000)
+        self.head = HeadBatcher(self._last_scores, window_s=config.head_batch_window_ms / 1000, waves=config.head_waves)
 
     @classmethod
     async def from_pretrained(

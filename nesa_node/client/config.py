@@ -10,6 +10,8 @@ from nesa_node.protocol.records import STEP_TOKENS_CAP, STEP_TOKENS_FLOOR
 from nesa_node.protocol.tensors import WireCodec
 from nesa_node.routing.cost import RoutingParams
 
+MAX_HEAD_WAVES = 64  # ClientConfig.head_waves: more waves than sessions leaves waves empty; this is already many
+
 MODES = ("direct", "relay")
 
 
@@ -121,6 +123,10 @@ class ClientConfig:
     # sessions' answers expected by then, to score them in one pass (client/head_batch.py, nesa_node/batching.py;
     # the nodes' --batch-window-ms is the same rule); 0: never
     head_batch_window_ms: float = 25.0
+    # groups of sessions the LM head's passes keep apart (client/head_batch.py): with several, the waves go round the
+    # chain one behind the other, the client scoring one while the nodes compute another (best with the nodes'
+    # --batch-window-ms 0, which would otherwise merge them); 1: every session in one wave
+    head_waves: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -138,6 +144,8 @@ class ClientConfig:
             raise ValueError("stability_weight must be in [0, 1] and stability_period_s above 0")
         if not self.head_batch_window_ms >= 0:
             raise ValueError("head_batch_window_ms must be 0 or more")
+        if not 1 <= self.head_waves <= MAX_HEAD_WAVES:
+            raise ValueError(f"head_waves must be 1 to {MAX_HEAD_WAVES}")
         if self.max_failovers < 0 or self.max_open_attempts < 1 or self.max_pinged_candidates < 0:
             raise ValueError("max_failovers and max_pinged_candidates must be >= 0, max_open_attempts >= 1")
         if not 0 <= self.min_step_tokens <= STEP_TOKENS_CAP:

@@ -12,7 +12,14 @@ While no other session is stepping, a pass runs at once on the event loop, as wi
 costs more than it saves). Otherwise passes run on a thread of their own, so the loop keeps reading the other
 sessions' answers meanwhile: answers that arrive while a pass runs form the next pass, and a pass about to start
 waits, within a window (at most half a session's round), for the sessions whose answers are due by then
-(nesa_node/batching.py, the nodes' rule too), so sessions that started apart end up scored together. A row's scores
+(nesa_node/batching.py, the nodes' rule too), so sessions that started apart end up scored together.
+
+With `waves` above 1 the sessions are dealt into that many waves (each new session to the wave with the fewest), and a
+pass scores one wave's sessions only, gathering for that wave's members: the waves go round the chain one behind the
+other, so while the nodes compute one wave's steps the client scores another's (a pipeline; with one wave, every
+process of the chain waits while another computes the round's single batch). A node gathers its passes by the same
+rule, so with waves its gathering window is best 0 (`--batch-window-ms 0`): a window of half a round would merge the
+waves again. A row's scores
 in a pass equal its scores alone up to rounding (a matrix product of several rows may sum in another order), as in a
 node's batched pass. The head reads the client's layers off the event loop: they are fixed once the model is loaded.
 """
@@ -48,15 +55,18 @@ class _Request:
 
 class HeadBatcher:
     """Scores of the rows asked for by concurrent sessions, computed by `head` in shared passes (module docstring).
-    `window_s` caps the gathering window."""
+    `window_s` caps the gathering window; `waves`: the groups of sessions passes keep apart (1: none)."""
 
-    def __init__(self, head: Head, *, window_s: float = 0.025):
+    def __init__(self, head: Head, *, window_s: float = 0.025, waves: int = 1):
+        if waves < 1:
+            raise ValueError(f"waves must be 1 or more, got {waves}")
         self.head = head
         self.window_s = window_s
         self.closed = False
         self.passes = 0  # passes run
         self.batched_passes = 0  # passes that scored the rows of more than one session
-        self.gathering = Gathering(window_s=window_s)
+        self.gatherings = [Gathering(window_s=window_s) for _ in range(waves)]  # one a wave
+        self._waves: dict[Hashable, int] = {}  # member -> its wave (while it is open)
         self.recent_passes: deque[float] = deque(maxlen=RECENT_PASSES)  # seconds of the last passes
         self._waiting: list[_Request] = []
         self._arrival: asyncio.Future | None = None  # resolved when a request joins the queue (a gathering waits)
@@ -69,9 +79,9 @@ class HeadBatcher:
         if self.closed:
             raise SessionStateError("the model is closed")
         now = time.monotonic()
-        self.gathering.arrived(member, now)
+        self.gatherings[self._wave_of(member)].arrived(member, now)
         idle = not self._waiting and (self._runner is None or self._runner.done())
-        if idle and not self.gathering.others_active(member, now):
+        if idle and not any(gathering.others_active(member, now) for gathering in self.gatherings):
             scores, seconds = self._timed(hidden)
             self.recent_passes.append(seconds)
             return scores
@@ -85,7 +95,19 @@ class HeadBatcher:
 
     def forget(self, member: Hashable) -> None:
         """Session `member` closed: none of its answers is expected any more."""
-        self.gathering.forget(member)
+        wave = self._waves.pop(member, None)
+        if wave is not None:
+            self.gatherings[wave].forget(member)
+
+    def _wave_of(self, member: Hashable) -> int:
+        """`member`'s wave: a new member joins the wave with the fewest open members (the first of them)."""
+        wave = self._waves.get(member)
+        if wave is None:
+            sizes = [0] * len(self.gatherings)
+            for taken in self._waves.values():
+                sizes[taken] += 1
+            wave = self._waves[member] = sizes.index(min(sizes))
+        return wave
 
     def _timed(self, hidden: torch.Tensor) -> tuple[torch.Tensor, float]:
         started = time.perf_counter()
@@ -99,9 +121,14 @@ class HeadBatcher:
         try:
             await asyncio.sleep(0)  # requests of this turn of the loop join the first pass
             while self._waiting:
-                await self._gather()
-                batch = [request for request in self._waiting if not request.future.done()]  # not given up
-                self._waiting = []
+                wave = self._waves.get(self._waiting[0].member, 0)  # the oldest request's: its wave's pass is next
+                await self._gather(wave)
+                batch, kept = [], []
+                for request in self._waiting:
+                    if request.future.done():
+                        continue  # given up
+                    (batch if self._waves.get(request.member, 0) == wave else kept).append(request)
+                self._waiting = kept
                 if not batch:
                     continue
                 if self._executor is None:
@@ -132,12 +159,13 @@ class HeadBatcher:
                 request.future.cancel()
             self._waiting = []
 
-    async def _gather(self) -> None:
+    async def _gather(self, wave: int) -> None:
+        """Wait, by the gathering rule, for the members of `wave` expected soon (the oldest request is of it)."""
         late_s = statistics.median(self.recent_passes) if self.recent_passes else 0.0
         loop = asyncio.get_running_loop()
         while self._waiting:
-            queued = {request.member for request in self._waiting}
-            delay = self.gathering.wait_s(queued, self._waiting[0].arrived_s, time.monotonic(), late_s)
+            queued = {request.member for request in self._waiting if self._waves.get(request.member, 0) == wave}
+            delay = self.gatherings[wave].wait_s(queued, self._waiting[0].arrived_s, time.monotonic(), late_s)
             if delay <= 0:
                 return
             self._arrival = loop.create_future()

@@ -14,6 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
+from nesa_node.client.config import ClientConfig
 from nesa_node.sharding.blocks import SpanSpec, load_block_span
 from tests.support.swarm import wait_for_chain, wait_until
 
@@ -53,17 +54,31 @@ def sessions_at_once(swarm, path: str, prefix: str) -> list[torch.Tensor]:
         return generate_concurrently(model)
 
 
-@pytest.mark.parametrize("spans", [((0, 4),), ((0, 2), (2, 4))], ids=["one-node", "two-nodes"])
-def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny_llama, references, spans):
-    prefix = f"batch-{len(spans)}"
-    nodes = [module_swarm.start_node(tiny_llama, start, end, dht_prefix=prefix) for start, end in spans]
+@pytest.mark.parametrize(
+    "spans, waves",
+    [(((0, 4),), 1), (((0, 2), (2, 4)), 1), (((0, 2), (2, 4)), 3)],
+    ids=["one-node", "two-nodes", "two-nodes-3-waves"],
+)
+def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny_llama, references, spans, waves):
+    """With head_waves 3 the client keeps its sessions in 3 waves (passes of 2 sessions, the nodes gathering none):
+    every session's tokens are still its own."""
+    prefix = f"batch-{len(spans)}-{waves}"
+    window = {} if waves == 1 else {"batch_window_ms": 0.0}
+    nodes = [module_swarm.start_node(tiny_llama, start, end, dht_prefix=prefix, **window) for start, end in spans]
     try:
         with DistributedModelForCausalLM.from_pretrained(
-            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, compression="none"
+            tiny_llama,
+            initial_peers=module_swarm.initial_peers,
+            dht_prefix=prefix,
+            compression="none",
+            config=ClientConfig(head_waves=waves),
         ) as model:
             wait_for_chain(model)
+            rows, head = [], model.client.head.head
+            model.client.head.head = lambda hidden: rows.append(hidden.shape[0]) or head(hidden)
             outputs = generate_concurrently(model)
             head_passes = model.client.head.batched_passes
+        assert max(rows) <= len(PROMPTS) // waves and (waves == 1 or max(rows) > 1), rows  # a wave's sessions a pass
         for output, reference in zip(outputs, references, strict=True):
             assert torch.equal(output, reference)
         assert all(node.compute.batches_run > 0 for node in nodes), [node.compute.batches_run for node in nodes]

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from nesa_node.client.config import ClientConfig
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
 from nesa_node.errors import SessionStateError
 
@@ -29,13 +30,13 @@ def linear_head(record: list | None = None, seconds: float = 0.0):
 
 def another_session_stepping(batcher: HeadBatcher) -> None:
     """Make the batcher see another session that is stepping now."""
-    batcher.gathering.arrived("other", time.monotonic())
+    batcher.gatherings[0].arrived("other", time.monotonic())
 
 
 async def test_a_lone_session_is_scored_inline():
     calls = []
     batcher = HeadBatcher(linear_head(calls))
-    batcher.gathering.arrived("stopped", time.monotonic() - 10)  # a session silent for long does not count
+    batcher.gatherings[0].arrived("stopped", time.monotonic() - 10)  # a session silent for long does not count
     for _ in range(3):
         hidden = torch.randn(2, 16)
         torch.testing.assert_close(await batcher.scores(hidden, "a"), hidden @ WEIGHT.T)
@@ -56,6 +57,37 @@ async def test_concurrent_sessions_share_passes_and_each_gets_its_own_rows():
     assert sum(size for size, _ in calls) == sum(hidden.shape[0] for hidden in rows)
     assert len(calls) < len(rows) and batcher.batched_passes >= 1
     assert all(thread != threading.get_ident() for _, thread in calls)  # on the head's own thread
+    await batcher.close()
+
+
+async def test_waves_keep_their_sessions_passes_apart():
+    """With 2 waves the sessions are dealt alternately (a new one to the wave with the fewest open): answers of every
+    session queued together go in one pass a wave, each row still getting its own scores, and no pass mixes the
+    waves; a session that closes frees its place."""
+    calls = []
+    batcher = HeadBatcher(linear_head(calls, seconds=0.01), waves=2)
+    rows = {name: torch.randn(1, 16) for name in "abcde"}
+
+    async def round_of(names: str) -> None:
+        scores = await asyncio.gather(*(batcher.scores(rows[name], name) for name in names))
+        for name, score in zip(names, scores, strict=True):
+            torch.testing.assert_close(score, rows[name] @ WEIGHT.T)
+
+    await round_of("abcd")  # all now stepping
+    assert batcher._waves == {"a": 0, "b": 1, "c": 0, "d": 1}
+    for _ in range(3):
+        calls.clear()
+        await round_of("abcd")
+        assert [size for size, _ in calls] == [2, 2], calls  # {a, c}, then {b, d}
+    batcher.forget("a")
+    batcher.forget("c")
+    await round_of("e")
+    assert batcher._waves["e"] == 0
+    with pytest.raises(ValueError, match="waves"):
+        HeadBatcher(linear_head(), waves=0)
+    for waves in (0, 65):
+        with pytest.raises(ValueError, match="head_waves"):
+            ClientConfig(head_waves=waves)
     await batcher.close()
 
 
