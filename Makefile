@@ -6,8 +6,8 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install sysdeps demo test test-slow lint bench clean deploy-wheels deploy-base deploy-image deploy-prometheus \
-	deploy-check
+.PHONY: install sysdeps demo test test-slow trained-model lint bench clean deploy-wheels deploy-base deploy-image \
+	deploy-prometheus deploy-check
 
 $(STAMP): pyproject.toml setup.py constraints.txt
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH"; exit 1; }
@@ -77,13 +77,19 @@ HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py t
 TEST_WORKERS ?= 2
 PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
-test: $(STAMP) sysdeps lint
+# the trained tiny model of the accuracy and LoRA tests (tests/conftest.py `trained_model`), trained before pytest
+# when this machine has none cached (about 3 minutes on 2 cores): inside a test it would count against that test's
+# timeout, and a worker training it while the other runs tests can take longer than that
+trained-model: $(STAMP)
+	$(PY) -c "from nesa_node.devtools.tiny_train import train_tiny_model; print(train_tiny_model(progress=False).path)"
+
+test: $(STAMP) sysdeps lint trained-model
 	$(TEST_ENV) $(PY) -m pytest -q $(PYTEST_WORKERS) -m "not slow and not serial" tests
 	$(TEST_ENV) $(PY) -m pytest -q -m "serial and not slow" tests
 	# bad input from peers (RELIABILITY.md D, G) again with asserts stripped; `make lint` keeps them out of the package
 	$(TEST_ENV) $(PY) -O -m pytest -q $(HOSTILE_TESTS)
 
-test-slow: $(STAMP) sysdeps
+test-slow: $(STAMP) sysdeps trained-model
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests
 
 bench: $(STAMP)

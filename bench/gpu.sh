@@ -6,7 +6,8 @@
 #
 #   bench/gpu.sh [quick|full|targets|passes]
 #
-# passes (about 6 minutes): 16 sessions through 2 nodes replaying graphs: as by default, with no gathering wait
+# passes (about 8 minutes): 2 and 4 eager nodes (decode against the single process), then 16 sessions through 2 nodes
+# replaying graphs: as by default, with no gathering wait
 # (`--batch-window-ms 0`: a pass takes the steps queued when it starts), and with no wait and the client's sessions in
 # 3 waves that follow each other down the chain (`--client-arg head_waves=3`); then the GPU tests.
 # targets (within a 9-minute lease): the GPU tests, then the figures issue targets need, most uncertain first, each
@@ -53,17 +54,22 @@ GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py
     tests/unit/test_decode_gathering.py tests/unit/test_embed_lookup.py)
 if [ "${1:-quick}" = passes ]; then
-    # 16 sessions through 2 nodes replaying CUDA graphs (one client process, then 16): nodes as by default, nodes that
-    # never wait to gather a pass (the last GPU profile: 2.5-3 ms of each pass waiting), and those with the client's
-    # sessions in 3 waves (ClientConfig.head_waves: the client scores one wave while the nodes compute the others, a
-    # pipeline; one process's sessions only); then the GPU tests (about 6 minutes on one H200). Capping passes at 8
-    # steps with no wait gave less than either (558 and 697 tokens/s against 582 and 759).
-    for variant in default:--batch-window-ms=25:head_waves=1 window0:--batch-window-ms=0:head_waves=1 \
-        window0-waves3:--batch-window-ms=0:head_waves=3; do
-        IFS=: read -r name node_arg client_arg <<<"$variant"
-        STEP_TIMEOUT_S=130 step "clients16-$name" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 \
-            --client-processes --clients-only --modes direct --forward-repeats 0 --node-arg="$node_arg" \
-            --client-arg "$client_arg" --keep-logs "$OUT/clients16-$name-nodes"
+    # First the nodes as by default (eager, no graphs): decode through 2 and 4 of them against the single process, the
+    # issue's figure for default nodes, not measured since the host-side work of a step was cut. Then 16 sessions
+    # through 2 nodes replaying CUDA graphs (one client process, then 16): nodes as by default, nodes that never wait
+    # to gather a pass (the last GPU profile: 2.5-3 ms of each pass waiting), and those with the client's sessions in
+    # 3 waves (ClientConfig.head_waves: the client scores one wave while the nodes compute the others, a pipeline; one
+    # process's sessions only); then the GPU tests (about 8 minutes on one H200). Capping passes at 8 steps with no
+    # wait gave less than either (558 and 697 tokens/s against 582 and 759).
+    STEP_TIMEOUT_S=180 step eager-nodes "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct --forward-repeats 0 \
+        --keep-logs "$OUT/eager-nodes"
+    # (name:node setting:client setting:more arguments; the waves are one process's, so no 16-process twin there)
+    for variant in default:--batch-window-ms=25:head_waves=1:--client-processes \
+        window0:--batch-window-ms=0:head_waves=1:--client-processes window0-waves3:--batch-window-ms=0:head_waves=3:; do
+        IFS=: read -r name node_arg client_arg more <<<"$variant"
+        STEP_TIMEOUT_S=130 step "clients16-$name" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 $more \
+            --clients-only --modes direct --forward-repeats 0 --node-arg="$node_arg" --client-arg "$client_arg" \
+            --keep-logs "$OUT/clients16-$name-nodes"
     done
     STEP_TIMEOUT_S=90 step gpu-tests "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}"
     tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"

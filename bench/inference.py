@@ -181,10 +181,9 @@ async def aggregate_decode(
         path,
         initial_peers=peers,
         dht_prefix=prefix,
-        compression="none",
         device=args.device,
         dtype=args.dtype,
-        **dict(args.client_arg),
+        **{"compression": "none", **dict(args.client_arg)},
     )
     try:
         deadline = time.monotonic() + 120
@@ -296,9 +295,13 @@ def percentile(values: list[float], q: float) -> float:
 
 def client_setting(text: str) -> tuple[str, object]:
     """NAME=VALUE of --client-arg: (name, the value read as JSON, else the text)."""
+    from nesa_node.client.config import CONFIG_FIELDS
+
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    if name not in CONFIG_FIELDS or name == "compression":  # the run's own: --compression
+        raise argparse.ArgumentTypeError(f"{name!r} is not a ClientConfig field this run leaves open")
     try:
         return name, json.loads(value)
     except json.JSONDecodeError:

@@ -66,7 +66,8 @@ def _usable(node: NodeView, request: ChainRequest) -> bool:
             return False
         if node.cache_tokens_left < request.batch * request.max_length:
             return False
-    return not (request.step_tokens and node.max_step_tokens and node.max_step_tokens < request.step_tokens)
+    limit = node.max_step_tokens or request.unannounced_tokens
+    return not (request.step_tokens and limit and limit < request.step_tokens)
 
 
 def _gets_adapter(node: NodeView, request: ChainRequest) -> bool:
@@ -95,7 +96,8 @@ def usable_nodes(snapshot: SwarmSnapshot, request: ChainRequest, moves: Moves | 
         mask &= (arrays.max_length == 0) | (request.max_length <= arrays.max_length)
         mask &= arrays.cache_tokens_left >= request.batch * request.max_length
     if request.step_tokens:
-        mask &= (arrays.max_step_tokens == 0) | (arrays.max_step_tokens >= request.step_tokens)
+        limits = np.where(arrays.max_step_tokens == 0, request.unannounced_tokens, arrays.max_step_tokens)
+        mask &= (limits == 0) | (limits >= request.step_tokens)
     if moves.enter_anywhere:
         mask &= (arrays.start < end) & (arrays.end > first)
     else:

@@ -34,7 +34,7 @@ class NodeView:
     inference_tps: float = 0.0  # tokens/s through the node's whole span, one token at a time
     cache_tokens_left: int = 0
     max_length: int = 0  # 0: unknown/unlimited
-    max_step_tokens: int = 0  # rows x tokens of the largest step the node takes; 0: unknown/unlimited
+    max_step_tokens: int = 0  # rows x tokens of the largest step the node takes; 0: not announced (unannounced_tokens)
     rtt_ms: float | None = None  # measured by the client
     codecs: tuple[str, ...] = ("none",)  # hidden-state codecs the node accepts
     draining: bool = False  # finishing its sessions, takes no new ones
@@ -68,6 +68,8 @@ class ChainRequest:
     max_length: int = 0  # tokens the session reserves; 0: a cacheless forward
     # rows x tokens of a step every node of the chain must take (a prompt's part under way, say); 0: any
     step_tokens: int = 0
+    # what a node announcing no step limit is taken to take (the client's floor: it is held to that); 0: anything
+    unannounced_tokens: int = 0
     exclude: frozenset[str] = field(default_factory=frozenset)  # peer ids not to use
     start_block: int = 0  # the chain covers blocks [start_block, end_block): a sub-range replaces a lost span
     end_block: int | None = None  # None: the model's last block + 1

@@ -506,12 +506,13 @@ class AsyncDistributedModel(AdapterLookup):
                     return
                 new = token[:, None]  # (batch, 1): the next step, unless it was sent ahead
         finally:
+            # first: its next scores are no longer waited for, nor its wave held (even if the waits below are cut)
+            self.head.forget(id(session))
             if ahead is not None:  # the consumer stopped early: the session is closed, by us or by the caller
                 ahead.cancel()
                 await asyncio.wait([ahead])  # raises only if this task itself is cancelled
                 if not ahead.cancelled() and ahead.exception() is not None:
                     logger.debug("the step sent ahead failed after the stream stopped: %r", ahead.exception())
-            self.head.forget(id(session))  # its next scores are no longer waited for
             if owned:
                 await session.close()
 

@@ -106,12 +106,13 @@ class Failover:
     ) -> bool:
         """Replace the failed node. `position`: tokens the nodes' caches hold; `inputs`: what the client sent per link
         and step (the first link's in direct mode, every link's in relay mode), updated for replaced links in relay
-        mode; `step_tokens`: rows x tokens of the step to be sent again (a replacement must announce it takes that
-        many, or announce no limit). Returns True when the node was replaced, False when the chain was kept (only if
-        `may_keep`): it went quiet yet every node answers the probe, or the node that did not had no other node to take
-        its span and answered the longer probe; the step is to be sent again. Raises NoRouteError when no node can take
-        the span, LinkFailed when every replacement failed, PeerUnavailableError when the chain went quiet yet every
-        node still answers (and it may not be kept), or a replacement took over four request timeouts to set up."""
+        mode; `step_tokens`: rows x tokens of the step to be sent again (a replacement must announce it takes that many,
+        or announce no limit when that is within the session's floor). Returns True when the node was replaced, False
+        when the chain was kept (only if `may_keep`): it went quiet yet every node answers the probe, or the node that
+        did not had no other node to take its span and answered the longer probe; the step is to be sent again. Raises
+        NoRouteError when no node can take the span, LinkFailed when every replacement failed, PeerUnavailableError when
+        the chain went quiet yet every node still answers (and it may not be kept), or a replacement took over four
+        request timeouts to set up."""
         started = time.perf_counter()
         self._phases = {}
         chain = self.chain
@@ -143,6 +144,7 @@ class Failover:
                 batch=chain.batch,
                 max_length=chain.max_length,
                 step_tokens=step_tokens,
+                unannounced_tokens=chain.floor_tokens(),  # one announcing no limit is held to the floor
                 exclude=frozenset(link.peer_id for link in chain.links),  # reroute adds the banned peers
                 start_block=lost.start_block,
                 end_block=lost.end_block,

@@ -120,7 +120,10 @@ class HeadBatcher:
         batch: list[_Request] = []
         try:
             await asyncio.sleep(0)  # requests of this turn of the loop join the first pass
-            while self._waiting:
+            while True:
+                self._waiting = [request for request in self._waiting if not request.future.done()]  # not given up
+                if not self._waiting:
+                    break
                 wave = self._waves.get(self._waiting[0].member, 0)  # the oldest request's: its wave's pass is next
                 await self._gather(wave)
                 batch, kept = [], []

@@ -55,8 +55,12 @@ def explain_missing(
             reason = "not online"
         elif request.adapter is not None and request.adapter not in node.adapters:
             reason = f"without adapter {request.adapter[:12]}"
-        elif request.step_tokens and 0 < node.max_step_tokens < request.step_tokens:
-            reason = f"takes {node.max_step_tokens} tokens a step, {request.step_tokens} asked"
+        elif request.step_tokens and 0 < (node.max_step_tokens or request.unannounced_tokens) < request.step_tokens:
+            reason = (
+                f"takes {node.max_step_tokens} tokens a step, {request.step_tokens} asked"
+                if node.max_step_tokens
+                else f"announces no step limit (held to {request.unannounced_tokens} tokens), {request.step_tokens} asked"
+            )
         else:
             reason = f"{node.cache_tokens_left} cache tokens left"
         seen.append(f"{node.peer_id[-8:]} (blocks {node.start_block}:{node.end_block}, {reason})")

@@ -449,7 +449,7 @@ class InferenceSession:
         three dimensions, finite, of the model's width (once known) and the session's rows, within its max_length
         (`step` checked those two), the only content the client sent it under that id, and no more tokens (rows x
         seq) than the node takes (`SessionChain.step_tokens`: what it announces, or for a node announcing nothing the
-        floor routing chose it for; a client splits longer prompts) or than in a step it took before, or one token a
+        floor the session asks of its chain; a client splits longer prompts) or than in a step it took before, or one token a
         row (a node refuses at open a batch over its step limit). So a node cannot make a prompt the user's error by
         announcing no limit. A longer step (with min_step_tokens 0, to a node announcing none) may be refused
         honestly: the caller's error."""

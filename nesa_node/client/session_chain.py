@@ -524,12 +524,17 @@ class SessionChain:
 
     def step_tokens(self, link: ChainLink) -> int:
         """Rows x tokens of the largest step `link`'s node takes, as this client holds it: the limit it announces
-        (NodeInfo.max_step_tokens), else (a node that does not say, or no record at hand) what the session asked of
-        every node of its chain (ClientConfig.step_tokens: routing took the node as taking that much); 0: neither
-        (min_step_tokens 0). A node refusing a step within it has failed (InferenceSession._own_input_sane)."""
+        (NodeInfo.max_step_tokens), else (a node that does not say, or no record at hand) what the session asks of
+        every node of its chain (`floor_tokens`); 0: neither (min_step_tokens 0). A node refusing a step within it
+        has failed (InferenceSession._own_input_sane)."""
         info = self.swarm.announced(link.peer_id)
         announced = info.max_step_tokens if info is not None else 0
-        return announced or self.config.step_tokens(self.batch, self.max_length)
+        return announced or self.floor_tokens()
+
+    def floor_tokens(self) -> int:
+        """Rows x tokens of a step the session asks every node of its chain to take (ClientConfig.step_tokens; 0:
+        none): what a node announcing no limit is held to (routing's ChainRequest.unannounced_tokens)."""
+        return self.config.step_tokens(self.batch, self.max_length)
 
     async def replay(self, links: list[ChainLink], history: torch.Tensor) -> list[list[torch.Tensor]]:
         """Rebuild the caches of replacement nodes: the history (batch, position, hidden) goes through them one by

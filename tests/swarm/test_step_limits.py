@@ -54,6 +54,21 @@ def record_steps(node) -> list[int]:
     return seen
 
 
+def refuse_prompts(node) -> list[int]:
+    """`node` refuses every step of more than one token as over its step limit; the tokens of each it refused."""
+    refused, honest_read = [], node.compute.read_hidden
+
+    def refuse(frame, codec, *, batch):
+        hidden = honest_read(frame, codec, batch=batch)
+        if hidden.shape[1] > 1:
+            refused.append(hidden.shape[1])
+            raise BadRequestError(f"{hidden.shape[1]} tokens exceed this node's step limit")
+        return hidden
+
+    node.compute.read_hidden = refuse
+    return refused
+
+
 @pytest.mark.parametrize("mode", ["direct", "relay"])
 def test_a_prompt_longer_than_a_node_takes_goes_in_steps_within_every_limit(local_swarm, tiny_llama, reference, mode):
     """The first node takes 4 tokens a step, the last 3: the 11-token prompt goes in steps of at most 3, and the
@@ -82,26 +97,31 @@ def test_a_prompt_longer_than_a_node_takes_goes_in_steps_within_every_limit(loca
     assert sum(seen[spare.peer_id]) >= len(PROMPT[0]) + 2  # the whole history, replayed in chunks it takes
 
 
-def test_a_node_refusing_a_prompt_within_the_limit_it_announced_is_replaced(local_swarm, tiny_llama, reference):
+@pytest.mark.parametrize("announces", ["its-limit", "none"])
+def test_a_node_refusing_a_prompt_it_should_take_is_replaced(local_swarm, tiny_llama, reference, announces):
     """A first node answering "too many tokens" to a prompt within the step limit it announces would make the user's
     prompt their own error (a gateway's 400): it failed, and is replaced; a prompt the chain's records say no node
-    takes is never sent whole."""
-    prefix = "prompt-refuser"
+    takes is never sent whole. Announcing no limit (as an older node does) is no way out: such a node is sent the
+    prompt in parts within the floor the client asked of the chain (min_step_tokens 4 here), and refusing one fails
+    it the same; the rest of the prompt goes whole to the nodes announcing more."""
+    prefix = f"prompt-refuser-{announces}"
     liar = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
     honest = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
-    local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
-    refused, honest_read = [], liar.compute.read_hidden
-
-    def lie(frame, codec, *, batch):  # a prompt "is too long", although within the 8192 tokens it announces
-        hidden = honest_read(frame, codec, batch=batch)
-        if hidden.shape[1] > 1:
-            refused.append(hidden.shape[1])
-            raise BadRequestError(f"{hidden.shape[1]} tokens exceed this node's step limit")
-        return hidden
-
-    liar.compute.read_hidden = lie
-    with connect(local_swarm, tiny_llama, prefix) as model:
+    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    if announces == "none":
+        announce = liar.current_info
+        liar.current_info = lambda: announce().model_copy(update={"max_step_tokens": 0})
+    refused = refuse_prompts(liar)  # a prompt "is too long", although within what the node should take
+    last_seen = record_steps(last)
+    settings, parts = ({}, [11]) if announces == "its-limit" else ({"min_step_tokens": 4}, [4, 7])
+    with connect(local_swarm, tiny_llama, prefix, **settings) as model:
         wait_for_chain(model, hops=2, max_length=32)
+
+        def announced() -> int | None:
+            records = model.call(model.swarm.node_records(fresh=True))
+            return next((r.info.max_step_tokens for r in records if r.info.peer_id == liar.peer_id), None)
+
+        wait_until(lambda: announced() == (8192 if announces == "its-limit" else 0), 30)
         model.swarm.ban(honest.peer_id)  # the chain starts on the liar
         with model.inference_session(max_length=32) as session:
             assert session.chain.peer_ids[0] == liar.peer_id
@@ -109,7 +129,8 @@ def test_a_node_refusing_a_prompt_within_the_limit_it_announced_is_replaced(loca
             output = generate(model)
             failed = [(entry["failed"], entry["replacements"][:1]) for entry in session.failovers]
         assert torch.equal(output, reference)
-        assert refused == [len(PROMPT[0])] and failed == [(liar.peer_id, [honest.peer_id])], session.failovers
+        assert refused == parts[:1] and failed == [(liar.peer_id, [honest.peer_id])], (refused, session.failovers)
+        assert last_seen[: len(parts)] == parts, last_seen
         assert liar.peer_id in model.swarm.banned()
 
 
@@ -207,46 +228,3 @@ def test_nodes_announcing_a_step_limit_below_the_clients_floor_are_not_routed_to
     assert config.step_tokens(1, 0) == 0 and ClientConfig(min_step_tokens=0).step_tokens(1, 32) == 0
     with pytest.raises(ValueError, match="min_step_tokens"):  # above what nodes take by default: refused, not capped
         ClientConfig(min_step_tokens=8193)
-
-
-def test_a_node_announcing_no_limit_gets_prompts_within_the_floor_and_fails_if_it_refuses_them(
-    local_swarm, tiny_llama, reference
-):
-    """A first node announcing no step limit (as an older node does) is sent the prompt in parts within the floor the
-    client asked of the chain (min_step_tokens 4 here); refusing one as "too many tokens" does not make the prompt the
-    user's error: it failed, is banned and replaced, and the rest of the prompt goes whole to nodes announcing more."""
-    prefix = "silent-limit"
-    silent = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
-    honest = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
-    last = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
-    announce = silent.current_info
-    silent.current_info = lambda: announce().model_copy(update={"max_step_tokens": 0})
-    refused, honest_read = [], silent.compute.read_hidden
-
-    def refuse(frame, codec, *, batch):
-        hidden = honest_read(frame, codec, batch=batch)
-        if hidden.shape[1] > 1:
-            refused.append(hidden.shape[1])
-            raise BadRequestError(f"{hidden.shape[1]} tokens exceed this node's step limit")
-        return hidden
-
-    silent.compute.read_hidden = refuse
-    last_seen = record_steps(last)
-    with connect(local_swarm, tiny_llama, prefix, min_step_tokens=4) as model:
-        wait_for_chain(model, hops=2, max_length=32)
-
-        def announces_none() -> bool:
-            records = model.call(model.swarm.node_records(fresh=True))
-            return any(record.info.peer_id == silent.peer_id and not record.info.max_step_tokens for record in records)
-
-        wait_until(announces_none, 30)
-        model.swarm.ban(honest.peer_id)  # the chain starts on the silent node
-        with model.inference_session(max_length=32) as session:
-            assert session.chain.peer_ids[0] == silent.peer_id
-            model.swarm.unban(honest.peer_id)
-            output = generate(model)
-            failed = [(entry["failed"], entry["replacements"][:1]) for entry in session.failovers]
-        assert torch.equal(output, reference)
-        assert refused == [4] and failed == [(silent.peer_id, [honest.peer_id])], (refused, session.failovers)
-        assert last_seen[:2] == [4, 7], last_seen
-        assert silent.peer_id in model.swarm.banned()

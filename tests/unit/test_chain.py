@@ -1,9 +1,11 @@
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from nesa_node.errors import NoRouteError
-from nesa_node.routing.chain import ChainRequest, NodeView, SwarmSnapshot, select_chain
+from nesa_node.routing.chain import ChainRequest, NodeView, SwarmSnapshot, select_chain, usable_nodes
 
 
 def node(peer: str, start: int, end: int, **kwargs) -> NodeView:
@@ -51,6 +53,15 @@ def test_nodes_announcing_a_smaller_step_limit_than_the_step_asks_are_skipped():
     unannounced = SwarmSnapshot(num_blocks=2, nodes=(node("a", 0, 2, max_step_tokens=100),))
     with pytest.raises(NoRouteError):
         select_chain(unannounced, ChainRequest(step_tokens=101))
+    # a node announcing none is held to the client's floor (unannounced_tokens): it takes a part within it only
+    floor = ChainRequest(step_tokens=101, unannounced_tokens=256)
+    assert select_chain(snapshot, floor).peer_ids == ("b",)
+    assert select_chain(snapshot, dataclasses.replace(floor, step_tokens=256)).peer_ids == ("b",)
+    with pytest.raises(NoRouteError):
+        select_chain(snapshot, dataclasses.replace(floor, step_tokens=257))
+    assert list(usable_nodes(snapshot, dataclasses.replace(floor, step_tokens=257))) == [False, False]
+    assert list(usable_nodes(snapshot, floor)) == [False, True]
+    assert list(usable_nodes(snapshot, dataclasses.replace(floor, unannounced_tokens=0))) == [False, True]
 
 
 spans = st.lists(st.tuples(st.integers(0, 11), st.integers(1, 6), st.booleans()), max_size=14)

@@ -54,7 +54,9 @@ def chain_of(*peers: str) -> SimpleNamespace:
         )
         for index, peer in enumerate(peers)
     ]
-    return SimpleNamespace(links=links, batch=1, max_length=32, adapter=None, adapter_block_bytes=0.0)
+    return SimpleNamespace(
+        links=links, batch=1, max_length=32, adapter=None, adapter_block_bytes=0.0, floor_tokens=lambda: 0
+    )
 
 
 async def no_route(request):
@@ -149,3 +151,22 @@ def test_a_quiet_node_banned_for_a_fault_meanwhile_is_not_kept():
     with pytest.raises(NoRouteError):
         recover(failover, LinkFailed("no answer from the chain within 1.0 s", None))
     assert swarm.pinged == [("b", 4.0)] and swarm.bans == {"b"} and failover.recoveries == []
+
+
+def test_a_replacement_is_asked_for_the_step_under_way_and_one_announcing_no_limit_held_to_the_floor():
+    """The route asked for a replacement carries the rows x tokens of the step to be sent again whole and the
+    session's floor, what a node announcing no step limit is held to (so it is not given a larger part)."""
+    swarm, asked = FakeSwarm(silent={"b"}), []  # gone: not opened again when no route is found
+    chain = chain_of("a", "b")
+    chain.floor_tokens = lambda: 4
+
+    async def route(request):
+        asked.append((request.step_tokens, request.unannounced_tokens, request.start_block, request.end_block))
+        return await no_route(request)
+
+    failover = Failover(chain, swarm, route, max_replacement_attempts=2, probe_timeout_s=1.0)
+    with pytest.raises(NoRouteError):
+        asyncio.run(
+            failover.recover(LinkFailed("b: stream reset", chain.links[1]), position=5, inputs=[], step_tokens=8)
+        )
+    assert asked == [(8, 4, 2, 4)]

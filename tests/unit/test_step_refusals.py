@@ -79,17 +79,27 @@ def test_a_prompt_longer_than_any_step_the_node_took_is_the_callers_error_until_
 
 
 @pytest.mark.parametrize("mode", ["direct", "relay"])
-def test_a_prompt_within_the_step_limit_the_node_announces_is_its_fault_and_beyond_it_the_callers(mode):
+@pytest.mark.parametrize(
+    "announced, within, beyond",
+    [(6, (2, 3), (2, 4)), (0, (2, 16), (3, 11))],  # rows x seq: 6 and 8 tokens; 32 and 33
+    ids=["announced-6", "announced-none"],
+)
+def test_a_prompt_within_the_step_limit_the_node_takes_is_its_fault_and_beyond_it_the_callers(
+    mode, announced, within, beyond
+):
+    """Within the limit a node announces, or for a node announcing none (as an older node does) within the floor
+    routing chose it for (min_step_tokens: 32 tokens here, the session's length), a refusal fails the node: it
+    cannot turn a prompt into the user's error; beyond it, the refusal is the caller's error."""
     session, (first, middle, _) = session_of(mode)
     to = first if mode == "direct" else middle
-    session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=6))
-    within, beyond = torch.ones(2, 3, HIDDEN), torch.ones(2, 4, HIDDEN)  # 6 and 8 tokens (rows x seq)
+    session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=announced))
+    within, beyond = torch.ones(*within, HIDDEN), torch.ones(*beyond, HIDDEN)
     fed(session, to, within)
     with pytest.raises(LinkFailed) as failed:
         refuse(session, to, to, BadRequestError("too many tokens"), hidden=within)
     assert failed.value.link is to
     fed(session, to, beyond, step_id="session:6")
-    with pytest.raises(BadRequestError):  # over what it announces: an honest node refuses it
+    with pytest.raises(BadRequestError):  # over what it takes: an honest node refuses it
         refuse(session, to, to, BadRequestError("too many"), hidden=beyond, step_id="session:6", current="session:6")
 
 
@@ -106,24 +116,6 @@ def test_the_chains_step_limit_is_the_least_any_of_its_nodes_announces():
     assert session._chain_step_tokens() == 32
     unbounded, _ = session_of("direct", min_step_tokens=0)  # no floor asked, none announced: no bound
     assert unbounded._chain_step_tokens() == 0
-
-
-@pytest.mark.parametrize("mode", ["direct", "relay"])
-def test_a_node_announcing_no_limit_is_held_to_the_floor_the_session_asked(mode):
-    """Announcing no step limit (as an older node does) does not let a node turn a prompt into the user's error: a
-    refusal within the floor routing chose it for (min_step_tokens: 32 tokens here, the session's length) fails it;
-    beyond it, the refusal is the caller's error."""
-    session, (first, middle, _) = session_of(mode)
-    to = first if mode == "direct" else middle
-    session.links.swarm = SimpleNamespace(announced=lambda peer_id: SimpleNamespace(max_step_tokens=0))
-    within, beyond = torch.ones(2, 16, HIDDEN), torch.ones(3, 11, HIDDEN)  # 32 and 33 tokens (rows x seq)
-    fed(session, to, within)
-    with pytest.raises(LinkFailed) as failed:
-        refuse(session, to, to, BadRequestError("too many tokens"), hidden=within)
-    assert failed.value.link is to
-    fed(session, to, beyond, step_id="session:6")
-    with pytest.raises(BadRequestError):
-        refuse(session, to, to, BadRequestError("too many"), hidden=beyond, step_id="session:6", current="session:6")
 
 
 @pytest.mark.parametrize(
@@ -210,3 +202,6 @@ def test_a_no_route_message_says_which_nodes_take_too_few_tokens_a_step():
     )
     said = explain_missing(snapshot, ChainRequest(max_length=32, step_tokens=32), frozenset())
     assert "takes 16 tokens a step, 32 asked" in said
+    silent = SwarmSnapshot(num_blocks=2, nodes=(NodeView("QmNoLimit", 0, 2, cache_tokens_left=999),))
+    said = explain_missing(silent, ChainRequest(max_length=32, step_tokens=300, unannounced_tokens=256), frozenset())
+    assert "announces no step limit (held to 256 tokens), 300 asked" in said
