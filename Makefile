@@ -72,13 +72,13 @@ HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py t
 # `make test` runs in passes. First every test but those marked `serial`, in TEST_WORKERS pytest-xdist workers, each
 # given whole test files (their module-scoped swarms stay in one worker); then the `serial` ones alone: they measure
 # time or throughput (recovery bounds, link measurements, a shaped link's speed-up), which another worker's load
-# would skew. On 2 cores `make test` takes about 25 minutes this way (lint 0.3, parallel pass 16-18, serial 5.5, `-O`
-# 1.8). TEST_WORKERS=0: one process for all.
+# would skew. On 2 cores `make test` takes about 25 minutes this way (lint 0.3, the trained model 2-3 where none is
+# cached, parallel pass 16-18, serial 5.5, `-O` 1.8). TEST_WORKERS=0: one process for all.
 TEST_WORKERS ?= 2
 PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 # the trained tiny model of the accuracy and LoRA tests (tests/conftest.py `trained_model`), trained before pytest
-# when this machine has none cached (about 3 minutes on 2 cores): inside a test it would count against that test's
+# when this machine has none cached (2 to 3 minutes on 2 cores): inside a test it would count against that test's
 # timeout, and a worker training it while the other runs tests can take longer than that
 trained-model: $(STAMP)
 	$(PY) -c "from nesa_node.devtools.tiny_train import train_tiny_model; print(train_tiny_model(progress=False).path)"
@@ -89,7 +89,7 @@ test: $(STAMP) sysdeps lint trained-model
 	# bad input from peers (RELIABILITY.md D, G) again with asserts stripped; `make lint` keeps them out of the package
 	$(TEST_ENV) $(PY) -O -m pytest -q $(HOSTILE_TESTS)
 
-test-slow: $(STAMP) sysdeps trained-model
+test-slow: $(STAMP) sysdeps
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests
 
 bench: $(STAMP)

@@ -6,7 +6,7 @@
 #
 #   bench/gpu.sh [quick|full|targets|passes]
 #
-# passes (about 8 minutes): 2 and 4 eager nodes (decode against the single process), then 16 sessions through 2 nodes
+# passes (at most 580 s of step limits, under a 10-minute command): 2 and 4 eager nodes (decode against the single process), then 16 sessions through 2 nodes
 # replaying graphs: as by default, with no gathering wait
 # (`--batch-window-ms 0`: a pass takes the steps queued when it starts), and with no wait and the client's sessions in
 # 3 waves that follow each other down the chain (`--client-arg head_waves=3`); then the GPU tests.
@@ -61,17 +61,17 @@ if [ "${1:-quick}" = passes ]; then
     # 3 waves (ClientConfig.head_waves: the client scores one wave while the nodes compute the others, a pipeline; one
     # process's sessions only); then the GPU tests (about 8 minutes on one H200). Capping passes at 8 steps with no
     # wait gave less than either (558 and 697 tokens/s against 582 and 759).
-    STEP_TIMEOUT_S=180 step eager-nodes "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct --forward-repeats 0 \
+    STEP_TIMEOUT_S=170 step eager-nodes "$PY" "${SWARM[@]}" --nodes 2 4 --modes direct --forward-repeats 0 \
         --keep-logs "$OUT/eager-nodes"
     # (name:node setting:client setting:more arguments; the waves are one process's, so no 16-process twin there)
     for variant in default:--batch-window-ms=25:head_waves=1:--client-processes \
         window0:--batch-window-ms=0:head_waves=1:--client-processes window0-waves3:--batch-window-ms=0:head_waves=3:; do
         IFS=: read -r name node_arg client_arg more <<<"$variant"
-        STEP_TIMEOUT_S=130 step "clients16-$name" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 $more \
+        STEP_TIMEOUT_S=110 step "clients16-$name" "$PY" "${SWARM[@]}" --cuda-graphs --nodes 2 --clients 16 $more \
             --clients-only --modes direct --forward-repeats 0 --node-arg="$node_arg" --client-arg "$client_arg" \
             --keep-logs "$OUT/clients16-$name-nodes"
     done
-    STEP_TIMEOUT_S=90 step gpu-tests "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}"
+    STEP_TIMEOUT_S=80 step gpu-tests "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}"
     tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")" && echo "== $OUT.tgz: $(du -h "$OUT.tgz" | cut -f1)"
     exit 0
 fi

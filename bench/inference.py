@@ -183,7 +183,8 @@ async def aggregate_decode(
         dht_prefix=prefix,
         device=args.device,
         dtype=args.dtype,
-        **{"compression": "none", **dict(args.client_arg)},
+        compression="none",
+        **dict(args.client_arg),
     )
     try:
         deadline = time.monotonic() + 120
@@ -300,7 +301,7 @@ def client_setting(text: str) -> tuple[str, object]:
     name, sep, value = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
-    if name not in CONFIG_FIELDS or name == "compression":  # the run's own: --compression
+    if name not in CONFIG_FIELDS or name == "compression":  # the --clients run is lossless: tokens are compared
         raise argparse.ArgumentTypeError(f"{name!r} is not a ClientConfig field this run leaves open")
     try:
         return name, json.loads(value)

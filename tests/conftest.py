@@ -34,8 +34,8 @@ def trained_model() -> str:
 
     from nesa_node.devtools.tiny_train import default_cache_dir, train_tiny_model
 
-    # `make test` runs pytest in several workers: the first to need the model trains it, the others wait for it
-    # instead of training the same weights at once
+    # `make test` trains it before pytest (`make trained-model`); a bare pytest run in several workers has the first
+    # to need it train it, the others waiting for it instead of training the same weights at once
     default_cache_dir().mkdir(parents=True, exist_ok=True)
     with open(default_cache_dir() / ".tests.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

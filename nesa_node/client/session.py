@@ -254,7 +254,7 @@ class InferenceSession:
         # what a replacement must take at once: this step (a prompt's part), and what any node of the chain must
         step_tokens = max(
             hidden.shape[0] * hidden.shape[1] if hidden.shape[1] > 1 else 0,
-            self.config.step_tokens(self.batch, self.max_length),
+            self.links.floor_tokens(),
         )
         failure: LinkFailed | None = None
         kept = False
