@@ -528,12 +528,10 @@ class SessionChain:
         every node of its chain (`floor_tokens`); 0: neither (min_step_tokens 0). A node refusing a step within it
         has failed (InferenceSession._own_input_sane)."""
         info = self.swarm.announced(link.peer_id)
-        announced = info.max_step_tokens if info is not None else 0
-        return announced or self.floor_tokens()
+        return (info.max_step_tokens if info is not None else 0) or self.floor_tokens()
 
     def floor_tokens(self) -> int:
-        """Rows x tokens of a step the session asks every node of its chain to take (ClientConfig.step_tokens; 0:
-        none): what a node announcing no limit is held to (routing's ChainRequest.unannounced_tokens)."""
+        """What the session asks every node of its chain to take a step (ClientConfig.step_tokens; 0: none)."""
         return self.config.step_tokens(self.batch, self.max_length)
 
     async def replay(self, links: list[ChainLink], history: torch.Tensor) -> list[list[torch.Tensor]]:
