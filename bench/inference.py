@@ -2,7 +2,10 @@
 
 Prints one JSON line. Speeds are also given as ratios to the single-process baseline measured in the same run,
 since absolute timings on a shared machine are noisy: the single process is measured before the first swarm and again
-after each one, and each swarm's ratios use the two measurements around it.
+after each one, and each swarm's ratios use the two measurements around it. Where the machine's speed drifts within
+seconds (a shared VM: 25% between runs of a few seconds), the `paired_*` figures are the steadier ones: each timed
+generation through the swarm follows one of the single process (the nodes idle meanwhile), and they are the medians
+of the pairs' decode ratios and first-token differences.
 
     python bench/inference.py [--layers 8] [--hidden 512] [--new-tokens 64] [--repeats 3] [--forward-repeats 5]
                               [--clients 8] [--nodes 1 2 3] [--client-threads 1]
@@ -34,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import importlib.util
 import json
 import os
@@ -355,10 +359,15 @@ def start_swarm(group: ProcessGroup, path: str, peers: list[str], prefix: str, c
 MODES = {"direct": ("direct", True), "direct-libp2p": ("direct", False), "relay": ("relay", True)}
 
 
-def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args, metrics_urls=()) -> dict:
+def chain_figures(
+    path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args, metrics_urls=(), single=None, pids=None
+) -> dict:
     """Decode, time to first token and forward figures through the swarm `prefix` of `count` nodes, per mode (the
     ratios to the baseline are added by `against`); with the nodes' `metrics_urls`, what each did in the timed
-    generations (`node_figures`)."""
+    generations (`node_figures`). With `single` (a timed generation of the single process), each timed generation
+    through the swarm follows one of the single process, and the `paired_*` figures are the medians of the pairs'
+    ratios and differences: a machine whose speed drifts within seconds moves both sides of a pair alike. With
+    `--spy` and the nodes' `pids` (name: pid), each mode's `profile`: py-spy's of two more generations."""
     figures = {}
     for label in args.modes:
         mode, lanes = MODES[label]
@@ -385,9 +394,11 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
             # the first generation through these nodes (fresh, for the first mode): connections, first-call costs,
             # and on a GPU every cache length seen for the first time
             first = timed_generate(model, input_ids, args.new_tokens)
-            runs, overheads, computes, prefills = [], [], [], []
+            runs, overheads, computes, prefills, singles = [], [], [], [], []
             before = [node_counters(url) for url in metrics_urls]
             for _ in range(args.repeats):
+                if single is not None:
+                    singles.append(single())
                 with model.inference_session(max_length=args.prompt_tokens + args.new_tokens) as session:
                     runs.append(timed_generate(model, input_ids, args.new_tokens))
                     overheads += [(t.wall_s - t.compute_s) * 1000 for t in session.timings[1:]]
@@ -420,7 +431,33 @@ def chain_figures(path, peers, prefix, count, input_ids, batch_ids, reference_to
                 "per_hop_overhead_ms_p95": round(percentile(overheads, 0.95) / hops, 3),
                 "nodes_during": [node_figures(b, a) for b, a in zip(before, after, strict=True)],
             }
+            if singles:
+                pairs = list(zip(singles, runs, strict=True))
+                figures[f"{label}_{count}"].update(
+                    paired_decode_vs_baseline=round(
+                        statistics.median(run["decode_tps"] / alone["decode_tps"] for alone, run in pairs), 3
+                    ),
+                    paired_ttft_over_baseline_ms=round(
+                        1000 * statistics.median(run["ttft_s"] - alone["ttft_s"] for alone, run in pairs), 2
+                    ),
+                )
+            if args.spy:
+                spies = Spies(Path(args.spy) / f"{prefix}-{label}", {**(pids or {}), "client": os.getpid()})
+                with spies:
+                    for _ in range(2):
+                        timed_generate(model, input_ids, args.new_tokens)
+                figures[f"{label}_{count}"]["profile"] = spies.summary()
     return figures
+
+
+def on_threads(threads: int, function, *args):
+    """`function(*args)` on `threads` torch threads (the caller's count restored afterwards)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return function(*args)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def measure_baseline(model, on_device, batch_ids, threads: int, args) -> dict:
@@ -497,8 +534,9 @@ def main() -> None:
         "--spy",
         metavar="DIR",
         default=None,
-        help="with --clients: py-spy profiles of every node and the client during the concurrent run, raw into "
-        "DIR/PREFIX/ and summed up in the JSON's `profile` (needs py-spy)",
+        help="py-spy profiles of every node and the client, raw into DIR/PREFIX[-MODE]/ and summed up in the JSON's "
+        "`profile`: of each chain mode's two generations after its timed ones, and with --clients of the concurrent "
+        "run (needs py-spy)",
     )
     parser.add_argument(
         "--keep-logs", metavar="DIR", default=None, help="copy every node's log to DIR (kept after the run)"
@@ -597,9 +635,12 @@ def main() -> None:
             figures = {}
             try:
                 if not extra and not (args.clients and args.clients_only):
-                    figures = chain_figures(
-                        path, peers, prefix, count, input_ids, batch_ids, reference_tokens, args, metrics_urls
+                    single = functools.partial(
+                        on_threads, baseline_threads, timed_generate, baseline_model, on_device, args.new_tokens
                     )
+                    pids = {f"node{index}": process.pid for index, process in enumerate(nodes)}
+                    inputs = (input_ids, batch_ids, reference_tokens)
+                    figures = chain_figures(path, peers, prefix, count, *inputs, args, metrics_urls, single, pids)
                 if args.clients:
                     # on the event loop a gateway runs (uvloop where installed)
                     clients_results[f"{'no_batch' if extra else 'batch'}_{count}"] = event_loop.run(
