@@ -73,7 +73,15 @@ def add_parser(commands, add_peer_args) -> None:
         metavar="FILE",
         help="file of API keys, one per line: every /v1 request then needs `Authorization: Bearer KEY` (401 "
         "otherwise); /health, /metrics and the dashboard stay open. Without it /v1 is open to whoever reaches "
-        "--host, and adapters are loaded and unloaded only from this machine",
+        "--host, and adapters are loaded and unloaded only from this machine (or with an --admin-key-file key)",
+    )
+    gateway.add_argument(
+        "--admin-key-file",
+        default=None,
+        metavar="FILE",
+        help="file of admin keys, one per line: POST /v1/adapters/load and /unload then take one of them (403 for "
+        "any other key, or none), from any address, and they serve as API keys for the rest of /v1 too. Without "
+        "it, any --api-key-file key loads and unloads adapters",
     )
     gateway.add_argument(
         "--topology-period",
@@ -96,16 +104,15 @@ def run_gateway(args) -> int:
         except OSError as exc:
             raise ValueError(f"--chat-template {args.chat_template}: {exc.strerror or exc}") from None
     name = args.model_name or Path(args.model).resolve().name
-    api_keys = None
-    if args.api_key_file:
-        from nesa_node.gateway.auth import ApiKeys
+    from nesa_node.gateway.auth import ApiKeys
 
-        api_keys = ApiKeys.from_file(args.api_key_file)
-    event_loop.run(_serve(args, name, chat_template, api_keys))
+    api_keys = ApiKeys.from_file(args.api_key_file) if args.api_key_file else None
+    admin_keys = ApiKeys.from_file(args.admin_key_file, option="--admin-key-file") if args.admin_key_file else None
+    event_loop.run(_serve(args, name, chat_template, api_keys, admin_keys))
     return 0
 
 
-async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
+async def _serve(args, name: str, chat_template: str | None, api_keys, admin_keys) -> None:
     import uvicorn
     from transformers import AutoTokenizer
 
@@ -139,6 +146,7 @@ async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
             topology_period_s=args.topology_period,
             adapter_dir=args.adapter_dir,
             api_keys=api_keys,
+            admin_keys=admin_keys,
         )
     )
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off"))
@@ -156,6 +164,7 @@ async def _serve(args, name: str, chat_template: str | None, api_keys) -> None:
         port = server.servers[0].sockets[0].getsockname()[1]
         url = f"http://{args.host}:{port}"
         access = f"{len(api_keys)} API key(s)" if api_keys else "no API key: open to whoever reaches it"
+        access += f", {len(admin_keys)} admin key(s) for adapters" if admin_keys else ""
         print(f"gateway for {name} on {url} (OpenAI API under {url}/v1; {access})", flush=True)
         if args.address_file:
             await asyncio.to_thread(Path(args.address_file).write_text, url + "\n")

@@ -30,7 +30,7 @@ from nesa_node.client.async_model import AsyncDistributedModel, session_of
 from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.answers import Generation, Prepared, completion
-from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys, is_loopback
+from nesa_node.gateway.auth import ADMIN_KEY_NEEDED, KEY_NEEDED, ApiKeys, is_loopback
 from nesa_node.gateway.callers import CallerLimit, caller_address, default_limit
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.handlers import add_error_handlers
@@ -77,14 +77,17 @@ class Gateway:
         topology_period_s: float = TOPOLOGY_PERIOD_S,
         adapter_dir: str | None = None,
         api_keys: ApiKeys | None = None,
+        admin_keys: ApiKeys | None = None,
         send_timeout_s: float = SEND_TIMEOUT_S,
         max_requests_per_caller: int | None = None,
     ):
         """`send_timeout_s`: the longest a streamed answer waits for its client to take a chunk (gateway/streams.py);
         `max_requests_per_caller`: requests one API key (without keys: one client address) may have running or
-        waiting at once, by default a quarter of `max_concurrency` (gateway/callers.py)."""
+        waiting at once, by default a quarter of `max_concurrency` (gateway/callers.py); `admin_keys`: the keys that
+        load and unload adapters, also API keys (gateway/auth.py)."""
         self.model = model
         self.api_keys = api_keys  # None: /v1 is open (gateway/auth.py)
+        self.admin_keys = admin_keys  # None: adapters are managed with any API key (none: from this machine only)
         self.send_timeout_s = send_timeout_s
         self.callers = CallerLimit(max_requests_per_caller or default_limit(max_concurrency))
         self.adapters = GatewayAdapters(model, base_name=model_name, adapter_dir=adapter_dir)
@@ -440,7 +443,7 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     add_error_handlers(app)
     app.add_middleware(LimitBody, max_bytes=gateway.max_body_bytes)
-    app.add_middleware(RequireKey, api_keys=gateway.api_keys)  # before the body is read
+    app.add_middleware(RequireKey, api_keys=gateway.api_keys, admin_keys=gateway.admin_keys)  # before the body
     app.add_middleware(CountRequests, metrics=gateway.metrics)  # outermost: refused bodies are counted too
 
     async def authorized(request: Request) -> str:
@@ -448,16 +451,22 @@ def create_app(gateway: Gateway) -> FastAPI:
         of this gateway's."""
         if gateway.api_keys is None:
             return caller_address(request.client.host if request.client else "")
-        caller = gateway.api_keys.identify(request.headers.get("authorization"))
+        authorization = request.headers.get("authorization")
+        caller = gateway.api_keys.identify(authorization)
+        if caller is None and gateway.admin_keys is not None:
+            caller = gateway.admin_keys.identify(authorization)
         if caller is None:
             raise ApiError(401, KEY_NEEDED, code="invalid_api_key")
         return caller
 
     async def may_manage(request: Request) -> None:
         await authorized(request)
-        if gateway.api_keys is None and not is_loopback(request.client.host if request.client else None):
+        if gateway.admin_keys is not None:
+            if not gateway.admin_keys.allows(request.headers.get("authorization")):
+                raise ApiError(403, ADMIN_KEY_NEEDED, kind="permission_error")
+        elif gateway.api_keys is None and not is_loopback(request.client.host if request.client else None):
             raise ApiError(403, "adapters are loaded and unloaded from this machine only, unless the gateway has "
-                           "--api-key-file", kind="permission_error")  # fmt: skip
+                           "--api-key-file or --admin-key-file", kind="permission_error")  # fmt: skip
 
     v1 = [Depends(authorized)]
 

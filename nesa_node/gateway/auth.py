@@ -7,8 +7,12 @@ file holds one key per line (blank lines and lines starting with `#` are skipped
 and compared in constant time. `/health`, `/metrics`, the dashboard (`/`) and `/api/swarm` stay open: they show what
 the swarm's DHT shows anyone.
 
-`POST /v1/adapters/load|unload` change what the gateway serves: without keys they are answered only for clients on
-this machine (a loopback address), whatever `--host` the gateway listens on.
+`POST /v1/adapters/load|unload` change what the gateway serves for every caller. With admin keys
+(`--admin-key-file FILE`, the same format) they take one of those (403 `permission_error` for any other key, or
+none), from any address, and an admin key also serves as an API key for the rest of `/v1`: users' keys then use the
+swarm but cannot unload an adapter others use. Without admin keys, any API key manages adapters, and without keys
+at all they are answered only for clients on this machine (a loopback address), whatever `--host` the gateway
+listens on.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ logger = logging.getLogger(__name__)
 MAX_KEY_CHARS = 512
 MAX_KEYS = 1024
 KEY_NEEDED = "a valid API key is needed: send `Authorization: Bearer KEY` (the client's api_key)"
+ADMIN_KEY_NEEDED = "loading and unloading adapters takes one of the gateway's admin keys (`Authorization: Bearer KEY`)"
 
-__all__ = ["KEY_NEEDED", "ApiKeys", "is_loopback"]
+__all__ = ["ADMIN_KEY_NEEDED", "KEY_NEEDED", "ApiKeys", "is_loopback"]
 
 
 class ApiKeys:
@@ -43,23 +48,23 @@ class ApiKeys:
         return len(self._digests)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> ApiKeys:
-        """The keys in file `path`. Raises ValueError, naming the file, when it cannot be read, holds no key, more
-        than MAX_KEYS, or a key with spaces or over MAX_KEY_CHARS characters. A file others may read is used, with a
-        warning."""
+    def from_file(cls, path: str | Path, *, option: str = "--api-key-file") -> ApiKeys:
+        """The keys in file `path`. Raises ValueError, naming the file (as given to `option`), when it cannot be
+        read, holds no key, more than MAX_KEYS, or a key with spaces or over MAX_KEY_CHARS characters. A file others
+        may read is used, with a warning."""
         try:
             text = Path(path).read_text()
             mode = os.stat(path).st_mode
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--api-key-file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+            raise ValueError(f"{option} {path}: {getattr(exc, 'strerror', None) or exc}") from None
         keys = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
         if not keys:
-            raise ValueError(f"--api-key-file {path}: no key in it (one key per line)")
+            raise ValueError(f"{option} {path}: no key in it (one key per line)")
         if len(keys) > MAX_KEYS:
-            raise ValueError(f"--api-key-file {path}: {len(keys)} keys, at most {MAX_KEYS}")
+            raise ValueError(f"{option} {path}: {len(keys)} keys, at most {MAX_KEYS}")
         for number, key in enumerate(keys, 1):
             if len(key) > MAX_KEY_CHARS or any(char.isspace() for char in key):
-                raise ValueError(f"--api-key-file {path}: key {number} has spaces or is over {MAX_KEY_CHARS} chars")
+                raise ValueError(f"{option} {path}: key {number} has spaces or is over {MAX_KEY_CHARS} chars")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             logger.warning("%s may be read by other users (mode %o): chmod 600 it", path, stat.S_IMODE(mode))
         return cls(keys)

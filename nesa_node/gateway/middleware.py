@@ -84,18 +84,23 @@ class LimitBody:
 
 
 class RequireKey:
-    """ASGI middleware refusing a `/v1/*` request without one of `api_keys` (401 `invalid_api_key`, gateway/auth.py)
-    before anything of its body is read: a caller without a key costs the gateway no body and no parse. None: no
-    keys, every request goes on."""
+    """ASGI middleware refusing a `/v1/*` request without one of `api_keys` or `admin_keys` (401 `invalid_api_key`,
+    gateway/auth.py) before anything of its body is read: a caller without a key costs the gateway no body and no
+    parse. `api_keys` None: no keys, every request goes on (an admin key is checked where adapters are managed)."""
 
-    def __init__(self, app, api_keys: ApiKeys | None):
-        self.app, self.api_keys = app, api_keys
+    def __init__(self, app, api_keys: ApiKeys | None, admin_keys: ApiKeys | None = None):
+        self.app, self.api_keys, self.admin_keys = app, api_keys, admin_keys
+
+    def _allows(self, authorization: str | None) -> bool:
+        return self.api_keys.allows(authorization) or (
+            self.admin_keys is not None and self.admin_keys.allows(authorization)
+        )
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and self.api_keys is not None and scope["path"].startswith("/v1/"):
             # the first Authorization header, as the app's request.headers.get reads it
             authorization = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-            if not self.api_keys.allows(authorization.decode("latin-1") if authorization is not None else None):
+            if not self._allows(authorization.decode("latin-1") if authorization is not None else None):
                 await ApiError(401, KEY_NEEDED, code="invalid_api_key").response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)

@@ -128,6 +128,8 @@ def _mistakes(model: str) -> list[tuple[tuple[str, ...], str, str]]:
         (("launch",), "usage", "invalid choice"),
         (("gateway", "--model", model, "--initial-peers", silent, "--api-key-file", "./no-keys"), "bad_value",
          "--api-key-file ./no-keys"),
+        (("gateway", "--model", model, "--initial-peers", silent, "--admin-key-file", "./no-admins"), "bad_value",
+         "--admin-key-file ./no-admins"),
     ]  # fmt: skip
     if not torch.cuda.is_available():
         mistakes.append((("run", "--model", model, "--blocks", "0:2", "--new-swarm", "--device", "cuda"), "device", ""))

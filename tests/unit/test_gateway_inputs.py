@@ -1,7 +1,8 @@
 """What the gateway's HTTP API refuses, and how (nesa_node/gateway/app.py, requests.py, handlers.py, middleware.py):
 a prompt bound to pass the context is refused after tokenizing a prefix of it, strings that are not valid Unicode are
 a 400 naming their field, a model name is quoted safely, API keys are checked before the body is read, and
-Starlette's own refusals come in OpenAI's error shape."""
+Starlette's own refusals come in OpenAI's error shape; adapters are managed with an admin key where the gateway has
+admin keys."""
 
 from __future__ import annotations
 
@@ -94,3 +95,47 @@ async def test_starlettes_own_refusals_come_in_openais_shape():
     answer = await asgi_request(app, "GET", "/v1/completions")
     assert answer["status"] == 405 and error_of(answer)["code"] == "method_not_allowed"
     assert answer["headers"]["allow"] == "POST"
+
+
+@pytest.mark.parametrize("user_keys", [True, False], ids=["with-api-keys", "open-v1"])
+async def test_admin_keys_alone_manage_adapters_from_anywhere(user_keys):
+    """With admin keys, loading and unloading adapters takes one of them (403 `permission_error` for a user's key or
+    none, from this machine too) and works from any address; an admin key is an API key for the rest of /v1."""
+    app = create_app(fake_gateway(api_keys=ApiKeys(["sk-user"]) if user_keys else None, admin_keys=ApiKeys(["sk-op"])))
+    user, admin = {"Authorization": "Bearer sk-user"}, {"Authorization": "Bearer sk-op"}
+    remote = ("192.0.2.7", 40000)
+    for headers in (user, {}):
+        for path, body in (("/v1/adapters/unload", {"name": "x"}), ("/v1/adapters/load", {"name": "x", "path": "x"})):
+            answer = await asgi_request(app, "POST", path, body, headers=headers)
+            status, error = answer["status"], error_of(answer)
+            if user_keys and not headers:
+                assert status == 401 and error["code"] == "invalid_api_key", answer
+            else:
+                assert status == 403 and error["type"] == "permission_error", answer
+                assert "admin keys" in error["message"]
+    # past the checks: no adapter of that name to unload, and no --adapter-dir to load from
+    answer = await asgi_request(app, "POST", "/v1/adapters/unload", {"name": "x"}, headers=admin, client=remote)
+    assert answer["status"] == 404 and error_of(answer)["code"] == "adapter_missing"
+    load = {"name": "x", "path": "x"}
+    answer = await asgi_request(app, "POST", "/v1/adapters/load", load, headers=admin, client=remote)
+    assert answer["status"] == 403 and "--adapter-dir" in error_of(answer)["message"]
+    answer = await asgi_request(app, "POST", "/v1/completions", {"model": "m", "prompt": "hi"}, headers=admin)
+    assert answer["status"] == 200, answer["body"]
+    if user_keys:
+        answer = await asgi_request(app, "POST", "/v1/completions", {"model": "m", "prompt": "hi"}, headers=user)
+        assert answer["status"] == 200, answer["body"]
+        answer = await asgi_request(app, "POST", "/v1/completions", {"model": "m", "prompt": "hi"})
+        assert answer["status"] == 401
+
+
+async def test_without_admin_keys_any_api_key_manages_adapters_and_without_keys_only_this_machine():
+    keyed = create_app(fake_gateway(api_keys=ApiKeys(["sk-user"])))
+    answer = await asgi_request(
+        keyed, "POST", "/v1/adapters/unload", {"name": "x"}, headers={"Authorization": "Bearer sk-user"},
+        client=("192.0.2.7", 40000),
+    )  # fmt: skip
+    assert answer["status"] == 404
+    open_app = create_app(fake_gateway())
+    answer = await asgi_request(open_app, "POST", "/v1/adapters/unload", {"name": "x"}, client=("192.0.2.7", 40000))
+    assert answer["status"] == 403 and "this machine only" in error_of(answer)["message"]
+    assert (await asgi_request(open_app, "POST", "/v1/adapters/unload", {"name": "x"}))["status"] == 404
