@@ -52,7 +52,7 @@ from nesa_node.gateway.requests import (
     unencodable_field,
     unsupported_parameter,
 )
-from nesa_node.gateway.streams import SEND_TIMEOUT_S, EventStream, answer_events
+from nesa_node.gateway.streams import SEND_TIMEOUT_S, EventStream, answer_events, quiet_cut_streams
 from nesa_node.gateway.text import TextStream
 from nesa_node.metrics import GatewayMetrics, exposition
 from nesa_node.protocol.records import NodeState
@@ -440,6 +440,7 @@ class Gateway:
 def create_app(gateway: Gateway) -> FastAPI:
     """The FastAPI app of `gateway`."""
     app = FastAPI(title="nesa-node gateway", docs_url=None, redoc_url=None)
+    quiet_cut_streams()  # no ERROR line from uvicorn for a stream cut for a stalled reader (gateway/streams.py)
 
     add_error_handlers(app)
     app.add_middleware(LimitBody, max_bytes=gateway.max_body_bytes)

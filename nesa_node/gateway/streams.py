@@ -7,12 +7,16 @@ A client that stops reading fills its socket's buffers, and the server's next wr
 request's generation slot and its swarm session with it. `EventStream` gives each write `send_timeout_s`; past it the
 stream ends there (the server closes the connection), its events' generator is closed (so the generation's slot is
 freed and its session closed at once), and `on_close` runs. A client that goes away ends the stream the same way.
+The server then closes the connection; the ERROR line uvicorn writes about a response left unfinished is dropped for
+such a stream (`quiet_cut_streams`): the gateway's own INFO line says what happened, and an operator's log shows no
+error for a client that stalled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -31,7 +35,26 @@ logger = logging.getLogger(__name__)
 # slow link within seconds (guess, generous for mobile links; `Gateway(send_timeout_s=...)`)
 SEND_TIMEOUT_S = 30.0
 
-__all__ = ["SEND_TIMEOUT_S", "EventStream", "answer_events"]
+__all__ = ["SEND_TIMEOUT_S", "EventStream", "answer_events", "quiet_cut_streams"]
+
+# True in a request's task once its stream was cut for a reader that took nothing (`EventStream`)
+_CUT = contextvars.ContextVar("nesa_stream_cut", default=False)
+UNFINISHED = "ASGI callable returned without completing response."  # uvicorn's line, at ERROR (protocols/http)
+
+
+class _QuietCutStreams(logging.Filter):
+    """Drops uvicorn's line about an unfinished response where the gateway cut that stream itself."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == UNFINISHED and _CUT.get())
+
+
+def quiet_cut_streams(logger: logging.Logger | None = None) -> None:
+    """Install the filter on uvicorn's error logger (once): uvicorn writes that line in the request's task, right
+    after the app returned, where `_CUT` reads what `EventStream` set."""
+    logger = logger or logging.getLogger("uvicorn.error")
+    if not any(isinstance(known, _QuietCutStreams) for known in logger.filters):
+        logger.addFilter(_QuietCutStreams())
 
 
 class EventStream(StreamingResponse):
@@ -49,11 +72,14 @@ class EventStream(StreamingResponse):
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self.send_timeout_s = send_timeout_s
         self.on_close = on_close
+        self.cut = False  # ended for a reader that took nothing (the response is left unfinished)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            if self.cut:  # here, in the request's task (Starlette may write the body in a task of its own)
+                _CUT.set(True)
             try:
                 await self.body_iterator.aclose()  # a stream never started (the request cancelled first): none runs
             finally:
@@ -73,8 +99,9 @@ class EventStream(StreamingResponse):
                     await bounded({"type": "http.response.body", "body": chunk, "more_body": True})
                 await bounded({"type": "http.response.body", "body": b"", "more_body": False})
             except TimeoutError:
-                # the response is left unfinished: the server closes the connection (uvicorn logs that it did), and the
-                # client sees its stream cut
+                # the response is left unfinished: the server closes the connection, and the client sees its stream
+                # cut (uvicorn's line about it is dropped: `quiet_cut_streams`)
+                self.cut = True
                 logger.info("a client took nothing of its stream for %.0f s: the stream is ended", self.send_timeout_s)
 
 

@@ -1,11 +1,14 @@
 """What one client can hold of a gateway (nesa_node/gateway/streams.py, callers.py): a stream whose client stops
-reading ends once a chunk waits `send_timeout_s`, freeing its generation slot and closing its session; and one caller
+reading ends once a chunk waits `send_timeout_s`, freeing its generation slot and closing its session (with no error
+in uvicorn's log); and one caller
 (an API key, or a client address without keys) has at most `max_requests_per_caller` requests running or waiting
 while the gateway's slots are all taken."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 
 import pytest
 
@@ -42,6 +45,43 @@ async def test_a_stream_whose_client_stops_reading_ends_and_frees_its_slot_and_s
     # the one slot serves the next request at once
     answer = await asyncio.wait_for(asgi_request(app, "POST", "/v1/completions", SHORT), 5)
     assert answer["status"] == 200
+
+
+async def test_a_stream_cut_for_a_stalled_reader_leaves_no_error_in_uvicorns_log(caplog):
+    """Through a real uvicorn server: a client that stops reading fills the socket, the stream is cut after
+    `send_timeout_s`, and the log says so at INFO, with no ERROR line (uvicorn's about the unfinished response is
+    dropped for such a stream) and no traceback; the slot is free again."""
+    import json
+    import socket
+
+    import uvicorn
+
+    gateway = fake_gateway(max_concurrency=1, delay_s=0, max_length=200_000, send_timeout_s=0.5)
+    server = uvicorn.Server(uvicorn.Config(create_app(gateway), host="127.0.0.1", port=0, log_config=None))
+    server.capture_signals = contextlib.nullcontext  # the test's loop keeps its signal handlers
+    serving = asyncio.ensure_future(server.serve())
+    caplog.set_level(logging.INFO)
+    client = socket.socket()
+    try:
+        await until(lambda: server.started)
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window: the server's writes block
+        client.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_connect(client, server.servers[0].sockets[0].getsockname()[:2])
+        body = json.dumps({**LONG_STREAM, "max_tokens": 100_000}).encode()
+        head = "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        await loop.sock_sendall(client, f"{head}content-length: {len(body)}\r\n\r\n".encode() + body)
+        assert (await asyncio.wait_for(loop.sock_recv(client, 256), 10)).startswith(b"HTTP/1.1 200")
+        await until(lambda: gateway.model.streams_closed == 1, timeout_s=20)  # then it reads nothing more
+        await until(lambda: not gateway.slots.locked())
+        await until(lambda: gateway.model.sessions[0].closed, timeout_s=1)  # closed in a task of its own
+    finally:
+        client.close()
+        server.should_exit = True
+        await asyncio.wait_for(serving, 10)
+    assert "took nothing of its stream" in caplog.text
+    errors = [record for record in caplog.records if record.levelno >= logging.ERROR]
+    assert errors == [] and "Traceback" not in caplog.text, caplog.text
 
 
 async def test_a_client_that_goes_away_mid_stream_frees_its_slot_at_once():
