@@ -73,15 +73,16 @@ def add_parser(commands, add_peer_args) -> None:
         metavar="FILE",
         help="file of API keys, one per line: every /v1 request then needs `Authorization: Bearer KEY` (401 "
         "otherwise); /health, /metrics and the dashboard stay open. Without it /v1 is open to whoever reaches "
-        "--host, and adapters are loaded and unloaded only from this machine (or with an --admin-key-file key)",
+        "--host, and adapters are loaded and unloaded only from this machine (with --admin-key-file: only with an "
+        "admin key, from anywhere)",
     )
     gateway.add_argument(
         "--admin-key-file",
         default=None,
         metavar="FILE",
-        help="file of admin keys, one per line: POST /v1/adapters/load and /unload then take one of them (403 for "
-        "any other key, or none), from any address, and they serve as API keys for the rest of /v1 too. Without "
-        "it, any --api-key-file key loads and unloads adapters",
+        help="file of admin keys, one per line: POST /v1/adapters/load and /unload then take one of them, from any "
+        "address (403 for a user's key; without a key, 401 where there are --api-key-file keys, else 403), and they "
+        "serve as API keys for the rest of /v1 too. Without it, any --api-key-file key loads and unloads adapters",
     )
     gateway.add_argument(
         "--topology-period",

@@ -8,9 +8,10 @@ and compared in constant time. `/health`, `/metrics`, the dashboard (`/`) and `/
 the swarm's DHT shows anyone.
 
 `POST /v1/adapters/load|unload` change what the gateway serves for every caller. With admin keys
-(`--admin-key-file FILE`, the same format) they take one of those (403 `permission_error` for any other key, or
-none), from any address, and an admin key also serves as an API key for the rest of `/v1`: users' keys then use the
-swarm but cannot unload an adapter others use. Without admin keys, any API key manages adapters, and without keys
+(`--admin-key-file FILE`, the same format) they take one of those, from any address (403 `permission_error` for a
+user's key; without a key, the 401 of any `/v1` request where there are API keys, else 403), checked before the body
+is read, and an admin key also serves as an API key for the rest of `/v1`: users' keys then use the swarm but cannot
+unload an adapter others use. Without admin keys, any API key manages adapters, and without keys
 at all they are answered only for clients on this machine (a loopback address), whatever `--host` the gateway
 listens on.
 """

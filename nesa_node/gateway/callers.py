@@ -5,7 +5,7 @@ local gateway is not held to a quarter of it), and the waiting places that fill 
 others. Requests past the share end in their own time: a stream whose client stops reading ends after the gateway's
 send timeout (gateway/streams.py).
 
-A caller is an API key when the gateway has keys (gateway/auth.py), else a client address (`caller_address`: an IPv6
+A caller is an API key when the gateway has API keys (gateway/auth.py; admin keys count as such), else a client address (`caller_address`: an IPv6
 client's /64, what one host or site is given). That address is the one the HTTP server reports: behind a reverse
 proxy on the gateway's own machine that sets X-Forwarded-For, the client's (uvicorn trusts that header from
 127.0.0.1 only); behind any other, the proxy's, and every client behind it shares one caller's limit.

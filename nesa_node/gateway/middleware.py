@@ -3,13 +3,13 @@ before they are read."""
 
 from __future__ import annotations
 
-from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys
+from nesa_node.gateway.auth import ADMIN_KEY_NEEDED, KEY_NEEDED, ApiKeys
 from nesa_node.gateway.requests import ApiError
 from nesa_node.metrics import GatewayMetrics
 
+MANAGING = frozenset({"/v1/adapters/load", "/v1/adapters/unload"})  # what admin keys guard, where there are any
 ENDPOINTS = frozenset(
-    {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"}
-    | {"/v1/adapters/load", "/v1/adapters/unload"}
+    {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"} | MANAGING
 )
 
 
@@ -86,7 +86,8 @@ class LimitBody:
 class RequireKey:
     """ASGI middleware refusing a `/v1/*` request without one of `api_keys` or `admin_keys` (401 `invalid_api_key`,
     gateway/auth.py) before anything of its body is read: a caller without a key costs the gateway no body and no
-    parse. `api_keys` None: no keys, every request goes on (an admin key is checked where adapters are managed)."""
+    parse. `api_keys` None: no keys, every request goes on. With `admin_keys`, managing adapters (MANAGING) without
+    one of them is a 403 `permission_error` here too, before the body."""
 
     def __init__(self, app, api_keys: ApiKeys | None, admin_keys: ApiKeys | None = None):
         self.app, self.api_keys, self.admin_keys = app, api_keys, admin_keys
@@ -97,11 +98,19 @@ class RequireKey:
         )
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.api_keys is not None and scope["path"].startswith("/v1/"):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/"):
             # the first Authorization header, as the app's request.headers.get reads it
-            authorization = next((value for name, value in scope["headers"] if name == b"authorization"), None)
-            if not self._allows(authorization.decode("latin-1") if authorization is not None else None):
-                await ApiError(401, KEY_NEEDED, code="invalid_api_key").response()(scope, receive, send)
+            raw = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+            authorization = raw.decode("latin-1") if raw is not None else None
+            refusal = None
+            if self.api_keys is not None and not self._allows(authorization):
+                refusal = ApiError(401, KEY_NEEDED, code="invalid_api_key")
+            elif (
+                self.admin_keys is not None and scope["path"] in MANAGING and not self.admin_keys.allows(authorization)
+            ):
+                refusal = ApiError(403, ADMIN_KEY_NEEDED, kind="permission_error")
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

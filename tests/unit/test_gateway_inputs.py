@@ -113,6 +113,9 @@ async def test_admin_keys_alone_manage_adapters_from_anywhere(user_keys):
             else:
                 assert status == 403 and error["type"] == "permission_error", answer
                 assert "admin keys" in error["message"]
+    # refused before the body is read, which the app would otherwise read and parse first
+    answer = await asgi_request(app, "POST", "/v1/adapters/load", b'{"name":', headers=user if user_keys else {})
+    assert answer["status"] == 403 and answer["reads"] == 0
     # past the checks: no adapter of that name to unload, and no --adapter-dir to load from
     answer = await asgi_request(app, "POST", "/v1/adapters/unload", {"name": "x"}, headers=admin, client=remote)
     assert answer["status"] == 404 and error_of(answer)["code"] == "adapter_missing"
