@@ -5,8 +5,8 @@ local gateway is not held to a quarter of it), and the waiting places that fill 
 others. Requests past the share end in their own time: a stream whose client stops reading ends after the gateway's
 send timeout (gateway/streams.py).
 
-A caller is an API key when the gateway has API keys (gateway/auth.py; admin keys count as such), else a client address (`caller_address`: an IPv6
-client's /64, what one host or site is given). That address is the one the HTTP server reports: behind a reverse
+A caller is an API key when the gateway has API keys (gateway/auth.py; admin keys count as such), else a client
+address (`caller_address`: an IPv6 client's /64, what one host or site is given). That address is the one the HTTP server reports: behind a reverse
 proxy on the gateway's own machine that sets X-Forwarded-For, the client's (uvicorn trusts that header from
 127.0.0.1 only); behind any other, the proxy's, and every client behind it shares one caller's limit.
 """
@@ -21,16 +21,28 @@ from nesa_node.gateway.requests import ApiError
 __all__ = ["CallerLimit", "Held", "caller_address", "default_limit"]
 
 
+NAT64 = ipaddress.ip_network("64:ff9b::/96")  # the well-known prefix: an IPv4 host's address in the last 32 bits
+
+
 def caller_address(host: str) -> str:
     """The caller a client address is: the address, or for IPv6 its /64 (a single host or site is commonly given a
-    whole /64, and could otherwise be as many callers as it likes)."""
+    whole /64, and could otherwise be as many callers as it likes). IPv6 addresses that stand for an IPv4 host are
+    that host (mapped, NAT64, a Teredo client, a 6to4 site: each IPv4 address one caller, not all of a translator's
+    or relay's clients one); a link-local address is itself (every link's hosts share fe80::/64)."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return f"address:{host}"
     if address.version == 6:
-        if address.ipv4_mapped is not None:  # an IPv4 client on a dual-stack socket
-            return f"address:{address.ipv4_mapped}"
+        address = address.__class__(int(address))  # without a zone (fe80::1%eth0): the host is the same
+        teredo = address.teredo
+        ipv4 = address.ipv4_mapped or (teredo[1] if teredo else None) or address.sixtofour
+        if ipv4 is None and address in NAT64:
+            ipv4 = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+        if ipv4 is not None:
+            return f"address:{ipv4}"
+        if address.is_link_local:
+            return f"address:{address}"
         return f"address:{ipaddress.ip_network(f'{address}/64', strict=False)}"
     return f"address:{address}"
 

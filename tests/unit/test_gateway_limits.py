@@ -179,11 +179,19 @@ def test_a_callers_share_is_a_quarter_of_the_slots_unless_set():
         ("2001:db8:1:2:aaaa::1", "address:2001:db8:1:2::/64"),
         ("2001:db8:1:2:bbbb::9", "address:2001:db8:1:2::/64"),
         ("::ffff:192.0.2.7", "address:192.0.2.7"),
+        ("64:ff9b::c000:207", "address:192.0.2.7"),  # NAT64: each IPv4 host behind the translator its own caller
+        ("64:ff9b::c000:208", "address:192.0.2.8"),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "address:192.0.2.45"),  # a Teredo client (RFC 4380's example)
+        ("2002:c000:0207:1::1", "address:192.0.2.7"),  # a 6to4 site, whichever of its /64s
+        ("2002:c000:0207:2::1", "address:192.0.2.7"),
+        ("fe80::1", "address:fe80::1"),  # link-local: every link's hosts share fe80::/64
+        ("fe80::2%eth0", "address:fe80::2"),
         ("testclient", "address:testclient"),
     ],
 )
 def test_an_ipv6_client_is_one_caller_per_64(host, caller):
-    """A host given a whole /64 (as IPv6 hosts and sites commonly are) is one caller, not one per address."""
+    """A host given a whole /64 (as IPv6 hosts and sites commonly are) is one caller, not one per address; an IPv6
+    address standing for an IPv4 host is that host, and a link-local one itself (not every host of every link)."""
     assert caller_address(host) == caller
 
 
