@@ -15,6 +15,7 @@ length-prefixed, so no two different pushes share the bytes under the MAC.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import json
@@ -34,20 +35,33 @@ def _field(data: bytes) -> bytes:
     return len(data).to_bytes(8, "big") + data
 
 
+@functools.lru_cache(maxsize=64)
+def _codec_bytes(codec) -> bytes:
+    """A codec (a WireCodec: frozen, hashable) as the tag covers it; the few a node sends are worked out once."""
+    return json.dumps(codec.to_metadata(), sort_keys=True).encode()
+
+
 def push_tag(key: bytes, step, tensor: runtime_pb2.Tensor) -> str:
     """HMAC-SHA256 (hex) under `key` of a pushed step (messages.Step: its id, position and codec) and its one
     tensor."""
+    return tag_of(key, step.step_id, step.position, step.codec, tensor)
+
+
+def tag_of(key: bytes, step_id: str, position: int, codec, tensor: runtime_pb2.Tensor) -> str:
+    """`push_tag` of a step with these fields, before the step is made (the node makes its pushed step once, tag
+    included)."""
     mac = hmac.new(key, CONTEXT, hashlib.sha256)
     for part in (
-        step.step_id.encode(),
-        int(step.position).to_bytes(8, "big"),
-        json.dumps(step.codec.to_metadata(), sort_keys=True).encode(),
+        step_id.encode(),
+        int(position).to_bytes(8, "big"),
+        _codec_bytes(codec),
         tensor.dtype.encode(),
         b"".join(int(size).to_bytes(8, "big", signed=True) for size in tensor.size),
         int(tensor.compression).to_bytes(4, "big", signed=True),
-        bytes(tensor.buffer),
+        tensor.buffer,
     ):
-        mac.update(_field(part))
+        mac.update(len(part).to_bytes(8, "big"))  # `_field(part)`, without copying a tensor's bytes to prefix them
+        mac.update(part)
     return mac.hexdigest()
 
 
@@ -56,4 +70,4 @@ def tag_matches(key: bytes, step, tensor: runtime_pb2.Tensor) -> bool:
     return step.tag is not None and hmac.compare_digest(push_tag(key, step, tensor), step.tag)
 
 
-__all__ = ["KEY_BYTES", "new_key", "push_tag", "tag_matches"]
+__all__ = ["KEY_BYTES", "new_key", "push_tag", "tag_matches", "tag_of"]

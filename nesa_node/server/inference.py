@@ -58,7 +58,7 @@ from nesa_node.protocol.messages import (
     StepResult,
     expect,
 )
-from nesa_node.protocol.push_tag import push_tag
+from nesa_node.protocol.push_tag import tag_of
 from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto, tensor_to_wire
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
@@ -373,16 +373,17 @@ class InferenceService:
                 if not step.replay and session.next_peer is not None:
                     pushed, pushing = time.perf_counter(), True
                     try:
+                        position = session.last_position  # of this step, also when it was a duplicate
+                        key = session.push_key  # a tag: evidence of what it pushed, should the next node refuse it
                         out = Step(
                             step_id=step.step_id,
-                            position=session.last_position,  # of this step, also when it was a duplicate
+                            position=position,
                             codec=sent_codec,
                             compute_s=compute_s,
                             session_id=session.session_id,
                             owner=session.client_peer,
+                            tag=None if key is None else tag_of(key, step.step_id, position, sent_codec, tensors[0]),
                         )
-                        if session.push_key is not None:  # evidence of what it pushed, should the next node refuse it
-                            out = out.model_copy(update={"tag": push_tag(session.push_key, out, tensors[0])})
                         await self.push.push(session, out, tensors)
                     finally:
                         if self.metrics is not None:
