@@ -15,7 +15,8 @@
 # decode; the 16 sessions from one client process, then from 16), the same with a 1 ms thread switch interval in every process (NESA_SWITCH_INTERVAL_MS: nesa_node/
 # event_loop.py), the codec table, 2 and 4 nodes with graphs (decode against the single process; the first
 # generation through fresh nodes), then 2 eager nodes if time is left (about 8 minutes in all on one H100). With
-# SPY=1, py-spy profiles the first 16-session run (bench/spy.py; it slows the processes it samples).
+# SPY=1, py-spy profiles the first 16-session run and two generations of its chain (bench/spy.py; it slows the
+# processes it samples).
 # quick (about 5 minutes on one H100): the GPU tests, the codec table, a span's batched passes in one process
 # (bench/batch_pass.py, with and without cuDNN's attention), and 2 nodes replaying CUDA graphs with 16 concurrent
 # sessions (batching). full (about 15 minutes) adds 2 and 4 nodes without graphs, libp2p measured first
@@ -49,7 +50,8 @@ step() {
     echo "   exit $? after ${SECONDS}s of the run; $(tail -c 400 "$OUT/$name.json")"
 }
 
-SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16)
+# (no paired single-process generations: each step's limit was set without them, and a GPU's speed holds steady)
+SWARM=(bench/inference.py --shape 1.1b --device cuda --dtype bfloat16 --no-paired)
 GPU_TESTS=(tests/unit/test_decode_graph.py tests/unit/test_batch_graph.py tests/unit/test_span_cache.py
     tests/swarm/test_client_dtype.py tests/unit/test_codec.py tests/unit/test_canary_file.py
     tests/unit/test_decode_gathering.py tests/unit/test_embed_lookup.py)

@@ -544,6 +544,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     # a forward of 8 x 128 tokens takes about 0.5 s of compute: its median needs more samples on a noisy machine
     parser.add_argument("--forward-repeats", type=int, default=5)
+    parser.add_argument(
+        "--no-paired",
+        action="store_true",
+        help="no single-process generation before each timed one through the swarm (no `paired_*` figures; "
+        "shorter, where the machine's speed holds steady)",
+    )
     parser.add_argument("--compression", default="none", help="hidden-state codec (default none: a lossless wire)")
     parser.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument(
@@ -635,8 +641,12 @@ def main() -> None:
             figures = {}
             try:
                 if not extra and not (args.clients and args.clients_only):
-                    single = functools.partial(
-                        on_threads, baseline_threads, timed_generate, baseline_model, on_device, args.new_tokens
+                    single = (
+                        None
+                        if args.no_paired
+                        else functools.partial(
+                            on_threads, baseline_threads, timed_generate, baseline_model, on_device, args.new_tokens
+                        )
                     )
                     pids = {f"node{index}": process.pid for index, process in enumerate(nodes)}
                     inputs = (input_ids, batch_ids, reference_tokens)

@@ -28,13 +28,16 @@ def caller_address(host: str) -> str:
     """The caller a client address is: the address, or for IPv6 its /64 (a single host or site is commonly given a
     whole /64, and could otherwise be as many callers as it likes). IPv6 addresses that stand for an IPv4 host are
     that host (mapped, NAT64, a Teredo client, a 6to4 site: each IPv4 address one caller, not all of a translator's
-    or relay's clients one); a link-local address is itself (every link's hosts share fe80::/64)."""
+    or relay's clients one). Link-local addresses are one caller a link (fe80::/64 and the interface, the zone the
+    server reports), as a global /64 is: every link's hosts share fe80::/64, and a host can take as many addresses
+    in it as it likes."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return f"address:{host}"
     if address.version == 6:
-        address = address.__class__(int(address))  # without a zone (fe80::1%eth0): the host is the same
+        zone = address.scope_id
+        address = address.__class__(int(address))  # without its zone (fe80::1%eth0)
         teredo = address.teredo
         ipv4 = address.ipv4_mapped or (teredo[1] if teredo else None) or address.sixtofour
         if ipv4 is None and address in NAT64:
@@ -42,7 +45,7 @@ def caller_address(host: str) -> str:
         if ipv4 is not None:
             return f"address:{ipv4}"
         if address.is_link_local:
-            return f"address:{address}"
+            return f"address:fe80::/64%{zone}" if zone else "address:fe80::/64"
         return f"address:{ipaddress.ip_network(f'{address}/64', strict=False)}"
     return f"address:{address}"
 

@@ -184,14 +184,16 @@ def test_a_callers_share_is_a_quarter_of_the_slots_unless_set():
         ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "address:192.0.2.45"),  # a Teredo client (RFC 4380's example)
         ("2002:c000:0207:1::1", "address:192.0.2.7"),  # a 6to4 site, whichever of its /64s
         ("2002:c000:0207:2::1", "address:192.0.2.7"),
-        ("fe80::1", "address:fe80::1"),  # link-local: every link's hosts share fe80::/64
-        ("fe80::2%eth0", "address:fe80::2"),
+        ("fe80::1", "address:fe80::/64"),  # link-local: one caller a link, whatever addresses its hosts take
+        ("fe80::2%eth0", "address:fe80::/64%eth0"),
+        ("fe80::3%eth0", "address:fe80::/64%eth0"),
+        ("fe80::2%eth1", "address:fe80::/64%eth1"),
         ("testclient", "address:testclient"),
     ],
 )
 def test_an_ipv6_client_is_one_caller_per_64(host, caller):
     """A host given a whole /64 (as IPv6 hosts and sites commonly are) is one caller, not one per address; an IPv6
-    address standing for an IPv4 host is that host, and a link-local one itself (not every host of every link)."""
+    address standing for an IPv4 host is that host, and link-local addresses are one caller a link."""
     assert caller_address(host) == caller
 
 

@@ -30,3 +30,20 @@ def test_a_tag_holds_for_its_step_and_tensor_under_its_key_only():
         assert not push_tag.tag_matches(key, step.model_copy(update={field: value}), tensor)
     received = type(tensor).FromString(tensor.SerializeToString())  # as the next node and the client parse it
     assert push_tag.tag_matches(key, step, received)
+
+
+def test_tags_are_the_wire_format_every_node_computes():
+    """Known answers (HMAC-SHA256 over the length-prefixed fields, protocol/push_tag.py): a node of another release
+    checks the tags of this one, and `tag_of` (the pushing node's) gives what `push_tag` gives."""
+    from hivemind.proto import runtime_pb2
+
+    key = bytes(range(32))
+    tensor = runtime_pb2.Tensor(buffer=bytes(range(16)), size=[1, 1, 4], dtype="float32")
+    expected = {
+        "none": "6b2809315a4647361213f4359f7c4fc1895cd0bddde7f6044ff0ca302780dd49",
+        "blockwise8": "08d151f650812f3b93ad265be9eeff4f42b3cefe4aada6cd126f9f53b13520ea",
+    }
+    for codec in (WireCodec(), WireCodec.of("blockwise8", block_size=64)):
+        step = Step(step_id="s1:16", position=16, codec=codec)
+        assert push_tag.push_tag(key, step, tensor) == expected[codec.name]
+        assert push_tag.tag_of(key, "s1:16", 16, codec, tensor) == expected[codec.name]
