@@ -463,19 +463,18 @@ def on_threads(threads: int, function, *args):
 def measure_baseline(model, on_device, batch_ids, threads: int, args) -> dict:
     """Single-process decode tokens/s, time to first token and forward tokens/s on `threads` torch threads (the
     caller's thread count is restored afterwards)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        timed_generate(model, on_device, 8)  # warm-up: the swarm's figures are taken warm too
-        runs = [timed_generate(model, on_device, args.new_tokens) for _ in range(args.repeats)]
-        return {
-            "decode_tps": statistics.median(run["decode_tps"] for run in runs),
-            "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
-            "forward_8x128_tps": timed_forward(model, batch_ids.to(args.device), args.forward_repeats),
-            "tokens": runs[0]["tokens"].cpu(),
-        }
-    finally:
-        torch.set_num_threads(previous)
+    return on_threads(threads, _baseline, model, on_device, batch_ids, args)
+
+
+def _baseline(model, on_device, batch_ids, args) -> dict:
+    timed_generate(model, on_device, 8)  # warm-up: the swarm's figures are taken warm too
+    runs = [timed_generate(model, on_device, args.new_tokens) for _ in range(args.repeats)]
+    return {
+        "decode_tps": statistics.median(run["decode_tps"] for run in runs),
+        "ttft_ms": 1000 * statistics.median(run["ttft_s"] for run in runs),
+        "forward_8x128_tps": timed_forward(model, batch_ids.to(args.device), args.forward_repeats),
+        "tokens": runs[0]["tokens"].cpu(),
+    }
 
 
 def against(figures: dict, before: dict, after: dict) -> dict:

@@ -30,7 +30,7 @@ from nesa_node.client.async_model import AsyncDistributedModel, session_of
 from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.answers import Generation, Prepared, completion
-from nesa_node.gateway.auth import ADMIN_KEY_NEEDED, KEY_NEEDED, ApiKeys, is_loopback
+from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys, is_loopback
 from nesa_node.gateway.callers import CallerLimit, caller_address, default_limit
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.handlers import add_error_handlers
@@ -461,11 +461,13 @@ def create_app(gateway: Gateway) -> FastAPI:
         return caller
 
     async def may_manage(request: Request) -> None:
+        """With admin keys, RequireKey (gateway/middleware.py) has checked one before the body was read."""
         await authorized(request)
-        if gateway.admin_keys is not None:
-            if not gateway.admin_keys.allows(request.headers.get("authorization")):
-                raise ApiError(403, ADMIN_KEY_NEEDED, kind="permission_error")
-        elif gateway.api_keys is None and not is_loopback(request.client.host if request.client else None):
+        if (
+            gateway.admin_keys is None
+            and gateway.api_keys is None
+            and not is_loopback(request.client.host if request.client else None)
+        ):
             raise ApiError(403, "adapters are loaded and unloaded from this machine only, unless the gateway has "
                            "--api-key-file or --admin-key-file", kind="permission_error")  # fmt: skip
 

@@ -6,9 +6,10 @@ others. Requests past the share end in their own time: a stream whose client sto
 send timeout (gateway/streams.py).
 
 A caller is an API key when the gateway has API keys (gateway/auth.py; admin keys count as such), else a client
-address (`caller_address`: an IPv6 client's /64, what one host or site is given). That address is the one the HTTP server reports: behind a reverse
-proxy on the gateway's own machine that sets X-Forwarded-For, the client's (uvicorn trusts that header from
-127.0.0.1 only); behind any other, the proxy's, and every client behind it shares one caller's limit.
+address (`caller_address`: an IPv6 client's /64, what one host or site is given). That address is the one the HTTP
+server reports: behind a reverse proxy on the gateway's own machine that sets X-Forwarded-For, the client's (uvicorn
+trusts that header from 127.0.0.1 only); behind any other, the proxy's, and every client behind it shares one
+caller's limit.
 """
 
 from __future__ import annotations

@@ -49,12 +49,12 @@ class _QuietCutStreams(logging.Filter):
         return not (record.msg == UNFINISHED and _CUT.get())
 
 
-def quiet_cut_streams(logger: logging.Logger | None = None) -> None:
+def quiet_cut_streams() -> None:
     """Install the filter on uvicorn's error logger (once): uvicorn writes that line in the request's task, right
     after the app returned, where `_CUT` reads what `EventStream` set."""
-    logger = logger or logging.getLogger("uvicorn.error")
-    if not any(isinstance(known, _QuietCutStreams) for known in logger.filters):
-        logger.addFilter(_QuietCutStreams())
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    if not any(isinstance(known, _QuietCutStreams) for known in uvicorn_log.filters):
+        uvicorn_log.addFilter(_QuietCutStreams())
 
 
 class EventStream(StreamingResponse):

@@ -31,10 +31,6 @@ def new_key() -> bytes:
     return os.urandom(KEY_BYTES)
 
 
-def _field(data: bytes) -> bytes:
-    return len(data).to_bytes(8, "big") + data
-
-
 @functools.lru_cache(maxsize=64)
 def _codec_bytes(codec) -> bytes:
     """A codec (a WireCodec: frozen, hashable) as the tag covers it; the few a node sends are worked out once."""
@@ -60,7 +56,7 @@ def tag_of(key: bytes, step_id: str, position: int, codec, tensor: runtime_pb2.T
         int(tensor.compression).to_bytes(4, "big", signed=True),
         tensor.buffer,
     ):
-        mac.update(len(part).to_bytes(8, "big"))  # `_field(part)`, without copying a tensor's bytes to prefix them
+        mac.update(len(part).to_bytes(8, "big"))  # each part length-prefixed (no copy of the tensor's bytes)
         mac.update(part)
     return mac.hexdigest()
 
