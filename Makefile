@@ -72,8 +72,11 @@ HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py t
 # `make test` runs in passes. First every test but those marked `serial`, in TEST_WORKERS pytest-xdist workers, each
 # given whole test files (their module-scoped swarms stay in one worker); then the `serial` ones alone: they measure
 # time or throughput (recovery bounds, link measurements, a shaped link's speed-up), which another worker's load
-# would skew. On 2 cores `make test` takes about 25 minutes this way (lint 0.3, the trained model 2-3 where none is
-# cached, parallel pass 16-18, serial 5.5, `-O` 1.8). TEST_WORKERS=0: one process for all.
+# would skew. On 2 cores `make test` takes about 35 minutes this way (lint 0.3, the trained model 2-3 where none is
+# cached, parallel pass 23-25, serial 7-8, `-O` 2.5-3). The parallel pass keeps both cores busy and its files are
+# spread evenly (longest-first order would end it no sooner): its time is the work of the real peers it starts, over
+# 500 p2pd daemons (over 600 CPU-seconds) and the `nesa-node` processes of the command-line tests (about 1000, most
+# of it importing torch, transformers and hivemind). TEST_WORKERS=0: one process for all.
 TEST_WORKERS ?= 2
 PYTEST_WORKERS := $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
