@@ -178,11 +178,10 @@ class CanaryChecker:
         tokens = given.shape[1]
         prompt = prompt if 0 < prompt < tokens else self.rng.randint(1, max(1, tokens // 2))
         given = given.to(self.model.dtype)
-        # a canary's steps go to one node with no failover, and a step held up a moment (the node's machine busy)
-        # would make the node unanswered: each step gets the request timeout (unless steps have a timeout set), not
-        # the adaptive deadline of a generation's decode steps, and the whole check CANARY_TIMEOUT_S
-        config = self.model.config
-        config = config.replace(compression=LOSSLESS, step_timeout_s=config.step_timeout_s or config.request_timeout_s)
+        # one node, no failover: each step gets the request timeout (InferenceSession.deadline), not a generation's
+        # adaptive deadline, so a step held up a moment does not make the node unanswered; the whole check is bounded
+        # by CANARY_TIMEOUT_S
+        config = self.model.config.replace(compression=LOSSLESS)
         session = InferenceSession(
             self.model.swarm,
             Chain(hops=(hop,)),

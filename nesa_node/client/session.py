@@ -330,9 +330,13 @@ class InferenceSession:
         """Seconds a step may take before the chain is presumed broken (a node killed mid-step may leave its
         stream open). Given, or: for a decode step once a few are measured, 10x the slowest recent one that went
         through no recovery (a kept chain's step waited out a deadline) and at least MIN_STEP_DEADLINE_S, at most the
-        request timeout; the request timeout otherwise (prefill can be slow)."""
+        request timeout; the request timeout otherwise (prefill can be slow), and always where no failover would take
+        the step again (no rerouter, or max_failovers 0: canary checks, audits' re-executions, sessions on a fixed
+        chain): there a short deadline would only turn a node held up for a moment into a failed session."""
         if self.config.step_timeout_s is not None:
             return self.config.step_timeout_s
+        if self.reroute is None or self.config.max_failovers <= 0:
+            return self.swarm.request_timeout_s
         recent = [timing.wall_s for timing in self.timings[-8:] if timing.failovers == 0]
         if tokens <= 8 and len(recent) >= 3:
             return min(self.swarm.request_timeout_s, max(MIN_STEP_DEADLINE_S, 10 * max(recent)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -68,6 +69,39 @@ def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):
             assert session.step(torch.randn(1, 1, 64)).shape == (1, 1, 64)
         finally:
             session.close()
+
+
+def test_a_session_with_no_failover_waits_for_a_step_held_up_for_a_moment(local_swarm, tiny_llama):
+    """A session on a fixed chain (no rerouter) has nothing to fail over to: a decode step the node holds up past the
+    adaptive deadline of a generation's steps (10x the recent ones, at least 1 s) is waited for, within the request
+    timeout, not taken for a broken chain."""
+    node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="held-up")
+    original = node.inference._compute_step
+    steps = 0
+
+    async def held_up(session, request, step):
+        nonlocal steps
+        steps += 1
+        if steps == 10:  # the prompt and 8 one-token steps fast, so the adaptive deadline would be 1 s
+            await asyncio.sleep(1.5)
+        return await original(session, request, step)
+
+    node.inference._compute_step = held_up
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="held-up", compression="none"
+        ) as model:
+            chain = wait_for_chain(model)
+            generator = torch.Generator().manual_seed(0)
+            with model.session_on(chain, batch=1, max_length=32, failover=False) as session:
+                output = session.step(torch.randn(1, 4, 64, generator=generator))
+                for _ in range(9):
+                    started = time.monotonic()
+                    output = session.step(output[:, -1:])
+                assert steps == 10 and time.monotonic() - started >= 1.5  # the last step was the held-up one
+                assert output.shape == (1, 1, 64) and torch.isfinite(output).all()
+    finally:
+        del node.inference._compute_step
 
 
 CLIENT = textwrap.dedent(
