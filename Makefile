@@ -73,7 +73,7 @@ HOSTILE_TESTS := tests/swarm/test_bad_input.py tests/swarm/test_hostile_dht.py t
 # given whole test files (their module-scoped swarms stay in one worker); then the `serial` ones alone: they measure
 # time or throughput (recovery bounds, link measurements, a shaped link's speed-up), which another worker's load
 # would skew. On 2 cores `make test` takes about 35 minutes this way (lint 0.3, the trained model 2-3 where none is
-# cached, parallel pass 23-25, serial 7-8, `-O` 2.5-3). The parallel pass keeps both cores busy and its files are
+# cached, parallel pass 23-25, serial 7-8, `-O` about 2 in both workers). The parallel pass keeps both cores busy and its files are
 # spread evenly (longest-first order would end it no sooner): its time is the work of the real peers it starts, over
 # 500 p2pd daemons (over 600 CPU-seconds) and the `nesa-node` processes of the command-line tests (about 1000, most
 # of it importing torch, transformers and hivemind). TEST_WORKERS=0: one process for all.
@@ -90,7 +90,7 @@ test: $(STAMP) sysdeps lint trained-model
 	$(TEST_ENV) $(PY) -m pytest -q $(PYTEST_WORKERS) -m "not slow and not serial" tests
 	$(TEST_ENV) $(PY) -m pytest -q -m "serial and not slow" tests
 	# bad input from peers (RELIABILITY.md D, G) again with asserts stripped; `make lint` keeps them out of the package
-	$(TEST_ENV) $(PY) -O -m pytest -q $(HOSTILE_TESTS)
+	$(TEST_ENV) $(PY) -O -m pytest -q $(PYTEST_WORKERS) $(HOSTILE_TESTS)
 
 test-slow: $(STAMP) sysdeps
 	$(TEST_ENV) $(PY) -m pytest -q -m slow tests

@@ -201,8 +201,10 @@ class BlockSpan(nn.Module):
     @property
     def batches_decode(self) -> bool:
         """Whether `decode_batch` can run this span: every layer attends over its whole cache (sliding-window layers
-        would need a window mask per row, so such spans step one session at a time)."""
-        return all(kind == "full_attention" for kind in self.types)
+        would need a window mask per row) and each position's rotary embedding depends on that position alone (a
+        `dynamic` or `longrope` rotary scales every position by the longest sequence of its call: one session's
+        length would change its batch-mates' outputs and caches). Other spans step one session at a time."""
+        return self._rope_tabulated and all(kind == "full_attention" for kind in self.types)
 
     def rope(self, hidden: torch.Tensor, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary embedding (cos, sin), each (1, stop - start, head_dim), of positions start..stop-1, as
@@ -216,10 +218,12 @@ class BlockSpan(nn.Module):
 
     def rope_rows(self, hidden: torch.Tensor, position_ids: torch.Tensor, longest: int):
         """(cos, sin), each (rows, 1, head_dim), of one position per row (`position_ids` (rows, 1), all below
-        `longest`)."""
+        `longest`). A rotary type that depends on the length (not tabulated) gets one call a row, each as that row's
+        own step would make it, not one call scaled by the longest row."""
         table = self._table(longest)
         if table is None:
-            return self.rotary(hidden, position_ids=position_ids)
+            rows = [self.rotary(hidden[:1], position_ids=row) for row in position_ids.split(1)]
+            return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
         cos, sin = table
         return cos[0, position_ids], sin[0, position_ids]
 

@@ -247,3 +247,27 @@ def test_a_rotary_type_that_depends_on_the_length_is_not_tabulated(tiny_llama):
         cos, _ = span.rope(hidden, 0, 3)
         assert torch.equal(cos, span.rotary(hidden, position_ids=torch.arange(3).unsqueeze(0))[0])
     assert span._rope_table is None
+
+
+@pytest.mark.parametrize("rope_type", ["dynamic", "longrope"])
+def test_a_rotary_that_depends_on_the_length_is_never_batched_and_each_row_gets_its_own(tiny_llama, rope_type):
+    """A `dynamic` or `longrope` rotary scales a call's positions by its longest: in one call, a session at position
+    200 would change the embedding of a batch-mate at position 5. Such spans step one session at a time, and a pass
+    of several rows still gives each row what a call of its own gives."""
+    config = load_config(tiny_llama)
+    config.max_position_embeddings = 64  # positions past it are scaled
+    half = config.hidden_size // config.num_attention_heads // 2
+    extra = (
+        {"factor": 2.0}
+        if rope_type == "dynamic"
+        else {"long_factor": [4.0] * half, "short_factor": [1.0] * half, "original_max_position_embeddings": 64}
+    )
+    config.rope_parameters = {**config.rope_parameters, "rope_type": rope_type, **extra}
+    span = load_block_span(tiny_llama, SpanSpec(0, 2), config=config)
+    assert not span.batches_decode and not span.batches_prompts
+    hidden = torch.zeros(2, 1, span.hidden_size)
+    with torch.inference_mode():
+        cos, sin = span.rope_rows(hidden, torch.tensor([[5], [200]]), 201)
+        for row, position in enumerate((5, 200)):
+            alone_cos, alone_sin = span.rope(hidden[:1], position, position + 1)
+            assert torch.equal(cos[row], alone_cos[0]) and torch.equal(sin[row], alone_sin[0]), (rope_type, position)
