@@ -473,6 +473,7 @@ class InferenceService:
         output, seconds = await self.compute.run_decode(
             hidden, session.cache, step.position, session.blocks, session.adapter, member=session.key
         )
+        output = _alone(output)  # kept below: not a view holding the whole pass's output alive
         session.last_position = step.position
         session.position += hidden.shape[1]
         if session.next_peer is not None:  # kept for a replacement of the next node (see _control, history)
@@ -511,6 +512,15 @@ class InferenceService:
             session.lane_next = None  # unless the retarget names the new next node's lane
         session.apply_lane_settings(message.lane)
         return frame(Retargeted())
+
+
+def _alone(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` in a storage of its own: a session's part of a batched pass is a view of the pass's whole output,
+    which a session keeping its outputs (for a replacement of its next node, for its audit windows) would hold alive,
+    16 sessions' worth for each kept step of a pass of 16."""
+    if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size():
+        return tensor.clone()
+    return tensor
 
 
 __all__ = ["InferenceService"]

@@ -65,6 +65,15 @@ def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny
     prefix = f"batch-{len(spans)}-{waves}"
     window = {} if waves == 1 else {"batch_window_ms": 0.0}
     nodes = [module_swarm.start_node(tiny_llama, start, end, dht_prefix=prefix, **window) for start, end in spans]
+    # each step's output a node keeps (for a replacement of its next node) owns its storage: not a view of the pass
+    owned, compute_step = [], nodes[0].inference._compute_step
+
+    async def recording(session, request, step):
+        output, seconds = await compute_step(session, request, step)
+        owned.append(output.untyped_storage().nbytes() == output.numel() * output.element_size())
+        return output, seconds
+
+    nodes[0].inference._compute_step = recording
     try:
         with DistributedModelForCausalLM.from_pretrained(
             tiny_llama,
@@ -84,6 +93,7 @@ def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny
         assert all(node.compute.batches_run > 0 for node in nodes), [node.compute.batches_run for node in nodes]
         assert all(node.compute.prompts_batched == 0 for node in nodes)  # prompts run alone unless asked
         assert head_passes > 0
+        assert owned and all(owned), owned
     finally:
         for node in nodes:
             module_swarm.stop_node(node)
