@@ -43,7 +43,7 @@ from nesa_node.protocol.messages import (
     LaneTicket,
     expect,
 )
-from nesa_node.protocol.records import NodeInfo
+from nesa_node.protocol.records import NodeInfo, bandwidth_from_pings
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec, tensor_from_proto, tensor_to_proto
 from nesa_node.routing.chain import Hop, SwarmSnapshot
 from nesa_node.swarm_view import build_snapshot
@@ -442,9 +442,8 @@ class Swarm(Bans, RoundTripMeter):
         except Exception as exc:  # gone or slow: the link stays unknown (lossless)
             logger.debug("no bandwidth to %s: %r", peer_id, exc)
             return
-        transfer_s = loaded_s - rtt_s if loaded_s - rtt_s >= 0.1 * loaded_s else loaded_s  # see server/link_probe.py
         # each figure is a lower bound (a busy moment only makes a link look slower): keep the best seen
-        measured = BANDWIDTH_PAYLOAD_BYTES * 8 / transfer_s / 1e6
+        measured = bandwidth_from_pings(BANDWIDTH_PAYLOAD_BYTES, rtt_s, loaded_s)
         self._bandwidth[peer_id] = max(measured, self._bandwidth.get(peer_id, 0.0))
 
     async def _timed_unary(self, peer_id: str, request: Frame) -> float:

@@ -3,8 +3,8 @@
 The sample always holds the node's neighbours in the block order (nodes whose span ends where this node's
 starts, or starts where it ends: the links a chain through this node would use), then other peers at random,
 up to `max_peers`. RTT is the least of `pings` empty `rpc_ping` round trips; bandwidth comes from one ping that
-carries `payload_bytes`: payload bits / (its round trip - the RTT), or / its round trip when that difference is
-lost in noise (a lower bound).
+carries `payload_bytes`: payload bits / (its round trip - the RTT), that difference taken as at least a tenth of
+the loaded round trip where it is lost in noise (protocol/records.py `bandwidth_from_pings`: a bound from below).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hivemind.proto.runtime_pb2 import Tensor
 
 from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import Frame
-from nesa_node.protocol.records import LinkInfo, NodeInfo
+from nesa_node.protocol.records import LinkInfo, NodeInfo, bandwidth_from_pings
 
 logger = logging.getLogger(__name__)
 
@@ -66,12 +66,7 @@ class LinkProber:
     async def measure(self, peer_id: str) -> LinkInfo:
         rtt_s = min([await self.ping(peer_id) for _ in range(self.pings)])
         loaded_s = await self.ping(peer_id, bytes(self.payload_bytes))
-        transfer_s = loaded_s - rtt_s
-        if transfer_s < 0.1 * loaded_s:
-            # the payload made no measurable difference (a fast link, or the empty pings met a busy moment): the
-            # whole loaded round trip is an upper bound on the transfer, so this is a lower bound on the bandwidth
-            transfer_s = loaded_s
-        bandwidth = self.payload_bytes * 8 / transfer_s / 1e6
+        bandwidth = bandwidth_from_pings(self.payload_bytes, rtt_s, loaded_s)
         return LinkInfo(peer_id=peer_id, rtt_ms=rtt_s * 1000, bandwidth_mbps=bandwidth)
 
     async def probe(self, me: NodeInfo, others: list[NodeInfo]) -> list[LinkInfo]:

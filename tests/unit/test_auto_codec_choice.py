@@ -9,6 +9,7 @@ from nesa_node.client.config import ClientConfig, client_codec
 from nesa_node.client.session_chain import codec_for
 from nesa_node.compression.auto import LOSSLESS_FROM_MBPS, compression_pays
 from nesa_node.compression.names import AUTO_CODEC, DEFAULT_CODEC
+from nesa_node.protocol.records import bandwidth_from_pings
 from nesa_node.routing.chain import Hop
 
 PREFILL = 128 * 4096  # a 128-token prompt of a 4096-wide model, elements
@@ -45,3 +46,27 @@ def test_auto_is_the_default_and_resolves_per_hop_and_message():
     assert codec_for(None, hop, auto, elements=PREFILL, bandwidth_mbps=50.0).name == AUTO_CODEC
     assert codec_for(None, lossless_only, auto, elements=PREFILL, bandwidth_mbps=50.0).name == "none"
     assert codec_for(None, hop, client_codec("fp16"), elements=1, bandwidth_mbps=1e6).name == "none"  # not accepted
+
+
+def test_a_fast_link_far_away_is_not_rated_by_its_latency():
+    """A 256 KiB ping adds 2 ms to a 50 ms round trip at 1 Gbit/s: lost in the pings' noise, so the figure is the
+    bound the measurement supports (the payload took at most a tenth of the loaded trip), and the link stays
+    lossless; a slow link, whose payload shows, is measured as it is."""
+    payload = 256 * 1024
+    far_and_fast = bandwidth_from_pings(payload, 0.050, 0.050 + payload * 8 / 1e9)
+    assert far_and_fast >= LOSSLESS_FROM_MBPS and not compression_pays(DECODE, far_and_fast)
+    assert not compression_pays(PREFILL, far_and_fast)
+    slow = bandwidth_from_pings(payload, 0.001, 0.001 + payload * 8 / 50e6)
+    assert abs(slow - 50.0) < 1e-6 and compression_pays(DECODE, slow)
+    busy = bandwidth_from_pings(payload, 0.030, 0.020)  # the empty pings met a busy moment: still a finite figure
+    assert 0 < busy < float("inf")
+
+
+@given(
+    st.integers(1, 1 << 24),
+    st.floats(1e-5, 10.0, allow_nan=False),
+    st.floats(1e-5, 10.0, allow_nan=False),
+    st.floats(1e-5, 10.0, allow_nan=False),
+)
+def test_a_slower_loaded_trip_never_rates_a_link_faster(payload, rtt, loaded, extra):
+    assert 0 < bandwidth_from_pings(payload, rtt, loaded + extra) <= bandwidth_from_pings(payload, rtt, loaded)
