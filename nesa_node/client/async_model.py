@@ -421,11 +421,16 @@ class AsyncDistributedModel(AdapterLookup):
         preferred = self.config.compression
         for hop in chain.hops:
             elements = hidden.numel()
-            codec = codec_for(
-                None, hop, preferred, elements=elements, bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, None)
-            )
+            bandwidth = self.swarm.bandwidth_mbps(hop.peer_id, None)
+            bits = 8 * hidden.element_size()
+            codec = codec_for(None, hop, preferred, elements=elements, bandwidth_mbps=bandwidth, lossless_bits=bits)
             output_codec = codec_for(
-                hop, None, preferred, elements=elements, bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, None)
+                hop,
+                None,
+                preferred,
+                elements=elements,
+                bandwidth_mbps=bandwidth,
+                lossless_bits=self.swarm.answer_bits(hop.peer_id),
             )
             hidden, _ = await self.swarm.forward(hop, hidden, codec, output_codec)
         if self.edge_blocks is not None:

@@ -363,6 +363,7 @@ class InferenceSession:
                 self.config.compression,
                 elements=hidden.numel(),
                 bandwidth_mbps=self.swarm.bandwidth_mbps(link.peer_id, None),
+                lossless_bits=8 * hidden.element_size(),
             )
             tensor, codec = tensor_to_wire(hidden, codec)  # lossless where the codec cannot carry these values
             chosen[link.peer_id] = codec

@@ -19,7 +19,7 @@ import torch
 from nesa_node.client.chain_links import ChainLink, LinkFailed, link_ended, stale_report
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import Swarm
-from nesa_node.compression.auto import compression_pays
+from nesa_node.compression.auto import LOSSLESS_BITS, compression_pays
 from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, ReceiptError, RequestError
@@ -82,12 +82,14 @@ def codec_for(
     *,
     elements: int = AUTO_ELEMENTS,
     bandwidth_mbps: float | None = None,
+    lossless_bits: float = LOSSLESS_BITS,
 ) -> WireCodec:
     """The codec for hidden states going from `sender` to `receiver`: `preferred` when both ends accept it, else
     "none". None stands for the client, which accepts every codec. With "auto" preferred: AUTO_CODEC where it pays
-    for a message of `elements` over a link of `bandwidth_mbps` (compression/auto.py), else "none"."""
+    for a message of `elements` values of `lossless_bits` (the sender's dtype) over a link of `bandwidth_mbps`
+    (compression/auto.py), else "none"."""
     if preferred.name == AUTO:
-        if not compression_pays(elements, bandwidth_mbps):
+        if not compression_pays(elements, bandwidth_mbps, lossless_bits):
             return NO_CODEC
         preferred = WireCodec.of(AUTO_CODEC)
     for hop in (sender, receiver):
@@ -197,6 +199,7 @@ class SessionChain:
             self.config.compression,
             elements=self.batch * (self.hidden_size or AUTO_ELEMENTS),
             bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, receiver.peer_id if receiver else None),
+            lossless_bits=self.swarm.answer_bits(hop.peer_id),
         )
         self.output_codecs[hop.peer_id] = output_codec.name
         self.push_codecs[hop.peer_id] = output_codec

@@ -350,6 +350,12 @@ class Swarm(Bans, RoundTripMeter):
             return ANSWER_DTYPES
         return (record.info.dtype,) if record.info.dtype in ANSWER_DTYPES else ()
 
+    def answer_bits(self, peer_id: str) -> int:
+        """Bits of each value node `peer_id` sends its outputs in (its record's dtype; 32 when not known): what a
+        lossless message from it costs on the wire."""
+        dtypes = self.answer_dtypes(peer_id)
+        return 16 if len(dtypes) == 1 and dtypes[0] in ("bfloat16", "float16") else 32
+
     def lane_address(self, peer_id: str) -> str | None:
         """The data lane address a node's record announces (protocol/lane.py), if any and well formed."""
         record = self._records.get(peer_id)

@@ -70,3 +70,15 @@ def test_a_fast_link_far_away_is_not_rated_by_its_latency():
 )
 def test_a_slower_loaded_trip_never_rates_a_link_faster(payload, rtt, loaded, extra):
     assert 0 < bandwidth_from_pings(payload, rtt, loaded + extra) <= bandwidth_from_pings(payload, rtt, loaded)
+
+
+def test_a_16_bit_sender_saves_half_as_much_and_compresses_on_slower_links_only():
+    """Nodes in bfloat16 send 16 bits a value, not 32: the 8-bit codec saves 7.5 bits a value, not 23.5, so a
+    one-token step that pays for float32 at 250 Mbit/s does not for bfloat16 there; at 50 Mbit/s both pay."""
+    assert compression_pays(DECODE, 250.0) and not compression_pays(DECODE, 250.0, lossless_bits=16)
+    assert compression_pays(DECODE, 50.0, lossless_bits=16)
+    assert not compression_pays(PREFILL, 50.0, lossless_bits=8)  # nothing to save over an 8-bit dtype
+    hop = Hop("node", 0, 4, codecs=("none", AUTO_CODEC))
+    auto = client_codec("auto")
+    assert codec_for(None, hop, auto, elements=DECODE, bandwidth_mbps=250.0).name == AUTO_CODEC
+    assert codec_for(None, hop, auto, elements=DECODE, bandwidth_mbps=250.0, lossless_bits=16).name == "none"
