@@ -124,10 +124,7 @@ class Auditor:
         if not complete:
             return outcome
         end = max(record.token_end for window in complete for record in by_window[window].values())
-        received = torch.cat(
-            [_as_received(step, codec) for step, codec in zip(session._inputs[0], session.step_codecs, strict=False)],
-            dim=1,
-        )[:, :end]
+        received = torch.cat(session._inputs[0], dim=1)[:, :end]  # kept as the first node decoded them
         if received.shape[1] < end:  # fewer inputs kept than the records cover: cannot replay
             outcome.checks["unrecorded"] += len(complete)
             return outcome

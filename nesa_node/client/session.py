@@ -37,7 +37,7 @@ from nesa_node.errors import (
 )
 from nesa_node.protocol.channel import frame
 from nesa_node.protocol.messages import ErrorReply, Step, StepResult
-from nesa_node.protocol.tensors import tensor_to_wire
+from nesa_node.protocol.tensors import as_received, tensor_to_wire
 from nesa_node.routing.chain import Chain
 from nesa_node.verification.receipts import HopRecord, ReceiptsBuilder
 
@@ -346,7 +346,7 @@ class InferenceSession:
         self, hidden: torch.Tensor, deadline_s: float
     ) -> tuple[torch.Tensor, float, int, int, list[torch.Tensor]]:
         """One step through the chain: (output, compute seconds, bytes sent, bytes received, the input the client
-        sent to each link it feeds: the first in direct mode, all in relay mode)."""
+        sent to each link it feeds, as that node decoded it: the first in direct mode, all in relay mode)."""
         step_id = f"{self.session_id}:{self.position}"  # the same on a retry: nodes that did it answer from record
         links = self.links.links
         relay = not self.links.direct
@@ -356,7 +356,6 @@ class InferenceSession:
             self._step_codecs = (step_id, {})
         chosen = self._step_codecs[1]  # a step sent again keeps its codec: a node refuses a step id's other content
         for link in fed:
-            inputs.append(hidden)
             codec = chosen.get(link.peer_id) or codec_for(
                 None,
                 link.hop,
@@ -366,6 +365,8 @@ class InferenceSession:
                 lossless_bits=8 * hidden.element_size(),
             )
             tensor, codec = tensor_to_wire(hidden, codec)  # lossless where the codec cannot carry these values
+            # kept as the node decodes it: a replacement of the node replays exactly what it saw
+            inputs.append(as_received(hidden, tensor, codec))
             chosen[link.peer_id] = codec
             self._sent_codec = codec.name
             request = frame(Step(step_id=step_id, position=self.position, codec=codec), [tensor])

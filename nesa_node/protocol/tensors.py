@@ -123,6 +123,16 @@ def tensor_from_proto(
         raise BadRequestError(str(exc)) from None
 
 
+def as_received(tensor: torch.Tensor, proto: runtime_pb2.Tensor, codec: WireCodec) -> torch.Tensor:
+    """What a peer decodes from `proto`, the message `tensor_to_wire` made of `tensor` with `codec`: `tensor` itself
+    when that is lossless, else the codec's round trip. A sender keeps this, not its own values, wherever it may
+    have to send the same input again to another peer (a replacement rebuilding its cache from a history) or check
+    what the receiver computed from it: a lossy codec's receiver never saw the exact values."""
+    if codec.name == NO_CODEC.name:
+        return tensor
+    return tensor_from_proto(proto, allowed_dtypes=(proto.dtype,), max_elements=tensor.numel(), codec=codec)
+
+
 def bytes_to_proto(data: bytes) -> runtime_pb2.Tensor:
     """Opaque bytes (an adapter's slice or manifest) as a `Tensor` of uint8, for a frame's tensor list."""
     return runtime_pb2.Tensor(
@@ -144,6 +154,7 @@ def bytes_from_proto(proto: runtime_pb2.Tensor, *, max_bytes: int) -> bytes:
 __all__ = [
     "NO_CODEC",
     "WireCodec",
+    "as_received",
     "bytes_from_proto",
     "bytes_to_proto",
     "tensor_from_proto",

@@ -59,7 +59,7 @@ from nesa_node.protocol.messages import (
     expect,
 )
 from nesa_node.protocol.push_tag import tag_of
-from nesa_node.protocol.tensors import bytes_to_proto, tensor_to_proto, tensor_to_wire
+from nesa_node.protocol.tensors import NO_CODEC, as_received, bytes_to_proto, tensor_to_proto, tensor_to_wire
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
 from nesa_node.server.config import LimitsConfig, NetworkConfig
@@ -369,6 +369,9 @@ class InferenceService:
                 # lossless where the session's codec cannot carry these values (beyond fp16's range)
                 proto, sent_codec = tensor_to_wire(output, session.output_codec)
                 tensors = [proto]
+                if session.outputs and session.outputs[-1] is output and sent_codec.name != NO_CODEC.name:
+                    # kept as the next node decodes it: a replacement of that node rebuilds exactly its cache
+                    session.outputs[-1] = as_received(output, proto, sent_codec)
                 compute_s = seconds + step.compute_s  # this node's and those before it
                 if not step.replay and session.next_peer is not None:
                     pushed, pushing = time.perf_counter(), True
@@ -486,8 +489,9 @@ class InferenceService:
 
     def _control(self, session: ServerSession, message: HistoryRequest | Retarget | RecordsRequest) -> Frame:
         """Session control from the client, in order with its steps (failover of a neighbouring node): a history
-        request returns this node's outputs for the first `position` tokens (lossless), so a replacement for the next
-        span can rebuild its cache; a retarget points the node at a new next node and/or upstream, each when given."""
+        request returns this node's outputs for the first `position` tokens (lossless, each as the next node decoded
+        it), so a replacement for the next span can rebuild its cache; a retarget points the node at a new next node
+        and/or upstream, each when given."""
         if isinstance(message, RecordsRequest):
             if session.window_log is None:
                 raise BadRequestError("this session was opened without hop records (commit_hop)")

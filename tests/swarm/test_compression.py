@@ -117,3 +117,43 @@ def test_values_beyond_fp16_go_lossless_instead_of_failing_the_step(module_swarm
         assert output.shape == (1, 11) and session.failovers == [] and not model.swarm.banned()
         if mode == "relay":  # the client's own sends to the second node (those that fit fp16 keep it)
             assert "none" in session.step_codecs, session.step_codecs
+
+
+def test_a_replacement_is_replayed_what_the_lost_node_decoded(module_swarm, tiny_llama):
+    """With a lossy codec on the wire each node decodes values a little off what its sender computed. A replacement
+    rebuilds its cache from the inputs the client kept (the first node's span) or the history the node before it
+    keeps: both are exactly what the lost node decoded, or the replacement's cache, and the tokens after it, would
+    differ from the run without a fault (RELIABILITY.md A1)."""
+    prefix = "lossy-replay"
+    nodes = [module_swarm.start_node(tiny_llama, start, end, dht_prefix=prefix) for start, end in ((0, 2), (2, 4))]
+    decoded: list[list[torch.Tensor]] = [[], []]  # each node's inputs, as it read them
+    for node, seen in zip(nodes, decoded, strict=True):
+        read_hidden = node.compute.read_hidden
+
+        def reading(*args, _read=read_hidden, _seen=seen, **kwargs):
+            _seen.append(_read(*args, **kwargs))
+            return _seen[-1]
+
+        node.compute.read_hidden = reading
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix, compression="blockwise8"
+        ) as model:
+            chain = wait_for_chain(model, hops=2)
+            with model.session_on(chain, batch=1, max_length=16) as session:
+                sent = [torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(0))]
+                output = session.step(sent[0])
+                for _ in range(3):
+                    sent.append(output[:, -1:] * 3)
+                    output = session.step(sent[-1])
+                inner = session.session
+                assert inner.step_codecs == ["blockwise8"] * 4
+                assert inner.output_codecs[nodes[0].peer_id] == "blockwise8"
+                history = model.call(inner.links.history(inner.links.links[0], 7))
+        first_saw, second_saw = (torch.cat(seen, dim=1) for seen in decoded)
+        assert not torch.equal(first_saw, torch.cat(sent, dim=1))  # the codec is lossy
+        assert torch.equal(torch.cat(inner._inputs[0], dim=1), first_saw)
+        assert torch.equal(history, second_saw)
+    finally:
+        for node in nodes:
+            module_swarm.stop_node(node)
