@@ -123,6 +123,11 @@ class Auditor:
         outcome.checks["unrecorded"] += len(sampled) - len(complete)
         if not complete:
             return outcome
+        if any(hop.peer_id in session.links.recoded for hop in hops[:-1]):
+            # a node's output codec changed mid-session (retargeted to a replacement that takes another): what its
+            # next node decoded, step by step, is not known here
+            outcome.checks["inconclusive"] += len(complete)
+            return outcome
         end = max(record.token_end for window in complete for record in by_window[window].values())
         received = torch.cat(session._inputs[0], dim=1)[:, :end]  # kept as the first node decoded them
         if received.shape[1] < end:  # fewer inputs kept than the records cover: cannot replay

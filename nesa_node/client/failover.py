@@ -322,7 +322,11 @@ class Failover:
                 if previous is not None and not relay and not previous.closed:
                     first = new_links[0]
                     lanes = LaneSettings(key_out=first.key_in.hex(), next=self.swarm.lane_address(first.peer_id))
-                    message = Retarget(next=first.peer_id, lane=lanes if chain.lanes else None)
+                    message = Retarget(
+                        next=first.peer_id,
+                        lane=lanes if chain.lanes else None,
+                        output_codec=chain.push_codec(previous.hop, first.hop),  # what the replacement accepts
+                    )
                     await _retarget(chain, previous, message)
                     previous.key_out = first.key_in
                 if following is not None and not relay and not following.closed:

@@ -172,6 +172,7 @@ class SessionChain:
         self.hidden_size: int | None = None
         self.output_codecs: dict[str, str] = {}  # peer id -> the codec its outputs are sent with
         self.push_codecs: dict[str, WireCodec] = {}  # peer id -> that codec with its parameters, as opened
+        self.recoded: set[str] = set()  # peer ids whose output codec a retarget changed mid-session
         self.max_answer_bytes = answer_frame_bytes(batch, max_length, MAX_HIDDEN)
         if hidden_size is not None:
             self._learn_hidden_size(hidden_size)
@@ -181,6 +182,18 @@ class SessionChain:
         return tuple(link.hop for link in self.links)
 
     # ---- opening -----------------------------------------------------------------------------------------------------
+
+    def push_codec(self, hop: Hop, receiver: Hop | None) -> WireCodec:
+        """The codec `hop`'s node sends its outputs to `receiver` with (None: the client), chosen for a one-token
+        step, the message a session sends most."""
+        return codec_for(
+            hop,
+            receiver,
+            self.config.compression,
+            elements=self.batch * (self.hidden_size or AUTO_ELEMENTS),
+            bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, receiver.peer_id if receiver else None),
+            lossless_bits=self.swarm.answer_bits(hop.peer_id),
+        )
 
     def _open_message(
         self,
@@ -193,14 +206,7 @@ class SessionChain:
         # who decodes this node's output: the next node in a direct chain, else the client
         receiver = (hops[index + 1] if index + 1 < len(hops) else downstream) if self.direct else None
         hop = hops[index]
-        output_codec = codec_for(  # chosen for a one-token step, the message a session sends most
-            hop,
-            receiver,
-            self.config.compression,
-            elements=self.batch * (self.hidden_size or AUTO_ELEMENTS),
-            bandwidth_mbps=self.swarm.bandwidth_mbps(hop.peer_id, receiver.peer_id if receiver else None),
-            lossless_bits=self.swarm.answer_bits(hop.peer_id),
-        )
+        output_codec = self.push_codec(hop, receiver)
         self.output_codecs[hop.peer_id] = output_codec.name
         self.push_codecs[hop.peer_id] = output_codec
         return OpenSession(
@@ -509,6 +515,11 @@ class SessionChain:
     async def retarget(self, link: ChainLink, message: Retarget) -> None:
         link.send(frame(message))
         await self._control_answer(link, Retargeted)
+        codec = message.output_codec
+        if codec is not None and codec != self.push_codecs.get(link.peer_id):
+            self.recoded.add(link.peer_id)
+            self.output_codecs[link.peer_id] = codec.name
+            self.push_codecs[link.peer_id] = codec
 
     async def _control_answer(self, link: ChainLink, model: type[Message]) -> tuple[Message, Frame]:
         until = Deadline.after(self.swarm.request_timeout_s)  # for the whole exchange, whatever else the nodes send

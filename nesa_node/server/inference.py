@@ -505,6 +505,9 @@ class InferenceService:
             history = torch.cat(session.outputs, dim=1)[:, : message.position]  # (batch, position, hidden)
             return frame(History(position=message.position), [tensor_to_proto(history)])
         given = message.model_fields_set
+        # checked before anything changes: a codec this node does not take refuses the whole retarget ("none"
+        # travels as null: given, it is the codec named)
+        output_codec = self.compute.codec(message.output_codec or NO_CODEC) if "output_codec" in given else None
         if message.upstream is not None:
             # a replaced upstream, or the same node opened again: either resends the last step recomputed from a
             # replayed cache (see _compute_step), its content may differ in the last bits
@@ -515,6 +518,8 @@ class InferenceService:
             session.next_peer = message.next
             session.lane_next = None  # unless the retarget names the new next node's lane
         session.apply_lane_settings(message.lane)
+        if output_codec is not None:
+            session.output_codec = output_codec
         return frame(Retargeted())
 
 

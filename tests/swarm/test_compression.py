@@ -14,7 +14,8 @@ from nesa_node.protocol import rpc
 from nesa_node.protocol.channel import frame, read
 from nesa_node.protocol.messages import FORWARD_ANSWERS, ErrorReply, ForwardRequest
 from nesa_node.protocol.tensors import WireCodec, tensor_to_proto
-from tests.support.swarm import wait_for_chain
+from nesa_node.routing.snapshot import Chain, Hop
+from tests.support.swarm import client_seeing, wait_for_chain
 
 WIDE = TinyModelSpec(layers=2, hidden=1024, heads=8, kv_heads=8, intermediate=256, vocab=512, seed=3)
 
@@ -154,6 +155,38 @@ def test_a_replacement_is_replayed_what_the_lost_node_decoded(module_swarm, tiny
         assert not torch.equal(first_saw, torch.cat(sent, dim=1))  # the codec is lossy
         assert torch.equal(torch.cat(inner._inputs[0], dim=1), first_saw)
         assert torch.equal(history, second_saw)
+    finally:
+        for node in nodes:
+            module_swarm.stop_node(node)
+
+
+def test_a_replacement_that_takes_no_lossy_codec_gets_pushes_it_can_read(module_swarm, tiny_llama):
+    """The node before a lost one pushes with the codec chosen for the lost one (blockwise8). Its replacement takes
+    only "none": the retarget that points the node at it also names the codec it takes, so the session goes on
+    through the replacement, which is neither refused nor banned."""
+    prefix = "recode"
+    first = module_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    lost = module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    plain = module_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix, codecs=("none",))
+    nodes = [first, lost, plain]
+    try:
+        with client_seeing(module_swarm, tiny_llama, nodes, dht_prefix=prefix, compression="blockwise8") as model:
+            hops = tuple(Hop(node.peer_id, start, 4 if start else 2, node.current_info().codecs) for node, start in (
+                (first, 0), (lost, 2)
+            ))  # fmt: skip
+            with model.session_on(Chain(hops=hops), batch=1, max_length=16) as session:
+                output = session.step(torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(1)))
+                output = session.step(output[:, -1:])
+                assert session.session.output_codecs[first.peer_id] == "blockwise8"
+                module_swarm.stop_node(lost)
+                nodes.remove(lost)
+                for _ in range(3):
+                    output = session.step(output[:, -1:])
+                assert output.shape == (1, 1, 64) and torch.isfinite(output).all()
+                assert [hop.peer_id for hop in session.session.chain.hops] == [first.peer_id, plain.peer_id]
+                assert session.session.output_codecs[first.peer_id] == "none"
+                assert len(session.session.failovers) == 1, session.session.failovers
+                assert plain.peer_id not in session.session.failovers[0]["banned"]
     finally:
         for node in nodes:
             module_swarm.stop_node(node)
