@@ -133,8 +133,6 @@ class Auditor:
         if received.shape[1] < end:  # fewer inputs kept than the records cover: cannot replay
             outcome.checks["unrecorded"] += len(complete)
             return outcome
-        node_dtype = str(self.model.dtype).removeprefix("torch.")
-        tolerance = tolerance_for(node_dtype, node_dtype)
         hidden = received
         for index, hop in enumerate(hops):
             executed = await self._reexecute(session, hop.start_block, hop.end_block, hidden, exclude={hop.peer_id})
@@ -144,6 +142,7 @@ class Auditor:
             output, auditors = executed
             for window in complete:
                 record = by_window[window][index]
+                tolerance = self.tolerance({record.peer_id} | auditors)
                 part = output[:, record.token_start : record.token_end]
                 report = compare(WindowCommitment.from_bytes(record.commitment), part, tolerance)
                 if report.matches:
@@ -206,6 +205,17 @@ class Auditor:
                 exclude = exclude | set(chain.peer_ids)
         return None
 
+    def tolerance(self, peer_ids: set[str]):
+        """The calibrated tolerance for outputs compared across `peer_ids` (an audited node and its auditors) and
+        this client's inputs: bfloat16's where any of them computes in bfloat16, or one's dtype is not known (each
+        node's record says its own; the client's dtype is not the nodes', in a swarm of mixed dtypes or where the
+        user chose it)."""
+        dtypes = {str(self.model.dtype).removeprefix("torch.")}
+        for peer_id in peer_ids:
+            dtypes.update(self.model.swarm.answer_dtypes(peer_id) or ("bfloat16",))
+        widest = "bfloat16" if "bfloat16" in dtypes else "float32"
+        return tolerance_for(widest, widest)
+
     async def _confirmed(
         self, session, hop, hidden, first: torch.Tensor, record: HopRecord, tolerance, exclude
     ) -> bool:
@@ -215,6 +225,7 @@ class Auditor:
         again = await self._reexecute(session, hop.start_block, hop.end_block, hidden, exclude=exclude)
         if again is None:
             return False
+        tolerance = max(tolerance, self.tolerance(again[1]), key=lambda each: each.sketch)  # the wider
         part = again[0][:, record.token_start : record.token_end]
         committed = WindowCommitment.from_bytes(record.commitment)
         return (
