@@ -192,6 +192,13 @@ class StepTimeoutError(PeerUnavailableError):
     code = "step_timeout"
 
 
+class StepFailedError(PeerUnavailableError):
+    """A node's blocks failed computing a step (a torch error: out of device memory, say) and it ended the session:
+    the owner replaces that node."""
+
+    code = "step_failed"
+
+
 class NoRouteError(NesaError):
     code = "no_route"
 
@@ -287,6 +294,7 @@ _BY_CODE = {
         PeerUnavailableError,
         SessionPreemptedError,
         StepTimeoutError,
+        StepFailedError,
     )
 }
 

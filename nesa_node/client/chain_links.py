@@ -11,6 +11,7 @@ from nesa_node.errors import (
     PeerUnavailableError,
     QuotaExceededError,
     SessionPreemptedError,
+    StepFailedError,
     StepTimeoutError,
 )
 from nesa_node.protocol import lane, push_tag
@@ -102,9 +103,10 @@ class LinkFailed(PeerUnavailableError):
 
 def link_ended(error: NesaError, link: ChainLink) -> LinkFailed | None:
     """A node's refusal that says it dropped the session (preempted it: idle, or holding lent cache; or did not compute
-    a step within its step timeout) or has no room to grow its cache for it, as the failure of its link: it is
-    replaced like a lost node. None for any other refusal."""
-    if isinstance(error, SessionPreemptedError | StepTimeoutError | CacheBudgetError | QuotaExceededError):
+    a step within its step timeout, or its blocks failed one) or has no room to grow its cache for it, as the failure
+    of its link: it is replaced like a lost node. None for any other refusal."""
+    ended = SessionPreemptedError | StepTimeoutError | StepFailedError | CacheBudgetError | QuotaExceededError
+    if isinstance(error, ended):
         return LinkFailed(error.message, link, full=isinstance(error, CacheBudgetError | QuotaExceededError))
     return None
 

@@ -132,7 +132,7 @@ class Failover:
                     self.swarm.ban(link.peer_id)
                 raise PeerUnavailableError(f"{failure.message}; every node of the chain still answers")
             logger.info("the chain went quiet (%s) yet every node answers: kept", failure)
-            self._record(None, [], position, started, kept=True)
+            self._record(None, [], position, started, kept=True, reason=failure.message)
             return False
         lost = chain.links[index].hop
         self.swarm.ban(lost.peer_id, fault=failure.fault)
@@ -165,7 +165,7 @@ class Failover:
                     raise _with_cause(no_route, lost, failure) from None
                 if quiet:
                     logger.info("node %s was slow, not gone, and no other node serves its blocks: kept", lost.peer_id)
-                    self._record(lost, [], position, started, kept=True)
+                    self._record(lost, [], position, started, kept=True, reason=failure.message)
                     return False
                 # it answers, and no other node serves its blocks: the session opens there again (the node ends its
                 # old session of this id when the owner reopens it) and its cache is rebuilt from the history
@@ -184,13 +184,16 @@ class Failover:
                 if failed.link is not chain.links[index] or attempt + 1 == self.max_replacement_attempts:
                     raise
                 logger.info("replacement for blocks %d:%d failed: %s", lost.start_block, lost.end_block, failed)
-        self._record(lost, [hop.peer_id for hop in hops], position, started, kept=False)
+        self._record(lost, [hop.peer_id for hop in hops], position, started, kept=False, reason=failure.message)
         return True
 
-    def _record(self, lost: Hop | None, replacements: list[str], position: int, started: float, *, kept: bool) -> None:
+    def _record(
+        self, lost: Hop | None, replacements: list[str], position: int, started: float, *, kept: bool, reason: str
+    ) -> None:
         self.recoveries.append(
             {
                 "failed": lost.peer_id if lost is not None else None,  # None: the chain was slow, every node answered
+                "reason": reason,  # what the client met: a broken stream, a node's typed refusal, a step deadline
                 "replacements": replacements,
                 "kept": kept,  # the chain stays as it was: see recover
                 "blocks": [lost.start_block, lost.end_block] if lost is not None else None,

@@ -35,6 +35,7 @@ from nesa_node.errors import (
     NesaError,
     PeerUnavailableError,
     RequestError,
+    StepFailedError,
     StepTimeoutError,
 )
 from nesa_node.protocol.channel import Channel, ChannelClosedError, Frame, frame, read
@@ -326,6 +327,12 @@ class InferenceService:
                     return
                 if len(replies) > 1:
                     return
+            except Exception as exc:  # the blocks' own error (out of device memory, say): the session ends, said so
+                logger.warning("session %s: step %s failed, session ended: %r", session.session_id, step_id, exc)
+                failed = StepFailedError(f"the node failed the step: {type(exc).__name__}: {str(exc)[:200]}")
+                with contextlib.suppress(ChannelClosedError):
+                    await self._answer(session.reply, frame(ErrorReply.of(failed, step_id)))
+                return
             finally:
                 session.busy = False
 

@@ -318,3 +318,44 @@ def test_a_node_answering_hostile_metadata_is_banned_and_its_span_rerouted(local
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
     )
     assert torch.equal(output, reference)
+
+
+def test_a_node_whose_blocks_fail_a_step_ends_the_session_saying_so_and_is_replaced(local_swarm, tiny_llama):
+    """A torch error in a node's blocks (out of device memory, say) is no refusal of the client's input: the node
+    ends the session with a typed `step_failed` reply naming the error, the client replaces it like a lost node (not
+    banned for a fault), and the tokens equal single-process generation."""
+    prefix = "step-failed"
+    local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
+    failing = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+    honest_run = failing.compute.run
+
+    async def failing_run(hidden, cache, position, blocks, adapter=None):
+        if position >= PROMPT.shape[1] + 2:  # after a few steps, so the replacement has a history to rebuild
+            raise RuntimeError("CUDA out of memory (as a test's blocks say it)")
+        return await honest_run(hidden, cache, position, blocks, adapter)
+
+    failing.compute.run = failing_run
+    with DistributedModelForCausalLM.from_pretrained(
+        tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
+    ) as model:
+
+        def two_hops() -> bool:
+            try:
+                return len(model.choose_chain(max_length=32).hops) == 2
+            except NoRouteError:  # the records are not out yet
+                return False
+
+        wait_until(two_hops, timeout_s=30)
+        with model.inference_session(max_length=32) as session:
+            assert session.chain.hops[1].peer_id == failing.peer_id  # the only server of 2:4 when the session opened
+            spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
+            output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        assert [entry["failed"] for entry in session.failovers] == [failing.peer_id]
+        reason = session.failovers[0]["reason"]
+        assert "the node failed the step: RuntimeError: CUDA out of memory" in reason, reason
+        assert failing.peer_id not in model.swarm.faulty()  # a failure, not a fault
+        assert session.chain.hops[1].peer_id == spare.peer_id
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False
+    )
+    assert torch.equal(output, reference)
