@@ -70,6 +70,7 @@ class _DecodeStep:
     adapter: object = None  # the session's AdapterSlice (LoRA), or None
     member: Hashable = None  # the session it belongs to (its SessionKey: gathering), or None
     arrived_s: float = 0.0  # time.monotonic() when it was queued
+    span: object = None  # the span its blocks and cache were checked against when it was queued
 
 
 class BlockCompute:
@@ -318,7 +319,7 @@ class BlockCompute:
             self.lone_steps += 1
             return output, seconds
         future = asyncio.get_running_loop().create_future()
-        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter, member, now))
+        self._decode_queue.append(_DecodeStep(hidden, cache, position, blocks, future, adapter, member, now, span))
         if self._arrival is not None and not self._arrival.done():
             self._arrival.set_result(None)
         if self._decoder is None or self._decoder.done():
@@ -340,7 +341,7 @@ class BlockCompute:
             await asyncio.sleep(0)  # steps that arrived in this turn of the loop join the first pass
             while self._decode_queue:
                 blocks = await self._gather()
-                batch = self._next_decode_batch(blocks)
+                batch = self._of_this_span(self._next_decode_batch(blocks))
                 if len(batch) == 1 and not self._as_pass(batch[0]):  # empty when every step was given up
                     await self._settle(batch, self._run_alone(batch[0]))
                 elif batch:
@@ -401,6 +402,15 @@ class BlockCompute:
                 rest.append(step)
         self._decode_queue = rest
         return batch
+
+    def _of_this_span(self, batch: list[_DecodeStep]) -> list[_DecodeStep]:
+        """The steps of `batch` queued on the span the node serves now; the others (queued before a move to other
+        blocks: their caches were built for the span they were checked against) fail, their sessions routed
+        around this node, rather than run on another span's layers."""
+        stale = [step for step in batch if step.span is not self.span]
+        if stale:
+            self._fail(stale, TooManySessionsError("node moved to other blocks (rebalancing); route around it"))
+        return [step for step in batch if step.span is self.span]
 
     def _as_pass(self, step: _DecodeStep) -> bool:
         """Whether a step the queue gives alone (other sessions are stepping) runs as a pass of one: a base-weight

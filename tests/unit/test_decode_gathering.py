@@ -387,3 +387,30 @@ def test_a_cuda_nodes_session_outputs_come_back_on_the_host(tiny_llama):
     }
     assert 0 < memory["allocated"] <= memory["reserved"] <= memory["peak"]
     assert scraped[("nesa_node_step_graphs_built", ())] == compute.step_graphs_built
+
+
+def test_a_step_queued_before_the_node_moves_fails_rather_than_run_on_the_new_span(tiny_llama):
+    """A step waits in the queue (its session expects another's step soon) while the node loads another span: its
+    cache was built for the span it was checked against, so it fails (the client routes around the node) instead of
+    running on the new span's layers."""
+    from nesa_node.errors import TooManySessionsError
+
+    compute, _ = compute_of(tiny_llama, batch_window_ms=300.0)
+
+    async def program() -> None:
+        caches = {"a": compute.span.new_cache(), "b": compute.span.new_cache()}
+        for position in range(3):  # together: each now expects the other's steps
+            await asyncio.gather(*(step(compute, caches[member], position, member) for member in caches))
+            await asyncio.sleep(ROUND_S)
+        waiting = asyncio.create_task(step(compute, caches["a"], 3, "a"))  # b's step expected soon: a's waits
+        for _ in range(100):  # turns of the loop until it is queued (before any pass can take it)
+            await asyncio.sleep(0)
+            if compute._decode_queue:
+                break
+        assert not waiting.done() and compute._decode_queue
+        compute.span = load_block_span(tiny_llama, SpanSpec(0, 4))  # a move: another span object
+        with pytest.raises(TooManySessionsError, match="moved to other blocks"):
+            await waiting
+        compute.close()
+
+    asyncio.run(program())
