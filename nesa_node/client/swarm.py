@@ -98,6 +98,12 @@ def _lane_host(address: str) -> str | None:
         return None
 
 
+def _multiaddr_host(address: str) -> str | None:
+    """The IP address of a multiaddr such as /ip4/127.0.0.1/tcp/4001 (None for any other kind: dns, a relay)."""
+    parts = address.split("/")
+    return parts[2] if len(parts) > 2 and parts[0] == "" and parts[1] in ("ip4", "ip6") else None
+
+
 @functools.lru_cache(maxsize=ADDRESSES_KEPT)
 def _loopback(host: str | None) -> bool:
     try:
@@ -144,6 +150,7 @@ class Swarm(Bans, RoundTripMeter):
         self.open_sessions: set = set()  # this client's open inference sessions (their nodes count as loaded)
         self._bandwidth: dict[str, float] = {}  # peer id -> Mbit/s from this client ("auto" codec choice)
         self._bandwidth_measured: dict[str, float] = {}  # peer id -> monotonic s of the last measurement started
+        self._local: set[str] = set()  # peer ids the libp2p daemon reaches on a loopback address only (no lane)
         self._background: set[asyncio.Task] = set()
         # peer id -> factor on eq. 18's reliability term: nodes an audit caught cheating (`blame`)
         self.distrust: dict[str, float] = {}
@@ -407,8 +414,9 @@ class Swarm(Bans, RoundTripMeter):
     def bandwidth_mbps(self, sender: str, receiver: str | None) -> float | None:
         """The bandwidth known between node `sender` and `receiver` (None: this client), Mbit/s, or None: the
         client's own measurement for its links; for two nodes, the smaller of the figures their records publish.
-        A node on this machine (its lane on a loopback address) is reached without a network link at all: inf
-        (a measurement there times the two processes' CPU, which a busy host makes look like a slow link)."""
+        A node on this machine (its lane on a loopback address, or without a lane every libp2p connection to it on
+        one) is reached without a network link at all: inf (a measurement there times the two processes' CPU,
+        which a busy host makes look like a slow link)."""
         if receiver is None:
             if self._on_this_host(sender):
                 return math.inf
@@ -425,8 +433,20 @@ class Swarm(Bans, RoundTripMeter):
         return min(figures) if figures else None
 
     def _on_this_host(self, peer_id: str) -> bool:
+        if peer_id in self._local:
+            return True
         address = self.lane_address(peer_id)
         return address is not None and _loopback(_lane_host(address))
+
+    async def _reached_on_loopback(self, peer_id: str) -> bool:
+        """Whether every connection the libp2p daemon holds to `peer_id` is to a loopback address (a node on this
+        machine; a peer cannot make a connection to it look so)."""
+        try:
+            peers = await self.p2p.list_peers()
+        except Exception:  # the daemon is going away: not known
+            return False
+        addresses = [str(address) for info in peers if info.peer_id.to_base58() == peer_id for address in info.addrs]
+        return bool(addresses) and all(_loopback(_multiaddr_host(address)) for address in addresses)
 
     def measure_bandwidths_soon(self, peer_ids: list[str]) -> None:
         """Measure the client's bandwidth to each of `peer_ids` not measured in the last BANDWIDTH_MAX_AGE_S, in
@@ -444,6 +464,9 @@ class Swarm(Bans, RoundTripMeter):
         payload = Frame(tensors=[Tensor(buffer=bytes(BANDWIDTH_PAYLOAD_BYTES))])
         try:
             rtt_s = min([await self._timed_unary(peer_id, Frame()) for _ in range(2)])
+            if await self._reached_on_loopback(peer_id):  # connected now: no network link to measure
+                self._local.add(peer_id)
+                return
             loaded_s = await self._timed_unary(peer_id, payload)
         except Exception as exc:  # gone or slow: the link stays unknown (lossless)
             logger.debug("no bandwidth to %s: %r", peer_id, exc)

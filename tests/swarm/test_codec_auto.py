@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.compression.names import AUTO_CODEC
-from tests.support.swarm import wait_for_chain
+from tests.support.swarm import wait_for_chain, wait_until
 
 pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
 
@@ -50,3 +50,31 @@ def test_auto_is_lossless_on_loopback_and_compresses_only_what_pays_on_a_slow_li
         codecs = [timing.codec for timing in session.timings]
         assert codecs[0] == AUTO_CODEC and set(codecs[1:]) == {"none"}  # the prompt compressed, 64-wide steps not
         assert output.shape == reference.shape
+
+
+def test_nodes_without_lanes_on_this_machine_are_no_network_link_either(module_swarm, tiny_llama):
+    """Nodes run with --no-lane announce no lane address to tell they are on this machine: the client's libp2p
+    connections to them, all on loopback, tell it instead, so their links count as no network link (lossless), not
+    as whatever a busy host makes a 256 KiB ping look like."""
+    prefix = f"{PREFIX}-no-lane"
+    nodes = [module_swarm.start_node(tiny_llama, start, end, dht_prefix=prefix, lane_port=None) for start, end in (
+        (0, 2), (2, 4)
+    )]  # fmt: skip
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
+        PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    try:
+        with DistributedModelForCausalLM.from_pretrained(
+            tiny_llama, initial_peers=module_swarm.initial_peers, dht_prefix=prefix
+        ) as model:
+            wait_for_chain(model, hops=2)
+            output = model.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)
+            swarm = model.swarm
+            first, last = (node.peer_id for node in nodes)
+            assert swarm.lane_address(first) is None and swarm.lane_address(last) is None
+            wait_until(lambda: swarm.bandwidth_mbps(first, None) == swarm.bandwidth_mbps(last, None) == math.inf, 30)
+            assert swarm.bandwidth_mbps(first, last) == math.inf  # two nodes on this machine
+        assert torch.equal(output, reference)
+    finally:
+        for node in nodes:
+            module_swarm.stop_node(node)
