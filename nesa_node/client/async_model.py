@@ -28,6 +28,7 @@ from nesa_node.client.adapter_lookup import AdapterLookup, adapter_id_of_folder,
 from nesa_node.client.audit import Auditor, AuditOutcome
 from nesa_node.client.canaries import CanaryChecker, CanaryOutcome
 from nesa_node.client.chain_links import LinkFailed
+from nesa_node.client.codec_choice import codec_for
 from nesa_node.client.config import ClientConfig, client_config
 from nesa_node.client.folder_files import read_canaries, read_weights_manifest
 from nesa_node.client.head_batch import HeadBatcher, choose_tokens
@@ -36,7 +37,7 @@ from nesa_node.client.open_refusals import ROUTABLE_REFUSALS, OpenRefusals, Refu
 from nesa_node.client.private_edges import EdgeBlocks, EdgeSession, check_private_edges
 from nesa_node.client.routing import ChainSelector, Router
 from nesa_node.client.session import InferenceSession
-from nesa_node.client.session_chain import OwnAdapter, codec_for
+from nesa_node.client.session_chain import OwnAdapter
 from nesa_node.client.stability import StabilityTracker
 from nesa_node.client.swarm import Swarm
 from nesa_node.errors import (
@@ -420,18 +421,9 @@ class AsyncDistributedModel(AdapterLookup):
         chain = await self.choose_chain(batch=hidden.shape[0])
         preferred = self.config.compression
         for hop in chain.hops:
-            elements = hidden.numel()
-            bandwidth = self.swarm.bandwidth_mbps(hop.peer_id, None)
-            bits = 8 * hidden.element_size()
-            codec = codec_for(None, hop, preferred, elements=elements, bandwidth_mbps=bandwidth, lossless_bits=bits)
-            output_codec = codec_for(
-                hop,
-                None,
-                preferred,
-                elements=elements,
-                bandwidth_mbps=bandwidth,
-                lossless_bits=self.swarm.answer_bits(hop.peer_id),
-            )
+            link = {"elements": hidden.numel(), "bandwidth_mbps": self.swarm.bandwidth_mbps(hop.peer_id, None)}
+            codec = codec_for(None, hop, preferred, **link, lossless_bits=8 * hidden.element_size())
+            output_codec = codec_for(hop, None, preferred, **link, lossless_bits=self.swarm.answer_bits(hop.peer_id))
             hidden, _ = await self.swarm.forward(hop, hidden, codec, output_codec)
         if self.edge_blocks is not None:
             hidden = self.edge_blocks.run_back(hidden)

@@ -1,12 +1,11 @@
 """LoRA fine-tuning over a swarm: the adapter lives on the nodes that hold its blocks and learns there.
 
 The client holds the embeddings, the final norm and the LM head (frozen, or some trained whole: LoraSpec.edges,
-client/train_edges.py); it embeds a batch, sends the hidden states
-through a chain of nodes (each runs its blocks with its own slice of the adapter, server/training.py), computes the
-loss on the last node's output, and sends the loss's gradient back up the chain: each node backpropagates through
-its blocks, returns the gradient of its input to the client for the node before it, and takes its own AdamW step.
-AdamW is elementwise, so the slices end where one process training the whole adapter on the same batches ends
-(Nesa paper section 2.4.2, eq. 7).
+client/train_edges.py); it embeds a batch, sends the hidden states through a chain of nodes (each runs its blocks
+with its own slice of the adapter, server/training.py), computes the loss on the last node's output, and sends the
+loss's gradient back up the chain: each node backpropagates through its blocks, returns the gradient of its input
+to the client for the node before it, and takes its own AdamW step. AdamW is elementwise, so the slices end where
+one process training the whole adapter on the same batches ends (Nesa paper section 2.4.2, eq. 7).
 
     session = FineTuningSession.create(model_path, initial_peers=peers, spec=LoraSpec(rank=8), lr=1e-3)
     loss = session.train_step(input_ids)            # labels default to the inputs (causal LM)
@@ -26,6 +25,7 @@ import asyncio
 import dataclasses
 import logging
 import uuid
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -41,8 +41,8 @@ from nesa_node.client.checkpoints import (
     span_state_of,
     write_checkpoint,
 )
+from nesa_node.client.codec_choice import codec_for
 from nesa_node.client.model import LoopThread, on_caller
-from nesa_node.client.session_chain import codec_for
 from nesa_node.client.train_edges import EdgeLayers, edge_weights_of
 from nesa_node.client.train_link import (
     IGNORE_INDEX,
@@ -80,6 +80,7 @@ from nesa_node.sharding.lora_train import LoraSpec, OptimizerState, init_adapter
 logger = logging.getLogger(__name__)
 
 MAX_MICRO_BATCHES = 8  # a node's default max_queued_steps: forwards waiting for their backward pass
+FULL_REPEATS = 2  # failovers a node causes saying it has no room before later opens leave it out (guess)
 
 
 class AsyncFineTuningSession:
@@ -135,6 +136,9 @@ class AsyncFineTuningSession:
         self.step = self.restore.step  # optimizer steps taken
         self.failovers = 0
         self.replayed_steps = 0  # optimizer steps run again after failovers
+        # peer id -> failovers it caused saying it had no room: one accepting the open, then refusing every pass so,
+        # would otherwise be chosen again at each recovery (FULL_REPEATS)
+        self._full: Counter[str] = Counter()
         self._rolled_back = False  # the chain was reopened at the restore point: the replay list runs first
         self._passes = 0
 
@@ -234,10 +238,16 @@ class AsyncFineTuningSession:
     async def open(self) -> None:
         """Choose the chains and open a training stream on each of their nodes, every one starting from the restore
         point. A node that is full, refuses this peer's share or fails is left out and the chains chosen again."""
-        failed: set[str] = set()
+        failed, full = set(), {peer for peer, count in self._full.items() if count >= FULL_REPEATS}
         for _ in range(self.model.config.max_open_attempts):
-            first = await self.model.choose_chain(exclude=frozenset(failed))
-            plan = [list(first.hops)] + await self._replica_chains(list(first.hops), failed)
+            try:
+                first = await self.model.choose_chain(exclude=frozenset(failed | full))
+            except NoRouteError:
+                if not full:
+                    raise
+                full = set()  # no chain without the nodes that said they were full: they may have room now
+                continue
+            plan = [list(first.hops)] + await self._replica_chains(list(first.hops), failed | full)
             self.session_id = uuid.uuid4().hex
             ids = [f"{self.session_id}-{index}" for index in range(len(plan))]
             opened: list[list[TrainLink]] = []
@@ -287,13 +297,9 @@ class AsyncFineTuningSession:
             replicas=replicas,
         )
         tensors = [bytes_to_proto(piece.to_bytes())] + ([bytes_to_proto(adam.to_bytes())] if adam else [])
+        timeout_s, state_bytes = self.model.config.request_timeout_s, state_tensor_bytes(piece)
         return await open_link(
-            self.model.swarm,
-            hop,
-            frame(message, tensors),
-            session_id,
-            self.model.config.request_timeout_s,
-            state_bytes=state_tensor_bytes(piece),
+            self.model.swarm, hop, frame(message, tensors), session_id, timeout_s, state_bytes=state_bytes
         )
 
     @property
@@ -308,6 +314,8 @@ class AsyncFineTuningSession:
         peers = sorted({link.peer_id for chain in self.chains for link in chain})
         close_chains(self.chains)
         self.chains = []
+        if lost is not None and lost.full:
+            self._full[lost.peer_id] += 1
         if lost is not None and lost.blame:
             self.model.swarm.ban(lost.peer_id)
         elif peers:  # a node reported another's failure: those that do not answer now are the ones

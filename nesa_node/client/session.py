@@ -23,9 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from nesa_node.client.chain_links import LinkFailed, link_ended
+from nesa_node.client.codec_choice import codec_for
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.failover import Failover, Rerouter
-from nesa_node.client.session_chain import Deadline, OwnAdapter, SessionChain, codec_for
+from nesa_node.client.session_chain import Deadline, OwnAdapter, SessionChain
 from nesa_node.client.swarm import Swarm
 from nesa_node.compression.codec import all_finite
 from nesa_node.compression.names import AUTO

@@ -17,11 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from nesa_node.client.chain_links import ChainLink, LinkFailed, link_ended, stale_report
+from nesa_node.client.codec_choice import AUTO_ELEMENTS, codec_for
 from nesa_node.client.config import ClientConfig
 from nesa_node.client.swarm import Swarm
-from nesa_node.compression.auto import LOSSLESS_BITS, compression_pays
 from nesa_node.compression.codec import all_finite
-from nesa_node.compression.names import AUTO, AUTO_CODEC
 from nesa_node.errors import BadRequestError, NesaError, PeerUnavailableError, ReceiptError, RequestError
 from nesa_node.protocol import lane, push_tag, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, is_error_reply, read
@@ -61,7 +60,6 @@ logger = logging.getLogger(__name__)
 
 REPLAY_CHUNK_TOKENS = 1024  # history replayed per message, rows x tokens: well under a node's max_tokens_per_step
 MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
-AUTO_ELEMENTS = 4096  # hidden size "auto" assumes before the model's is known (a 7B model's)
 ANSWER_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # the message and protobuf framing around an answer's tensor
 # steps go one at a time, so an honest node has a few answers outstanding (a result, an error report); a node past
 # this sends what nobody asked for
@@ -73,29 +71,6 @@ def answer_frame_bytes(batch: int, max_length: int, hidden_size: int) -> int:
     """The longest frame an honest node sends in a session, bytes: hidden states of the session's whole length in
     float32 (a prompt step, or a history for replay; every codec is at most 4 bytes an element), and its message."""
     return min(CLIENT_MAX_FRAME_BYTES, batch * max_length * hidden_size * 4 + ANSWER_HEADROOM_BYTES)
-
-
-def codec_for(
-    sender: Hop | None,
-    receiver: Hop | None,
-    preferred: WireCodec,
-    *,
-    elements: int = AUTO_ELEMENTS,
-    bandwidth_mbps: float | None = None,
-    lossless_bits: float = LOSSLESS_BITS,
-) -> WireCodec:
-    """The codec for hidden states going from `sender` to `receiver`: `preferred` when both ends accept it, else
-    "none". None stands for the client, which accepts every codec. With "auto" preferred: AUTO_CODEC where it pays
-    for a message of `elements` values of `lossless_bits` (the sender's dtype) over a link of `bandwidth_mbps`
-    (compression/auto.py), else "none"."""
-    if preferred.name == AUTO:
-        if not compression_pays(elements, bandwidth_mbps, lossless_bits):
-            return NO_CODEC
-        preferred = WireCodec.of(AUTO_CODEC)
-    for hop in (sender, receiver):
-        if hop is not None and preferred.name not in hop.codecs:
-            return NO_CODEC
-    return preferred
 
 
 @dataclass(frozen=True)
@@ -610,5 +585,4 @@ __all__ = [
     "REPLAY_CHUNK_TOKENS",
     "SessionChain",
     "answer_frame_bytes",
-    "codec_for",
 ]

@@ -21,6 +21,7 @@ from nesa_node.errors import (
     QuotaExceededError,
     RequestError,
     TooManySessionsError,
+    WrongBlocksError,
 )
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Channel, Frame, LaneChannel, frame, read
@@ -101,6 +102,8 @@ async def open_link(
         except Exception as exc:
             raise LinkLost(hop.peer_id, f"could not be reached ({type(exc).__name__})") from None
     link = TrainLink(hop, channel, timeout_s, session_id, state_bytes=state_bytes)
+    info = swarm.announced(hop.peer_id)
+    link.step_tokens = info.max_step_tokens if info is not None else None
     try:
         await link.call(opening, TrainOpened)
     except BaseException:
@@ -167,10 +170,11 @@ class LinkLost(PeerUnavailableError):
     """A node of the training chain failed, went silent or answered nonsense: it is replaced (failover). `blame`
     False: the node reported another's failure (a replica that sent no gradients); the client finds which."""
 
-    def __init__(self, peer_id: str, reason: str, *, blame: bool = True):
+    def __init__(self, peer_id: str, reason: str, *, blame: bool = True, full: bool = False):
         super().__init__(f"node {peer_id[:12]}… {reason}")
         self.peer_id = peer_id
         self.blame = blame
+        self.full = full  # the node said it has no room (its memory, its sessions, this peer's share)
 
 
 class TrainLink:
@@ -185,6 +189,12 @@ class TrainLink:
         self.state_bytes = state_bytes  # the most each tensor of a TrainState answer holds (state_tensor_bytes)
         self._turn = asyncio.Lock()  # one request and its answer at a time (micro-batches share the link)
         self.broken = False  # a call was cut short: an answer may be left unread
+        self.step_tokens: int | None = None  # rows x tokens of the largest pass the node announces (0: no limit)
+
+    def takes(self, tokens: int) -> bool:
+        """Whether the node announced it takes a pass of `tokens` (rows x tokens): then a refusal of such a pass,
+        whose input is finite and of the model's width, is the node's fault, not the caller's."""
+        return self.step_tokens is not None and (self.step_tokens == 0 or tokens <= self.step_tokens)
 
     @property
     def peer_id(self) -> str:
@@ -197,14 +207,18 @@ class TrainLink:
         *,
         timeout_s: float | None = None,
         max_answer_bytes: int = ANSWER_HEADROOM_BYTES,
+        well_formed: bool = False,
     ) -> tuple[Message, Frame]:
         """Send `request`, return the node's answer (within `timeout_s`, default the link's). `max_answer_bytes`: the
         longest answer the request can have (default: a message without tensors; tensor_answer_bytes for a pass,
         state_answer_bytes for a state); a longer one is refused before it is read. Raises the node's BadRequestError
         when it refused the request as malformed (the caller's mistake), and LinkLost for everything else: the stream
         broke or ran out of step, the node did not answer, answered nonsense or too much, refused for a reason of its
-        own (full, moving; blamed), or reported a failure elsewhere (a replica; not blamed). A call cut short
-        (cancelled, timed out) leaves the stream out of step: later calls raise LinkLost at once."""
+        own (full, moving; blamed), or reported a failure elsewhere (a replica; not blamed). `well_formed`: the
+        request passes every check an honest node makes (a pass of finite values the node announced it takes): a
+        node refusing it as malformed failed (LinkLost, blamed), so refusing every pass cannot stall training
+        unblamed. A node that moved to other blocks is lost, not blamed. A call cut short (cancelled, timed out)
+        leaves the stream out of step: later calls raise LinkLost at once."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         async with self._turn:
             if self.broken:
@@ -233,10 +247,17 @@ class TrainLink:
             error = message.error()
             # preempted, a replica of this node's session failed, or no room for now (its memory, its sessions):
             # replaced without blame (a node that has no room is not at fault)
-            if isinstance(error, PeerUnavailableError | AdapterBudgetError | QuotaExceededError | TooManySessionsError):
-                raise LinkLost(self.peer_id, f"reported [{error.code}] {error.message}", blame=False) from None
-            if isinstance(error, BadRequestError):
+            full = isinstance(error, AdapterBudgetError | QuotaExceededError | TooManySessionsError)
+            if full or isinstance(error, PeerUnavailableError):
+                raise LinkLost(
+                    self.peer_id, f"reported [{error.code}] {error.message}", blame=False, full=full
+                ) from None
+            if isinstance(error, WrongBlocksError):
+                raise LinkLost(self.peer_id, f"moved: {error.message}", blame=False) from None
+            if isinstance(error, BadRequestError) and not well_formed:
                 raise error
+            if isinstance(error, BadRequestError):
+                raise LinkLost(self.peer_id, f"refused a well-formed request [{error.code}] {error.message}") from None
             raise LinkLost(self.peer_id, f"refused [{error.code}] {error.message}") from None
         if not isinstance(message, expected):
             raise LinkLost(self.peer_id, f"answered {message.kind}, not {expected.__name__}")
@@ -274,7 +295,10 @@ async def forward_pass(
         codec = codec_of(link, hidden.numel())
         request = TrainForward(step_id=step_id, codec=codec, output_codec=codec, keep=keep)
         message, answer = await link.call(
-            frame(request, [tensor_to_proto(hidden, codec)]), TrainOutput, max_answer_bytes=tensor_answer_bytes(hidden)
+            frame(request, [tensor_to_proto(hidden, codec)]),
+            TrainOutput,
+            max_answer_bytes=tensor_answer_bytes(hidden),
+            well_formed=link.takes(hidden.shape[0] * hidden.shape[1]),
         )
         if message.step_id != step_id:
             raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
@@ -308,6 +332,7 @@ async def backward_pass(
             TrainGrad,
             timeout_s=timeout_of(apply),
             max_answer_bytes=tensor_answer_bytes(grad),
+            well_formed=link.takes(grad.shape[0] * grad.shape[1]),
         )
         if message.step_id != step_id:
             raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")

@@ -223,9 +223,8 @@ class HistoryRequest(Message):
 
 class Retarget(Message):
     """Point a node at a replacement neighbour: `next` (push there; None: answer the client) and/or `upstream`,
-    each only when given; `lane` replaces the lane settings it names; `output_codec`, when given (null: "none"), is
-    what the node encodes its outputs with from now on (chosen for the new next node, which may not take the codec
-    the session opened with)."""
+    each only when given; `lane` replaces the lane settings it names; `output_codec` (null: "none"), when given,
+    the codec of its outputs from now on (chosen for a new next node: it may not take the one opened with)."""
 
     kind: Literal["retarget"] = "retarget"
     next: PeerIdText | None = None

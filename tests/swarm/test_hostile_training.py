@@ -28,7 +28,7 @@ from hivemind.p2p import P2P, PeerID
 
 from nesa_node.client.finetune import FineTuningSession
 from nesa_node.devtools.tiny_model import TinyModelSpec, build_config
-from nesa_node.errors import NesaError
+from nesa_node.errors import AdapterBudgetError, BadRequestError, NesaError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import ChannelClosedError, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
@@ -1242,14 +1242,17 @@ PADDING = "x" * (2 << 20)  # a field the client does not read, making an answer 
 
 @pytest.mark.parametrize(
     ("answer", "lanes"),
-    [("output", True), ("output", False), ("state", True)],
-    ids=["pass-answer-on-a-lane", "pass-answer-on-libp2p", "state-answer-on-a-lane"],
+    [("output", True), ("output", False), ("state", True), ("refusal", True), ("full", True)],
+    ids=["pass-answer-on-a-lane", "pass-answer-on-libp2p", "state-answer-on-a-lane", "refuses-every-pass", "full"],
 )
 def test_g1_a_node_answering_more_than_the_session_can_hold_is_failed_and_replaced(target, answer, lanes):
     """A client bounds each training answer by what it asked for (a pass: one tensor of the shape it sent; a state:
     its own slice of the node's blocks, in float32, and AdamW's two moments of it) and refuses a longer frame
     before reading it. A node that pads its answers to 2 MiB with a field nobody reads is failed like a dead one:
-    banned, and the chain reopened on a spare, where the step is taken."""
+    banned, and the chain reopened on a spare, where the step is taken. So is a node refusing every pass as
+    malformed (bad_request) although each is within what it announces it takes: not the caller's mistake, so it
+    cannot stall training unblamed. One taking the open, then saying it has no room for every pass, is not banned
+    (no room is no fault) but left out of the chains after its second such failover, not chosen at every one."""
     swarm, prefix = target.swarm, f"oversized-{answer}-{lanes}"
     liar = swarm.start_node(target.model_path, 0, 4, dht_prefix=prefix, **LIMITS)
     nodes, session = [liar], None
@@ -1276,22 +1279,28 @@ def test_g1_a_node_answering_more_than_the_session_can_hold_is_failed_and_replac
         wait_until(seen, timeout_s=30)
         if answer == "state":
             assert math.isfinite(session.train_step(target.batch))  # honest passes: the oversized answer is the state
-        method = "_forward" if answer == "output" else "_state"
+        method = "_state" if answer == "state" else "_forward"
         honest = getattr(liar.training, method)
 
         async def padded(*args):
+            if answer == "refusal":
+                raise BadRequestError("this pass is malformed (as a hostile node says of every pass)")
+            if answer == "full":
+                raise AdapterBudgetError("no room for this pass (as a hostile node says of every pass)")
             reply = await honest(*args)
             reply.uid = PADDING
             return reply
 
         setattr(liar.training, method, padded)
-        if answer == "output":
+        if answer != "state":
             assert math.isfinite(session.train_step(target.batch)) and session.step == 1
         else:
             assert session.checkpoint().spans[0].peer_id == spare.peer_id
-        assert session.failovers == 1
         assert [hop.peer_id for hop in session.chain] == [spare.peer_id]
-        assert liar.peer_id in client.banned()
+        if answer == "full":
+            assert session.failovers in (1, 2) and liar.peer_id not in client.banned()
+        else:
+            assert session.failovers == 1 and liar.peer_id in client.banned()
     finally:
         if session is not None:
             session.close()

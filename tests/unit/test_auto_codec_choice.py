@@ -5,8 +5,8 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from nesa_node.client.codec_choice import codec_for
 from nesa_node.client.config import ClientConfig, client_codec
-from nesa_node.client.session_chain import codec_for
 from nesa_node.compression.auto import LOSSLESS_FROM_MBPS, compression_pays
 from nesa_node.compression.names import AUTO_CODEC, DEFAULT_CODEC
 from nesa_node.protocol.records import bandwidth_from_pings

@@ -10,7 +10,7 @@ from hivemind.proto import runtime_pb2
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nesa_node.client.session_chain import codec_for
+from nesa_node.client.codec_choice import codec_for
 from nesa_node.compression.codec import MAX_RANK, CodecError, EncodedTensor
 from nesa_node.compression.codec import decode as decode_tensor
 from nesa_node.errors import BadRequestError
