@@ -269,6 +269,8 @@ class TrainingService:
         if (piece.start, piece.end) != blocks:
             raise AdapterError(f"the slice holds blocks {piece.start}:{piece.end}, the session {blocks[0]}:{blocks[1]}")
         check_fits_model(piece, self.model_config)
+        if not piece.factors:
+            raise AdapterError("the slice holds no LoRA factors: nothing to train")
         replicas = tuple(sorted({(replica.peer, replica.session_id) for replica in message.replicas}))
         if (self.peer_id, message.session_id) in replicas:
             raise BadRequestError("a training session cannot be its own replica")
@@ -379,8 +381,6 @@ class TrainingService:
                 raise BadRequestError(
                     f"{len(session.saved)} forward passes wait for their backward pass, the limit (max_queued_steps)"
                 )
-            refusal = "saved inputs would exceed max_training_mb; send the waiting backward passes"
-            self.room.make_room(hidden.nbytes, refusal, peer=session.client_peer, keep=session, preempt=False)
         span, factors = self.compute.span, session.slice.factors
         graph_bytes = activation_bytes(span, hidden.shape[0] * hidden.shape[1], session.blocks)
         if message.keep and graph_bytes > self.max_state_bytes:  # a backward pass holds it, kept or recomputed
@@ -388,6 +388,9 @@ class TrainingService:
                 f"a pass of {hidden.shape[0] * hidden.shape[1]} tokens needs about {graph_bytes} bytes of activations, "
                 f"over max_training_mb ({self.max_state_bytes} bytes): send fewer tokens per pass (micro-batches)"
             )
+        if message.keep:  # refused above before anything gives way: a request refused anyway takes nothing
+            refusal = "saved inputs would exceed max_training_mb; send the waiting backward passes"
+            self.room.make_room(hidden.nbytes, refusal, peer=session.client_peer, keep=session, preempt=False)
         used = self.used_bytes + hidden.nbytes
         keep_graph = (  # else recomputed on backward; kept only in free room, within the peer's share
             message.keep

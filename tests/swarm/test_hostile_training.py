@@ -327,6 +327,7 @@ OPENS = {
         "not of shape",
     ),
     "negative second moments": (lambda: opening(optimizer=optimizer_state_bytes(_negative)), "adapter", "negative"),
+    "a slice with no factors": (lambda: opening(piece=AdapterSlice(0, 2, {})), "adapter", "no LoRA factors"),
     "slice bytes that are a byte tensor of another dtype": (
         lambda: frame(OpenTraining(**_open_fields()), [tensor_to_proto(torch.zeros(16))]),
         "bad_request",
