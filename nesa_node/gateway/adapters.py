@@ -17,7 +17,7 @@ import math
 import time
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from nesa_node.errors import AdapterError, AdapterMissingError
 
@@ -33,6 +33,14 @@ class LoadAdapter(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN)
     path: str = Field(min_length=1, max_length=4096)  # relative to --adapter-dir, or absolute inside it
+
+    @field_validator("path")
+    @classmethod
+    def _a_file_name(cls, path: str) -> str:
+        """A path the file system can take: no NUL, no lone surrogate (either would fail the folder's lookup)."""
+        if "\0" in path or any(0xD800 <= ord(c) <= 0xDFFF for c in path):
+            raise ValueError("an adapter path holds no NUL character and no lone surrogate")
+        return path
 
 
 class UnloadAdapter(BaseModel):

@@ -30,7 +30,7 @@ from nesa_node.client.async_model import AsyncDistributedModel, session_of
 from nesa_node.errors import AdapterError, AdapterMissingError, NesaError
 from nesa_node.gateway.adapters import GatewayAdapters, LoadAdapter, UnloadAdapter
 from nesa_node.gateway.answers import Generation, Prepared, completion
-from nesa_node.gateway.auth import KEY_NEEDED, ApiKeys, is_loopback
+from nesa_node.gateway.auth import ADMIN_KEY_NEEDED, KEY_NEEDED, ApiKeys, is_loopback
 from nesa_node.gateway.callers import CallerLimit, caller_address, default_limit
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.handlers import add_error_handlers
@@ -157,6 +157,13 @@ class Gateway:
                 "or use /v1/completions",
                 param="messages",
                 code="no_chat_template",
+            )
+        if len(request.messages) > self.max_length:  # every message is a token of the prompt at least, as rendered
+            raise ApiError(
+                400,
+                f"{len(request.messages)} messages: more than the model's context of {self.max_length} tokens can hold",
+                param="messages",
+                code="context_length_exceeded",
             )
         messages = [{"role": message.role, "content": content_text(message.content)} for message in request.messages]
         self._check_chars(sum(len(message["content"]) for message in messages), "messages")
@@ -347,9 +354,10 @@ class Gateway:
             checks.add_done_callback(self._closing.discard)
             if wait_for_checks:
                 generation.verification = await asyncio.shield(checks)
+        rest = generation.text.finish()  # a stop string may end in the tokens held back for a character's end
         if generation.finish_reason is None:
-            generation.finish_reason = "length"
-        yield generation, generation.text.finish()
+            generation.finish_reason = "stop" if generation.text.stopped else "length"
+        yield generation, rest
 
     @property
     def contended(self) -> bool:
@@ -461,8 +469,11 @@ def create_app(gateway: Gateway) -> FastAPI:
         return caller
 
     async def may_manage(request: Request) -> None:
-        """With admin keys, RequireKey (gateway/middleware.py) has checked one before the body was read."""
+        """With admin keys, RequireKey (gateway/middleware.py) has checked one before the body was read; checked
+        here again, on the route, for an app mounted under a root path the middleware's path test would miss."""
         await authorized(request)
+        if gateway.admin_keys is not None and not gateway.admin_keys.allows(request.headers.get("authorization")):
+            raise ApiError(403, ADMIN_KEY_NEEDED, kind="permission_error")
         if (
             gateway.admin_keys is None
             and gateway.api_keys is None

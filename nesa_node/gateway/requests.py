@@ -90,8 +90,11 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
 
+MAX_MESSAGES = 1 << 16  # messages in one chat request, whatever the context (each is a token or more of it)
+
+
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
 
 
 def content_text(content: str | list[ContentPart] | None) -> str:

@@ -55,9 +55,12 @@ class TextStream:
         new = self._new_text()
         if not new or new.endswith(REPLACEMENT):  # no text yet, or a character split across tokens: wait for more
             incomplete = new.endswith(REPLACEMENT) and not new.endswith(2 * REPLACEMENT)  # one character's start
-            if len(self._pending) < (MAX_WAITING if incomplete else MAX_PENDING):
+            if self._stops_in(new.rstrip(REPLACEMENT)):  # a stop string whole before that start: nothing more comes
+                self._take(new, len(self._pending))
+            elif len(self._pending) < (MAX_WAITING if incomplete else MAX_PENDING):
                 return ""
-            self._settle(new)
+            else:
+                self._settle(new)
         else:
             self._take(new, len(self._pending))
         return self._release(final=False)
@@ -93,6 +96,11 @@ class TextStream:
                 self._take(released, len(self._pending) - kept)
                 return
         self._take(new, len(self._pending))  # text that never decodes whole, or tokens that give none (special ones)
+
+    def _stops_in(self, new: str) -> bool:
+        """Whether a stop string ends within `new`, the whole text of tokens not read yet (after what is read)."""
+        text = self._text + new
+        return any(text.find(stop, max(0, self.released - len(stop))) >= 0 for stop in self.stops)
 
     @property
     def text(self) -> str:

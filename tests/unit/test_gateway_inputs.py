@@ -6,6 +6,7 @@ admin keys."""
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -142,3 +143,48 @@ async def test_without_admin_keys_any_api_key_manages_adapters_and_without_keys_
     answer = await asgi_request(open_app, "POST", "/v1/adapters/unload", {"name": "x"}, client=("192.0.2.7", 40000))
     assert answer["status"] == 403 and "this machine only" in error_of(answer)["message"]
     assert (await asgi_request(open_app, "POST", "/v1/adapters/unload", {"name": "x"}))["status"] == 404
+
+
+async def test_more_messages_than_the_context_has_tokens_are_refused_before_the_template_renders_them():
+    """Each message is a token of the rendered prompt at least: a chat of more messages than the context has tokens
+    (empty ones, which the characters' pre-check does not count) is refused before any template runs or any
+    tokenizer reads them; past MAX_MESSAGES the request does not even validate."""
+    from nesa_node.gateway.requests import MAX_MESSAGES
+
+    gateway = fake_gateway(max_length=CONTEXT)
+    app = create_app(gateway)
+    answer = await asgi_request(
+        app, "POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user"}] * 65}
+    )
+    assert answer["status"] == 400
+    error = error_of(answer)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "messages"
+    assert f"65 messages: more than the model's context of {CONTEXT} tokens" in error["message"]
+    assert gateway.tokenizer.tokenized == []
+    many = {"model": "m", "messages": [{"role": "user"}] * (MAX_MESSAGES + 1)}  # 1.1 MB: within a long context's body
+    answer = await asgi_request(create_app(fake_gateway(max_length=4096)), "POST", "/v1/chat/completions", many)
+    assert answer["status"] == 400 and error_of(answer)["param"] == "messages", answer
+
+
+@pytest.mark.parametrize("path", ["x\u0000y", "x\ud800"], ids=["nul", "lone-surrogate"])
+async def test_an_adapter_path_the_file_system_cannot_take_is_a_400(path, tmp_path):
+    app = create_app(fake_gateway(adapter_dir=str(tmp_path)))
+    body = json.dumps({"name": "x", "path": path}).encode()
+    answer = await asgi_request(app, "POST", "/v1/adapters/load", body)
+    assert answer["status"] == 400, answer
+    assert error_of(answer)["param"].startswith("path") or "path" in error_of(answer)["message"], answer
+
+
+async def test_under_a_root_path_adapters_still_take_an_admin_key():
+    """Mounted under a root path (uvicorn --root-path, or inside another app) the request's path is the prefixed one,
+    which the middleware's check before the body does not match: the route checks the admin key itself."""
+    app = create_app(fake_gateway(api_keys=ApiKeys(["sk-user"]), admin_keys=ApiKeys(["sk-op"])))
+
+    async def mounted(scope, receive, send):
+        await app({**scope, "path": "/api" + scope["path"], "root_path": "/api"}, receive, send)
+
+    user, admin = {"Authorization": "Bearer sk-user"}, {"Authorization": "Bearer sk-op"}
+    answer = await asgi_request(mounted, "POST", "/v1/adapters/unload", {"name": "x"}, headers=user)
+    assert answer["status"] == 403 and "admin keys" in error_of(answer)["message"], answer
+    answer = await asgi_request(mounted, "POST", "/v1/adapters/unload", {"name": "x"}, headers=admin)
+    assert answer["status"] == 404 and error_of(answer)["code"] == "adapter_missing", answer

@@ -189,3 +189,20 @@ def test_special_tokens_that_give_no_text_are_not_decoded_again_and_again():
     tokens = [0] + [2] * 2000 + [1]  # "▁Hi", 2000 special tokens (skipped), "▁there"
     assert "".join(stream.push(token) for token in tokens) + stream.finish() == "Hi there"
     assert decoded[0] <= 40 * len(tokens)
+
+
+def test_a_stop_string_before_a_character_split_across_tokens_ends_the_stream_at_once():
+    """Stop "ab", then a token that completes it and begins a character ("b" + the first byte of "ä"): the stop is
+    whole although the text waits for that character's end, so the stream stops there, not up to MAX_WAITING tokens
+    later (a generation that would run on past its stop, its answer counted as cut by length)."""
+    vocabulary = [b"a", b"b\xc3", b"\xa4", b"c"]
+
+    def decode(tokens: list[int]) -> str:
+        return b"".join(vocabulary[token] for token in tokens).decode("utf-8", errors="replace")
+
+    stream = TextStream(decode, ["ab"])
+    assert stream.push(0) == ""  # "a": the start of the stop
+    assert stream.push(1) == "" and stream.stopped  # "ab" then half of "ä": stopped now
+    assert stream.finish() == "" and stream.text == ""
+    for token in (2, 3):  # nothing after a stop
+        assert stream.push(token) == ""
