@@ -28,6 +28,7 @@ import numpy as np
 from nesa_node.protocol.records import NodeState
 from nesa_node.topology.monitor import MonitorState, learn_threshold, observe, start_monitor
 
+DOCUMENT_MAX_AGE_S = 1.0  # the swarm as the page shows it: read again once this old (the page polls every second)
 TOPOLOGY_PERIOD_S = 5.0  # persistent homology of a few hundred nodes takes tens of ms; the page polls every second
 CALIBRATION_SNAPSHOTS = 5  # as the nodes' homology trigger (server/rebalance.py): 10 pairs behind the threshold
 MAX_EVENTS = 50
@@ -56,7 +57,9 @@ class DashboardState:
     async def document(self) -> dict:
         swarm = self.model.swarm
         num_blocks = self.model.model_config.num_hidden_layers
-        records = await swarm.node_records(max_age_s=0.0)  # live: a read per poll, waited for up to 0.5 s
+        # live: a read at most every DOCUMENT_MAX_AGE_S, whoever polls how often (each costs a signature check a
+        # record on the event loop), waited for up to 0.5 s
+        records = await swarm.node_records(max_age_s=DOCUMENT_MAX_AGE_S)
         infos = sorted((record.info for record in records), key=lambda info: (info.start_block, info.peer_id))
         infos = [info for info in infos if info.end_block <= num_blocks]
         self._note_changes(infos)
