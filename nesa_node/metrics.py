@@ -241,7 +241,8 @@ class GatewayMetrics:
             'and banned) or "no_consensus" (the request failed); of audited windows (--verify audit:P) "passed", '
             '"failed", "inconclusive" (the auditors disagreed) or "unrecorded" (a hop sent no record); of nodes sent '
             'canaries (--verify canary:P) "passed", "failed" (blamed: two failed), "inconclusive" (one of two '
-            'failed), "skipped" (quantized, or no record) or "unanswered"',
+            'failed), "skipped" (quantized, or no record; or a streamed answer while the checks waiting are many) '
+            'or "unanswered"',
             ["result"],
             registry=registry,
         )

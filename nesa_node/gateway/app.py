@@ -60,6 +60,7 @@ from nesa_node.protocol.records import NodeState
 logger = logging.getLogger(__name__)
 
 WAITING_PER_SLOT = 4  # requests that may wait for a generation slot, per slot (--max-concurrency): past them, 429
+CHECKS_WAITING_PER_SLOT = 4  # streamed answers' canary checks that may wait, per slot: past them, unchecked (guess)
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 
@@ -102,8 +103,11 @@ class Gateway:
         self._waiting = 0  # requests waiting for a slot
         self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="gateway-tokenizer")
         self._closing: set[asyncio.Task] = set()  # sessions being closed (the loop keeps only weak references)
-        # canary checks of answers under way, as many as answers (streamed answers do not wait for theirs)
+        # canary checks of answers under way, as many as answers (streamed answers do not wait for theirs), and at
+        # most CHECKS_WAITING_PER_SLOT x that many waiting: past it a streamed answer's chain goes unchecked
         self._canary_slots = asyncio.Semaphore(max_concurrency)
+        self._canary_pending = 0
+        self.max_canary_pending = CHECKS_WAITING_PER_SLOT * max_concurrency
         self.eos_token_id = tokenizer.eos_token_id
         # a generation ends at any of the model's end tokens: the tokenizer's, and those of its generation config
         # (instruct models often end a turn with another token than the tokenizer's end of sequence)
@@ -348,8 +352,14 @@ class Gateway:
                 closing = asyncio.ensure_future(session.close())  # the nodes free its cache now, in a task of its own
                 self._closing.add(closing)
                 closing.add_done_callback(self._closing.discard)
+        if canary_chain is not None and not wait_for_checks and self._canary_pending >= self.max_canary_pending:
+            # answers streamed faster than their checks run: this one goes unchecked rather than the checks pile up
+            self.metrics.verification_checks_total.labels("skipped").inc()
+            canary_chain = None
         if canary_chain is not None:  # each node in a session of its own, shaped like this one
             checks = asyncio.ensure_future(self._check_canaries(canary_chain, len(ids) + max_new, len(ids)))
+            self._canary_pending += 1  # until it ends, however (cancelled before it starts, too)
+            checks.add_done_callback(self._canary_done)
             self._closing.add(checks)  # a request whose client went away leaves them running to their end
             checks.add_done_callback(self._closing.discard)
             if wait_for_checks:
@@ -423,6 +433,9 @@ class Gateway:
         report = outcome.report()
         self._count_report(report)
         return report
+
+    def _canary_done(self, _task) -> None:
+        self._canary_pending -= 1
 
     def _count_report(self, report: dict) -> None:
         for result, count in report["checks"].items():
