@@ -94,6 +94,13 @@ class WrongBlocksError(BadRequestError):
     code = "wrong_blocks"
 
 
+class NotFiniteError(BadRequestError):
+    """A training node's blocks gave values that are not finite from finite ones it was sent (hidden states or a
+    gradient so large they overflow): it takes no step on them, and the client blames whoever sent them."""
+
+    code = "not_finite"
+
+
 class CacheBudgetError(RequestError):
     code = "cache_budget"
 
@@ -295,6 +302,7 @@ _BY_CODE = {
         SessionPreemptedError,
         StepTimeoutError,
         StepFailedError,
+        NotFiniteError,
     )
 }
 

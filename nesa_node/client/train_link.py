@@ -17,6 +17,7 @@ from nesa_node.errors import (
     AdapterBudgetError,
     BadRequestError,
     NesaError,
+    NotFiniteError,
     PeerUnavailableError,
     QuotaExceededError,
     RequestError,
@@ -177,6 +178,14 @@ class LinkLost(PeerUnavailableError):
         self.full = full  # the node said it has no room (its memory, its sessions, this peer's share)
 
 
+class Overflowed(LinkLost):
+    """A node whose blocks overflowed on the finite values it was sent (NotFiniteError): not its fault; the pass's
+    caller blames whoever sent them (forward_pass, backward_pass)."""
+
+    def __init__(self, peer_id: str, reason: str):
+        super().__init__(peer_id, reason, blame=False)
+
+
 class TrainLink:
     """The training stream to one node of the chain: one request, one answer, in order. Each answer is bounded
     before it is read by what the request can legitimately be answered with (`call`'s max_answer_bytes)."""
@@ -252,6 +261,8 @@ class TrainLink:
                 raise LinkLost(
                     self.peer_id, f"reported [{error.code}] {error.message}", blame=False, full=full
                 ) from None
+            if isinstance(error, NotFiniteError):
+                raise Overflowed(self.peer_id, f"reported [{error.code}] {error.message}") from None
             if isinstance(error, WrongBlocksError):
                 raise LinkLost(self.peer_id, f"moved: {error.message}", blame=False) from None
             if isinstance(error, BadRequestError) and not well_formed:
@@ -291,15 +302,22 @@ async def forward_pass(
     """Hidden states through every node of a chain (`codec_of(link, elements)`: the codec both ways on that hop; `keep`:
     the nodes save what the backward pass needs); the input each node was given, then the last node's output."""
     inputs = [hidden]
-    for link in links:
+    for index, link in enumerate(links):
         codec = codec_of(link, hidden.numel())
         request = TrainForward(step_id=step_id, codec=codec, output_codec=codec, keep=keep)
-        message, answer = await link.call(
-            frame(request, [tensor_to_proto(hidden, codec)]),
-            TrainOutput,
-            max_answer_bytes=tensor_answer_bytes(hidden),
-            well_formed=link.takes(hidden.shape[0] * hidden.shape[1]),
-        )
+        try:
+            message, answer = await link.call(
+                frame(request, [tensor_to_proto(hidden, codec)]),
+                TrainOutput,
+                max_answer_bytes=tensor_answer_bytes(hidden),
+                well_formed=link.takes(hidden.shape[0] * hidden.shape[1]),
+            )
+        except Overflowed as overflowed:  # the node before it sent hidden states that large (the client's own: none)
+            if index == 0:
+                raise
+            raise LinkLost(
+                links[index - 1].peer_id, f"sent outputs that overflow the next node ({overflowed})"
+            ) from None
         if message.step_id != step_id:
             raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
         hidden = link.read_tensor(answer, message.codec, hidden).float()
@@ -323,17 +341,24 @@ async def backward_pass(
     `step_after`, the update a step takes the chain to: a node that reports any other is failed (LinkLost, blamed),
     so a node misreporting its step cannot move the client's count, and with it the checkpoints."""
     steps = []
-    for link in reversed(links):
+    if not torch.isfinite(grad).all():  # the loss's gradient, from the last node's outputs
+        raise LinkLost(links[-1].peer_id, "sent outputs whose loss has a gradient that is not finite")
+    for index in reversed(range(len(links))):
+        link = links[index]
         codec = codec_of(link, grad.numel())
         apply = applies(link)
         request = TrainBackward(step_id=step_id, codec=codec, output_codec=codec, apply=apply)
-        message, answer = await link.call(
-            frame(request, [tensor_to_proto(grad, codec)]),
-            TrainGrad,
-            timeout_s=timeout_of(apply),
-            max_answer_bytes=tensor_answer_bytes(grad),
-            well_formed=link.takes(grad.shape[0] * grad.shape[1]),
-        )
+        try:
+            message, answer = await link.call(
+                frame(request, [tensor_to_proto(grad, codec)]),
+                TrainGrad,
+                timeout_s=timeout_of(apply),
+                max_answer_bytes=tensor_answer_bytes(grad),
+                well_formed=link.takes(grad.shape[0] * grad.shape[1]),
+            )
+        except Overflowed as overflowed:  # a gradient that large came from the node after it, or the last node's
+            culprit = links[min(index + 1, len(links) - 1)]  # outputs made the loss's
+            raise LinkLost(culprit.peer_id, f"its outputs or gradient overflow another node ({overflowed})") from None
         if message.step_id != step_id:
             raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
         if apply and step_after is not None and message.step != step_after:

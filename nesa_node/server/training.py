@@ -59,6 +59,7 @@ from nesa_node.errors import (
     AdapterBudgetError,
     AdapterError,
     BadRequestError,
+    NotFiniteError,
     PeerUnavailableError,
     QuotaExceededError,
     RequestError,
@@ -411,6 +412,8 @@ class TrainingService:
 
         try:
             (output, inputs), seconds = await self._compute(run)
+            if not torch.isfinite(output).all():  # (its input is finite: read_hidden checked it)
+                raise NotFiniteError("these hidden states overflow this node's blocks (outputs not finite)")
         except BaseException:
             if message.keep:
                 session.saved.pop(message.step_id, None)
@@ -443,7 +446,7 @@ class TrainingService:
         span, trainable, optimizer = self.compute.span, session.slice, session.optimizer
         synced = message.apply and bool(session.replicas)
 
-        def run() -> torch.Tensor:
+        def run() -> torch.Tensor | None:
             graph = saved.graph  # read once: the event loop may drop it meanwhile (training_room.py)
             if graph is not None:  # the forward's own graph
                 inputs, output = graph
@@ -451,11 +454,21 @@ class TrainingService:
                 inputs = hidden.to(span.spec.device, span.dtype_).detach().requires_grad_(True)
                 with torch.enable_grad(), trainable_adapter(span, trainable.factors):
                     output = span(inputs, None, 0, session.blocks)
-            torch.autograd.backward(output, grad.to(output.device, output.dtype))
-            return inputs.grad
+            parameters = trainable.parameters()
+            grads = torch.autograd.grad(
+                output, [inputs, *parameters], grad.to(output.device, output.dtype), allow_unused=True
+            )
+            if not all(each is None or torch.isfinite(each).all() for each in grads) or grads[0] is None:
+                return None  # nothing accumulated: the step's gradients would poison the adapter's AdamW state
+            for parameter, each in zip(parameters, grads[1:], strict=True):
+                if each is not None:  # accumulated as backward would (micro-batches of one step add up)
+                    parameter.grad = each if parameter.grad is None else parameter.grad + each
+            return grads[0]
 
         grad_input, seconds = await self._compute(run)
         del session.saved[message.step_id]  # its graph is used up
+        if grad_input is None:  # (the gradient it was sent is finite: read_hidden checked it)
+            raise NotFiniteError("this gradient overflows this node's blocks (gradients not finite); no step taken")
         session.answered[message.step_id] = None
         while len(session.answered) > ANSWERED_KEPT:
             session.answered.popitem(last=False)

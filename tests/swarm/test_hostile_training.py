@@ -1307,3 +1307,47 @@ def test_g1_a_node_answering_more_than_the_session_can_hold_is_failed_and_replac
             session.close()
         for node in nodes:
             swarm.stop_node(node)
+
+
+def test_g1_a_node_sending_a_gradient_that_overflows_the_node_before_it_is_the_one_blamed(target):
+    """The last node of the chain answers its backward passes with an input gradient of 1e38 in every element:
+    finite, so the client passes it on, but the honest node before it overflows on it. That node takes no step on
+    it (its adapter stays finite, and its AdamW state is not poisoned with infinities) and says so (not_finite); the
+    client blames the node that sent the gradient, not the one that said so, and the step is taken through a spare."""
+    swarm, prefix = target.swarm, "overflow"
+    honest = swarm.start_node(target.model_path, 0, 2, dht_prefix=prefix, **LIMITS)
+    liar = swarm.start_node(target.model_path, 2, 4, dht_prefix=prefix, **LIMITS)
+    nodes, session = [honest, liar], None
+    try:
+        session = FineTuningSession.create(
+            target.model_path, initial_peers=swarm.initial_peers, dht_prefix=prefix, spec=SPEC, seed=3, lr=1e-3
+        )
+        assert [hop.peer_id for hop in session.chain] == [honest.peer_id, liar.peer_id]
+        client = session.inner.model.swarm
+        nodes.append(swarm.start_node(target.model_path, 2, 4, dht_prefix=prefix, **LIMITS))
+        spare = nodes[-1]
+
+        def seen() -> bool:
+            records = session.runner.call(client.node_records(fresh=True))
+            return spare.peer_id in {record.info.peer_id for record in records}
+
+        wait_until(seen, timeout_s=30)
+        honest_backward = liar.training._backward
+
+        async def inflated(session_, request, message):
+            reply = await honest_backward(session_, request, message)
+            elements = len(reply.tensors[0].buffer) // 4
+            reply.tensors[0].buffer = torch.full((elements,), 1e38, dtype=torch.float32).numpy().tobytes()
+            return reply
+
+        liar.training._backward = inflated
+        assert math.isfinite(session.train_step(target.batch)) and session.step == 1
+        assert [hop.peer_id for hop in session.chain] == [honest.peer_id, spare.peer_id]
+        assert liar.peer_id in client.banned() and honest.peer_id not in client.banned()
+        for training in honest.training.sessions.values():  # the honest node took no step on what overflowed
+            assert all(torch.isfinite(parameter).all() for parameter in training.slice.parameters())
+    finally:
+        if session is not None:
+            session.close()
+        for node in nodes:
+            swarm.stop_node(node)
