@@ -21,7 +21,10 @@ class ReportingLink:
         self.peer_id, self.update = peer_id, update
         self.asked: list[TrainBackward] = []
 
-    async def call(self, request, expected, *, timeout_s: float, max_answer_bytes: int):
+    def takes(self, tokens: int) -> bool:
+        return True
+
+    async def call(self, request, expected, *, timeout_s: float, max_answer_bytes: int, well_formed: bool):
         message = read(request, TO_TRAINING)
         self.asked.append(message)
         return TrainGrad(step_id=message.step_id, step=self.update), None
