@@ -7,7 +7,9 @@ Nodes run in this process on one background event loop (each with its own p2pd a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from dataclasses import dataclass
 
 from nesa_node.bootstrap import BootstrapPeer
 from nesa_node.client.model import LoopThread
@@ -81,6 +83,30 @@ def wait_for_chain(model, *, max_length: int = 0, hops: int | None = None, timeo
         if time.monotonic() > deadline:
             raise AssertionError(f"expected a chain of {hops} hops, got {chain}")
         time.sleep(0.3)
+
+
+@dataclass
+class HeldUp:
+    steps: int = 0  # steps the node was asked to compute since the hold was set
+
+
+@contextlib.contextmanager
+def step_held_up(node: Node, *, at: int, seconds: float):
+    """`node` (in this process) holds the `at`-th step it is asked to compute from now on for `seconds` before it
+    computes it, as a busy machine would; yields a HeldUp counting the steps asked."""
+    original, held = node.inference._compute_step, HeldUp()
+
+    async def held_up(session, request, step):
+        held.steps += 1
+        if held.steps == at:
+            await asyncio.sleep(seconds)
+        return await original(session, request, step)
+
+    node.inference._compute_step = held_up
+    try:
+        yield held
+    finally:
+        del node.inference._compute_step
 
 
 def wait_until(predicate, timeout_s: float = 10.0) -> None:

@@ -4,7 +4,6 @@ too: caught, the user gets an error rather than its tokens, and with an honest n
 
 from __future__ import annotations
 
-import asyncio
 import json
 import random
 import urllib.request
@@ -21,7 +20,7 @@ from nesa_node.routing.snapshot import Chain, Hop
 from nesa_node.verification.canaries import FORMAT, build_canaries
 from nesa_node.verification.commitment import commit_window, compare, tolerance_for
 from tests.support.models import greedy_tokens
-from tests.support.swarm import client_seeing, wait_until
+from tests.support.swarm import client_seeing, step_held_up, wait_until
 
 PREFIX = "canaries"
 SPANS = [(0, 2), (2, 4)]
@@ -96,25 +95,13 @@ def test_a_node_held_up_for_a_moment_mid_canary_still_answers_it(module_swarm, t
     """A canary session has one node and no failover: a step the node's busy machine holds up past a generation's
     adaptive deadline (10x the recent steps, at least 1 s) must not make an honest node unanswered."""
     node = honest_nodes[0]
-    original = node.inference._compute_step
-    steps = 0
-
-    async def held_up(session, request, step):
-        nonlocal steps
-        steps += 1
-        if steps == 10:  # the prompt and 8 one-token steps fast, so the adaptive deadline would be 1 s
-            await asyncio.sleep(1.5)
-        return await original(session, request, step)
-
-    node.inference._compute_step = held_up
-    try:
+    # the prompt and 8 one-token steps fast, so the adaptive deadline would be 1 s, then the 10th held up
+    with step_held_up(node, at=10, seconds=1.5) as held:
         with connect(module_swarm, tiny_llama, honest_nodes, verify="canary:1.0", canaries=canary_file) as model:
             checker = CanaryChecker(model.client, 1.0, model.client.canary_checker.canaries, random.Random(3))
             outcome = model.call(checker.check(Chain(hops=(hop_of(node),)), max_length=64, prompt_tokens=5))
             assert outcome.checks == {**dict.fromkeys(RESULTS, 0), "passed": 1} and outcome.clean, outcome
-            assert steps > 10  # the held-up step and the canary's steps after it
-    finally:
-        del node.inference._compute_step
+            assert held.steps > 10  # the held-up step and the canary's steps after it
 
 
 def test_honest_nodes_in_bfloat16_pass_within_the_files_measured_rounding(module_swarm, tiny_llama, canary_file):

@@ -1238,6 +1238,18 @@ def test_a_replica_that_sends_nothing_is_reported_typed_and_the_session_stays(ta
 
 # ---- a hostile node against a training client ------------------------------------------------------------------------
 
+
+def wait_seen(session: FineTuningSession, node) -> None:
+    """Wait until the session's client reads `node`'s record (so a failover can route to it)."""
+    client = session.inner.model.swarm
+
+    def seen() -> bool:
+        records = session.runner.call(client.node_records(fresh=True))
+        return node.peer_id in {record.info.peer_id for record in records}
+
+    wait_until(seen, timeout_s=30)
+
+
 PADDING = "x" * (2 << 20)  # a field the client does not read, making an answer 2 MiB: far over what it can hold
 
 
@@ -1273,11 +1285,7 @@ def test_g1_a_node_answering_more_than_the_session_can_hold_is_failed_and_replac
         nodes.append(swarm.start_node(target.model_path, 0, 4, dht_prefix=prefix, **LIMITS))
         spare = nodes[-1]
 
-        def seen() -> bool:
-            records = session.runner.call(client.node_records(fresh=True))
-            return spare.peer_id in {record.info.peer_id for record in records}
-
-        wait_until(seen, timeout_s=30)
+        wait_seen(session, spare)
         if answer == "state":
             assert math.isfinite(session.train_step(target.batch))  # honest passes: the oversized answer is the state
         method = "_state" if answer == "state" else "_forward"
@@ -1327,11 +1335,7 @@ def test_g1_a_node_sending_a_gradient_that_overflows_the_node_before_it_is_the_o
         nodes.append(swarm.start_node(target.model_path, 2, 4, dht_prefix=prefix, **LIMITS))
         spare = nodes[-1]
 
-        def seen() -> bool:
-            records = session.runner.call(client.node_records(fresh=True))
-            return spare.peer_id in {record.info.peer_id for record in records}
-
-        wait_until(seen, timeout_s=30)
+        wait_seen(session, spare)
         honest_backward = liar.training._backward
 
         async def inflated(session_, request, message):

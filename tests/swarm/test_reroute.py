@@ -23,7 +23,7 @@ from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.errors import NoRouteError
 from nesa_node.protocol.dht import NodeRecord
 from nesa_node.routing.chain import Chain, Hop
-from tests.support.swarm import wait_until
+from tests.support.swarm import wait_for_chain, wait_until
 
 pytestmark = pytest.mark.serial  # measures time: run alone, after the parallel pass (Makefile)
 
@@ -338,14 +338,7 @@ def test_a_node_whose_blocks_fail_a_step_ends_the_session_saying_so_and_is_repla
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
     ) as model:
-
-        def two_hops() -> bool:
-            try:
-                return len(model.choose_chain(max_length=32).hops) == 2
-            except NoRouteError:  # the records are not out yet
-                return False
-
-        wait_until(two_hops, timeout_s=30)
+        wait_for_chain(model, hops=2, max_length=32, timeout_s=30)
         with model.inference_session(max_length=32) as session:
             assert session.chain.hops[1].peer_id == failing.peer_id  # the only server of 2:4 when the session opened
             spare = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)

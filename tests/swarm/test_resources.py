@@ -82,7 +82,9 @@ def churn_sessions(local_swarm, tiny_llama, sessions: int, warm_up: int, rss_gro
             assert node.budget.used_bytes == 0
             assert node.budget.tokens_left == node.config.limits.max_cache_tokens
         gc.collect()
-        wait_until(lambda: node_tasks(local_swarm) <= tasks, timeout_s=30)
+        # the nodes' periodic work (announcements, link probes, DHT maintenance) has a few tasks alive at one moment
+        # and not at another (measured before: 28 to 50): a task left behind by each session would be hundreds
+        wait_until(lambda: node_tasks(local_swarm) <= tasks + 10, timeout_s=30)
         wait_until(lambda: open_files() <= files + 8, timeout_s=30)  # a few DHT connections come and go
         print(
             f"\n{sessions} sessions: node tasks {tasks} -> {node_tasks(local_swarm)}, open files {files} -> "

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 import textwrap
@@ -16,7 +15,7 @@ from nesa_node.errors import BadRequestError
 from nesa_node.protocol.channel import Frame, frame
 from nesa_node.protocol.messages import ErrorReply, Retarget, Step
 from nesa_node.protocol.tensors import tensor_to_proto
-from tests.support.swarm import wait_for_chain
+from tests.support.swarm import step_held_up, wait_for_chain
 
 
 def succeeded(message):
@@ -76,18 +75,8 @@ def test_a_session_with_no_failover_waits_for_a_step_held_up_for_a_moment(local_
     adaptive deadline of a generation's steps (10x the recent ones, at least 1 s) is waited for, within the request
     timeout, not taken for a broken chain."""
     node = local_swarm.start_node(tiny_llama, 0, 4, dht_prefix="held-up")
-    original = node.inference._compute_step
-    steps = 0
-
-    async def held_up(session, request, step):
-        nonlocal steps
-        steps += 1
-        if steps == 10:  # the prompt and 8 one-token steps fast, so the adaptive deadline would be 1 s
-            await asyncio.sleep(1.5)
-        return await original(session, request, step)
-
-    node.inference._compute_step = held_up
-    try:
+    # the prompt and 8 one-token steps fast, so the adaptive deadline would be 1 s, then the 10th held up
+    with step_held_up(node, at=10, seconds=1.5) as held:
         with DistributedModelForCausalLM.from_pretrained(
             tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix="held-up", compression="none"
         ) as model:
@@ -98,10 +87,8 @@ def test_a_session_with_no_failover_waits_for_a_step_held_up_for_a_moment(local_
                 for _ in range(9):
                     started = time.monotonic()
                     output = session.step(output[:, -1:])
-                assert steps == 10 and time.monotonic() - started >= 1.5  # the last step was the held-up one
+                assert held.steps == 10 and time.monotonic() - started >= 1.5  # the last step was the held-up one
                 assert output.shape == (1, 1, 64) and torch.isfinite(output).all()
-    finally:
-        del node.inference._compute_step
 
 
 CLIENT = textwrap.dedent(
