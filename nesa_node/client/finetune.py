@@ -402,7 +402,7 @@ class AsyncFineTuningSession:
             loss, grad = await on_caller(self.layers.loss_and_grad, outputs[-1], labels, total)
             steps, grad = await backward_pass(
                 links, grad, f"{step_id}.{part}", self._codec, applies, timeout_of=self._step_timeout_s,
-                step_after=self.step + 1,
+                step_after=self.step + 1, inputs=outputs,
             )  # fmt: skip
             await on_caller(self.layers.embed_backward, embedded, grad)
             return loss, steps

@@ -51,7 +51,21 @@ IGNORE_INDEX = -100  # labels that take no part in the loss (transformers' conve
 STATE_ENTRY_BYTES = 256
 
 
+# how far below its dtype's largest finite value a tensor's largest element may be and still overflow an honest node's
+# blocks: they normalize their inputs, so values that far below cannot (a judgment, with a wide margin)
+OVERFLOW_HEADROOM = 16.0
+TRAIN_DTYPES = ("float32", "float16", "bfloat16")  # what a node's blocks compute in (sharding/blocks.py DTYPES)
+
 CodecOf = Callable[["TrainLink", int], WireCodec]  # (link, elements) -> the codec of that hop, both ways
+
+
+def overflows(sent: torch.Tensor, dtype: str) -> bool:
+    """Whether finite values `sent` could make an honest node's blocks computing in `dtype` overflow: some within
+    OVERFLOW_HEADROOM of that dtype's largest finite value. A node that reports an overflow (not_finite) on smaller
+    values is the one at fault: it lies (to have its neighbour blamed) or its dtype cannot hold this model's values;
+    either way it is the node to replace."""
+    limit = torch.finfo(getattr(torch, dtype if dtype in TRAIN_DTYPES else "float32")).max / OVERFLOW_HEADROOM
+    return sent.numel() > 0 and bool(sent.detach().abs().max() >= limit)
 
 
 def tensor_answer_bytes(like: torch.Tensor) -> int:
@@ -105,6 +119,8 @@ async def open_link(
     link = TrainLink(hop, channel, timeout_s, session_id, state_bytes=state_bytes)
     info = swarm.announced(hop.peer_id)
     link.step_tokens = info.max_step_tokens if info is not None else None
+    if info is not None and info.dtype in TRAIN_DTYPES:
+        link.dtype = info.dtype
     try:
         await link.call(opening, TrainOpened)
     except BaseException:
@@ -179,8 +195,8 @@ class LinkLost(PeerUnavailableError):
 
 
 class Overflowed(LinkLost):
-    """A node whose blocks overflowed on the finite values it was sent (NotFiniteError): not its fault; the pass's
-    caller blames whoever sent them (forward_pass, backward_pass)."""
+    """A node that says its blocks overflowed on the finite values it was sent (NotFiniteError). Whose fault that is,
+    the pass's caller decides from those values (forward_pass, backward_pass; `overflows`)."""
 
     def __init__(self, peer_id: str, reason: str):
         super().__init__(peer_id, reason, blame=False)
@@ -199,6 +215,7 @@ class TrainLink:
         self._turn = asyncio.Lock()  # one request and its answer at a time (micro-batches share the link)
         self.broken = False  # a call was cut short: an answer may be left unread
         self.step_tokens: int | None = None  # rows x tokens of the largest pass the node announces (0: no limit)
+        self.dtype = "float32"  # what the node announces its blocks compute in (overflows)
 
     def takes(self, tokens: int) -> bool:
         """Whether the node announced it takes a pass of `tokens` (rows x tokens): then a refusal of such a pass,
@@ -312,8 +329,10 @@ async def forward_pass(
                 max_answer_bytes=tensor_answer_bytes(hidden),
                 well_formed=link.takes(hidden.shape[0] * hidden.shape[1]),
             )
-        except Overflowed as overflowed:  # the node before it sent hidden states that large (the client's own: none)
-            if index == 0:
+        except Overflowed as overflowed:
+            if not overflows(hidden, link.dtype):  # values its blocks hold with room to spare
+                raise LinkLost(link.peer_id, f"claimed an overflow on ordinary hidden states ({overflowed})") from None
+            if index == 0:  # the client's own embeddings: no node to blame
                 raise
             raise LinkLost(
                 links[index - 1].peer_id, f"sent outputs that overflow the next node ({overflowed})"
@@ -334,12 +353,16 @@ async def backward_pass(
     *,
     timeout_of: Callable[[bool], float],
     step_after: int | None = None,
+    inputs: list[torch.Tensor] | None = None,
 ) -> tuple[list[int], torch.Tensor]:
     """The gradient of the last node's output up the chain. `applies(link)`, asked as the request to a link is built:
     whether that node takes its optimizer step after this backward pass (`timeout_of(apply)`: how long the call may
     take). The steps those nodes report, and the gradient of the chain's input (for the embeddings). With
     `step_after`, the update a step takes the chain to: a node that reports any other is failed (LinkLost, blamed),
-    so a node misreporting its step cannot move the client's count, and with it the checkpoints."""
+    so a node misreporting its step cannot move the client's count, and with it the checkpoints. `inputs`: what each
+    node was given on the forward pass (forward_pass's answer), to find who is to blame for an overflow: the node
+    that sent the gradient when it is that large, else the one before when its forward input was, else the node
+    that reported it."""
     steps = []
     if not torch.isfinite(grad).all():  # the loss's gradient, from the last node's outputs
         raise LinkLost(links[-1].peer_id, "sent outputs whose loss has a gradient that is not finite")
@@ -356,8 +379,13 @@ async def backward_pass(
                 max_answer_bytes=tensor_answer_bytes(grad),
                 well_formed=link.takes(grad.shape[0] * grad.shape[1]),
             )
-        except Overflowed as overflowed:  # a gradient that large came from the node after it, or the last node's
-            culprit = links[min(index + 1, len(links) - 1)]  # outputs made the loss's
+        except Overflowed as overflowed:
+            if overflows(grad, link.dtype):  # from the node after it, or the last node's outputs made the loss's
+                culprit = links[min(index + 1, len(links) - 1)]
+            elif index > 0 and inputs is not None and overflows(inputs[index], link.dtype):
+                culprit = links[index - 1]  # its forward input was that large
+            else:
+                raise LinkLost(link.peer_id, f"claimed an overflow on an ordinary gradient ({overflowed})") from None
             raise LinkLost(culprit.peer_id, f"its outputs or gradient overflow another node ({overflowed})") from None
         if message.step_id != step_id:
             raise LinkLost(link.peer_id, f"answered step {message.step_id} for {step_id}")
@@ -416,6 +444,7 @@ def close_chains(chains: list[list[TrainLink]]) -> None:
 
 __all__ = [
     "IGNORE_INDEX",
+    "OVERFLOW_HEADROOM",
     "LinkLost",
     "OptimizerSettings",
     "Pass",
@@ -428,6 +457,7 @@ __all__ = [
     "forward_pass",
     "labelled_tokens",
     "open_link",
+    "overflows",
     "replica_chains",
     "state_answer_bytes",
     "state_tensor_bytes",

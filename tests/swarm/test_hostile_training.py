@@ -28,7 +28,7 @@ from hivemind.p2p import P2P, PeerID
 
 from nesa_node.client.finetune import FineTuningSession
 from nesa_node.devtools.tiny_model import TinyModelSpec, build_config
-from nesa_node.errors import AdapterBudgetError, BadRequestError, NesaError
+from nesa_node.errors import AdapterBudgetError, BadRequestError, NesaError, NotFiniteError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import ChannelClosedError, Frame, LaneChannel, frame, read
 from nesa_node.protocol.framing import StreamChannel, open_stream
@@ -1350,6 +1350,44 @@ def test_g1_a_node_sending_a_gradient_that_overflows_the_node_before_it_is_the_o
         assert liar.peer_id in client.banned() and honest.peer_id not in client.banned()
         for training in honest.training.sessions.values():  # the honest node took no step on what overflowed
             assert all(torch.isfinite(parameter).all() for parameter in training.slice.parameters())
+    finally:
+        if session is not None:
+            session.close()
+        for node in nodes:
+            swarm.stop_node(node)
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_g1_a_node_claiming_an_overflow_on_ordinary_values_is_the_one_blamed(target, direction):
+    """A node answers every forward (or backward) pass with not_finite, as if its blocks had overflowed on what its
+    neighbour sent, though those values are far inside its dtype's range: the client blames the node that said so,
+    not the neighbour (the one before it on the forward pass, the one after it on the backward pass), and takes the
+    step through a spare."""
+    swarm, prefix = target.swarm, f"false-overflow-{direction}"
+    first = swarm.start_node(target.model_path, 0, 2, dht_prefix=prefix, **LIMITS)
+    second = swarm.start_node(target.model_path, 2, 4, dht_prefix=prefix, **LIMITS)
+    liar, honest = (second, first) if direction == "forward" else (first, second)
+    nodes, session = [first, second], None
+    try:
+        session = FineTuningSession.create(
+            target.model_path, initial_peers=swarm.initial_peers, dht_prefix=prefix, spec=SPEC, seed=3, lr=1e-3
+        )
+        assert [hop.peer_id for hop in session.chain] == [first.peer_id, second.peer_id]
+        client = session.inner.model.swarm
+        nodes.append(swarm.start_node(target.model_path, *((2, 4) if liar is second else (0, 2)), dht_prefix=prefix,
+                                      **LIMITS))  # fmt: skip
+        spare = nodes[-1]
+        wait_seen(session, spare)
+
+        async def claims_overflow(session_, request, message):
+            raise NotFiniteError("these hidden states overflow this node's blocks")
+
+        setattr(liar.training, f"_{direction}", claims_overflow)
+        assert math.isfinite(session.train_step(target.batch)) and session.step == 1
+        assert liar.peer_id in client.banned() and honest.peer_id not in client.banned()
+        assert spare.peer_id in [hop.peer_id for hop in session.chain] and honest.peer_id in [
+            hop.peer_id for hop in session.chain
+        ]
     finally:
         if session is not None:
             session.close()

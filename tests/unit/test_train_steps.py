@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from nesa_node.client.train_link import LinkLost, backward_pass
+from nesa_node.client.train_link import OVERFLOW_HEADROOM, LinkLost, backward_pass, overflows
 from nesa_node.protocol.channel import read
 from nesa_node.protocol.messages import NO_CODEC, TO_TRAINING, TrainBackward, TrainGrad
 
@@ -66,3 +66,26 @@ def test_without_an_update_the_reported_count_is_not_judged():
     # micro-batches gathered before a step (apply False): the count a node reports is not an update of this pass
     steps, _ = run_backward([ReportingLink("first", 3), ReportingLink("last", 7)], apply=False)
     assert steps == []
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_only_values_near_a_dtypes_largest_finite_one_can_overflow_an_honest_node(dtype):
+    """`overflows` (who is blamed for a not_finite answer): values within OVERFLOW_HEADROOM of the dtype's largest
+    finite one could overflow an honest node's blocks; smaller ones, of either sign, could not."""
+    limit = torch.finfo(getattr(torch, dtype)).max / OVERFLOW_HEADROOM
+    generator = torch.Generator().manual_seed(5)
+    ordinary = torch.randn(2, 3, 8, generator=generator) * 1000.0
+    assert not overflows(ordinary.clamp(-limit * 0.99, limit * 0.99), dtype)
+    for sign in (1.0, -1.0):
+        large = ordinary.clone()
+        large[1, 2, 5] = sign * limit
+        assert overflows(large, dtype)
+    assert not overflows(torch.empty(0, 3, 8), dtype)
+
+
+def test_a_node_announcing_no_known_dtype_is_judged_as_float32():
+    """A record naming a dtype no node computes in gives the widest range: its claims of overflow need the largest
+    values to be believed."""
+    below_float32 = torch.full((4,), torch.finfo(torch.float32).max / OVERFLOW_HEADROOM / 2)
+    assert not overflows(below_float32, "float64") and not overflows(below_float32, "bogus")
+    assert overflows(torch.full((4,), 1e38), "bogus")
