@@ -376,7 +376,7 @@ class InferenceService:
                 # lossless where the session's codec cannot carry these values (beyond fp16's range)
                 proto, sent_codec = tensor_to_wire(output, session.output_codec)
                 tensors = [proto]
-                if session.outputs and session.outputs[-1] is output and sent_codec.name != NO_CODEC.name:
+                if session.outputs and session.outputs[-1] is output:
                     # kept as the next node decodes it: a replacement of that node rebuilds exactly its cache
                     session.outputs[-1] = as_received(output, proto, sent_codec)
                 compute_s = seconds + step.compute_s  # this node's and those before it
