@@ -55,6 +55,15 @@ def add_parser(commands, add_peer_args) -> None:
         help="a streamed answer whose client takes nothing for this long is ended, and its slot freed (default 30)",
     )
     gateway.add_argument(
+        "--max-connections",
+        type=PARSERS["positive_int"],
+        default=1024,
+        metavar="N",
+        help="open HTTP connections and requests in progress at once, all clients together; past them a new "
+        "request gets a 503 at once (default 1024). Each request's body must also arrive whole within 30 s, and the "
+        "gateway reads at most 64 of the largest bodies it takes at once (503 `server_busy` past that)",
+    )
+    gateway.add_argument(
         "--compression",
         choices=CLIENT_CODECS,
         default=DEFAULT_CODEC,
@@ -150,7 +159,16 @@ async def _serve(args, name: str, chat_template: str | None, api_keys, admin_key
             admin_keys=admin_keys,
         )
     )
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level="warning",
+            lifespan="off",
+            limit_concurrency=args.max_connections,
+        )
+    )
     server.capture_signals = contextlib.nullcontext  # this process's own handlers stop it (event_loop)
     serving: asyncio.Task | None = None
 

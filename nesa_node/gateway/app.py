@@ -34,7 +34,7 @@ from nesa_node.gateway.auth import ADMIN_KEY_NEEDED, KEY_NEEDED, ApiKeys, is_loo
 from nesa_node.gateway.callers import CallerLimit, caller_address, default_limit
 from nesa_node.gateway.dashboard import TOPOLOGY_PERIOD_S, DashboardState
 from nesa_node.gateway.handlers import add_error_handlers
-from nesa_node.gateway.middleware import CountRequests, LimitBody, RequireKey
+from nesa_node.gateway.middleware import BODY_TIMEOUT_S, CountRequests, LimitBody, RequireKey
 from nesa_node.gateway.page import PAGE
 from nesa_node.gateway.requests import (
     BODY_HEADROOM_BYTES,
@@ -81,15 +81,18 @@ class Gateway:
         admin_keys: ApiKeys | None = None,
         send_timeout_s: float = SEND_TIMEOUT_S,
         max_requests_per_caller: int | None = None,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ):
         """`send_timeout_s`: the longest a streamed answer waits for its client to take a chunk (gateway/streams.py);
         `max_requests_per_caller`: requests one API key (without keys: one client address) may have running or
         waiting at once, by default a quarter of `max_concurrency` (gateway/callers.py); `admin_keys`: the keys that
-        load and unload adapters, also API keys (gateway/auth.py)."""
+        load and unload adapters, also API keys (gateway/auth.py); `body_timeout_s`: the longest a request's body
+        may take to arrive whole (gateway/middleware.py)."""
         self.model = model
         self.api_keys = api_keys  # None: /v1 is open (gateway/auth.py)
         self.admin_keys = admin_keys  # None: adapters are managed with any API key (none: from this machine only)
         self.send_timeout_s = send_timeout_s
+        self.body_timeout_s = body_timeout_s
         self.callers = CallerLimit(max_requests_per_caller or default_limit(max_concurrency))
         self.adapters = GatewayAdapters(model, base_name=model_name, adapter_dir=adapter_dir)
         self.topology_period_s = topology_period_s
@@ -464,7 +467,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     quiet_cut_streams()  # no ERROR line from uvicorn for a stream cut for a stalled reader (gateway/streams.py)
 
     add_error_handlers(app)
-    app.add_middleware(LimitBody, max_bytes=gateway.max_body_bytes)
+    app.add_middleware(LimitBody, max_bytes=gateway.max_body_bytes, timeout_s=gateway.body_timeout_s)
     app.add_middleware(RequireKey, api_keys=gateway.api_keys, admin_keys=gateway.admin_keys)  # before the body
     app.add_middleware(CountRequests, metrics=gateway.metrics)  # outermost: refused bodies are counted too
 

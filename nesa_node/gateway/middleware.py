@@ -3,10 +3,16 @@ before they are read."""
 
 from __future__ import annotations
 
+import asyncio
+
 from nesa_node.gateway.auth import ADMIN_KEY_NEEDED, KEY_NEEDED, ApiKeys
 from nesa_node.gateway.requests import ApiError
 from nesa_node.metrics import GatewayMetrics
 
+BODY_TIMEOUT_S = (
+    30.0  # how long a request's body may take to arrive whole (a slow one holds its bytes meanwhile; guess)
+)
+BODIES_BUFFERED = 64  # bodies of the largest size taken the gateway reads at once, all callers together (guess)
 MANAGING = frozenset({"/v1/adapters/load", "/v1/adapters/unload"})  # what admin keys guard, where there are any
 ENDPOINTS = frozenset(
     {"/", "/api/swarm", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"} | MANAGING
@@ -42,31 +48,53 @@ class CountRequests:
 
 class LimitBody:
     """ASGI middleware reading each request's body before the app does, at most `max_bytes` of it: a larger one is
-    refused with 413 (at once when its Content-Length says so), never held whole in memory nor parsed."""
+    refused with 413 (at once when its Content-Length says so), never held whole in memory nor parsed. Bodies being
+    read hold their Content-Length (`max_bytes` for a chunked one) of `budget_bytes`, shared by all callers: past it a
+    request is refused at once (503 `server_busy`), so clients trickling bodies over many connections cannot make
+    the gateway hold more. A body not whole within `timeout_s` is refused (408 `request_timeout`) and its bytes let
+    go."""
 
-    def __init__(self, app, max_bytes: int):
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, *, budget_bytes: int | None = None, timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+        self.budget_bytes = BODIES_BUFFERED * max_bytes if budget_bytes is None else budget_bytes
+        self.reading = 0  # bytes of budget held by bodies being read
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = dict(scope.get("headers") or []).get(b"content-length", b"0")
-        if not declared.isdigit() or int(declared) > self.max_bytes:
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_bytes):
             await self._too_large(scope, receive, send)
             return
+        # what this body may come to: HTTP/1.1 gives a body without a Content-Length only in chunks
+        held = int(declared) if declared is not None else self.max_bytes if b"transfer-encoding" in headers else 0
+        if held and self.reading + held > self.budget_bytes:
+            message = "the gateway is reading its most request bodies at once: retry later"
+            await ApiError(503, message, kind="server_error", code="server_busy").response()(scope, receive, send)
+            return
+        self.reading += held
         chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":  # the client went away before its request was whole: no work
-                return
-            size += len(message.get("body", b""))
-            if size > self.max_bytes:
-                await self._too_large(scope, receive, send)
-                return
-            chunks.append(message.get("body", b""))
-            if not message.get("more_body", False):
-                break
+        try:
+            async with asyncio.timeout(self.timeout_s if held else None):
+                while True:
+                    message = await receive()
+                    if message["type"] != "http.request":  # the client went away before its request was whole
+                        return
+                    size += len(message.get("body", b""))
+                    if size > self.max_bytes:
+                        await self._too_large(scope, receive, send)
+                        return
+                    chunks.append(message.get("body", b""))
+                    if not message.get("more_body", False):
+                        break
+        except TimeoutError:
+            message = f"the request body did not arrive whole within {self.timeout_s:g} s"
+            await ApiError(408, message, code="request_timeout").response()(scope, receive, send)
+            return
+        finally:
+            self.reading -= held
         replayed = False
 
         async def body_then_rest():
@@ -115,4 +143,4 @@ class RequireKey:
         await self.app(scope, receive, send)
 
 
-__all__ = ["ENDPOINTS", "CountRequests", "LimitBody", "RequireKey"]
+__all__ = ["BODIES_BUFFERED", "BODY_TIMEOUT_S", "ENDPOINTS", "CountRequests", "LimitBody", "RequireKey"]
