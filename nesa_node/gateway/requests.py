@@ -52,13 +52,20 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+# Every request model is strict, as OpenAI's schema is: `"max_tokens": true`, `"5"` or `5.0` and `"stream": "yes"`
+# are 400s, not read as 1, 5 and true (an answer never means something else than was asked)
+STRICT = ConfigDict(strict=True)
+
+
 class StreamOptions(BaseModel):
+    model_config = STRICT
+
     include_usage: bool | None = None
 
 
 class _Sampling(BaseModel):
     # OpenAI clients send fields this gateway does not use (user, ...): kept aside, those of UNSUPPORTED checked
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -77,14 +84,14 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None = None

@@ -1,6 +1,6 @@
 """What the gateway's HTTP API refuses, and how (nesa_node/gateway/app.py, requests.py, handlers.py, middleware.py):
 a prompt bound to pass the context is refused after tokenizing a prefix of it, strings that are not valid Unicode are
-a 400 naming their field, a model name is quoted safely, API keys are checked before the body is read, and
+a 400 naming their field, as is a field of another JSON type than its own, a model name is quoted safely, API keys are checked before the body is read, and
 Starlette's own refusals come in OpenAI's error shape; adapters are managed with an admin key where the gateway has
 admin keys."""
 
@@ -64,6 +64,34 @@ async def test_a_lone_surrogate_is_a_400_naming_its_field(path, body, param, cap
     error = error_of(answer)
     assert error["code"] == "invalid_unicode" and error["param"] == param and f"`{param}`" in error["message"]
     assert "Traceback" not in caplog.text and not caplog.records
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        ("/v1/completions", {"max_tokens": True}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": "5"}, "max_tokens"),
+        ("/v1/completions", {"max_tokens": 5.0}, "max_tokens"),
+        ("/v1/completions", {"stream": "yes"}, "stream"),
+        ("/v1/completions", {"stream": 1}, "stream"),
+        ("/v1/completions", {"temperature": True}, "temperature"),
+        ("/v1/completions", {"temperature": "0.5"}, "temperature"),
+        ("/v1/completions", {"seed": False}, "seed"),
+        ("/v1/completions", {"prompt": 7}, "prompt.str"),
+        ("/v1/completions", {"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, "messages.0.content.str"),
+    ],
+)  # fmt: skip
+async def test_a_field_of_another_json_type_is_a_400_not_read_as_one(path, change, param):
+    """As OpenAI's schema: true is not 1, "5" and 5.0 are not the integer 5, "yes" and 1 are not true; each is a 400
+    naming its field, where a lax reading would have run a generation other than the one asked for."""
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2} if path == "/v1/completions" else {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}  # fmt: skip
+    answer = await asgi_request(create_app(fake_gateway()), "POST", path, {**body, **change})
+    assert answer["status"] == 400, answer["body"]
+    assert error_of(answer)["param"] == param
+    ints = await asgi_request(create_app(fake_gateway()), "POST", path, {**body, "temperature": 0})
+    assert ints["status"] == 200  # an integer where a number is asked for is that number
 
 
 async def test_an_unknown_model_name_is_quoted_escaped_and_cut():
