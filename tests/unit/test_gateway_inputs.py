@@ -1,8 +1,8 @@
 """What the gateway's HTTP API refuses, and how (nesa_node/gateway/app.py, requests.py, handlers.py, middleware.py):
-a prompt bound to pass the context is refused after tokenizing a prefix of it, strings that are not valid Unicode are
-a 400 naming their field, as is a field of another JSON type than its own, a model name is quoted safely, API keys are checked before the body is read, and
-Starlette's own refusals come in OpenAI's error shape; adapters are managed with an admin key where the gateway has
-admin keys."""
+a prompt bound to pass the context is refused after tokenizing a prefix of it, strings that are not valid Unicode
+are a 400 naming their field, as is a field of another JSON type than its own, a model name is quoted safely, API
+keys are checked before the body is read, and Starlette's own refusals come in OpenAI's error shape; adapters are
+managed with an admin key where the gateway has admin keys."""
 
 from __future__ import annotations
 
