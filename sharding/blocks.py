@@ -212,7 +212,7 @@ class BlockSpan(nn.Module):
         table = self._table(stop)
         if table is None:
             position_ids = torch.arange(start, stop, device=hidden.device).unsqueeze(0)
-            return self.rotary(hidden, position_ids=position_ids)
+            return self._rotary_alone(hidden, position_ids)
         cos, sin = table
         return cos[:, start:stop], sin[:, start:stop]
 
@@ -222,10 +222,26 @@ class BlockSpan(nn.Module):
         own step would make it, not one call scaled by the longest row."""
         table = self._table(longest)
         if table is None:
-            rows = [self.rotary(hidden[:1], position_ids=row) for row in position_ids.split(1)]
+            rows = [self._rotary_alone(hidden[:1], row) for row in position_ids.split(1)]
             return torch.cat([cos for cos, _ in rows]), torch.cat([sin for _, sin in rows])
         cos, sin = table
         return cos[0, position_ids], sin[0, position_ids]
+
+    def _rotary_alone(self, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`self.rotary` of `position_ids` as a call of a fresh module gives it. A `dynamic` rotary keeps the longest
+        length it was called with and scales every later call by it while past the model's length: one session's
+        call at 6000 would scale another's at 5000. Its frequencies are set back first, so each call is scaled by its
+        own positions alone, as in a session's own run (whose positions only grow)."""
+        rotary = self.rotary
+        original_length = getattr(rotary, "original_max_seq_len", None)
+        names = [*rotary._buffers, *vars(rotary)] if original_length else []  # (a buffer, or a plain attribute)
+        for name in [name for name in names if name.endswith("original_inv_freq")]:
+            prefix = name.removesuffix("original_inv_freq")
+            if getattr(rotary, f"{prefix}max_seq_len_cached", original_length) != original_length:
+                original = getattr(rotary, name)
+                rotary.register_buffer(f"{prefix}inv_freq", original.to(hidden.device), persistent=False)
+                setattr(rotary, f"{prefix}max_seq_len_cached", original_length)
+        return rotary(hidden, position_ids=position_ids)
 
     def _table(self, stop: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The rotary table holding at least positions 0..stop-1 (grown by doubling), or None when not tabulated."""

@@ -271,3 +271,28 @@ def test_a_rotary_that_depends_on_the_length_is_never_batched_and_each_row_gets_
         for row, position in enumerate((5, 200)):
             alone_cos, alone_sin = span.rope(hidden[:1], position, position + 1)
             assert torch.equal(cos[row], alone_cos[0]) and torch.equal(sin[row], alone_sin[0]), (rope_type, position)
+
+
+def test_a_dynamic_rotary_scales_each_call_by_its_own_positions_whatever_came_before(tiny_llama):
+    """Past the model's length a `dynamic` rotary scales by the longest length it was called with, and transformers'
+    module keeps that length: a session's step at 300 would change the embedding of another session's later step at
+    100. Each call gives what a fresh module gives it (a session's own run: its positions only grow)."""
+    config = load_config(tiny_llama)
+    config.max_position_embeddings = 64
+    config.rope_parameters = {**config.rope_parameters, "rope_type": "dynamic", "factor": 2.0}
+    hidden = torch.zeros(1, 1, config.hidden_size)
+
+    def fresh(position: int):
+        return load_block_span(tiny_llama, SpanSpec(0, 1), config=config).rope(hidden, position, position + 1)
+
+    span = load_block_span(tiny_llama, SpanSpec(0, 1), config=config)
+    with torch.inference_mode():
+        expected = {position: fresh(position) for position in (100, 300, 10)}
+        for position in (100, 300, 100, 10, 300, 100):
+            got = span.rope(hidden, position, position + 1)
+            assert all(torch.equal(g, e) for g, e in zip(got, expected[position], strict=True)), position
+            rows = span.rope_rows(hidden, torch.tensor([[position]]), position + 1)
+            assert all(torch.equal(g[0], e[0]) for g, e in zip(rows, expected[position], strict=True)), position
+        module = load_block_span(tiny_llama, SpanSpec(0, 1), config=config).rotary  # transformers' own, called so
+        module(hidden, position_ids=torch.tensor([[300]]))
+        assert not torch.equal(module(hidden, position_ids=torch.tensor([[100]]))[0], expected[100][0])
