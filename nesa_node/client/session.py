@@ -54,7 +54,9 @@ class StepTiming:
     bytes_sent: int = 0  # serialized request bytes the client sent for this step
     bytes_received: int = 0  # serialized response bytes the client received for this step
     failovers: int = 0  # recoveries during this step (wall_s then spans failed step to next good step)
-    codec: str = "none"  # the codec the client sent this step's hidden states with (its choice under "auto")
+    codec: str = "none"  # the codec the client sent this step to the first node with (under "auto", its choice)
+    # in relay mode, the codec of each node's input, which the client sends (chosen per hop); direct: the first's alone
+    hop_codecs: tuple[str, ...] = ()
 
 
 class InferenceSession:
@@ -116,7 +118,7 @@ class InferenceSession:
         self._opened = self._closed = False
         self._stepping = False  # a step is under way: the answers of the chain belong to it
         self._broken: str | None = None  # why no step may be sent any more (a prompt failed part-way)
-        self._sent_codec = "none"
+        self._sent_codecs: list[str] = []  # the last step's, per node the client fed
         self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
         # per peer fed by the client: (step id, what identified the content last sent it under that id (position,
         # codec, tensor as sent: what a node compares a step id's content by), that input, whether the client ever
@@ -299,10 +301,11 @@ class InferenceSession:
                 bytes_sent=sent,
                 bytes_received=received,
                 failovers=failovers,
-                codec=self._sent_codec,
+                codec=self._sent_codecs[0] if self._sent_codecs else "none",
+                hop_codecs=tuple(self._sent_codecs),
             )
         )
-        self.step_codecs.append(self._sent_codec)
+        self.step_codecs.append(self.timings[-1].codec)
         if self.reroute is not None or self.commit:  # replayed into a replacement of a span that fails; audits
             if not self._inputs:
                 self._inputs = [[] for _ in inputs]
@@ -356,6 +359,7 @@ class InferenceSession:
         if self._step_codecs[0] != step_id:
             self._step_codecs = (step_id, {})
         chosen = self._step_codecs[1]  # a step sent again keeps its codec: a node refuses a step id's other content
+        self._sent_codecs = []
         for link in fed:
             codec = chosen.get(link.peer_id) or codec_for(
                 None,
@@ -369,7 +373,7 @@ class InferenceSession:
             # kept as the node decodes it: a replacement of the node replays exactly what it saw
             inputs.append(as_received(hidden, tensor, codec))
             chosen[link.peer_id] = codec
-            self._sent_codec = codec.name
+            self._sent_codecs.append(codec.name)
             request = frame(Step(step_id=step_id, position=self.position, codec=codec), [tensor])
             self._note_fed(link.peer_id, step_id, (self.position, codec, tensor), hidden)
             sent += request.ByteSize()

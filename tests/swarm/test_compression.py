@@ -116,8 +116,12 @@ def test_values_beyond_fp16_go_lossless_instead_of_failing_the_step(module_swarm
         with model.inference_session(max_length=32) as session:
             output = model.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=6, min_new_tokens=6)
         assert output.shape == (1, 11) and session.failovers == [] and not model.swarm.banned()
+        assert all(len(timing.hop_codecs) == (2 if mode == "relay" else 1) for timing in session.timings)
+        assert session.step_codecs == [timing.hop_codecs[0] for timing in session.timings] and set(
+            session.step_codecs
+        ) == {"fp16"}  # the first node's inputs: the client's embeddings, within fp16's range
         if mode == "relay":  # the client's own sends to the second node (those that fit fp16 keep it)
-            assert "none" in session.step_codecs, session.step_codecs
+            assert "none" in [timing.hop_codecs[1] for timing in session.timings], session.timings
 
 
 def test_a_replacement_is_replayed_what_the_lost_node_decoded(module_swarm, tiny_llama):
