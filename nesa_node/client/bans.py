@@ -43,8 +43,10 @@ class Bans:
         if len(self._bans) >= PRUNE_AT:  # bans long over, of identities that came and went: forgotten
             self._bans = {peer: ban for peer, ban in self._bans.items() if ban[0] > now - FORGET_AFTER_S}
         until, last = self._bans.get(peer_id, (0.0, 0.0))
-        length = min(max_s, last * 2) if until > now - max_s and last else base_s
-        self._bans[peer_id] = (now + length, length)
+        # at least this kind of ban's own length (a ban for a failure before a blame does not shorten the blame's),
+        # and a ban under way is never cut short by a shorter one
+        length = max(base_s, min(max_s, last * 2)) if until > now - max_s and last else base_s
+        self._bans[peer_id] = (max(until, now + length), length)
         return length
 
     def unban(self, peer_id: str) -> bool:

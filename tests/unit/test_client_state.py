@@ -38,6 +38,19 @@ def test_bans_over_for_an_hour_are_forgotten_once_there_are_many():
     assert "fault" in bans.banned() and "fault" in bans.faulty()
 
 
+def test_a_ban_is_at_least_its_own_kinds_length_and_never_shortens_one_under_way():
+    """A blame's hour-long ban after a failure's 15 s one is an hour, not the 30 s that doubling the last ban would
+    give; a failure's ban while a longer ban runs leaves it running to its end; repeated failures still double."""
+    bans = Bans()
+    assert bans.ban("cheat") == 15.0  # a step it refused: a failure
+    assert bans.ban("cheat", base_s=3600.0, max_s=3600.0, fault=True) == 3600.0  # then caught: blamed
+    until = bans._bans["cheat"][0]
+    assert until >= time.monotonic() + 3590.0
+    bans.ban("cheat")  # failing again meanwhile (600 s at most for a failure) ends no sooner
+    assert bans._bans["cheat"][0] >= until and "cheat" in bans.banned()
+    assert [bans.ban("flaky") for _ in range(4)] == [15.0, 30.0, 60.0, 120.0]
+
+
 def test_routing_asks_a_bounded_number_of_recent_nodes_the_freshest_first_a_few_at_once():
     import asyncio
 
