@@ -193,11 +193,11 @@ class AdapterStore:
         self._evict(entry)
         return True
 
-    def announced(self) -> list[tuple[str, str, str, int]]:
-        """(adapter id, name, slice sha256, rank) of the resident adapters for the node record: preloaded first, then
-        the rest, each part most recently used first; at most MAX_ANNOUNCED. The rank is the adapter's (the
-        manifest's), the same on every node, not this slice's."""
-        newest_first = list(reversed(self._entries.values()))
+    def announced(self, leave_out: frozenset[str] | set[str] = frozenset()) -> list[tuple[str, str, str, int]]:
+        """(adapter id, name, slice sha256, rank) of the resident adapters for the node record, but those of
+        `leave_out` (clients' own): preloaded first, then the rest, each part most recently used first; at most
+        MAX_ANNOUNCED. The rank is the adapter's (the manifest's), the same on every node, not this slice's."""
+        newest_first = [e for e in reversed(self._entries.values()) if e.adapter_id not in leave_out]
         ordered = [e for e in newest_first if e.preloaded] + [e for e in newest_first if not e.preloaded]
         return [(e.adapter_id, e.name, e.piece.sha256, e.manifest.rank) for e in ordered[:MAX_ANNOUNCED]]
 

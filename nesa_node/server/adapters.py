@@ -245,6 +245,5 @@ class NodeAdapters:
                 rank=rank,
                 slice_bytes=sizes[adapter_id],
             )
-            for adapter_id, name, slice_sha256, rank in self.store.announced()
-            if adapter_id not in self._private
-        )
+            for adapter_id, name, slice_sha256, rank in self.store.announced(leave_out=self._private)
+        )  # (left out before the list is cut to its length: clients' own adapters take none of its places)

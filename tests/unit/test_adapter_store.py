@@ -188,6 +188,20 @@ def test_announced_lists_preloaded_then_most_recent_up_to_the_record_limit():
     assert manifest.rank == 2
 
 
+def test_adapters_left_out_of_the_record_take_none_of_its_places():
+    """Clients' own adapters (`leave_out`) are dropped before the list is cut to MAX_ANNOUNCED: a client keeping 70 of
+    its own in recent use does not push the node's public adapters out of its record."""
+    store = AdapterStore(200 * SIZE)
+    for index in range(3):
+        _add(store, index)
+    for index in range(3, 73):  # used after the public ones: the most recent
+        _add(store, index)
+    private = {_id(index) for index in range(3, 73)}
+    announced = store.announced(leave_out=private)
+    assert sorted(item[1] for item in announced) == ["adapter-0", "adapter-1", "adapter-2"]
+    assert len(store.announced()) == MAX_ANNOUNCED
+
+
 # ---- 100 sessions cycling 200 adapters against a budget of 16 -----------------------------------------------------
 
 
