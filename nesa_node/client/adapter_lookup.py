@@ -57,7 +57,15 @@ class AdapterLookup:
         return own.adapter_id
 
     def check_session_adapter(self, adapter_id: str | None) -> None:
-        """AdapterError when this client's layers carry an adapter's edge layers and a session would run another."""
+        """AdapterError when this client's layers carry an adapter's edge layers and a session would run another, or
+        when a session with an adapter would run blocks here (private_edges), which run the base weights only."""
+        edge_blocks = getattr(self, "edge_blocks", None)
+        if adapter_id is not None and edge_blocks is not None and (edge_blocks.front or edge_blocks.back):
+            raise AdapterError(
+                "this client runs its first and last blocks itself (private_edges) with the base weights: a session "
+                "with a LoRA adapter would run those blocks without it. Use a client without private_edges for "
+                "adapters (boundary_noise alone runs no block here and takes them)"
+            )
         if self.edge_adapter is not None and adapter_id != self.edge_adapter:
             raise AdapterError(
                 f"this client's embeddings, norm and LM head are those of adapter {self.edge_adapter[:12]}… (trained "

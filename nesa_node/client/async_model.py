@@ -225,6 +225,7 @@ class AsyncDistributedModel(AdapterLookup):
             )
             model.router.weights_manifest = manifest
             model.adapter = await model.resolve_model_adapter(adapter) if adapter is not None else None
+            model.check_session_adapter(model.adapter)  # a combination no session could run: refused now
         except BaseException:
             await swarm.close()
             raise

@@ -139,3 +139,22 @@ def test_a_middle_node_lost_mid_generation_is_replaced_for_the_middle_blocks_onl
     finally:
         if spare in swarm_of_two.nodes:
             swarm_of_two.stop_node(spare)
+
+
+def test_an_adapter_with_blocks_run_here_is_refused_not_run_without_it(swarm_of_two, tiny_llama, tmp_path):
+    """Blocks the client runs itself (private_edges) run the base weights: a LoRA adapter, as the model's or a call's,
+    is an AdapterError rather than tokens that silently differ from the adapter's; boundary noise alone runs no
+    block here and keeps the adapter."""
+    from nesa_node.errors import AdapterError
+    from tests.support.adapters import save_random_adapter
+
+    folder = save_random_adapter(tiny_llama, tmp_path / "lora", seed=4, r=2, target_modules=["q_proj", "v_proj"])
+    with pytest.raises(AdapterError, match="private_edges"):
+        connect(swarm_of_two, tiny_llama, private_edges=(1, 1), adapter=str(folder))
+    with connect(swarm_of_two, tiny_llama, private_edges=(1, 0)) as model:
+        wait_for_chain(model)
+        with pytest.raises(AdapterError, match="private_edges"):
+            model.generate(PROMPT, max_new_tokens=2, do_sample=False, adapter=str(folder))
+        assert model.generate(PROMPT, max_new_tokens=2, do_sample=False).shape == (1, PROMPT.shape[1] + 2)
+    with connect(swarm_of_two, tiny_llama, boundary_noise=0.01, adapter=str(folder)) as model:
+        assert model.client.adapter is not None
