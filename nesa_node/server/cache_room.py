@@ -92,7 +92,7 @@ def available_bytes(sessions: Sequence, free_bytes: int, share_bytes: int, idle_
     """What a new session within its peer's share could get: the free bytes, those of sessions between steps now
     (`idle_soon`: when the node preempts idle sessions within an open's wait), and those `choose` would take back
     from the rest (its second rule), each session counted once."""
-    idle = [session for session in sessions if idle_soon and not session.busy and session.inbox.empty()]
+    idle = [session for session in sessions if idle_soon and not session.computing]
     counted = {id(session) for session in idle}
     rest = [session for session in sessions if id(session) not in counted]  # as `choose` sees them after those
     lent = sum(session.reserved_bytes for session in _borrowers(rest, share_bytes, now, skip=lambda session: False))

@@ -281,9 +281,12 @@ class InferenceService:
                 return
             # counted from the open or the last step done: refused steps do not keep a session alive
             limit_s = self.limits.session_timeout_s if session.last_step_id else self.limits.first_step_timeout_s
+            left_s = self._left_s(session, limit_s)
             try:
+                if left_s <= 0:  # also with items queued: duplicates and refused steps, kept coming, keep nothing
+                    raise TimeoutError
                 if session.inbox.empty():  # asyncio.timeout: no task per step, unlike wait_for
-                    async with asyncio.timeout_at(asyncio.get_running_loop().time() + self._left_s(session, limit_s)):
+                    async with asyncio.timeout_at(asyncio.get_running_loop().time() + left_s):
                         item = await session.inbox.get()
                 else:
                     item = session.inbox.get_nowait()
@@ -478,14 +481,19 @@ class InferenceService:
                 f"step would reach {step.position + hidden.shape[1]} tokens, over the session's max_length "
                 f"{session.max_length}"
             )
-        await self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
-        session.cache.reserve(session.reserved_tokens)  # its buffers grow to what the budget holds for it
-        output, seconds = await self.compute.run_decode(
-            hidden, session.cache, step.position, session.blocks, session.adapter, member=session.key
-        )
+        session.computing = True  # not idle while it waits for room and computes (sessions may be preempted)
+        try:
+            await self.sessions.grow(session, step.position + hidden.shape[1])  # the cache it is about to hold
+            session.cache.reserve(session.reserved_tokens)  # its buffers grow to what the budget holds for it
+            output, seconds = await self.compute.run_decode(
+                hidden, session.cache, step.position, session.blocks, session.adapter, member=session.key
+            )
+        finally:
+            session.computing = False
         output = _alone(output)  # kept below: not a view holding the whole pass's output alive
         session.last_position = step.position
         session.position += hidden.shape[1]
+        session.last_active = time.monotonic()  # an advancing step (its hand-on, however long, is not idleness)
         if session.next_peer is not None:  # kept for a replacement of the next node (see _control, history)
             session.outputs.append(output)
         session.last_step_id, session.last_output, session.last_digest = step.step_id, output, digest

@@ -70,7 +70,8 @@ class ServerSession:
     push_stream: Channel | None = None  # the libp2p push stream carrying steps into the session (server/lanes.py)
     reserved_tokens: int = 0  # tokens per row the reservation covers
     last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
-    busy: bool = False  # a step is being computed or handed on
+    busy: bool = False  # a queue item is being taken: a step computed or handed on, a duplicate or a request answered
+    computing: bool = False  # a step that advances the session waits for cache room or is computed
     adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
     adapter_id: str | None = None  # its adapter's id (the sha256 of its manifest)
     push_key: bytes | None = None  # the client's key for tagging what this node pushes (protocol/push_tag.py)
@@ -86,8 +87,10 @@ class ServerSession:
         return (self.client_peer, self.session_id)
 
     def idle_s(self, now: float) -> float:
-        """Seconds since the session last did anything; 0 while it has work queued or under way."""
-        if self.busy or not self.inbox.empty():
+        """Seconds since the session last advanced (opened, or a step that moved its position); 0 while such a step
+        is computed. Duplicates, refused steps and requests queued or answered are no work: a peer that keeps its
+        queue full of them is as idle as one that sends nothing."""
+        if self.computing:
             return 0.0
         return now - self.last_active
 

@@ -245,7 +245,7 @@ class SessionTable:
         waiting = [
             session.last_active + self.limits.preempt_idle_s - now
             for session in self.sessions.values()
-            if not session.busy and session.inbox.empty()
+            if not session.computing  # (duplicates and requests it keeps queued are no work: idle_s)
         ]
         return max(0.0, min(waiting)) if waiting else None
 
@@ -394,7 +394,7 @@ class SessionTable:
         waiting = [
             session.last_active + self.limits.preempt_idle_s - now
             for session in self.sessions.values()
-            if session.adapter is not None and not session.busy and session.inbox.empty()
+            if session.adapter is not None and not session.computing
         ]
         return max(0.0, min(waiting)) if waiting else None
 

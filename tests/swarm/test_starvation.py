@@ -232,10 +232,16 @@ def test_g3_sessions_reserve_cache_as_they_use_it_and_one_that_never_steps_is_cl
         module_swarm.stop_node(node)
 
 
-def test_g3_a_session_kept_busy_with_one_step_resent_is_closed_at_its_timeout(module_swarm, tiny_llama):
+@pytest.mark.parametrize("pipelined", [False, True], ids=["resent", "pipelined"])
+def test_g3_a_session_kept_busy_with_one_step_resent_is_closed_at_its_timeout(module_swarm, tiny_llama, pipelined):
     """A peer that takes one step, then sends the same step again every few tenths of a second (each a duplicate,
-    answered from its record at no cost) does not keep its session, and its cache, past the session timeout."""
-    node = module_swarm.start_node(tiny_llama, 0, 4, dht_prefix="starve-resent", session_timeout_s=1.5)
+    answered from its record at no cost) does not keep its session, and its cache, past the session timeout; nor
+    does one sending them faster than the node answers, so that its queue is never empty (each answer here takes
+    0.2 s), and such a session counts as idle for preemption meanwhile."""
+    delay = {"inject_delay_ms": 200.0} if pipelined else {}
+    node = module_swarm.start_node(
+        tiny_llama, 0, 4, dht_prefix=f"starve-resent-{pipelined}", session_timeout_s=1.5, **delay
+    )
     hidden = torch.randn(1, 4, 64)
     step = frame(Step(step_id="resent:0", position=0), [tensor_to_proto(hidden)])
     opening = {"kind": "open", "session_id": "resent", "start_block": 0, "end_block": 4, "batch": 1, "max_length": 64}
@@ -245,12 +251,15 @@ def test_g3_a_session_kept_busy_with_one_step_resent_is_closed_at_its_timeout(mo
         p2p = await P2P.create(initial_peers=peers)
         kinds: list[str] = []
         started = time.monotonic()
+        idle: list[float] = []  # the session's idleness, as preemption reads it, while it is kept busy
 
         async def requests():
             yield runtime_pb2.ExpertRequest(metadata=msgpack.packb(opening))
             while time.monotonic() - started < 10:
                 yield step
-                await asyncio.sleep(0.3)
+                held = list(node.sessions.sessions.values())
+                idle.extend(session.idle_s(time.monotonic()) for session in held)
+                await asyncio.sleep(0.02 if pipelined else 0.3)
 
         try:
             stream = await p2p.iterate_protobuf_handler(
@@ -264,14 +273,15 @@ def test_g3_a_session_kept_busy_with_one_step_resent_is_closed_at_its_timeout(mo
             pass
         finally:
             await p2p.shutdown()
-        return kinds, time.monotonic() - started
+        return kinds, time.monotonic() - started, idle
 
     try:
-        kinds, seconds = module_swarm.run(keep_resending(), timeout=60)
+        kinds, seconds, idle = module_swarm.run(keep_resending(), timeout=60)
         assert kinds[:2] == ["opened", "result"], kinds
         assert kinds.count("result") > 3  # the duplicates were answered, from the record
         assert not node.sessions.sessions and seconds < 8.0, (seconds, kinds)
         assert node.budget.used_bytes == 0
+        assert max(idle) > 1.0  # idle to preemption while it was kept busy (the node was not full: none came)
     finally:
         module_swarm.stop_node(node)
 

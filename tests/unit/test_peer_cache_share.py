@@ -139,7 +139,7 @@ def test_a_peer_alone_on_a_node_grows_its_sessions_past_its_share():
     # back within its share (6 of 408 tokens: 6528 - 6 x 408 = 4080)
     assert sessions.tokens_available() == 8192
     for session in gateway:
-        session.busy = True
+        session.busy = session.computing = True
     assert sessions.tokens_available() == (8192 - 16 * 408) + 6 * 408
 
 
@@ -393,6 +393,7 @@ def test_the_announced_room_counts_what_taking_back_would_really_free():
     class Held:
         def __init__(self, reserved: int, lent: int, busy: bool):
             self.client_peer, self.reserved_bytes, self.lent_bytes, self.busy = GATEWAY, reserved, lent, busy
+            self.computing = busy
             self.revoked, self.inbox = None, asyncio.Queue()
 
     # an older idle session and the newest, busy, that borrowed: with the idle one preempted the peer is within
