@@ -318,7 +318,8 @@ class InferenceService:
             except ChannelClosedError:  # the client's stream is gone, or it stopped reading: so is the session
                 return
             except NesaError as exc:
-                session.refused_in_a_row += 1
+                if item.from_peer:  # a report of the next node's (item.frame None) is no refusal of this session's
+                    session.refused_in_a_row += 1
                 replies = [self._refusal(exc, step_id, item, session)]
                 if session.refused_in_a_row >= self.limits.max_step_errors:
                     refusal = BadRequestError(f"{session.refused_in_a_row} refused steps in a row; session closed")

@@ -24,7 +24,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.model import SyncSession
-from nesa_node.errors import QuotaExceededError
+from nesa_node.errors import PeerUnavailableError, QuotaExceededError
 from nesa_node.protocol import lane, rpc
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.framing import StreamChannel, call_on_stream, open_stream
@@ -336,6 +336,31 @@ def test_d_endless_stream_ends_with_a_typed_error(target, read_after_s, pause_s)
     assert [answer["code"] for answer in refused] == ["bad_request"] * (LIMITS["max_step_errors"] + 1)
     assert "over the session's max_length" in refused[0]["message"]
     assert refused[-1]["message"] == f"{LIMITS['max_step_errors']} refused steps in a row; session closed"
+
+
+def test_g_the_next_nodes_refusals_are_reported_but_not_counted_against_the_session(target, module_swarm):
+    """A next node that answers its pushes with refusals without end: each is reported to the client (which replaces
+    that node), but none counts toward this session's `max_step_errors`, so the honest node before it does not
+    close its client's session, and get blamed for it, over another node's refusals."""
+    session_id = uuid.uuid4().hex
+    reports = LIMITS["max_step_errors"] + 2
+
+    async def requests():
+        yield opening(session_id=session_id)
+        key = (target.attacker.swarm.peer_id, session_id)
+        while (session := target.node.sessions.sessions.get(key)) is None:  # noqa: ASYNC110  (on another loop)
+            await asyncio.sleep(0.02)
+        for _ in range(reports):  # as its push channel's reader reports them (server/push.py), one after another
+            error = PeerUnavailableError("next node refused: its queue is full")
+            module_swarm.loop.call_soon_threadsafe(session.report, error)
+            await asyncio.sleep(0.1)
+        yield step(0)
+        await asyncio.Event().wait()  # the stream stays open until its answers are read
+
+    received = converse(target, requests(), answers=2 + reports)  # (the stream's end stops the requests)
+    assert received[0]["kind"] == "opened", received
+    assert [answer["code"] for answer in received[1:-1]] == ["peer_unavailable"] * reports, received
+    assert received[-1]["kind"] == "result", received
 
 
 # ---- metadata and blocks -------------------------------------------------------------------------------------
