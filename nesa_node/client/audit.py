@@ -12,8 +12,9 @@ trusts no node's word about another's input: only what it sent and what independ
 
 A window that fails its check is re-executed on a second independent node. When the two re-executions agree, the
 audited node is blamed: banned for an hour, its routing reliability cut (Swarm.blame), and its signed record kept
-as evidence. When they disagree one of the auditors lied, and nothing is concluded (counted "inconclusive"). Checks
-stop at the first blamed hop: its output fed the rest. The caller re-runs a blamed generation on other nodes
+as evidence. When they disagree one of the auditors lied, and nothing is concluded (counted "inconclusive"); the
+first auditor's output may be the lie, so the checks stop there too, as at the first blamed hop, whose output fed
+the rest: an auditor's lie never becomes the input an honest later hop is checked against. The caller re-runs a blamed generation on other nodes
 (AsyncDistributedModel.generate), so the tokens it returns are those of nodes that passed.
 
 Costs: one forward of the prefix per hop up to the last sampled window (and one more per failed window), against
@@ -140,6 +141,7 @@ class Auditor:
                 outcome.checks["inconclusive"] += len(complete)
                 return outcome
             output, auditors = executed
+            doubted = False  # a check its confirmation did not bear out: an auditor lied, maybe the first
             for window in complete:
                 record = by_window[window][index]
                 tolerance = self.tolerance({record.peer_id} | auditors)
@@ -158,6 +160,10 @@ class Auditor:
                     )  # fmt: skip
                     return outcome  # its output fed every later hop: the rest is not evidence
                 outcome.checks["inconclusive"] += 1
+                doubted = True
+            if doubted:  # the first auditor's output may be the lie: it feeds no later hop, whose checks say nothing
+                outcome.checks["inconclusive"] += len(complete) * (len(hops) - index - 1)
+                return outcome
             codec = session.output_codecs.get(hop.peer_id, "none")
             hidden = _as_received(output, codec) if index + 1 < len(hops) else output
         return outcome

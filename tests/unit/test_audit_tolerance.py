@@ -1,5 +1,6 @@
 """The tolerance an audit compares a node's committed window with: from the dtypes of the node, its auditors and
-the client (client/audit.py `Auditor.tolerance`), not the client's alone."""
+the client (client/audit.py `Auditor.tolerance`), not the client's alone; and what an audit carries from one hop to
+the next once an auditor is found to have lied."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from types import SimpleNamespace
 
 import torch
 
-from nesa_node.client.audit import Auditor
+from nesa_node.client.audit import Auditor, AuditOutcome
 from nesa_node.verification.commitment import BFLOAT16_TOLERANCE, DEFAULT_TOLERANCE
 
 ANY = ("float32", "float16", "bfloat16")  # Swarm.answer_dtypes of a node whose record is not at hand
@@ -37,3 +38,44 @@ def test_a_bfloat16_client_or_a_node_of_unknown_dtype_widens_it():
     assert auditor(torch.bfloat16, records).tolerance({"auditor"}) == BFLOAT16_TOLERANCE
     assert auditor(torch.float32, records).tolerance({"auditor", "unseen"}) == BFLOAT16_TOLERANCE
     assert auditor(torch.float32, records).tolerance({"auditor", "bogus"}) == BFLOAT16_TOLERANCE
+
+
+def test_a_check_an_auditor_lied_in_stops_the_audit_before_it_feeds_a_later_hop():
+    """Hop 0's first auditor lies (its re-execution differs from the honest commitment), and the confirmation on
+    another node clears the audited node: inconclusive. That auditor's output must not become hop 1's input, or the
+    honest node of hop 1, checked against a lie, would be blamed. The audit stops there; nobody is blamed."""
+    import asyncio
+
+    from nesa_node.verification.commitment import commit_window
+    from nesa_node.verification.receipts import HopRecord
+
+    inputs = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    honest = [lambda hidden: hidden * 2.0 + 1.0, lambda hidden: hidden.tanh() * 3.0]  # hop 0's blocks, hop 1's
+    hops = [SimpleNamespace(peer_id=f"node{index}", start_block=2 * index, end_block=2 * index + 2) for index in (0, 1)]
+    outputs = [honest[0](inputs), honest[1](honest[0](inputs))]
+    records = [
+        HopRecord("s", index, 2 * index, 2 * index + 2, 0, 0, 4, b"\0" * 32, commit_window(outputs[index]).to_bytes(),
+                  "w", "", "none", f"node{index}")
+        for index in (0, 1)
+    ]  # fmt: skip
+    session = SimpleNamespace(
+        chain=SimpleNamespace(hops=hops), records=records, links=SimpleNamespace(recoded=set()),
+        _inputs=[[inputs]], output_codecs={},
+    )  # fmt: skip
+    blamed = []
+    model = SimpleNamespace(
+        dtype=torch.float32,
+        swarm=SimpleNamespace(answer_dtypes=lambda peer_id: ("float32",), blame=lambda peer, **_: blamed.append(peer)),
+    )
+    audit = Auditor(model, 1.0)
+
+    async def reexecute(session_, start, end, hidden, *, exclude):
+        index = start // 2
+        if index == 0 and exclude == {"node0"}:  # the first auditor of hop 0: a liar
+            return hidden * 5.0, {"liar"}
+        return honest[index](hidden), {f"auditor{index}-{len(exclude)}"}
+
+    audit._reexecute = reexecute
+    outcome = asyncio.run(audit._audit(session, AuditOutcome(1.0)))
+    assert blamed == [] and outcome.blamed == []
+    assert outcome.checks["inconclusive"] == 2 and outcome.checks["passed"] == 0  # hop 0's window, hop 1's unchecked
