@@ -17,8 +17,8 @@ per span (relayed).
 
 Agreement: two outputs agree when their largest elementwise difference is within `tolerance` times the RMS of
 the first (honest replicas on one dtype differ only by the order of float sums, when they batch decode steps
-differently; bench/verify.py measures it). Replica answers are compared before any lossy codec: the voted sessions
-ask for lossless answers.
+differently; bench/verify.py measures it), the tolerance of the widest dtype among the replicas (their records) and
+the client. Replica answers are compared before any lossy codec: the voted sessions ask for lossless answers.
 """
 
 from __future__ import annotations
@@ -221,7 +221,6 @@ async def open_majority_session(
     `voted_blocks` (default: all) get `replicas` disjoint replicas each. NoRouteError when a span has too few
     disjoint nodes."""
     lossless = model.config.replace(compression=WireCodec("none"))
-    dtype = str(model.dtype).removeprefix("torch.")  # the client's: the nodes' dtype unless it was chosen apart
     spans: list[VotedSpan] = []
     plain: list = []  # consecutive hops outside the voted blocks, run as one sub-chain
 
@@ -289,11 +288,18 @@ async def open_majority_session(
         ]
         spans.append(VotedSpan(hop.start_block, hop.end_block, list(sessions), voted=True))
     flush_plain()
+    # the widest of the dtypes the replicas compute in (each node's record says its own; one not known counts as
+    # bfloat16) and the client's: a bfloat16 replica beside float32 ones is held to bfloat16's rounding
+    dtypes = {str(model.dtype).removeprefix("torch.")}
+    for span in spans:
+        for replica in span.replicas if span.voted else ():
+            for peer_id in replica.chain.peer_ids:
+                dtypes.update(model.swarm.answer_dtypes(peer_id) or ("bfloat16",))
     session = MajoritySession(
         spans,
         model.swarm,
         replicas=replicas,
-        tolerance=TOLERANCE.get(dtype, TOLERANCE["float32"]),
+        tolerance=max(TOLERANCE.get(dtype, TOLERANCE["bfloat16"]) for dtype in dtypes),
         max_length=max_length,
         batch=batch,
     )

@@ -78,6 +78,24 @@ def test_honest_replicas_of_the_voted_span_agree_and_give_the_reference(module_s
         stop(module_swarm, nodes, model)
 
 
+def test_an_honest_bfloat16_replica_beside_float32_ones_is_held_to_bfloat16s_rounding(module_swarm, tiny_llama):
+    """The vote's tolerance is the widest of the replicas' dtypes (their records) and the client's: an honest node
+    computing in bfloat16 among float32 ones agrees with them, and is neither outvoted nor banned."""
+    prefix = "majority-mixed-dtypes"
+    nodes = [module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=prefix) for _ in range(2)]
+    nodes.append(module_swarm.start_node(tiny_llama, 0, 4, dht_prefix=prefix, dtype="bfloat16"))
+    model = connect(module_swarm, tiny_llama, prefix, nodes, "majority:3")
+    try:
+        assert model.client.dtype == torch.float32  # the swarm's most common dtype
+        with model.inference_session(max_length=32) as session:
+            generate(model)
+            report = session.verification
+        assert report["checks"]["outvoted"] == 0 and report["outvoted"] == [], report
+        assert report["checks"]["agreed"] == NEW_TOKENS and not model.swarm.banned()
+    finally:
+        stop(module_swarm, nodes, model)
+
+
 @pytest.mark.parametrize("mode", ["perturbed", "nf4_as_announced", "skip_block", "lazy", "noisy"])
 def test_one_cheater_among_three_is_outvoted_banned_and_the_tokens_are_the_reference(
     module_swarm, tiny_llama, reference, mode
