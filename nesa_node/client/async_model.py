@@ -118,6 +118,7 @@ class AsyncDistributedModel(AdapterLookup):
             hidden_size=model_config.hidden_size,
             chain_selector=chain_selector,
         )
+        self.router.adapter_reachable = self.adapter_reachable
         self.generation_config = generation_config
         verify = config.verify
         self.auditor = Auditor(self, verify.rate) if verify.mode == "audit" else None

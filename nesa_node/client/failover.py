@@ -30,6 +30,7 @@ import torch
 
 from nesa_node.client.bans import ACCUSATIONS_TO_BLAME
 from nesa_node.client.chain_links import ChainLink, LinkFailed
+from nesa_node.client.open_refusals import ADAPTER_REFUSALS
 from nesa_node.client.routing import LAST_NODES_PROBE_FACTOR
 from nesa_node.client.session_chain import SessionChain
 from nesa_node.client.swarm import Swarm
@@ -85,6 +86,7 @@ class Failover:
         self.probe_timeout_s = probe_timeout_s  # asking a node for its NodeInfo, to find which of a silent chain died
         self.recoveries: list[dict] = []  # one entry per recovery: failed peer, replacements, seconds, phases
         self._phases: dict[str, float] = {}  # seconds per phase of the recovery in progress (see _timed)
+        self._passed_over: set[str] = set()  # of the recovery in progress: replacements left out, not banned
 
     @contextlib.contextmanager
     def _timed(self, phase: str):
@@ -139,13 +141,15 @@ class Failover:
         logger.info(
             "node %s failed (%s); replacing blocks %d:%d", lost.peer_id, failure, lost.start_block, lost.end_block
         )
+        self._passed_over = set()  # replacements that could not get or hold the session's adapter
         for attempt in range(self.max_replacement_attempts):
             request = ChainRequest(
                 batch=chain.batch,
                 max_length=chain.max_length,
                 step_tokens=step_tokens,
                 unannounced_tokens=chain.floor_tokens(),  # one announcing no limit is held to the floor
-                exclude=frozenset(link.peer_id for link in chain.links),  # reroute adds the banned peers
+                # reroute adds the banned peers
+                exclude=frozenset(link.peer_id for link in chain.links) | frozenset(self._passed_over),
                 start_block=lost.start_block,
                 end_block=lost.end_block,
                 adapter=chain.adapter,
@@ -308,7 +312,10 @@ class Failover:
                 if isinstance(failure, RequestError) and named is not None:  # a node of the chain, not the user
                     raise LinkFailed(f"{failed} refused during a replacement: {failure.message}", named) from None
                 raise
-            self.swarm.ban(failed, fault=getattr(failure, "fault", False))
+            if isinstance(failure, ADAPTER_REFUSALS):  # it cannot get or hold the adapter: no fault, nor a failure
+                self._passed_over.add(failed)  # (its other work is fine: routed around for this recovery only)
+            else:
+                self.swarm.ban(failed, fault=getattr(failure, "fault", False))
             # without room for the session: marks the lost node's link only when it was the node opened again
             full = failed == chain.links[index].peer_id and (
                 getattr(failure, "full", False) or isinstance(failure, CacheBudgetError | QuotaExceededError)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
 from nesa_node.client.config import ClientConfig
@@ -87,6 +87,9 @@ class Router:
         self.last_chain: Chain | None = None
         # with a manifest, only nodes announcing its weights for their span are routed to (sharding/weights_manifest.py)
         self.weights_manifest: WeightsManifest | None = None
+        # the nodes that can get a LoRA adapter (AdapterLookup.adapter_reachable), for requests that name an adapter
+        # without saying (a failover's replacement): else any node would be taken for one that can
+        self.adapter_reachable: Callable[[str], Awaitable[frozenset[str] | None]] | None = None
         self._warned: set[str] = set()
 
     def other_weights(self) -> frozenset[str]:
@@ -151,6 +154,8 @@ class Router:
         needing it. For the same reason, nodes of the range banned earlier for a failure (not a fault: Swarm.ban)
         get a second chance once: those that answer the longer ping are unbanned and routed to again. Raises
         NoRouteError when no chain of answering nodes is left."""
+        if request.adapter is not None and request.adapter_reachable is None and self.adapter_reachable is not None:
+            request = replace(request, adapter_reachable=await self.adapter_reachable(request.adapter))
         silent: set[str] = set()
         second_chance: list[str] | None = None  # the peers unbanned by it, once it was given
         for _ in range(self.config.max_open_attempts):

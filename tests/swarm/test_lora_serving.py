@@ -529,3 +529,36 @@ def test_a_peers_opens_under_way_count_in_its_adapter_share(lora_swarm, trained_
         for model in (*throwaways, peer):
             lora_swarm.run(model.close())
         lora_swarm.stop_node(node)
+
+
+def test_a_replacement_that_cannot_get_the_adapter_is_passed_over_not_banned(lora_swarm, trained_model, adapters):
+    """The only node holding the session's adapter is lost mid-generation; the spare serving its blocks has no copy
+    and nothing to fetch one from, so it refuses the replacement's open (adapter_missing). That is no failure of the
+    spare: it is left out of that recovery, not banned, and still serves this client's sessions without the adapter."""
+    from nesa_node.errors import NesaError
+
+    prefix = "adapter-failover"
+    holder = lora_swarm.start_node(trained_model, 0, 4, dht_prefix=prefix, adapters=(adapters["attention-r4"],))
+    spare = lora_swarm.start_node(trained_model, 0, 4, dht_prefix=prefix)
+    nodes = [holder, spare]
+    model = DistributedModelForCausalLM.from_pretrained(
+        trained_model, initial_peers=lora_swarm.initial_peers, dht_prefix=prefix, compression="none"
+    )
+    try:
+        wait_until(lambda: len(model.call(model.swarm.node_records(fresh=True))) == 2, 30)
+        input_ids = prompts(1)[0]
+        model.swarm.ban(spare.peer_id)  # the session opens on the holder
+        with model.inference_session(max_length=32, adapter="attention-r4") as session:
+            assert session.chain.peer_ids == (holder.peer_id,)
+            model.swarm.unban(spare.peer_id)
+            model.generate(input_ids, max_new_tokens=2, do_sample=False)
+            lora_swarm.stop_node(holder)
+            nodes.remove(holder)
+            with pytest.raises(NesaError):
+                model.generate(input_ids, max_new_tokens=4, do_sample=False)
+        assert spare.peer_id not in model.swarm.banned()
+        assert model.generate(input_ids, max_new_tokens=2, do_sample=False).shape == (1, input_ids.shape[1] + 2)
+    finally:
+        model.close()
+        for node in nodes:
+            lora_swarm.stop_node(node)
