@@ -108,6 +108,35 @@ def parse_address(value: object) -> tuple[str, int]:
     return host, port
 
 
+def address_scope(host: str) -> int:
+    """Where an IP address reaches: 0 this machine (loopback), 1 a private network (private, link-local, or a host
+    listening on every interface), 2 the internet; -1 nowhere a lane can be (multicast, reserved, not an IP)."""
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return -1
+    if ip.is_unspecified:
+        return 1
+    if ip.is_multicast or ip.is_reserved:
+        return -1
+    if ip.is_loopback:
+        return 0
+    return 1 if ip.is_private or ip.is_link_local else 2
+
+
+def may_dial(address: str, own_host: str) -> bool:
+    """Whether a node whose own address is `own_host` dials the lane `address` a peer announced: only one that reaches
+    no nearer than the node itself does. A node on the internet then dials no loopback or private address, nor one on
+    a private network this machine's loopback: a hostile next node cannot make it connect to services inside its
+    machine or network (and tell from the failures which ports are open)."""
+    try:
+        host, _ = parse_address(address)
+    except BadRequestError:
+        return False
+    target = address_scope(host)
+    return target >= 0 and target >= max(address_scope(own_host), 0)
+
+
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 

@@ -226,7 +226,13 @@ class Node:
             max_wait_s=min(config.limits.preempt_idle_s, MAX_ADMISSION_WAIT_S),
         )
         node.compute = BlockCompute(span, compute, config.limits)
-        push = PushSender(peer.p2p, node.sessions, peer_timeout_s=network.peer_timeout_s, max_frame_bytes=frame_bytes)
+        push = PushSender(
+            peer.p2p,
+            node.sessions,
+            peer_timeout_s=network.peer_timeout_s,
+            max_frame_bytes=frame_bytes,
+            own_host=network.announce_host or network.host,
+        )
         signer = peer.signature_validator._private_key if peer.signature_validator is not None else None
         node.inference = InferenceService(
             node.sessions,

@@ -6,7 +6,10 @@ at its step deadline.
 
 A lane is dialed only at the address the next node itself announces (its `rpc_info` answer over libp2p, which
 authenticates the peer), never at an address a client names: otherwise any client could make a node connect to any
-ip:port it can reach and write there.
+ip:port it can reach and write there. Nor at one nearer than the node's own address (`lane.may_dial`: a node on the
+internet dials no loopback or private address), since the next node may be hostile too. Where the lane is not
+dialed, or cannot be reached, the pushes go over libp2p; a failure's cause stays in this node's log, not in the
+refusal a client reads.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ LANE_CACHE_PEERS = 1024  # next nodes remembered at most
 class PushSender:
     """Opens and feeds the channel from each session to its next node (see the module docstring)."""
 
-    def __init__(self, p2p: P2P, sessions: SessionTable, *, peer_timeout_s: float, max_frame_bytes: int):
+    def __init__(self, p2p: P2P, sessions: SessionTable, *, peer_timeout_s: float, max_frame_bytes: int, own_host: str):
+        self.own_host = own_host  # this node's own address: lanes nearer than it are not dialed (lane.may_dial)
         self.p2p = p2p
         self.sessions = sessions
         self.peer_timeout_s = peer_timeout_s
@@ -67,21 +71,28 @@ class PushSender:
                             "session %s names lane %s for %s, which announces %s",
                             session.session_id, session.lane_next, session.next_peer, address,
                         )  # fmt: skip
+                if address is not None and not lane.may_dial(address, self.own_host):
+                    logger.info("%s announces lane %s, nearer than this node's own: pushed over libp2p instead",
+                                session.next_peer, address)  # fmt: skip
+                    address = None
                 if address is not None:
-                    stream = await lane.connect(
-                        address,
-                        lane.ROLE_SEND,
-                        session.session_id,
-                        session.lane_out,
-                        max_frame_bytes=self.max_frame_bytes,
-                    )
-                    return LaneChannel(stream, "answer on a data lane")
+                    try:
+                        stream = await lane.connect(
+                            address,
+                            lane.ROLE_SEND,
+                            session.session_id,
+                            session.lane_out,
+                            max_frame_bytes=self.max_frame_bytes,
+                        )
+                        return LaneChannel(stream, "answer on a data lane")
+                    except lane.LaneClosedError as exc:  # (full, or not reachable from here): libp2p still is
+                        logger.debug("lane %s of %s failed (%r): pushed over libp2p", address, session.next_peer, exc)
                 return await open_stream(
                     self.p2p, session.next_peer, rpc.PUSH_STREAM, max_frame_bytes=self.max_frame_bytes
                 )
         except Exception as exc:
             logger.debug("push channel to %s failed: %r", session.next_peer, exc)
-            message = exc.message if isinstance(exc, NesaError) else repr(exc)
+            message = exc.message if isinstance(exc, NesaError) else "not reachable"  # (the cause stays in this log)
             raise PeerUnavailableError(f"next node {session.next_peer} did not take the step: {message}") from None
 
     async def announced_lane(self, peer_id: str) -> str | None:

@@ -352,3 +352,38 @@ def test_a_lane_proves_whose_it_is_with_its_nodes_identity_key_over_fresh_salts(
                 await lane.prove(address)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("address", "own", "dialed"),
+    [
+        ("127.0.0.1:7000", "127.0.0.1", True),  # a swarm on one machine
+        ("10.0.0.5:7000", "127.0.0.1", True),
+        ("93.184.216.34:7000", "127.0.0.1", True),
+        ("127.0.0.1:6379", "10.0.0.4", False),  # a node on a private network: not into its own machine
+        ("[::1]:6379", "0.0.0.0", False),  # listening on every interface: a network's, not the machine's
+        ("192.168.1.20:7000", "10.0.0.4", True),
+        ("[fe80::1]:7000", "10.0.0.4", True),
+        ("93.184.216.34:7000", "10.0.0.4", True),
+        ("10.0.0.5:7000", "1.1.1.1", False),  # a node on the internet: nothing inside a network
+        ("127.0.0.1:22", "1.1.1.1", False),
+        ("[fd00::7]:7000", "1.1.1.1", False),
+        ("[2606:4700::1]:7000", "1.1.1.1", True),
+        ("224.0.0.1:7000", "127.0.0.1", False),  # multicast: never a lane
+        ("not-an-address", "127.0.0.1", False),
+        ("93.184.216.34:7000", "node.example", True),  # its own host not an IP: no scope known, none narrowed
+    ],
+)
+def test_a_node_dials_no_lane_nearer_than_its_own_address(address, own, dialed):
+    assert lane.may_dial(address, own) is dialed
+
+
+@given(st.ip_addresses(), st.integers(1, 65535), st.ip_addresses(), st.ip_addresses())
+def test_a_node_nearer_in_dials_whatever_a_node_further_out_dials(target, port, own, other):
+    """Monotone in the node's own scope: what a node on the internet dials, one on a private network dials too, and
+    one on loopback dials every lane address there can be."""
+    address = lane.format_address(str(target), port)
+    inner, outer = sorted((str(own), str(other)), key=lane.address_scope)
+    if lane.may_dial(address, outer):
+        assert lane.may_dial(address, inner)
+    assert lane.may_dial(address, "127.0.0.1") is (lane.address_scope(str(target)) >= 0)
