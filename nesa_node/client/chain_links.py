@@ -81,7 +81,8 @@ class LinkFailed(PeerUnavailableError):
     refused), not merely stopped: its ban is never lifted early (Swarm.ban). `full`: the node has no room for the
     session (cache, its quota): opening it there again cannot help (client/failover.py). `accuser`: the node that
     refused the input `link` pushed it, an accusation the failover weighs against `link`'s record of its outputs
-    for the first `through` tokens before it blames anyone (Failover.judge)."""
+    for the first `through` tokens before it blames anyone (Failover.judge). `reporter`: the node that said `link`,
+    its next node, did not take its pushes: its word, weighed before anyone is blamed (Failover.weigh_report)."""
 
     def __init__(
         self,
@@ -92,6 +93,7 @@ class LinkFailed(PeerUnavailableError):
         full: bool = False,
         accuser: ChainLink | None = None,
         through: int = 0,
+        reporter: ChainLink | None = None,
     ):
         super().__init__(message)
         self.link = link
@@ -99,6 +101,7 @@ class LinkFailed(PeerUnavailableError):
         self.full = full
         self.accuser = accuser
         self.through = through
+        self.reporter = reporter
 
 
 def link_ended(error: NesaError, link: ChainLink) -> LinkFailed | None:

@@ -121,6 +121,9 @@ class Failover:
         if failure.accuser is not None:
             with self._timed("judge"):
                 failure = await self.judge(failure)
+        elif failure.reporter is not None:
+            with self._timed("judge"):
+                failure = await self.weigh_report(failure)
         with self._timed("find"):
             index = await self._find_failed(failure)
         if index is not None and failure.link is None and chain.links[index].closed:
@@ -246,6 +249,26 @@ class Failover:
             )
             return LinkFailed(message, accuser)
         return LinkFailed(f"{accusation.message}; {shows}: replaced, not blamed", accused)
+
+    async def weigh_report(self, report: LinkFailed) -> LinkFailed:
+        """Who failed, when a node of a direct chain (`report.reporter`) said its next node (`report.link`) did not
+        take its pushes, which the client cannot see. A next node that does not answer a ping is the lost one. One
+        that answers leaves word against word: it is replaced for a failure only, unless the reporter's word now
+        stands against ACCUSATIONS_TO_BLAME different nodes that answered, when the reporter is replaced instead
+        (client/bans.py): a node saying so of every next node cannot have them banned one after another."""
+        named, reporter = report.link, report.reporter
+        if named is None or named not in self.chain.links or reporter not in self.chain.links:
+            return LinkFailed(report.message, named)
+        with self._timed("probe"):
+            unreachable = await self.swarm.unreachable([named.peer_id], timeout_s=self.probe_timeout_s, fresh_s=0.0)
+        if unreachable:
+            return LinkFailed(report.message, named)
+        if self.swarm.accuse(reporter.peer_id, named.peer_id) >= ACCUSATIONS_TO_BLAME:
+            logger.warning("node %s said %d different next nodes that answer took none of its pushes: replaced",
+                           reporter.peer_id, ACCUSATIONS_TO_BLAME)  # fmt: skip
+            message = f"{reporter.peer_id} said {ACCUSATIONS_TO_BLAME} next nodes that answer took none of its pushes"
+            return LinkFailed(message, reporter)
+        return LinkFailed(f"{report.message} (so says {reporter.peer_id}; the node answers): replaced", named)
 
     async def _answers_longer(self, peer_id: str) -> bool:
         """Whether a node that missed the short probe answers a ping within LAST_NODES_PROBE_FACTOR of it."""

@@ -441,8 +441,8 @@ class InferenceSession:
             refused = f"{accuser.peer_id} refused its input: {error.message}"
             raise LinkFailed(refused, accused, accuser=accuser, through=self.position + shape[1])
         # only peer_unavailable is left here: every other refusal was passed over or raised above
-        if self.links.direct and 0 <= index < len(links) - 1:
-            raise LinkFailed(error.message, links[index + 1])
+        if self.links.direct and 0 <= index < len(links) - 1:  # its word about its next node (Failover.weigh_report)
+            raise LinkFailed(error.message, links[index + 1], reporter=answered)
         raise LinkFailed(error.message, answered)
 
     def _note_fed(self, peer_id: str, step_id: str, content: tuple, hidden: torch.Tensor) -> None:

@@ -170,3 +170,41 @@ def test_a_replacement_is_asked_for_the_step_under_way_and_one_announcing_no_lim
             failover.recover(LinkFailed("b: stream reset", chain.links[1]), position=5, inputs=[], step_tokens=8)
         )
     assert asked == [(8, 4, 2, 4)]
+
+
+class AccusingSwarm(FakeSwarm):
+    """FakeSwarm with the client's accusation record (client/bans.py Bans.accuse)."""
+
+    def __init__(self, **options):
+        from nesa_node.client.bans import Bans
+
+        super().__init__(**options)
+        self.record = Bans()
+
+    def accuse(self, accuser: str, accused: str) -> int:
+        return self.record.accuse(accuser, accused)
+
+
+def test_a_node_saying_every_next_node_took_none_of_its_pushes_is_itself_replaced():
+    """Node A reports (peer_unavailable) that its next node did not take its pushes. A next node that does not answer
+    a ping is the one lost; one that answers is replaced for a failure, and when A says so of a second next node
+    that answers, A is the one replaced: its word cannot have every node after it banned in turn."""
+    swarm = AccusingSwarm(silent={"gone"})
+    chain = chain_of("A", "B", "C", "gone")
+    replaced: list[str] = []
+
+    async def route(request):
+        return SimpleNamespace(
+            hops=(Hop(peer_id="spare", start_block=request.start_block, end_block=request.end_block),)
+        )
+
+    async def replace(index, hops, position, inputs):
+        replaced.append(chain.links[index].peer_id)
+
+    failover = Failover(chain, swarm, route, max_replacement_attempts=1, probe_timeout_s=1.0)
+    failover._replace = replace
+    a, b, c, gone = chain.links
+    for reporter, named in ((c, gone), (a, b), (a, c)):
+        assert recover(failover, LinkFailed("next node refused: its queue is full", named, reporter=reporter))
+    assert replaced == ["gone", "B", "A"]  # silent: lost indeed; B answers: replaced once; C answers too: A is
+    assert swarm.bans == {"gone", "B", "A"} and not swarm.faults and "C" not in swarm.bans
