@@ -229,10 +229,12 @@ class LaneServer:
 
     async def _serve_forwards(self, channel: LaneChannel) -> None:
         """Forward calls answered in order on the lane, until the client closes it or leaves it idle for the session
-        timeout."""
+        timeout (counted from its last call: refused frames do not keep it open)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.session_timeout_s
         while True:
             try:
-                async with asyncio.timeout(self.session_timeout_s):
+                async with asyncio.timeout_at(deadline):
                     request = await channel.receive()
             except TimeoutError:
                 return
@@ -242,6 +244,7 @@ class LaneServer:
                 if request is None:
                     return
                 answer = await self.forward(request)
+                deadline = loop.time() + self.session_timeout_s
             channel.send(answer)
             try:  # a client that does not read its answers (or refusals) cannot make the node buffer them
                 async with asyncio.timeout(self.network.peer_timeout_s):
@@ -260,6 +263,11 @@ class LaneServer:
             raise BadRequestError("frames from the client on an output lane")
 
     async def _serve_steps(self, channel: LaneChannel, session: ServerSession) -> None:
+        # one lane of steps a session, from its one upstream: a newer one (it connected again) ends the older, so a
+        # peer holds no more lanes into a node than the sessions it feeds there
+        for older in list(session.inbound):
+            older.close()
+        session.inbound.clear()
         session.inbound.add(channel)
         lane.confirm(channel.stream)
         await serve_steps(channel, session, self.sessions, sender=None)

@@ -817,6 +817,41 @@ def test_d_a_lane_carries_steps_only(target):
     assert (output["step_id"], output["position"], tensors) == ("s:0", 0, 1)
 
 
+def test_g6_a_session_has_one_lane_of_steps_a_newer_one_ends_the_older(target):
+    """The holder of a session's key connects its SEND lane again and again: each new lane ends the one before (its
+    upstream connected again), so one peer cannot hold the node's lane places through one small session. The newest
+    lane carries the steps."""
+    session_id, key_in, key_out = uuid.uuid4().hex, lane.new_key(), lane.new_key()
+    settings = {"in": key_in.hex(), "out": key_out.hex(), "next": None}
+
+    async def run():
+        stream = await held_stream(target, opening(session_id=session_id, lane=settings))
+        senders, receiver = [], None
+        try:
+            assert answer_of(await anext(stream))["kind"] == "opened"
+            for _ in range(5):
+                senders.append(await lane.connect(target.node.lane_address, lane.ROLE_SEND, session_id, key_in))
+            ended = []
+            for sender in senders[:-1]:  # the node closed each older lane: its end arrives
+                try:
+                    ended.append(await asyncio.wait_for(sender.receive(), 10) is None)
+                except lane.LaneClosedError:
+                    ended.append(True)
+            receiver = await lane.connect(target.node.lane_address, lane.ROLE_RECEIVE, session_id, key_out)
+            senders[-1].send(step(0).SerializeToString())
+            output = runtime_pb2.ExpertResponse()
+            output.ParseFromString(await asyncio.wait_for(receiver.receive(), 10))
+            return ended, answer_of(output)
+        finally:
+            for each in [*senders, receiver]:
+                if each is not None:
+                    each.close()
+            await stream.aclose()
+
+    ended, output = target.call(run())
+    assert ended == [True] * 4 and output["step_id"] == "s:0"
+
+
 def test_d_forward_lane_tickets_are_single_use_and_bound_to_their_key(target):
     """A FORWARD lane opens only with a ticket the node issued (over libp2p), once, with the ticket's key."""
 
