@@ -32,10 +32,16 @@ import torch
 
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.session import InferenceSession
-from nesa_node.errors import NesaError, NoRouteError
+from nesa_node.errors import NesaError, NoRouteError, ReceiptError
 from nesa_node.protocol.tensors import WireCodec, tensor_from_proto, tensor_to_proto
 from nesa_node.routing.chain import ChainRequest
-from nesa_node.verification.commitment import WindowCommitment, commit_window, compare, tolerance_for
+from nesa_node.verification.commitment import (
+    WINDOW_TOKENS,
+    WindowCommitment,
+    commit_window,
+    compare,
+    tolerance_for,
+)
 from nesa_node.verification.receipts import HopRecord, SessionReceipts
 
 logger = logging.getLogger(__name__)
@@ -51,7 +57,7 @@ class Blame:
     peer_id: str
     hop: int
     window: int
-    record: HopRecord
+    record: HopRecord | None  # None: it withheld its record, or sent one not of this session's windows
     reasons: tuple[str, ...]
 
 
@@ -101,7 +107,13 @@ class Auditor:
         """Fetch the session's last records and check its sampled windows (see the module docstring). Call it
         before closing the session, between steps."""
         outcome = AuditOutcome(self.rate)
-        await session.fetch_records(final=True)
+        try:
+            await session.fetch_records(final=True)
+        except ReceiptError as error:  # records not its own, or not of this session's windows: as good as none
+            hops = [hop.peer_id for hop in session.chain.hops]
+            index = hops.index(error.peer_id) if error.peer_id in hops else -1
+            self._blame(outcome, Blame(error.peer_id, index, -1, None, (error.message,)))
+            return outcome
         try:
             return await self._audit(session, outcome)
         finally:
@@ -109,11 +121,27 @@ class Auditor:
                 audit_rate=self.rate, metadata={"audited": f"{outcome.sampled} of {outcome.windows} windows"}
             )
 
+    def _blame(self, outcome: AuditOutcome, blame: Blame) -> None:
+        self.model.swarm.blame(blame.peer_id, ban_s=BLAME_BAN_S)
+        outcome.blamed.append(blame)
+        logger.warning("audit: %s (hop %d) blamed: %s; banned", blame.peer_id, blame.hop, "; ".join(blame.reasons))
+
     async def _audit(self, session: InferenceSession, outcome: AuditOutcome) -> AuditOutcome:
         hops = session.chain.hops
         by_window: dict[int, dict[int, HopRecord]] = {}
         for record in session.records:
             by_window.setdefault(record.window, {})[record.hop] = record  # a replacement's record replaces
+        # every node of the chain holds a record of every window of the tokens the session holds (a replacement too:
+        # its cache's replay made them); one it keeps back is a window it would not have checked
+        held = {(record.peer_id, record.window) for record in session.records}
+        windows_held = range(-(-session.position // WINDOW_TOKENS))
+        for index, hop in enumerate(hops):
+            missing = [window for window in windows_held if (hop.peer_id, window) not in held]
+            if missing:
+                reason = f"kept back its signed records of {len(missing)} of {len(windows_held)} windows"
+                self._blame(outcome, Blame(hop.peer_id, index, missing[0], None, (reason,)))
+        if outcome.blamed:
+            return outcome
         windows = sorted(by_window)
         outcome.windows = len(windows)
         sampled = [window for window in windows if self.rng.random() < self.rate]
@@ -152,12 +180,8 @@ class Auditor:
                     continue
                 outcome.checks["failed"] += 1
                 if await self._confirmed(session, hop, hidden, part, record, tolerance, auditors | {hop.peer_id}):
-                    self.model.swarm.blame(record.peer_id, ban_s=BLAME_BAN_S)
-                    outcome.blamed.append(Blame(record.peer_id, index, window, record, report.reasons))
-                    logger.warning(
-                        "audit: %s (hop %d, blocks %d:%d) failed window %d: %s; banned",
-                        record.peer_id, index, hop.start_block, hop.end_block, window, "; ".join(report.reasons),
-                    )  # fmt: skip
+                    reasons = (f"window {window} of blocks {hop.start_block}:{hop.end_block}", *report.reasons)
+                    self._blame(outcome, Blame(record.peer_id, index, window, record, reasons))
                     return outcome  # its output fed every later hop: the rest is not evidence
                 outcome.checks["inconclusive"] += 1
                 doubted = True

@@ -176,7 +176,7 @@ class InferenceSession:
             raise SessionStateError("records are fetched between steps")
         fetched = []
         for link in self.links.links:
-            der, records = await self.links.records(link, final=final)
+            der, records = await self.links.records(link, final=final, position=self.position)
             for record in records:
                 self.receipts.add(record, der)
             fetched.extend(records)

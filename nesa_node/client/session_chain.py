@@ -54,6 +54,7 @@ from nesa_node.protocol.tensors import (
 )
 from nesa_node.routing.chain import Hop
 from nesa_node.sharding.lora import AdapterManifest
+from nesa_node.verification.commitment import WINDOW_TOKENS
 from nesa_node.verification.receipts import MAX_RECORD_BYTES, HopRecord, key_peer_id, verify_record
 
 logger = logging.getLogger(__name__)
@@ -459,10 +460,13 @@ class SessionChain:
         shape = None if self.hidden_size is None else (self.batch, position, self.hidden_size)
         return self.read_hidden(link, answer, NO_CODEC, position * self.batch * MAX_HIDDEN, shape)
 
-    async def records(self, link: ChainLink, final: bool = False) -> tuple[bytes, list[HopRecord]]:
+    async def records(
+        self, link: ChainLink, final: bool = False, *, position: int | None = None
+    ) -> tuple[bytes, list[HopRecord]]:
         """The node's public key (DER) and its signed hop records of this session not fetched yet (`final`: the window
         under way closed first). ReceiptError (its `peer_id` set) for a key that is not the node's, or a record that is
-        malformed, not signed by it, or not of this session and the node's blocks."""
+        malformed, not signed by it, not of this session and the node's blocks, or not of a window of the tokens the
+        session holds (`position`: how many)."""
         link.send(frame(RecordsRequest(final=final)))
         message, answer = await self._control_answer(link, Records)
         try:
@@ -480,6 +484,13 @@ class SessionChain:
                 blocks = (record.span_start, record.span_end)
                 if record.session_id != self.session_id or blocks != (link.hop.start_block, link.hop.end_block):
                     raise ReceiptError(f"a record of session {record.session_id} blocks {blocks}, not this hop's")
+                first = record.window * WINDOW_TOKENS
+                last = first + WINDOW_TOKENS if position is None else min(first + WINDOW_TOKENS, position)
+                if not first <= record.token_start < record.token_end <= last:
+                    raise ReceiptError(
+                        f"a record of window {record.window} says tokens {record.token_start}:{record.token_end}, "
+                        f"not within {first}:{last}"
+                    )
                 records.append(record)
         except (ReceiptError, BadRequestError) as error:
             refusal = ReceiptError(f"{link.peer_id}: {error.message}")

@@ -126,6 +126,59 @@ def test_each_cheat_in_the_middle_stage_is_caught_blamed_banned_and_the_tokens_a
         module_swarm.stop_node(cheat)
 
 
+@pytest.mark.parametrize("records", ["withheld", "stretched"])
+def test_a_node_withholding_its_records_or_signing_them_for_other_tokens_is_blamed(
+    module_swarm, tiny_llama, audit_swarm, reference, records
+):
+    """A node that cheats must not escape its audit by keeping its signed records back (every window unrecorded) or
+    by signing each for tokens far past the session's (no window complete): either is blamed and banned, and the
+    user's next generation avoids it."""
+    import dataclasses
+
+    from nesa_node.protocol.channel import frame
+    from nesa_node.protocol.messages import Records, RecordsRequest
+    from nesa_node.protocol.tensors import bytes_to_proto
+
+    cheat = module_swarm.start_node(tiny_llama, 1, 3, dht_prefix=PREFIX)
+    make_malicious(cheat, "perturbed", seed=2)
+    honest_control, signer = cheat.inference._control, cheat.inference.signer
+
+    def control(session, message):
+        if not isinstance(message, RecordsRequest):
+            return honest_control(session, message)
+        kept = session.window_log.take(final=message.final)
+        if records == "withheld":
+            kept = []
+        else:
+            kept = [signer.sign(dataclasses.replace(r, token_end=r.token_start + 10**6, signature=b"")) for r in kept]
+        return frame(Records(count=len(kept)), [bytes_to_proto(signer.public_key)] + [bytes_to_proto(r.to_bytes())
+                                                                                       for r in kept])  # fmt: skip
+
+    cheat.inference._control = control
+    middle = [node.peer_id for node in audit_swarm if node.current_info().start_block == 1]
+    try:
+        options = {"verify": "audit:1.0", "compression": "none", "config": ClientConfig(step_timeout_s=60.0)}
+        with connect(module_swarm, tiny_llama, audit_swarm + [cheat], **options) as model:
+            client = model.client
+            chain = cheating_chain(model, cheat, middle)
+            assert chain.peer_ids[1] == cheat.peer_id
+
+            async def cheated_run():
+                session = InferenceSession(client.swarm, chain, client.config, batch=1, max_length=128, commit=True)
+                async with session:
+                    await client.generate(PROMPT, max_new_tokens=NEW_TOKENS, session=session)
+                    return await client.audit(session)
+
+            outcome = model.call(cheated_run())
+            assert [blame.peer_id for blame in outcome.blamed] == [cheat.peer_id], outcome.checks
+            assert outcome.blamed[0].record is None and outcome.checks["passed"] == 0  # nothing re-executed
+            assert cheat.peer_id in model.swarm.banned() and model.swarm.distrust[cheat.peer_id] < 1.0
+            assert torch.equal(generate(model), reference)  # the user's next generation avoids it
+            assert model.client.last_verification["blamed"] == []
+    finally:
+        module_swarm.stop_node(cheat)
+
+
 @pytest.mark.parametrize("codec", ["none", "fp16", "blockwise8"])
 def test_honest_nodes_raise_no_false_alarm_over_thousands_of_windows(module_swarm, tiny_llama, audit_swarm, codec):
     """7 generations of 1024 positions per codec: 32 windows x 3 hops each, 672 windows per codec, 2016 in all."""

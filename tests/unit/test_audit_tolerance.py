@@ -59,7 +59,7 @@ def test_a_check_an_auditor_lied_in_stops_the_audit_before_it_feeds_a_later_hop(
         for index in (0, 1)
     ]  # fmt: skip
     session = SimpleNamespace(
-        chain=SimpleNamespace(hops=hops), records=records, links=SimpleNamespace(recoded=set()),
+        chain=SimpleNamespace(hops=hops), records=records, links=SimpleNamespace(recoded=set()), position=4,
         _inputs=[[inputs]], output_codecs={},
     )  # fmt: skip
     blamed = []
