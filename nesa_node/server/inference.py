@@ -158,6 +158,8 @@ class InferenceService:
         except RequestError as exc:
             channel.send(frame(ErrorReply.of(exc)))
             return
+        span = self.compute.span
+        session.limit_frames(channel, span.hidden_size if span is not None else 0)  # its queue: frames it can use
         reader = asyncio.create_task(self._read_stream(channel, session))
         try:
             channel.send(frame(Opened(cache_tokens_left=self.sessions.tokens_available())))

@@ -269,6 +269,8 @@ class LaneServer:
             older.close()
         session.inbound.clear()
         session.inbound.add(channel)
+        if session.max_frame_bytes is not None:  # (set at its open: frames it can use)
+            channel.max_frame_bytes = min(channel.max_frame_bytes, session.max_frame_bytes)
         lane.confirm(channel.stream)
         await serve_steps(channel, session, self.sessions, sender=None)
 
@@ -312,6 +314,8 @@ async def serve_steps(
                     raise BadRequestError("push from a peer that is not this session's upstream")
                 bound = session
                 session.take_push_stream(channel)
+                if session.max_frame_bytes is not None:  # later frames: no longer than the session can use
+                    channel.max_frame_bytes = min(channel.max_frame_bytes, session.max_frame_bytes)
                 settled(channel)  # one push stream per session from here (server/rpc.py opening_streams)
             await sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
         except RequestError as exc:

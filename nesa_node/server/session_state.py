@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nesa_node.protocol.channel import Channel, Frame
-from nesa_node.protocol.messages import LaneSettings, Message
+from nesa_node.protocol.messages import MAX_METADATA_BYTES, LaneSettings, Message
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
 
 SessionKey = tuple[str, str]  # (base58 id of the peer that opened the session, session id)
@@ -67,6 +67,9 @@ class ServerSession:
     downstream: Channel | None = None  # to the next node (a push stream or lane), opened at the first push
     downstream_reader: asyncio.Task | None = None
     inbound: set = field(default_factory=set)  # data lanes carrying steps into the session
+    # the longest frame any of its channels may bring: its whole cache's hidden states in float32 and a message
+    # (`limit_frames`); a frame queued for it can hold no more, whatever the node's own limit
+    max_frame_bytes: int | None = None
     push_stream: Channel | None = None  # the libp2p push stream carrying steps into the session (server/lanes.py)
     reserved_tokens: int = 0  # tokens per row the reservation covers
     last_active: float = field(default_factory=time.monotonic)  # opened, or a step done (monotonic s)
@@ -85,6 +88,14 @@ class ServerSession:
     @property
     def key(self) -> SessionKey:
         return (self.client_peer, self.session_id)
+
+    def limit_frames(self, channel, hidden_size: int) -> None:
+        """Hold `channel` (its own stream, a lane or push stream into it) to frames this session can use: rows x its
+        max_length tokens of `hidden_size` in float32, and a message (a smaller limit of the channel's stays)."""
+        if self.max_frame_bytes is None and hidden_size > 0:
+            self.max_frame_bytes = self.batch * self.max_length * hidden_size * 4 + MAX_METADATA_BYTES + 1024
+        if self.max_frame_bytes is not None:
+            channel.max_frame_bytes = min(channel.max_frame_bytes, self.max_frame_bytes)
 
     def idle_s(self, now: float) -> float:
         """Seconds since the session last advanced (opened, or a step that moved its position); 0 while such a step

@@ -254,6 +254,36 @@ def test_d_frame_larger_than_the_limit_is_refused_before_it_is_read(target, name
     assert message == f"[too_large] frame of {1 << 40} bytes exceeds this node's limit of {limit} bytes"
 
 
+def test_g_a_session_stream_takes_no_frame_longer_than_the_session_can_use(target):
+    """Once a session is open, its stream takes frames no longer than its whole cache's hidden states (rows x
+    max_length, in float32) and a message: a longer one, though within the node's own limit, is refused at its header,
+    so the frames queued for a small session cannot hold the node's memory."""
+    node_limit = max_frame_bytes(target.node.config, HIDDEN)
+    session_limit = 1 * 4 * HIDDEN * 4 + 16 * 1024 + 1024  # batch 1, max_length 4
+
+    async def run() -> tuple[dict, str]:
+        _, reader, writer = await target.p2p.call_binary_stream_handler(target.peer, rpc.INFERENCE)
+        try:
+            opening_bytes = opening(max_length=4).SerializeToString()
+            writer.write(frame(opening_bytes))
+            await writer.drain()
+            async with asyncio.timeout(10):
+                marker = await reader.readexactly(1)
+                length = int.from_bytes(await reader.readexactly(P2P.HEADER_LEN), P2P.BYTEORDER)
+                opened = runtime_pb2.ExpertResponse()
+                opened.ParseFromString(await reader.readexactly(length))
+            assert marker == P2P.MESSAGE_MARKER
+            writer.write(frame(b"\x0a\x00", declared=node_limit - 10))  # within the node's limit, past the session's
+            await writer.drain()
+            return answer_of(opened), await error_frame(reader)
+        finally:
+            writer.close()
+
+    opened, message = target.call(run())
+    assert opened["kind"] == "opened" and session_limit < node_limit - 10
+    assert message == f"[too_large] frame of {node_limit - 10} bytes exceeds this node's limit of {session_limit} bytes"
+
+
 @pytest.mark.parametrize("name", STREAMS)
 def test_d_unparseable_protobuf(target, name):
     message = raw_frame(target, frame(b"\xff\xff\xff\xff\x0f"), name)
