@@ -80,7 +80,12 @@ class NodeAdapters:
         self.store, self._private, self.span = store, set(), (start, end)
 
     def _new_store(self) -> AdapterStore:
-        return AdapterStore(self.budget_bytes, weigh=lambda piece: piece.nbytes + piece.run_bytes(self.device))
+        return AdapterStore(self.budget_bytes, weigh=self.weigh)
+
+    def weigh(self, piece) -> int:
+        """What a slice costs the budget here: its bytes and the float32 copies running it on this device makes (the
+        unit of the store's charges and of each peer's share)."""
+        return piece.nbytes + piece.run_bytes(self.device)
 
     def connect(self, fetcher: AdapterFetcher, *, request_timeout_s: float, sessions=None, max_wait_s: float = 0.0):
         """Fetch adapters this node lacks from its peers with `fetcher`; with `sessions` (the SessionTable), end idle
@@ -111,7 +116,7 @@ class NodeAdapters:
         adapter_id = manifest.adapter_id
         while True:
             if admit is not None:
-                admit(piece.nbytes)
+                admit(self.weigh(piece))
             try:
                 entry = self.store.get(adapter_id) if adapter_id in self.store else None
                 if entry is None:

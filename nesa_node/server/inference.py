@@ -183,8 +183,9 @@ class InferenceService:
         share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
 
         def admit(nbytes: int) -> None:
-            held = [(session.adapter_id, session.adapter.nbytes) for session in self.sessions.sessions.values()
-                    if session.client_peer == client_peer and session.adapter is not None]  # fmt: skip
+            # in the store's unit (NodeAdapters.weigh): what running them costs the budget, not their bytes alone
+            mine_open = [session for session in self.sessions.sessions.values() if session.client_peer == client_peer]
+            held = [(s.adapter_id, self.adapters.weigh(s.adapter)) for s in mine_open if s.adapter is not None]
             held += [used for (peer, _), used in self.opening_adapters.items() if peer == client_peer]
             mine: dict[str, int] = {}  # adapter id -> the most bytes of it its open sessions and opens under way hold
             for adapter_id, size in held:
@@ -205,7 +206,7 @@ class InferenceService:
         else:
             adapter, release = await self.adapters.hold_or_fetch(message.adapter, blocks, admit=admit)
         try:  # again: other opens of this peer may have come in meanwhile, or the adapter was resident
-            admit(adapter.nbytes)
+            admit(self.adapters.weigh(adapter))
         except AdapterBudgetError:
             release()
             raise
@@ -230,7 +231,8 @@ class InferenceService:
             adapter, release, token = None, None, (client_peer, object())
             if upload is not None or message.adapter is not None:  # held (never evicted) until the session closes
                 adapter, release = await self._hold_adapter(message, blocks, upload, client_peer)
-                self.opening_adapters[token] = (message.adapter, adapter.nbytes)  # in its share until the open ends
+                # in its share until the open ends
+                self.opening_adapters[token] = (message.adapter, self.adapters.weigh(adapter))
             try:
                 if adapter is not None:  # the node may have begun moving while the adapter came
                     self.compute.check_blocks(message.start_block, message.end_block)

@@ -562,3 +562,28 @@ def test_a_replacement_that_cannot_get_the_adapter_is_passed_over_not_banned(lor
         model.close()
         for node in nodes:
             lora_swarm.stop_node(node)
+
+
+def test_a_peers_share_counts_what_running_its_adapters_costs(lora_swarm, trained_model, tmp_path):
+    """A bfloat16 adapter runs from float32 copies beside its stored factors: the node's budget charges both, and so
+    does the peer's share of it (half the budget), or one peer's sessions could hold far more of the budget than
+    its share says. An adapter whose bytes fit the share but whose cost does not is refused."""
+    from safetensors.torch import load_file, save_file
+
+    folder = save_random_adapter(trained_model, tmp_path / "bf16", 61, r=4, target_modules="all-linear")
+    weights = folder / "adapter_model.safetensors"
+    save_file({name: tensor.to(torch.bfloat16) for name, tensor in load_file(weights).items()}, weights)
+    piece = load_adapter_slice(str(folder), load_config(trained_model), 0, 4)
+    cost = piece.nbytes + piece.run_bytes("cpu")
+    assert piece.nbytes < cost  # (stored in bfloat16, run in float32 here)
+    budget = 1.5 * cost  # room for the adapter; a peer's share (half) is over its bytes, under its cost
+    assert piece.nbytes < budget / 2 < cost
+    node = lora_swarm.start_node(trained_model, 0, 4, dht_prefix="lora-cost", adapter_budget_mb=budget / 2**20)
+    model = async_client(lora_swarm, trained_model, "lora-cost")
+    try:
+        with pytest.raises(AdapterBudgetError, match="over its share"):
+            lora_swarm.run(model.open_session(max_length=8, adapter=str(folder)))
+        assert len(node.sessions) == 0 and node.adapters.store.resident == 0
+    finally:
+        lora_swarm.run(model.close())
+        lora_swarm.stop_node(node)
