@@ -261,8 +261,10 @@ async def answer_adapter_request(channel: StreamChannel, adapters, peer: str, ga
             return
         try:
             message = expect(read(request, ADAPTER_REQUESTS), AdapterRequest)
-            manifest, piece = adapters.shared(message.adapter_id, message.start_block, message.end_block)
-            blobs = await asyncio.to_thread(slice_blobs, piece)
+            manifest, held = adapters.shared(message.adapter_id, message.start_block, message.end_block)
+            blobs = await asyncio.to_thread(
+                lambda: slice_blobs(held.narrow(message.start_block, message.end_block))
+            )  # (narrowing serializes the part: off the event loop, as its blocks' bytes are)
             blocks = [bytes_to_proto(manifest.to_bytes()), *map(bytes_to_proto, blobs)]
             channel.send(frame(message_of(message), blocks))
         except NesaError as exc:

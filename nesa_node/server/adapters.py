@@ -114,6 +114,9 @@ class NodeAdapters:
         the slice goes in under (other opens of the same peer may have come in during a wait)."""
         deadline = time.monotonic() + self.max_wait_s
         adapter_id = manifest.adapter_id
+        # the store checks each block's hash: serialized and hashed here, in a thread, not on the node's event loop
+        # (a slice merged from a fetch or an upload has no hashes yet; computed once, kept in the slice)
+        await asyncio.to_thread(piece.block_hashes)
         while True:
             if admit is not None:
                 admit(self.weigh(piece))
@@ -197,8 +200,9 @@ class NodeAdapters:
         return entry is not None and entry.piece.start <= blocks[0] < blocks[1] <= entry.piece.end
 
     def shared(self, adapter_id: str, start: int, end: int) -> tuple[AdapterManifest, AdapterSlice]:
-        """The manifest and the slice of blocks [start, end) of an adapter this node announces, for a peer that
-        fetches it (a client's own adapter is not shared). Raises AdapterMissingError otherwise."""
+        """The manifest and the slice this node holds of an adapter it announces, which covers blocks [start, end),
+        for a peer that fetches them (a client's own adapter is not shared); the caller narrows it, off the event
+        loop (a slice serializes itself to hash). Raises AdapterMissingError otherwise."""
         entry = self.store.get(adapter_id)
         if entry is None or adapter_id in self._private:
             raise AdapterMissingError(f"this node does not announce adapter {adapter_id}")
@@ -207,7 +211,7 @@ class NodeAdapters:
                 f"this node holds adapter {adapter_id} for blocks {entry.piece.start}:{entry.piece.end}, not "
                 f"{start}:{end}"
             )
-        return entry.manifest, entry.piece.narrow(start, end)
+        return entry.manifest, entry.piece
 
     async def hold_uploaded(
         self, message: AdapterBlocks, upload: Frame, *, admit: Callable[[int], None] | None = None
