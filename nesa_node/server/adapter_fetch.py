@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -48,6 +49,11 @@ from nesa_node.sharding.lora_identity import MAX_MANIFEST_BYTES
 logger = logging.getLogger(__name__)
 
 MAX_PEERS_PER_RANGE = 4  # holders asked in turn for one range before it is covered again by the others (guess)
+# a holder that failed to deliver is asked last, after the others, for this long: records cost nothing, so identities
+# announcing an adapter they never send could otherwise take every fetch's time, fetch after fetch (guess)
+FAILED_HOLDER_S = 300.0
+FAILED_HOLDERS_KEPT = 4096
+LATELY = "failed lately"
 # answering peers' fetches (guesses: a node fetches an adapter once per range and holder, so honest peers need few)
 MAX_ANSWERS = 8  # ADAPTER streams a node serves at once, from all peers
 MAX_ANSWERS_PER_PEER = 2  # ... from one peer
@@ -120,6 +126,8 @@ class AdapterFetcher:
         self._lookup: asyncio.Future | None = None  # the lookup under way, which every caller meanwhile awaits
         # this node's own streams to one holder at once: never beyond what the holder's AnswerGate admits per peer
         self._per_holder: dict[str, asyncio.Semaphore] = {}
+        self._failed: dict[str, float] = {}  # holder -> until when (monotonic s) it is asked last (FAILED_HOLDER_S)
+        self._rng = random.Random()
 
     async def fetch(self, adapter_id: str, start: int, end: int) -> tuple[str, AdapterManifest, AdapterSlice]:
         """(name, manifest, slice of blocks [start, end)) of adapter `adapter_id`, checked by hash. Raises
@@ -162,11 +170,32 @@ class AdapterFetcher:
                 names = Counter(
                     held.name for info in holders for held in info.adapters if held.adapter_id == adapter_id
                 )
-                pieces = await self._cover(adapter_id, start, end, holders, failed)
+                now = time.monotonic()
+                lately = {info.peer_id for info in holders if self._failed.get(info.peer_id, 0.0) > now}
+                failed.update(dict.fromkeys(lately, LATELY))  # not asked while the others cover the blocks
+                try:
+                    pieces = await self._cover(adapter_id, start, end, holders, failed)
+                except AdapterMissingError:
+                    if not lately:
+                        raise
+                    for peer in lately:  # the others cannot: asked after all
+                        if failed.get(peer) == LATELY:
+                            del failed[peer]
+                    pieces = await self._cover(adapter_id, start, end, holders, failed)
         except TimeoutError:
             raise AdapterMissingError(f"adapter {adapter_id} blocks {start}:{end}: not fetched within "
                                       f"{self.deadline_s:.0f} s ({_why(failed)})") from None  # fmt: skip
+        finally:
+            self._note_failed([peer for peer, why in failed.items() if why != LATELY])
         return names.most_common(1)[0][0], pieces[0][0], merge_slices(piece for _, piece in pieces)
+
+    def _note_failed(self, failed: list[str]) -> None:
+        now = time.monotonic()
+        if len(self._failed) >= FAILED_HOLDERS_KEPT:
+            self._failed = {peer: until for peer, until in self._failed.items() if until > now}
+        for peer in failed:
+            if len(self._failed) < FAILED_HOLDERS_KEPT:
+                self._failed[peer] = now + FAILED_HOLDER_S
 
     async def _cover(
         self, adapter_id: str, start: int, end: int, holders: list[NodeInfo], failed: dict[str, str]
@@ -193,7 +222,9 @@ class AdapterFetcher:
     async def _range(
         self, adapter_id, start, end, peers, holders, failed
     ) -> list[tuple[AdapterManifest, AdapterSlice]]:
-        for info in peers[:MAX_PEERS_PER_RANGE]:
+        # in random order: the order of records is not a peer's to choose (one claiming the widest span is in every
+        # range's list)
+        for info in self._rng.sample(peers, len(peers))[:MAX_PEERS_PER_RANGE]:
             if info.peer_id in failed:
                 continue
             try:

@@ -187,3 +187,75 @@ def test_a_records_lookup_slower_than_its_freshness_is_shared_not_queued(monkeyp
         return asyncio.get_running_loop().time() - started
 
     assert asyncio.run(run()) < 1.5 and lookups.count == 1
+
+
+def test_holders_that_never_deliver_are_asked_last_by_the_fetches_after():
+    """Three identities announce an adapter they never send, ahead of its real holder in the records: the first
+    fetch waits out each of them before the real holder delivers; the fetches after ask the real holder alone (those
+    that failed lately are asked only if the others cannot cover the blocks), so free identities cannot take every
+    fetch's time."""
+    from types import SimpleNamespace
+
+    from nesa_node.protocol.records import AdapterInfo
+    from nesa_node.sharding.lora_identity import adapter_manifest
+
+    generator = torch.Generator().manual_seed(0)
+    whole = AdapterSlice(
+        0, 4, {(block, "self_attn.q_proj"): LoraFactors(torch.randn(2, 8, generator=generator),
+                                                       torch.randn(8, 2, generator=generator), 1.0)
+               for block in range(4)},
+    )  # fmt: skip
+    manifest = adapter_manifest(whole, 4)
+    held = AdapterInfo(adapter_id=manifest.adapter_id, name="a", slice_sha256=whole.sha256, rank=2, slice_bytes=1)
+    records = [
+        info(peer, 0, 4).model_copy(update={"adapters": (held,)}) for peer in ("fake0", "fake1", "fake2", "real")
+    ]
+    fetcher = Lookups(0.0, records).fetcher()
+    fetcher.peer_s = 0.05
+    fetcher._rng = SimpleNamespace(sample=lambda peers, count: list(peers))  # the records' order: the fakes first
+    asked: list[str] = []
+
+    async def ask(peer_id, adapter_id, start, end):
+        asked.append(peer_id)
+        if peer_id != "real":
+            await asyncio.sleep(10)  # never answers
+        return manifest, whole
+
+    fetcher._ask = ask
+
+    async def run() -> list[list[str]]:
+        rounds = []
+        for _ in range(2):
+            asked.clear()
+            _, _, piece = await fetcher.fetch(manifest.adapter_id, 0, 4)
+            assert piece.sha256 == whole.sha256
+            rounds.append(list(asked))
+        return rounds
+
+    assert asyncio.run(run()) == [["fake0", "fake1", "fake2", "real"], ["real"]]
+
+
+def test_a_holder_that_failed_lately_is_still_asked_when_no_other_has_the_blocks():
+    from nesa_node.protocol.records import AdapterInfo
+    from nesa_node.sharding.lora_identity import adapter_manifest
+
+    whole = AdapterSlice(0, 4, {(0, "self_attn.q_proj"): LoraFactors(torch.ones(2, 8), torch.ones(8, 2), 1.0)})
+    manifest = adapter_manifest(whole, 4)
+    held = AdapterInfo(adapter_id=manifest.adapter_id, name="a", slice_sha256=whole.sha256, rank=2, slice_bytes=1)
+    fetcher = Lookups(0.0, [info("only", 0, 4).model_copy(update={"adapters": (held,)})]).fetcher()
+    answers = iter([ConnectionError("reset"), None])
+
+    async def ask(peer_id, adapter_id, start, end):
+        error = next(answers)
+        if error is not None:
+            raise error
+        return manifest, whole
+
+    fetcher._ask = ask
+
+    async def run():
+        with pytest.raises(AdapterMissingError):
+            await fetcher.fetch(manifest.adapter_id, 0, 4)
+        return await fetcher.fetch(manifest.adapter_id, 0, 4)
+
+    assert asyncio.run(run())[2].sha256 == whole.sha256
