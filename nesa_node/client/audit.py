@@ -33,7 +33,7 @@ import torch
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.session import InferenceSession
 from nesa_node.errors import NesaError, NoRouteError, ReceiptError
-from nesa_node.protocol.tensors import WireCodec, tensor_from_proto, tensor_to_proto
+from nesa_node.protocol.tensors import WireCodec, as_received, tensor_to_wire
 from nesa_node.routing.chain import ChainRequest
 from nesa_node.verification.commitment import (
     WINDOW_TOKENS,
@@ -87,10 +87,10 @@ class AuditOutcome:
 
 
 def _as_received(hidden: torch.Tensor, codec: str) -> torch.Tensor:
-    """`hidden` as a node decodes it after `codec` on the wire."""
-    wire = WireCodec.of(codec)
-    proto = tensor_to_proto(hidden, wire)
-    return tensor_from_proto(proto, allowed_dtypes=(proto.dtype,), max_elements=hidden.numel(), codec=wire)
+    """`hidden` as a node decodes it after `codec` on the wire (lossless where the codec cannot carry its values, as
+    the node that sent it does: protocol/tensors.py tensor_to_wire)."""
+    proto, sent = tensor_to_wire(hidden, WireCodec.of(codec))
+    return as_received(hidden, proto, sent)
 
 
 class Auditor:
@@ -162,8 +162,16 @@ class Auditor:
         if received.shape[1] < end:  # fewer inputs kept than the records cover: cannot replay
             outcome.checks["unrecorded"] += len(complete)
             return outcome
+        # relay mode: the client sent every node its input, and kept it as that node decoded it: each hop is checked
+        # on what it was given (nothing modeled, no auditor's output carried from one hop to the next)
+        relay = not session.links.direct and len(session._inputs) == len(hops)
         hidden = received
         for index, hop in enumerate(hops):
+            if relay and index > 0:
+                hidden = torch.cat(session._inputs[index], dim=1)[:, :end]
+                if hidden.shape[1] < end:
+                    outcome.checks["unrecorded"] += len(complete) * (len(hops) - index)
+                    return outcome
             executed = await self._reexecute(session, hop.start_block, hop.end_block, hidden, exclude={hop.peer_id})
             if executed is None:
                 outcome.checks["inconclusive"] += len(complete)
@@ -185,7 +193,7 @@ class Auditor:
                     return outcome  # its output fed every later hop: the rest is not evidence
                 outcome.checks["inconclusive"] += 1
                 doubted = True
-            if doubted:  # the first auditor's output may be the lie: it feeds no later hop, whose checks say nothing
+            if doubted and not relay:  # the first auditor's output may be the lie: it feeds no later hop
                 outcome.checks["inconclusive"] += len(complete) * (len(hops) - index - 1)
                 return outcome
             codec = session.output_codecs.get(hop.peer_id, "none")

@@ -59,7 +59,7 @@ def test_a_check_an_auditor_lied_in_stops_the_audit_before_it_feeds_a_later_hop(
         for index in (0, 1)
     ]  # fmt: skip
     session = SimpleNamespace(
-        chain=SimpleNamespace(hops=hops), records=records, links=SimpleNamespace(recoded=set()), position=4,
+        chain=SimpleNamespace(hops=hops), records=records, links=SimpleNamespace(recoded=set(), direct=True), position=4,
         _inputs=[[inputs]], output_codecs={},
     )  # fmt: skip
     blamed = []
@@ -79,3 +79,41 @@ def test_a_check_an_auditor_lied_in_stops_the_audit_before_it_feeds_a_later_hop(
     outcome = asyncio.run(audit._audit(session, AuditOutcome(1.0)))
     assert blamed == [] and outcome.blamed == []
     assert outcome.checks["inconclusive"] == 2 and outcome.checks["passed"] == 0  # hop 0's window, hop 1's unchecked
+
+
+def test_a_relay_chain_is_audited_on_what_the_client_sent_each_node():
+    """In relay mode the client sends every node its input (re-encoded per hop: with `auto`, a prefill may go out
+    compressed though the node before answered lossless). Each hop is re-executed on the input the client kept, as
+    that node decoded it, not on a model of it from the hop before, which would fail an honest node's window."""
+    import asyncio
+
+    from nesa_node.verification.commitment import commit_window
+    from nesa_node.verification.receipts import HopRecord
+
+    inputs = torch.randn(1, 4, 8, generator=torch.Generator().manual_seed(0))
+    honest = [lambda hidden: hidden * 2.0 + 1.0, lambda hidden: hidden.tanh() * 3.0]
+    second_input = honest[0](inputs) * 1.02  # what the second node decoded: the first's output, sent re-encoded
+    outputs = [honest[0](inputs), honest[1](second_input)]
+    hops = [SimpleNamespace(peer_id=f"node{index}", start_block=2 * index, end_block=2 * index + 2) for index in (0, 1)]
+    records = [
+        HopRecord("s", index, 2 * index, 2 * index + 2, 0, 0, 4, b"\0" * 32, commit_window(outputs[index]).to_bytes(),
+                  "w", "", "none", f"node{index}")
+        for index in (0, 1)
+    ]  # fmt: skip
+    session = SimpleNamespace(
+        chain=SimpleNamespace(hops=hops), records=records, links=SimpleNamespace(recoded=set(), direct=False),
+        position=4, _inputs=[[inputs], [second_input]], output_codecs={},
+    )  # fmt: skip
+    blamed = []
+    model = SimpleNamespace(
+        dtype=torch.float32,
+        swarm=SimpleNamespace(answer_dtypes=lambda peer_id: ("float32",), blame=lambda peer, **_: blamed.append(peer)),
+    )
+    audit = Auditor(model, 1.0)
+
+    async def reexecute(session_, start, end, hidden, *, exclude):
+        return honest[start // 2](hidden), {f"auditor-{start}-{len(exclude)}"}
+
+    audit._reexecute = reexecute
+    outcome = asyncio.run(audit._audit(session, AuditOutcome(1.0)))
+    assert blamed == [] and outcome.checks["passed"] == 2 and outcome.checks["failed"] == 0
