@@ -122,9 +122,9 @@ class AdapterStore:
 
     def widen(self, manifest: AdapterManifest, piece: AdapterSlice, name: str | None = None) -> AdapterEntry:
         """Hold `piece` in place of the resident slice of the same adapter it contains (a client sent a narrow
-        span of it, a session needs more), as `name` when given: the entry, its pins and its place stay, sessions
-        holding the old slice keep it (the blocks both hold are the same bytes, checked against the manifest; its
-        bytes are charged no more, at most one narrower slice of each widening). Evicts others as `add` does for
+        span of it, a session needs more), as `name` when given: the entry, its pins and its place stay (the blocks
+        both hold are the same bytes, checked against the manifest; the node moves sessions holding the old slice to
+        this one: server/adapters.py NodeAdapters._adopt). Evicts others as `add` does for
         the extra bytes; AdapterBudgetError when they do not fit, AdapterError when `piece` does not contain the
         resident slice."""
         entry = self._entries.get(manifest.adapter_id)

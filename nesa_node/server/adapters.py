@@ -66,6 +66,7 @@ class NodeAdapters:
         # seconds until one could be ended (SessionTable.adapter_preemptible_in_s); None: no session holds one
         self.room_in_s: Callable[[], float | None] = lambda: None
         self.max_wait_s = 0.0  # what an open waits at most for that (as for the KV cache: open_when_room)
+        self.sessions = None  # the node's SessionTable (`connect`): sessions moved to a widened slice (`_adopt`)
 
     async def load_span(self, start: int, end: int) -> None:
         """Hold the preloaded adapters' slices of blocks [start, end) in a fresh store (no session may be open: a
@@ -95,6 +96,15 @@ class NodeAdapters:
         if sessions is not None:
             self.make_room, self.room_in_s = sessions.preempt_idle_adapter_session, sessions.adapter_preemptible_in_s
             self.max_wait_s = max_wait_s
+            self.sessions = sessions
+
+    def _adopt(self, adapter_id: str, piece: AdapterSlice) -> None:
+        """Open sessions holding a narrower slice of `adapter_id` run from `piece`, the wider one now in its place
+        (the blocks both hold are the same bytes): the store charges one slice an adapter, and only one stays in
+        memory, however many widenings its sessions saw."""
+        for session in self.sessions.sessions.values() if self.sessions is not None else ():
+            if session.adapter_id == adapter_id and session.adapter is not None:
+                session.adapter = piece
 
     async def _add(
         self,
@@ -130,6 +140,7 @@ class NodeAdapters:
                     held = (entry.piece.start, entry.piece.end)
                     if piece.start <= held[0] and held[1] <= piece.end and held != (piece.start, piece.end):
                         self.store.widen(manifest, piece, None if private else name)  # a wider one: in its place
+                        self._adopt(adapter_id, piece)
                 return
             except AdapterBudgetError:
                 if self.make_room():

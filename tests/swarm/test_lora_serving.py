@@ -10,6 +10,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -474,7 +475,15 @@ def test_a_narrow_slice_a_client_sent_does_not_hide_the_adapter_its_peers_announ
         release_narrow()
         release_whole()
         first, release_first = await upload(private, 0, 1)
-        second, release_second = await upload(private, 0, 2)
+        # a session running from the narrow slice is moved to the wide one once it is held: one slice in memory
+        session = SimpleNamespace(adapter_id=private.adapter_id, adapter=first)
+        table = getattr(fresh.adapters, "sessions", None)
+        fresh.adapters.sessions = SimpleNamespace(sessions={"s": session})
+        try:
+            second, release_second = await upload(private, 0, 2)
+        finally:
+            fresh.adapters.sessions = table
+        assert session.adapter is second
         release_first()
         release_second()
         return [(piece.start, piece.end) for piece in (narrow, whole, first, second)]
