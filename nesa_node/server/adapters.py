@@ -199,7 +199,13 @@ class NodeAdapters:
             # is its content), which must not hide the adapter its peers announce
             if admit is not None:
                 admit(1)  # a peer already at its share gets nothing more: refused before the fetch
-            name, manifest, piece = await self.fetcher.fetch(adapter_id, *self.span)
+            store, span = self.store, self.span
+            name, manifest, piece = await self.fetcher.fetch(adapter_id, *span)
+            if self.store is not store or self.span != span:  # the node moved meanwhile: a slice of other blocks
+                raise AdapterMissingError(
+                    f"this node moved to blocks {self.span[0]}:{self.span[1]} while fetching adapter {adapter_id} "
+                    f"for blocks {span[0]}:{span[1]}"
+                )
             await self._add(name, manifest, piece, private=False, admit=admit)
             if self._covers(adapter_id, self.span):  # whole: kept and announced as any fetched adapter
                 self._private.discard(adapter_id)

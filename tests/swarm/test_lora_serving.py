@@ -596,3 +596,25 @@ def test_a_peers_share_counts_what_running_its_adapters_costs(lora_swarm, traine
     finally:
         lora_swarm.run(model.close())
         lora_swarm.stop_node(node)
+
+
+def test_a_slice_fetched_while_the_node_moved_is_not_kept_for_its_new_blocks(lora_swarm, trained_model, adapters):
+    """A node moves to other blocks while it fetches an adapter for its old ones: the slice, of blocks it no longer
+    serves, is dropped (the open is refused as missing), not put in the new store and announced there."""
+    config = load_config(trained_model)
+    adapter_id = adapter_id_of_folder(adapters["attention-r4"], config)
+    fresh = lora_swarm.start_node(trained_model, 0, 2, dht_prefix=PREFIX)
+    fetch = fresh.adapters.fetcher.fetch
+
+    async def fetch_then_move(*args):
+        fetched = await fetch(*args)
+        await fresh.adapters.load_span(1, 2)  # (as a move does: a fresh store for the new blocks)
+        return fetched
+
+    fresh.adapters.fetcher.fetch = fetch_then_move
+    try:
+        with pytest.raises(AdapterMissingError, match="moved"):
+            lora_swarm.run(fresh.adapters.hold_or_fetch(adapter_id, (0, 2)))
+        assert adapter_id not in fresh.adapters.store and fresh.adapters.span == (1, 2)
+    finally:
+        lora_swarm.stop_node(fresh)
