@@ -183,10 +183,15 @@ class InferenceService:
         share = self.limits.max_cache_share_per_peer * self.adapters.budget_bytes
 
         def admit(nbytes: int) -> None:
-            # in the store's unit (NodeAdapters.weigh): what running them costs the budget, not their bytes alone
+            # in the store's unit (NodeAdapters.weigh): what running them costs the budget, not their bytes alone;
+            # the operator's preloaded adapters are held whoever uses them: in no peer's share
+            preloaded = {entry.adapter_id for entry in self.adapters.store.entries() if entry.preloaded}
+            if message.adapter in preloaded:
+                return
             mine_open = [session for session in self.sessions.sessions.values() if session.client_peer == client_peer]
             held = [(s.adapter_id, self.adapters.weigh(s.adapter)) for s in mine_open if s.adapter is not None]
             held += [used for (peer, _), used in self.opening_adapters.items() if peer == client_peer]
+            held = [(adapter_id, size) for adapter_id, size in held if adapter_id not in preloaded]
             mine: dict[str, int] = {}  # adapter id -> the most bytes of it its open sessions and opens under way hold
             for adapter_id, size in held:
                 mine[adapter_id] = max(size, mine.get(adapter_id, 0))

@@ -618,3 +618,26 @@ def test_a_slice_fetched_while_the_node_moved_is_not_kept_for_its_new_blocks(lor
         assert adapter_id not in fresh.adapters.store and fresh.adapters.span == (1, 2)
     finally:
         lora_swarm.stop_node(fresh)
+
+
+def test_a_preloaded_adapter_larger_than_a_peers_share_is_served(lora_swarm, trained_model, tmp_path):
+    """The operator's preloaded adapters are held whoever uses them: a session naming one larger than a peer's share
+    of the adapter budget is opened, and a peer's share still bounds what it makes the node hold besides."""
+    folders, size = own_adapters(trained_model, tmp_path / "big", 70, 2)
+    node = lora_swarm.start_node(
+        trained_model, 0, 4, dht_prefix="lora-preloaded", adapters=(str(folders[0]),),
+        adapter_budget_mb=1.6 * size / 2**20,
+    )  # fmt: skip
+    model = async_client(lora_swarm, trained_model, "lora-preloaded")
+    try:
+        name = folders[0].name
+        session = lora_swarm.run(model.open_session(max_length=8, adapter=name))
+        try:
+            assert len(node.sessions) == 1  # over half the budget, preloaded: not this peer's to answer for
+            with pytest.raises(AdapterBudgetError, match="over its share"):  # its own one that size is
+                lora_swarm.run(model.open_session(max_length=8, adapter=str(folders[1])))
+        finally:
+            lora_swarm.run(session.close())
+    finally:
+        lora_swarm.run(model.close())
+        lora_swarm.stop_node(node)
