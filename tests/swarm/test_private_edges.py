@@ -137,7 +137,8 @@ def test_a_middle_node_lost_mid_generation_is_replaced_for_the_middle_blocks_onl
         assert torch.equal(produced, tokens)
         assert [failover["blocks"] for failover in session.failovers] == [[2, 3]]
     finally:
-        if spare in swarm_of_two.nodes:
+        # the spare stays when the module's own node for blocks 2:4 was the one stopped: later tests need them served
+        if spare in swarm_of_two.nodes and len([n for n in swarm_of_two.nodes if n.start_block == 2]) > 1:
             swarm_of_two.stop_node(spare)
 
 
