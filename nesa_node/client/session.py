@@ -37,7 +37,8 @@ from nesa_node.errors import (
     SessionStateError,
 )
 from nesa_node.protocol.channel import frame
-from nesa_node.protocol.messages import ErrorReply, Step, StepResult
+from nesa_node.protocol.messages import MAX_SEALS, ErrorReply, Step, StepResult
+from nesa_node.protocol.push_tag import seal_chain
 from nesa_node.protocol.tensors import as_received, tensor_to_wire
 from nesa_node.routing.chain import Chain
 from nesa_node.verification.receipts import HopRecord, ReceiptsBuilder
@@ -120,6 +121,7 @@ class InferenceSession:
         self._broken: str | None = None  # why no step may be sent any more (a prompt failed part-way)
         self._sent_codecs: list[str] = []  # the last step's, per node the client fed
         self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
+        self._seals_sent: tuple[str, list] = ("", [])  # (step id, the seal chains sent with it: one per attempt)
         # per peer fed by the client: (step id, what identified the content last sent it under that id (position,
         # codec, tensor as sent: what a node compares a step id's content by), that input, whether the client ever
         # sent it other content under that id: a step interrupted and taken again, a relay input recomputed upstream)
@@ -374,7 +376,9 @@ class InferenceSession:
             inputs.append(as_received(hidden, tensor, codec))
             chosen[link.peer_id] = codec
             self._sent_codecs.append(codec.name)
-            request = frame(Step(step_id=step_id, position=self.position, codec=codec), [tensor])
+            # in a direct chain, the seals of this step for the nodes after the first (protocol/push_tag.py)
+            seals = {} if relay or len(links) < 2 else {"seals": self._seal(links, step_id, hidden.shape[1])}
+            request = frame(Step(step_id=step_id, position=self.position, codec=codec, **seals), [tensor])
             self._note_fed(link.peer_id, step_id, (self.position, codec, tensor), hidden)
             sent += request.ByteSize()
             try:
@@ -432,7 +436,15 @@ class InferenceSession:
             # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
             # (NaN, a wrong shape) is that node's fault, if the refusing node tells the truth
             accused, accuser = links[index - 1], links[index]
-            shown = self.links.pushed_malformed(accused, message, answer, step_id=step_id, shape=shape)
+            seals = seal_chain([link.push_key for link in links[1:]], step_id, self.position, shape[1])[index - 1 :]
+            expected = Step(step_id=step_id, position=self.position, seals=seals)
+            shown = self.links.pushed_malformed(accused, message, answer, expected=expected, shape=shape)
+            if shown is False and message.evidence.seals != seals:
+                # the pusher's own input was sealed with the step: seals the client never sent are its doing; those
+                # of an earlier attempt (before a failover changed the chain) are genuine, whoever sent them again
+                sent = self._seals_sent[1] if self._seals_sent[0] == step_id else []
+                earlier = any(message.evidence.seals == chain[k:] for chain in sent for k in range(len(chain)))
+                shown = None if earlier else True
             if shown is True:  # what the accused pushed, under its own tag: its fault
                 refused = f"{accuser.peer_id} refused its input, which {accused.peer_id}'s own tag shows malformed"
                 raise LinkFailed(f"{refused}: {error.message}", accused, fault=True)
@@ -444,6 +456,17 @@ class InferenceSession:
         if self.links.direct and 0 <= index < len(links) - 1:  # its word about its next node (Failover.weigh_report)
             raise LinkFailed(error.message, links[index + 1], reporter=answered)
         raise LinkFailed(error.message, answered)
+
+    def _seal(self, links: list, step_id: str, tokens: int) -> tuple[str, ...]:
+        """The seals of step `step_id` of `tokens` tokens a row for the nodes after the first of a direct chain
+        (protocol/push_tag.py), noted with the others sent under that id."""
+        if len(links) - 1 > MAX_SEALS:
+            raise BadRequestError(f"a direct chain holds at most {MAX_SEALS + 1} nodes, not {len(links)}: use relay")
+        seals = seal_chain([link.push_key for link in links[1:]], step_id, self.position, tokens)
+        if self._seals_sent[0] != step_id:
+            self._seals_sent = (step_id, [])
+        self._seals_sent[1].append(seals)
+        return seals
 
     def _note_fed(self, peer_id: str, step_id: str, content: tuple, hidden: torch.Tensor) -> None:
         """Note the input sent to `peer_id` under `step_id`, with what identifies its content (`content`: position,

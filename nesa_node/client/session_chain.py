@@ -247,7 +247,7 @@ class SessionChain:
                 raise LinkFailed(f"could not open a session on {link.peer_id}: {outcome!r}", link) from None
         for index, link in enumerate(links):
             message = self._open_message(index, hops, upstream, downstream.hop if downstream else None, settings[index])
-            if message.next is not None:  # it pushes to its next node: it tags what it pushes (protocol/push_tag.py)
+            if self.direct:  # it tags what it pushes and checks the seals of what it is pushed (protocol/push_tag.py)
                 message = message.model_copy(update={"push_key": link.push_key.hex()})
             if self.own_adapter is not None and not self.swarm.holds_adapter(link.peer_id, self.own_adapter.adapter_id):
                 # the node's whole span where its record says it: its other sessions on part of it can share them
@@ -426,18 +426,19 @@ class SessionChain:
         return hidden
 
     def pushed_malformed(
-        self, pusher: ChainLink, refusal: ErrorReply, answer: Frame, *, step_id: str, shape: tuple[int, int, int]
+        self, pusher: ChainLink, refusal: ErrorReply, answer: Frame, *, expected: Step, shape: tuple
     ) -> bool | None:
-        """What a refusal's evidence (protocol/push_tag.py) shows of the step `step_id` that `pusher` pushed, the
-        client's input to the chain being of `shape`: True when its content was malformed (another codec than the
-        session's, another dtype, width or batch, values not finite); False when well formed; None when there is
-        no evidence under `pusher`'s tag, or it holds other tokens than the step (its own input may have: that is
-        for Failover.judge to weigh)."""
+        """What a refusal's evidence (protocol/push_tag.py) shows of the step `pusher` pushed, which should have been
+        `expected` (its id and position) holding hidden states of `shape`: True when malformed (another position,
+        codec than the session's, dtype, shape; values not finite); False when well formed (its seals are for the
+        caller to weigh); None when there is no evidence under `pusher`'s tag (for Failover.judge to weigh)."""
         step = refusal.evidence
-        if step is None or step.step_id != step_id or len(answer.tensors) != 1:
+        if step is None or step.step_id != expected.step_id or len(answer.tensors) != 1:
             return None
         if not push_tag.tag_matches(pusher.push_key, step, answer.tensors[0]):
             return None
+        if step.position != expected.position:
+            return True
         if step.codec != self.push_codecs.get(pusher.peer_id, step.codec):
             return True
         batch, tokens, width = shape
@@ -445,9 +446,7 @@ class SessionChain:
             hidden = self.read_hidden(pusher, answer, step.codec, max(tokens, 1) * batch * MAX_HIDDEN)
         except LinkFailed:
             return True
-        if hidden.shape[0] != batch or hidden.shape[2] != width:
-            return True
-        return None if hidden.shape[1] != tokens else False
+        return tuple(hidden.shape) != tuple(shape)  # tokens too: the pusher's own input was sealed with the step's
 
     # ---- control -----------------------------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ from nesa_node.protocol.records import MAX_RECORD_BYTES, NodeInfo
 from nesa_node.protocol.tensors import NO_CODEC, WireCodec
 
 MAX_METADATA_BYTES = 16 * 1024  # a message is a handful of ids and numbers
+MAX_SEALS = 128  # a step's seals, one a node after the first of a direct chain: 8.5 KiB of metadata at most
 MAX_INFO_BYTES = MAX_RECORD_BYTES + 1024  # an InfoReply carries a whole NodeInfo record
 MAX_DEPTH = 4  # a message, a nested map (lane keys, codec) and a list inside it
 MAX_ID_LENGTH = 128  # session ids, step ids' parts, peer ids
@@ -162,8 +163,7 @@ class BlockRange(Message):
 
 
 class OpenSession(BlockRange):
-    """Open an inference session for blocks [start_block, end_block) of the node's span (a contiguous part of it:
-    a chain may use a node for part of its range; the cache is reserved for the whole span)."""
+    """Open a session for blocks [start_block, end_block) of the node's span (the cache is reserved for all of it)."""
 
     kind: Literal["open"] = "open"
     session_id: Id
@@ -176,7 +176,7 @@ class OpenSession(BlockRange):
     adapter: AdapterId | None = None  # the LoRA adapter every step of the session runs with (records.AdapterInfo)
     # sign a hop record per 32-token window of this session (nesa_node/verification), as hop `commit_hop` of the chain
     commit_hop: int | None = Field(None, ge=0, le=1 << 10)
-    # tag every pushed step with this key (protocol/push_tag.py): evidence of what this node pushed, for the client
+    # this node's key (protocol/push_tag.py): it tags its pushes with it, and checks the seal of a step pushed to it
     push_key: HexKey | None = None
 
 
@@ -199,11 +199,10 @@ class AdapterRequest(BlockRange):
 
 
 class Step(Message):
-    """Hidden states (batch, seq, hidden) of new tokens starting at `position`, in one tensor. `step_id` is the
-    same on a retry, so a duplicate is answered from record; `compute_s` is what the nodes before spent on it;
-    `replay` (from the client only) rebuilds a replacement's cache and answers to the client; `session_id` names the
-    session on a libp2p push stream, where nothing else does, with `owner`, the peer that opened it: sessions are
-    scoped to their opener, so peers other than the client may hold sessions of the same id on the next node."""
+    """Hidden states (batch, seq, hidden) of new tokens at `position`, in one tensor. `step_id` is the same on a retry
+    (a duplicate is answered from record); `compute_s`: the nodes before's time; `replay` (client only) rebuilds a
+    replacement's cache, answered to the client; `session_id` and `owner` (who opened it: sessions are scoped to
+    their opener) name the session on a libp2p push stream, where nothing else does."""
 
     kind: Literal["step"] = "step"
     step_id: StepIdText
@@ -214,6 +213,7 @@ class Step(Message):
     session_id: Id | None = None
     owner: Id | None = None  # a base58 peer id; only looked up, so a malformed one just matches no session
     tag: HexKey | None = None  # a pushing node's tag of this step (protocol/push_tag.py)
+    seals: tuple[HexKey, ...] = Field((), max_length=MAX_SEALS)  # the client's, for the nodes after (push_tag.py)
 
 
 class HistoryRequest(Message):

@@ -9,8 +9,16 @@ a valid tag proves the pusher sent exactly that, so the client can look at the i
 two is at fault (client/failover.py). Nobody but the pusher and the client can make a valid tag, so a refusing node
 cannot forge evidence, nor a pusher deny it.
 
-The tag covers the step id, position and codec, and the tensor's dtype, shape, compression and bytes, each
-length-prefixed, so no two different pushes share the bytes under the MAC.
+The tag covers the step id, position and codec, the tensor's dtype, shape, compression and bytes, and the step's
+seals (below) when it has any, each length-prefixed, so no two different pushes share the bytes under the MAC.
+
+Seals tell each pushed-to node what the client sent: its step's position and tokens a row. A node cannot otherwise
+know how many tokens a step holds, so a pusher adding or dropping tokens would have the honest node after it compute
+them, and the client would blame that node for its answer's shape. The client gives the first node, with its step,
+one seal for each later node (Step.seals), an HMAC under that node's key over the step id, position and tokens and
+every seal after it (`seal_chain`). Each node checks the first seal against its key and the input it was pushed
+(`seal_matches`), refuses a mismatch as its input's fault, and pushes the rest on. No node can forge a seal of
+another's, and one altering the seals after its own is refused by the next node: either way under its own tag.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import os
 from hivemind.proto import runtime_pb2
 
 CONTEXT = b"nesa-node push tag v1"
+SEAL_CONTEXT = b"nesa-node step seal v1"
 KEY_BYTES = 32
 
 
@@ -40,10 +49,12 @@ def _codec_bytes(codec) -> bytes:
 def push_tag(key: bytes, step, tensor: runtime_pb2.Tensor) -> str:
     """HMAC-SHA256 (hex) under `key` of a pushed step (messages.Step: its id, position and codec) and its one
     tensor."""
-    return tag_of(key, step.step_id, step.position, step.codec, tensor)
+    return tag_of(key, step.step_id, step.position, step.codec, tensor, step.seals)
 
 
-def tag_of(key: bytes, step_id: str, position: int, codec, tensor: runtime_pb2.Tensor) -> str:
+def tag_of(
+    key: bytes, step_id: str, position: int, codec, tensor: runtime_pb2.Tensor, seals: tuple[str, ...] = ()
+) -> str:
     """`push_tag` of a step with these fields, before the step is made (the node makes its pushed step once, tag
     included)."""
     mac = hmac.new(key, CONTEXT, hashlib.sha256)
@@ -55,6 +66,8 @@ def tag_of(key: bytes, step_id: str, position: int, codec, tensor: runtime_pb2.T
         b"".join(int(size).to_bytes(8, "big", signed=True) for size in tensor.size),
         int(tensor.compression).to_bytes(4, "big", signed=True),
         tensor.buffer,
+        # then the seals, when there are any: an unsealed step's tag is as it always was
+        *((" ".join(seals).encode(),) if seals else ()),  # seals are hex: no space inside one
     ):
         mac.update(len(part).to_bytes(8, "big"))  # each part length-prefixed (no copy of the tensor's bytes)
         mac.update(part)
@@ -66,4 +79,32 @@ def tag_matches(key: bytes, step, tensor: runtime_pb2.Tensor) -> bool:
     return step.tag is not None and hmac.compare_digest(push_tag(key, step, tensor), step.tag)
 
 
-__all__ = ["KEY_BYTES", "new_key", "push_tag", "tag_matches", "tag_of"]
+def seal_of(key: bytes, step_id: str, position: int, tokens: int, rest: tuple[str, ...]) -> str:
+    """The seal (HMAC-SHA256, hex) under a node's `key` of a step of `tokens` tokens a row at `position`, with the
+    seals `rest` of the nodes after it."""
+    mac = hmac.new(key, SEAL_CONTEXT, hashlib.sha256)
+    for part in (step_id.encode(), int(position).to_bytes(8, "big"), int(tokens).to_bytes(8, "big"), *rest):
+        part = part.encode() if isinstance(part, str) else part
+        mac.update(len(part).to_bytes(8, "big"))
+        mac.update(part)
+    return mac.hexdigest()
+
+
+def seal_chain(keys: list[bytes], step_id: str, position: int, tokens: int) -> tuple[str, ...]:
+    """The seals of a step for the nodes holding `keys`, in chain order (the nodes after the first)."""
+    seals: tuple[str, ...] = ()
+    for key in reversed(keys):
+        seals = (seal_of(key, step_id, position, tokens, seals), *seals)
+    return seals
+
+
+def seal_matches(key: bytes, step, tokens: int) -> bool:
+    """Whether `step.seals` starts with this node's seal (under `key`) of `step` holding `tokens` tokens a row and
+    the seals after it (constant time)."""
+    if not step.seals:
+        return False
+    own = seal_of(key, step.step_id, step.position, tokens, step.seals[1:])
+    return hmac.compare_digest(own, step.seals[0])
+
+
+__all__ = ["KEY_BYTES", "new_key", "push_tag", "seal_chain", "seal_matches", "seal_of", "tag_matches", "tag_of"]

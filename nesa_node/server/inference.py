@@ -59,7 +59,7 @@ from nesa_node.protocol.messages import (
     StepResult,
     expect,
 )
-from nesa_node.protocol.push_tag import tag_of
+from nesa_node.protocol.push_tag import seal_matches, tag_of
 from nesa_node.protocol.tensors import NO_CODEC, as_received, bytes_to_proto, tensor_to_proto, tensor_to_wire
 from nesa_node.server.adapters import NodeAdapters
 from nesa_node.server.compute import BlockCompute
@@ -271,9 +271,9 @@ class InferenceService:
         try:
             while (request := await channel.receive()) is not None:
                 try:
-                    item = Inbound(request, read(request, TO_SESSION))
+                    item = Inbound(request, read(request, TO_SESSION), client_stream=True)
                 except RequestError as exc:
-                    item = Inbound(request, error=exc)
+                    item = Inbound(request, error=exc, client_stream=True)
                 await self.sessions.admit(session, item, sender=None, wait=True)
         except RequestError as exc:  # a frame over the limit, or not a frame: refused, and the stream ends
             logger.debug("session %s: stream refused: %s", session.session_id, exc)
@@ -317,7 +317,7 @@ class InferenceService:
                     await self._answer(session.reply, self._control(session, item.message))
                     continue
                 position = session.position
-                if not await self._step(session, item.frame, expect(item.message, Step)):
+                if not await self._step(session, item.frame, expect(item.message, Step), pushed=not item.client_stream):
                     return  # a step not done within the step timeout: the session is closed
                 if session.position != position:
                     # only a step that advanced the session keeps it alive: a duplicate answered from its record
@@ -379,13 +379,13 @@ class InferenceService:
             channel.abort()  # what it did not read is dropped, not kept for it
             raise ChannelClosedError(f"the peer read nothing for {self.limits.step_timeout_s} s") from None
 
-    async def _step(self, session: ServerSession, request: Frame, step: Step) -> bool:
+    async def _step(self, session: ServerSession, request: Frame, step: Step, *, pushed: bool) -> bool:
         """Compute a step and hand its output on; False when it missed the step timeout (the session ends). The
         step's counters are taken once its output has left: nothing down the chain waits for them."""
         pushing = False  # whether the step's time ran out handing it on (the next node did not take it)
         try:
             async with asyncio.timeout(self.limits.step_timeout_s):
-                output, seconds = await self._compute_step(session, request, step)
+                output, seconds = await self._compute_step(session, request, step, pushed)
                 # lossless where the session's codec cannot carry these values (beyond fp16's range)
                 proto, sent_codec = tensor_to_wire(output, session.output_codec)
                 tensors = [proto]
@@ -394,10 +394,14 @@ class InferenceService:
                     session.outputs[-1] = as_received(output, proto, sent_codec)
                 compute_s = seconds + step.compute_s  # this node's and those before it
                 if not step.replay and session.next_peer is not None:
-                    pushed, pushing = time.perf_counter(), True
+                    push_started, pushing = time.perf_counter(), True
                     try:
                         position = session.last_position  # of this step, also when it was a duplicate
                         key = session.push_key  # a tag: evidence of what it pushed, should the next node refuse it
+                        seals = step.seals[1:] if _sealed(session, pushed) else step.seals  # its own taken off
+                        tag = (
+                            None if key is None else tag_of(key, step.step_id, position, sent_codec, tensors[0], seals)
+                        )
                         out = Step(
                             step_id=step.step_id,
                             position=position,
@@ -405,14 +409,15 @@ class InferenceService:
                             compute_s=compute_s,
                             session_id=session.session_id,
                             owner=session.client_peer,
-                            tag=None if key is None else tag_of(key, step.step_id, position, sent_codec, tensors[0]),
+                            tag=tag,
+                            **({"seals": seals} if seals else {}),
                         )
                         await self.push.push(session, out, tensors)
                     finally:
                         if self.metrics is not None:
                             self._count_step(session, request, step, tensors, seconds, output.shape[1])
                     if self.metrics is not None:
-                        self.metrics.push_duration_seconds.observe(time.perf_counter() - pushed)
+                        self.metrics.push_duration_seconds.observe(time.perf_counter() - push_started)
                     return True
         except TimeoutError:
             logger.info("session %s: step over %.1f s, closing", session.session_id, self.limits.step_timeout_s)
@@ -469,7 +474,9 @@ class InferenceService:
                 session.output = None
         await self._answer(session.reply, output)
 
-    async def _compute_step(self, session: ServerSession, request: Frame, step: Step) -> tuple[torch.Tensor, float]:
+    async def _compute_step(
+        self, session: ServerSession, request: Frame, step: Step, pushed: bool
+    ) -> tuple[torch.Tensor, float]:
         await self.injected_delay()
         digest = _step_digest(request, step)
         if step.step_id == session.last_step_id and session.last_output is not None:
@@ -479,6 +486,7 @@ class InferenceService:
             # holds. From the same upstream, other content under a used id is refused.
             if digest != session.last_digest and session.last_upstream == session.upstream_peer:
                 raise BadRequestError(f"step id {step.step_id!r} was already used for different content")
+            _check_seal(session, step, session.last_output.shape[1], pushed)  # its seals are pushed on again
             return session.last_output, 0.0  # a duplicate delivery (a retry): same output, computed once
         if step.position != session.position:
             raise InputRefused(f"step at position {step.position}, but the session's cache holds {session.position}")
@@ -486,6 +494,7 @@ class InferenceService:
             hidden = self.compute.read_hidden(request, step.codec, batch=session.batch)
         except BadRequestError as refused:  # (a pushed one goes back as evidence: _refusal)
             raise InputRefused(refused.message) from None
+        _check_seal(session, step, hidden.shape[1], pushed)
         if step.position + hidden.shape[1] > session.max_length:
             raise BadRequestError(
                 f"step would reach {step.position + hidden.shape[1]} tokens, over the session's max_length "
@@ -546,6 +555,24 @@ class InferenceService:
         if output_codec is not None:
             session.output_codec = output_codec
         return frame(Retargeted())
+
+
+def _sealed(session: ServerSession, pushed: bool) -> bool:
+    """Whether a step that did not come on the client's own session stream (`pushed`: on a push stream, a data lane
+    or a one-shot push) came from the previous node of a direct chain whose client seals its steps
+    (protocol/push_tag.py), and so must carry this node's seal first."""
+    return pushed and session.push_key is not None and session.upstream_peer != session.client_peer
+
+
+def _check_seal(session: ServerSession, step: Step, tokens: int, pushed: bool) -> None:
+    """InputRefused unless a pushed step carries the client's seal of its position and `tokens` tokens a row, and
+    of the seals after it: a previous node adding or dropping tokens, or altering a later node's seal, is refused
+    here, its own tag on what it pushed (the refusal's evidence) showing the client it was its doing."""
+    if _sealed(session, pushed) and not seal_matches(session.push_key, step, tokens):
+        raise InputRefused(
+            f"the pushed step at position {step.position} with {tokens} tokens a row does not carry the client's "
+            "seal of it (a step of other tokens than the client sent, or altered seals)"
+        )
 
 
 def _alone(tensor: torch.Tensor) -> torch.Tensor:

@@ -269,8 +269,7 @@ class LaneServer:
             older.close()
         session.inbound.clear()
         session.inbound.add(channel)
-        if session.max_frame_bytes is not None:  # (set at its open: frames it can use)
-            channel.max_frame_bytes = min(channel.max_frame_bytes, session.max_frame_bytes)
+        session.limit_frames(channel, 0)  # frames it can use (the bound set at its open)
         lane.confirm(channel.stream)
         await serve_steps(channel, session, self.sessions, sender=None)
 
@@ -314,8 +313,7 @@ async def serve_steps(
                     raise BadRequestError("push from a peer that is not this session's upstream")
                 bound = session
                 session.take_push_stream(channel)
-                if session.max_frame_bytes is not None:  # later frames: no longer than the session can use
-                    channel.max_frame_bytes = min(channel.max_frame_bytes, session.max_frame_bytes)
+                session.limit_frames(channel, 0)  # later frames: no longer than the session can use
                 settled(channel)  # one push stream per session from here (server/rpc.py opening_streams)
             await sessions.admit(session, Inbound(request, message), sender=sender, wait=False)
         except RequestError as exc:

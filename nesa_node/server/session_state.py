@@ -26,6 +26,7 @@ class Inbound:
     message: Message | None = None
     error: Exception | None = None
     from_peer: bool = True  # took a place in the queue (a report from this node does not)
+    client_stream: bool = False  # came on the session's own stream (the client's), not pushed by a peer or on a lane
 
 
 MAX_QUEUED_REPORTS = 4  # a session's reports of its next node's failures waiting to be answered to the client

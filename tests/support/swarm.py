@@ -96,11 +96,11 @@ def step_held_up(node: Node, *, at: int, seconds: float):
     computes it, as a busy machine would; yields a HeldUp counting the steps asked."""
     original, held = node.inference._compute_step, HeldUp()
 
-    async def held_up(session, request, step):
+    async def held_up(session, request, step, pushed):
         held.steps += 1
         if held.steps == at:
             await asyncio.sleep(seconds)
-        return await original(session, request, step)
+        return await original(session, request, step, pushed)
 
     node.inference._compute_step = held_up
     try:

@@ -25,7 +25,7 @@ from hivemind.proto.p2pd_pb2 import RPCError
 from nesa_node import DistributedModelForCausalLM
 from nesa_node.client.model import SyncSession
 from nesa_node.errors import PeerUnavailableError, QuotaExceededError
-from nesa_node.protocol import lane, rpc
+from nesa_node.protocol import lane, push_tag, rpc
 from nesa_node.protocol.channel import Frame
 from nesa_node.protocol.framing import StreamChannel, call_on_stream, open_stream
 from nesa_node.protocol.tensors import tensor_to_proto
@@ -594,6 +594,37 @@ def test_d_push_from_a_peer_that_is_not_the_upstream(target):
 
     error = target.call(run())
     assert (error["code"], error["message"]) == ("bad_request", "push from a peer that is not this session's upstream")
+
+
+def test_g_a_one_shot_push_of_other_tokens_than_the_client_sealed_is_refused(target):
+    """A session whose client sealed its steps (it gave the node a key, protocol/push_tag.py) and whose upstream is
+    another peer: that peer's one-shot push (`nesa.push`) of a step with a token more than the client's seal says is
+    refused, as on a push stream or lane; the step as sealed is taken."""
+    session_id, key = uuid.uuid4().hex, push_tag.new_key()
+    upstream = target.honest_client  # the pushing peer: its own p2p, on its own event loop
+    opened = opening(session_id=session_id, upstream=upstream.swarm.peer_id, push_key=key.hex())
+    stream = target.call(held_stream(target, opened))
+
+    async def answer() -> dict:
+        return answer_of(await anext(stream))
+
+    async def push(hidden: torch.Tensor, tokens: int) -> dict:
+        seals = push_tag.seal_chain([key], "s:0", 0, tokens)
+        request = step(0, hidden, session_id=session_id, owner=target.attacker.swarm.peer_id, seals=list(seals))
+        return answer_of(
+            await upstream.swarm.p2p.call_protobuf_handler(target.peer, rpc.PUSH, request, runtime_pb2.ExpertResponse)
+        )
+
+    try:
+        assert target.call(answer())["kind"] == "opened"
+        assert upstream.call(push(torch.randn(1, 2, HIDDEN), tokens=1)) == {}  # queued: answers go on the stream
+        refused = target.call(answer())
+        assert upstream.call(push(torch.randn(1, 2, HIDDEN), tokens=2)) == {}
+        taken = target.call(answer())
+    finally:
+        target.call(stream.aclose())
+    assert refused["code"] == "bad_request" and "seal" in refused["message"], refused
+    assert taken["kind"] == "result" and taken["position"] == 0, taken
 
 
 def test_g6_push_streams_end_unless_they_feed_a_session_and_a_session_keeps_one(target, monkeypatch):

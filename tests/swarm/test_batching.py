@@ -68,8 +68,8 @@ def test_concurrent_sessions_batched_give_each_its_own_tokens(module_swarm, tiny
     # each step's output a node keeps (for a replacement of its next node) owns its storage: not a view of the pass
     owned, compute_step = [], nodes[0].inference._compute_step
 
-    async def recording(session, request, step):
-        output, seconds = await compute_step(session, request, step)
+    async def recording(session, request, step, pushed):
+        output, seconds = await compute_step(session, request, step, pushed)
         owned.append(output.untyped_storage().nbytes() == output.numel() * output.element_size())
         return output, seconds
 

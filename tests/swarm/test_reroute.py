@@ -21,6 +21,7 @@ from nesa_node.client.swarm import RECENT_RECORD_S
 from nesa_node.devtools.chaos import AfterTokens
 from nesa_node.devtools.launcher import ProcessGroup
 from nesa_node.errors import NoRouteError
+from nesa_node.protocol import push_tag
 from nesa_node.protocol.dht import NodeRecord
 from nesa_node.routing.chain import Chain, Hop
 from tests.support.swarm import wait_for_chain, wait_until
@@ -234,25 +235,34 @@ def test_a_node_sending_bad_hidden_states_is_banned_and_its_span_rerouted(local_
     assert torch.equal(output, reference)
 
 
-@pytest.mark.parametrize("fault", ["nan", "shape"])
+@pytest.mark.parametrize("fault", ["nan", "short", "extra", "seals"])
 def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, tiny_llama, fault):
-    """In a direct chain the first node pushes NaN (or a token short) to the next: the next node refuses the step,
-    the client fails the node that pushed it (not the one that refused), re-routes its span to a spare, and the
-    tokens equal single-process generation. The refused step comes back under the pusher's own tag
-    (protocol/push_tag.py): NaN under it is its fault, a ban never lifted early; a token short is not proof (its own
-    input may have been short, which the client cannot see), so it is banned for a failure."""
+    """In a direct chain the first node pushes NaN, a token short, a token more (which an honest next node would
+    compute, and its answer's shape would have it blamed) or another seal than the client's to the next: the next
+    node refuses the step, the client fails the node that pushed it (not the one that refused), re-routes its span
+    to a spare, and the tokens equal single-process generation. The refused step comes back under the pusher's own
+    tag (protocol/push_tag.py), with the client's seals of its position and tokens: what it shows is the pusher's
+    fault, a ban never lifted early."""
     prefix = f"bad-push-{fault}"
     liar = local_swarm.start_node(tiny_llama, 0, 2, dht_prefix=prefix)
     honest = local_swarm.start_node(tiny_llama, 2, 4, dht_prefix=prefix)
-    honest_run = liar.compute.run
+    honest_run, honest_push = liar.compute.run, liar.inference.push.push
 
     async def lying_run(hidden, cache, position, blocks, adapter=None):
         output, seconds = await honest_run(hidden, cache, position, blocks, adapter)
-        if position >= PROMPT.shape[1] + 2:
-            output = torch.full_like(output, float("nan")) if fault == "nan" else output[:, :0]
+        if position >= PROMPT.shape[1] + 2 and fault != "seals":
+            spoiled = {"nan": torch.full_like(output, float("nan")), "short": output[:, :0]}
+            output = spoiled.get(fault, torch.cat([output, output], dim=1))
         return output, seconds
 
-    liar.compute.run = lying_run
+    async def lying_push(session, step, tensors):
+        if fault == "seals" and step.position >= PROMPT.shape[1] + 2:  # another seal, under its own valid tag
+            seals = ("0" * 64,)
+            tag = push_tag.tag_of(session.push_key, step.step_id, step.position, step.codec, tensors[0], seals)
+            step = step.model_copy(update={"seals": seals, "tag": tag})
+        await honest_push(session, step, tensors)
+
+    liar.compute.run, liar.inference.push.push = lying_run, lying_push
     with DistributedModelForCausalLM.from_pretrained(
         tiny_llama, initial_peers=local_swarm.initial_peers, dht_prefix=prefix, compression="none"
     ) as model:
@@ -263,8 +273,8 @@ def test_a_middle_node_pushing_bad_hidden_states_is_the_one_banned(local_swarm, 
             output = model.generate(PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False)
         assert [entry["failed"] for entry in session.failovers] == [liar.peer_id]
         assert session.failovers[0]["position"] >= PROMPT.shape[1] + 2  # failed by its lie, not by anything before
-        assert liar.peer_id in model.swarm.banned()
-        assert (liar.peer_id in model.swarm.faulty()) == (fault == "nan")  # NaN under its own tag: its fault
+        assert liar.peer_id in model.swarm.banned() and liar.peer_id in model.swarm.faulty()  # under its own tag
+        assert honest.peer_id not in model.swarm.banned()
         assert session.chain.peer_ids == (spare.peer_id, honest.peer_id)
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).generate(
         PROMPT, max_new_tokens=8, min_new_tokens=8, do_sample=False

@@ -63,7 +63,9 @@ def test_a7_a_step_delivered_twice_is_processed_once(local_swarm, tiny_llama):
             succeeded(recomputed_answer)
             assert recomputed.tensors[0].buffer == first.tensors[0].buffer
             assert node.compute.steps_served == served + 1
-            # the session is undisturbed: the next step continues from position 2
+            # the session is undisturbed: the next step continues from position 2, the client its upstream again (a
+            # node with another peer upstream takes only steps carrying the client's seal: protocol/push_tag.py)
+            succeeded(model.call(send(frame(Retarget(upstream=model.swarm.peer_id))))[0])
             session.session.position = 2  # the raw steps above went around the session's own bookkeeping
             assert session.step(torch.randn(1, 1, 64)).shape == (1, 1, 64)
         finally:

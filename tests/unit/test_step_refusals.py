@@ -17,8 +17,10 @@ from nesa_node.client.config import ClientConfig
 from nesa_node.client.routing import explain_missing
 from nesa_node.client.session import InferenceSession
 from nesa_node.errors import AdapterMissingError, BadRequestError, SessionNotFoundError, SessionStateError
-from nesa_node.protocol.messages import ErrorReply
-from nesa_node.protocol.tensors import tensor_to_proto
+from nesa_node.protocol import push_tag
+from nesa_node.protocol.channel import frame
+from nesa_node.protocol.messages import ErrorReply, Step
+from nesa_node.protocol.tensors import NO_CODEC, tensor_to_proto
 from nesa_node.routing.chain import Chain, ChainRequest, NodeView, SwarmSnapshot
 
 HIDDEN = 8
@@ -205,3 +207,32 @@ def test_a_no_route_message_says_which_nodes_take_too_few_tokens_a_step():
     silent = SwarmSnapshot(num_blocks=2, nodes=(NodeView("QmNoLimit", 0, 2, cache_tokens_left=999),))
     said = explain_missing(silent, ChainRequest(max_length=32, step_tokens=300, unannounced_tokens=256), frozenset())
     assert "announces no step limit (held to 256 tokens), 300 asked" in said
+
+
+@pytest.mark.parametrize("shown", ["current", "never-sent", "earlier-attempt", "a-token-more"])
+def test_a_pushed_steps_seals_and_tokens_under_its_pushers_tag_tell_who_is_at_fault(shown):
+    """The last node refuses what the middle one pushed, returning it under the middle node's tag
+    (protocol/push_tag.py). With the seals the client sent this attempt and the step's shape, the refuser failed;
+    with seals the client never sent, or a token more (the pusher's own input was sealed with the step's tokens),
+    the pusher is at fault; with the seals of an earlier attempt of the step (sent before a failover replaced a node
+    after the pusher), anyone may have sent them again: no proof, the accusation is weighed (Failover.judge)."""
+    session, (first, middle, last) = session_of("direct")
+    session.links.swarm = SimpleNamespace(announced=lambda peer_id: None, answer_dtypes=lambda peer_id: ("float32",))
+    session.position = 5
+    replaced = SimpleNamespace(peer_id="replaced")
+    for link in (first, middle, last, replaced):
+        link.push_key = push_tag.new_key()
+    earlier = session._seal([first, middle, replaced], STEP, 1)  # before the last node was replaced
+    current = session._seal([first, middle, last], STEP, 1)
+    seals = {"never-sent": ("0" * 64,), "earlier-attempt": earlier[1:]}.get(shown, current[1:])
+    hidden = torch.ones(1, 2 if shown == "a-token-more" else 1, HIDDEN)
+    proto = tensor_to_proto(hidden)
+    tag = push_tag.tag_of(middle.push_key, STEP, 5, NO_CODEC, proto, seals)
+    evidence = Step(step_id=STEP, position=5, seals=seals, tag=tag)
+    reply = ErrorReply.of(BadRequestError("the step's seal does not match"), STEP).model_copy(
+        update={"evidence": evidence}
+    )
+    with pytest.raises(LinkFailed) as failed:
+        session._raise_step_error(last, reply, frame(reply, [proto]), step_id=STEP, fed=first, shape=(1, 1, HIDDEN))
+    blamed = {"current": (last, False, None), "earlier-attempt": (middle, False, last)}.get(shown, (middle, True, None))
+    assert (failed.value.link, failed.value.fault, failed.value.accuser) == blamed
