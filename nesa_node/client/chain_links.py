@@ -40,7 +40,8 @@ class ChainLink:
         # keys of the data lanes into and out of this node (protocol/lane.py), drawn by the client at open
         self.key_in = lane.new_key()
         self.key_out = lane.new_key()
-        # the key this node tags the steps it pushes with (protocol/push_tag.py): only it and the client know it
+        # the key this node tags the steps it pushes with, and the client seals its steps for it with
+        # (protocol/push_tag.py): only it and the client know it
         self.push_key = push_tag.new_key()
 
     @property

@@ -29,7 +29,7 @@ from collections.abc import Awaitable, Callable
 import torch
 
 from nesa_node.client.bans import ACCUSATIONS_TO_BLAME
-from nesa_node.client.chain_links import ChainLink, LinkFailed
+from nesa_node.client.chain_links import ChainLink, LinkFailed, link_ended
 from nesa_node.client.open_refusals import ADAPTER_REFUSALS
 from nesa_node.client.routing import LAST_NODES_PROBE_FACTOR
 from nesa_node.client.session_chain import SessionChain
@@ -42,7 +42,7 @@ from nesa_node.errors import (
     QuotaExceededError,
     RequestError,
 )
-from nesa_node.protocol.messages import LaneSettings, Retarget
+from nesa_node.protocol.messages import ErrorReply, LaneSettings, Retarget
 from nesa_node.routing.chain import ChainRequest, Hop
 
 logger = logging.getLogger(__name__)
@@ -252,10 +252,11 @@ class Failover:
 
     async def weigh_report(self, report: LinkFailed) -> LinkFailed:
         """Who failed, when a node of a direct chain (`report.reporter`) said its next node (`report.link`) did not
-        take its pushes, which the client cannot see. A next node that does not answer a ping is the lost one. One
-        that answers leaves word against word: it is replaced for a failure only, unless the reporter's word now
-        stands against ACCUSATIONS_TO_BLAME different nodes that answered, when the reporter is replaced instead
-        (client/bans.py): a node saying so of every next node cannot have them banned one after another."""
+        take its pushes, which the client cannot see. A next node that does not answer a ping is the lost one; one
+        that meanwhile said it ended the session itself (its blocks failed a step, say) failed by its own word. One
+        that answers otherwise leaves word against word: it is replaced for a failure only, unless the reporter's
+        word now stands against ACCUSATIONS_TO_BLAME different nodes that answered, when the reporter is replaced
+        instead (client/bans.py): a node saying so of every next node cannot have them banned one after another."""
         named, reporter = report.link, report.reporter
         if named is None or named not in self.chain.links or reporter not in self.chain.links:
             return LinkFailed(report.message, named)
@@ -263,6 +264,9 @@ class Failover:
             unreachable = await self.swarm.unreachable([named.peer_id], timeout_s=self.probe_timeout_s, fresh_s=0.0)
         if unreachable:
             return LinkFailed(report.message, named)
+        said = SessionChain.said(named)  # the next node's own word, come meanwhile: it ended the session itself
+        if said is not None and isinstance(said[0], ErrorReply) and (ended := link_ended(said[0].error(), named)):
+            return ended
         if self.swarm.accuse(reporter.peer_id, named.peer_id) >= ACCUSATIONS_TO_BLAME:
             logger.warning("node %s said %d different next nodes that answer took none of its pushes: replaced",
                            reporter.peer_id, ACCUSATIONS_TO_BLAME)  # fmt: skip

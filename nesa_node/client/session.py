@@ -121,7 +121,8 @@ class InferenceSession:
         self._broken: str | None = None  # why no step may be sent any more (a prompt failed part-way)
         self._sent_codecs: list[str] = []  # the last step's, per node the client fed
         self._step_codecs: tuple[str, dict] = ("", {})  # (step id, codec per peer it was sent to)
-        self._seals_sent: tuple[str, list] = ("", [])  # (step id, the seal chains sent with it: one per attempt)
+        # (step id, per attempt of it: the chain's peer ids, the step's tokens a row, the seals sent with it)
+        self._seals_sent: tuple[str, list] = ("", [])
         # per peer fed by the client: (step id, what identified the content last sent it under that id (position,
         # codec, tensor as sent: what a node compares a step id's content by), that input, whether the client ever
         # sent it other content under that id: a step interrupted and taken again, a relay input recomputed upstream)
@@ -407,10 +408,10 @@ class InferenceSession:
         lost node. A node of a direct chain that refuses the pushed step `step_id` (of `shape`) accuses the node
         that pushed it: the pushed step it returns under the pusher's tag (protocol/push_tag.py) shows which of the two
         is at fault; without it, the pusher's record of its outputs is checked before either is blamed
-        (Failover.judge). A refusal of another step (an earlier one's, answered or failed since) is stale: passed
-        over, as is, in relay mode, any refusal from a node other than `fed` (the one the client is sending this
-        step's input: the first node, or each in turn in relay mode; the others answered it already or were not sent
-        it). `fed` refusing the step although the input passes every check an honest node makes failed
+        (Failover.judge). A refusal of another step (an earlier one's, answered or failed since), or of a push of an
+        earlier attempt of this step (its seals show it), is stale: passed over, as is, in relay mode, any refusal
+        from a node other than `fed` (the one the client is sending this step's input: the first node, or each in
+        turn in relay mode; the others answered it already or were not sent it). `fed` refusing the step although the input passes every check an honest node makes failed
         (`_own_input_sane`): it is replaced, the user's request not refused; and so is a node of a direct chain
         refusing a step for anything but its input (an unknown session, an adapter it no longer has)."""
         if not isinstance(message, ErrorReply):
@@ -436,15 +437,21 @@ class InferenceSession:
             # in a direct chain a node's input is its previous node's output, pushed with its step: a refused one
             # (NaN, a wrong shape) is that node's fault, if the refusing node tells the truth
             accused, accuser = links[index - 1], links[index]
-            seals = seal_chain([link.push_key for link in links[1:]], step_id, self.position, shape[1])[index - 1 :]
-            expected = Step(step_id=step_id, position=self.position, seals=seals)
-            shown = self.links.pushed_malformed(accused, message, answer, expected=expected, shape=shape)
-            if shown is False and message.evidence.seals != seals:
-                # the pusher's own input was sealed with the step: seals the client never sent are its doing; those
-                # of an earlier attempt (before a failover changed the chain) are genuine, whoever sent them again
-                sent = self._seals_sent[1] if self._seals_sent[0] == step_id else []
-                earlier = any(message.evidence.seals == chain[k:] for chain in sent for k in range(len(chain)))
-                shown = None if earlier else True
+            attempts = self._seals_sent[1] if self._seals_sent[0] == step_id else []
+            claimed = _claimed_attempt(attempts, accused.peer_id, message.evidence)
+            tokens = shape[1] if claimed is None else attempts[claimed][1]  # that attempt's step's tokens a row
+            expected = Step(step_id=step_id, position=self.position)
+            shown = self.links.pushed_malformed(
+                accused, message, answer, expected=expected, shape=(shape[0], tokens, shape[2])
+            )
+            if shown is False and attempts:
+                # the pusher's own input was sealed with the step, so it pushes on exactly the seals the client sent
+                # after it: others are its doing. Those of an earlier attempt of the step (before a failover changed
+                # the chain after it) are genuine, its push then too: the refusal is stale, the attempt under way follows
+                if claimed is None:
+                    shown = True
+                elif claimed != len(attempts) - 1:
+                    return
             if shown is True:  # what the accused pushed, under its own tag: its fault
                 refused = f"{accuser.peer_id} refused its input, which {accused.peer_id}'s own tag shows malformed"
                 raise LinkFailed(f"{refused}: {error.message}", accused, fault=True)
@@ -465,7 +472,7 @@ class InferenceSession:
         seals = seal_chain([link.push_key for link in links[1:]], step_id, self.position, tokens)
         if self._seals_sent[0] != step_id:
             self._seals_sent = (step_id, [])
-        self._seals_sent[1].append(seals)
+        self._seals_sent[1].append((tuple(link.peer_id for link in links), tokens, seals))
         return seals
 
     def _note_fed(self, peer_id: str, step_id: str, content: tuple, hidden: torch.Tensor) -> None:
@@ -496,6 +503,16 @@ class InferenceSession:
         rows, tokens, width = sent.shape
         within = tokens == 1 or rows * tokens <= max(self._taken.get(link.peer_id, 0), self.links.step_tokens(link))
         return width == known and rows > 0 and within and all_finite(sent)
+
+
+def _claimed_attempt(attempts: list, peer_id: str, evidence: Step | None) -> int | None:
+    """The latest of a step's `attempts` (peer ids, tokens, seals) in which the seals after `peer_id` are those of
+    the step `evidence` it pushed; None if there is none."""
+    for number in range(len(attempts) - 1, -1, -1):
+        peers, _, seals = attempts[number]
+        if evidence is not None and peer_id in peers and seals[peers.index(peer_id) :] == evidence.seals:
+            return number
+    return None
 
 
 __all__ = ["MIN_STEP_DEADLINE_S", "InferenceSession", "StepTiming"]

@@ -62,10 +62,9 @@ logger = logging.getLogger(__name__)
 REPLAY_CHUNK_TOKENS = 1024  # history replayed per message, rows x tokens: well under a node's max_tokens_per_step
 MAX_HIDDEN = 1 << 16  # widest hidden state accepted in a replayed history, elements
 ANSWER_HEADROOM_BYTES = MAX_METADATA_BYTES + 4096  # the message and protobuf framing around an answer's tensor
-# steps go one at a time, so an honest node has a few answers outstanding (a result, an error report); a node past
-# this sends what nobody asked for
-MAX_QUEUED_ANSWERS = 64
+MAX_QUEUED_ANSWERS = 64  # an honest node has a few outstanding (a result, an error report): past this, unasked for
 MAX_KEY_BYTES = 2048  # a node's DER public key (RSA up to 8192 bits is ~1.1 KB)
+LANE_END_GRACE_S = 0.25  # guess: its stream's last words come within it on any link a step can take
 
 
 def answer_frame_bytes(batch: int, max_length: int, hidden_size: int) -> int:
@@ -319,11 +318,13 @@ class SessionChain:
         try:
             while (received := await channel.receive()) is not None:
                 self._queue_answer(link, received, channel)
+            failure = PeerUnavailableError(f"node {link.peer_id} closed {what}")
         except Exception as exc:  # a channel that fails is a node that fails, whatever the reason
             message = exc.message if isinstance(exc, NesaError) else repr(exc)
-            self.answers.put_nowait((link, PeerUnavailableError(f"{what} of {link.peer_id} failed: {message}")))
-            return
-        self.answers.put_nowait((link, PeerUnavailableError(f"node {link.peer_id} closed {what}")))
+            failure = PeerUnavailableError(f"{what} of {link.peer_id} failed: {message}")
+        if channel is not link.control:  # a node ending the session says why on its stream: a lane's end waits for it
+            await asyncio.sleep(LANE_END_GRACE_S)
+        self.answers.put_nowait((link, failure))
 
     def _queue_answer(self, link: ChainLink, received: Frame, channel: Channel) -> None:
         """Queue a node's answer for `next_answer`; PeerUnavailableError (the channel closed) when the node already

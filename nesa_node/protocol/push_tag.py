@@ -18,7 +18,9 @@ them, and the client would blame that node for its answer's shape. The client gi
 one seal for each later node (Step.seals), an HMAC under that node's key over the step id, position and tokens and
 every seal after it (`seal_chain`). Each node checks the first seal against its key and the input it was pushed
 (`seal_matches`), refuses a mismatch as its input's fault, and pushes the rest on. No node can forge a seal of
-another's, and one altering the seals after its own is refused by the next node: either way under its own tag.
+another's, and one altering the seals after its own is refused by the next node, its own tag on what it pushed.
+A step sent again after a failover (same id) is sealed anew; the client keeps every attempt's seals, and a refused
+push carrying an earlier attempt's is stale, not proof (client/session.py `_raise_step_error`).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def _codec_bytes(codec) -> bytes:
 
 
 def push_tag(key: bytes, step, tensor: runtime_pb2.Tensor) -> str:
-    """HMAC-SHA256 (hex) under `key` of a pushed step (messages.Step: its id, position and codec) and its one
+    """HMAC-SHA256 (hex) under `key` of a pushed step (messages.Step: its id, position, codec and seals) and its one
     tensor."""
     return tag_of(key, step.step_id, step.position, step.codec, tensor, step.seals)
 

@@ -78,7 +78,7 @@ class ServerSession:
     computing: bool = False  # a step that advances the session waits for cache room or is computed
     adapter: object = None  # the LoRA AdapterSlice every step runs with (sharding/lora.py), or None
     adapter_id: str | None = None  # its adapter's id (the sha256 of its manifest)
-    push_key: bytes | None = None  # the client's key for tagging what this node pushes (protocol/push_tag.py)
+    push_key: bytes | None = None  # the client's key: this node's pushes' tags, its steps' seals (protocol/push_tag.py)
     release_adapter: Callable[[], None] | None = None  # lets the node's adapter store evict it again, once
     window_log: object = None  # the session's signed hop records (server/window_log.py), when the client asked
     lent_bytes: int = 0  # of reserved_bytes, what its growth borrowed past its peer's share (server/cache_room.py)

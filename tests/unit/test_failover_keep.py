@@ -10,7 +10,9 @@ import pytest
 
 from nesa_node.client.chain_links import LinkFailed
 from nesa_node.client.failover import Failover
-from nesa_node.errors import NoRouteError, PeerUnavailableError
+from nesa_node.errors import NoRouteError, PeerUnavailableError, StepFailedError
+from nesa_node.protocol.channel import frame
+from nesa_node.protocol.messages import ErrorReply
 from nesa_node.routing.chain import Hop
 
 
@@ -50,7 +52,10 @@ class FakeSwarm:
 def chain_of(*peers: str) -> SimpleNamespace:
     links = [
         SimpleNamespace(
-            peer_id=peer, hop=Hop(peer_id=peer, start_block=2 * index, end_block=2 * index + 2), closed=False
+            peer_id=peer,
+            hop=Hop(peer_id=peer, start_block=2 * index, end_block=2 * index + 2),
+            closed=False,
+            said=None,  # its last refusal not read yet (SessionChain.said)
         )
         for index, peer in enumerate(peers)
     ]
@@ -208,3 +213,19 @@ def test_a_node_saying_every_next_node_took_none_of_its_pushes_is_itself_replace
         assert recover(failover, LinkFailed("next node refused: its queue is full", named, reporter=reporter))
     assert replaced == ["gone", "B", "A"]  # silent: lost indeed; B answers: replaced once; C answers too: A is
     assert swarm.bans == {"gone", "B", "A"} and not swarm.faults and "C" not in swarm.bans
+
+
+def test_a_next_node_that_said_it_ended_the_session_fails_by_its_own_word_not_the_reporters():
+    """The previous node reports its push channel to B ended, and B's own reply, come meanwhile, says it ended the
+    session (its blocks failed the step): B is replaced by that word, which the failover's record names, and A's
+    report is no accusation of B (reports against two such nodes do not turn on A)."""
+    swarm = AccusingSwarm()
+    chain = chain_of("A", "B", "C")
+    a, b, c = chain.links
+    failover = Failover(chain, swarm, no_route, max_replacement_attempts=1, probe_timeout_s=1.0)
+    said = ErrorReply.of(StepFailedError("the node failed the step: RuntimeError: out of memory"), "s:7")
+    for named in (b, c):
+        named.said = frame(said)
+        weighed = asyncio.run(failover.weigh_report(LinkFailed("push channel ended", named, reporter=a)))
+        assert (weighed.link, weighed.message) == (named, said.message)
+    assert swarm.record.accuse("A", "D") == 1  # A's reports above were no accusations

@@ -209,30 +209,54 @@ def test_a_no_route_message_says_which_nodes_take_too_few_tokens_a_step():
     assert "announces no step limit (held to 256 tokens), 300 asked" in said
 
 
-@pytest.mark.parametrize("shown", ["current", "never-sent", "earlier-attempt", "a-token-more"])
+SHOWN = {  # what the refused push carries -> who is blamed: (link, fault, accuser); None: passed over as stale
+    "current": ("last", False, None),  # the seals and shape the client sent: the refuser failed
+    "never-sent": ("middle", True, None),
+    "own-seal-kept": ("middle", True, None),  # the current seals at another place: not what it was to push on
+    "a-token-more": ("middle", True, None),  # its own input was sealed with the step's tokens
+    "earlier-attempt": None,  # a push before the last node was replaced: genuine, stale now
+    "earlier-attempt-other-tokens": None,  # a retry of the step id with other tokens: that attempt's shape holds
+    "earlier-seals-a-token-more": ("middle", True, None),
+}
+
+
+@pytest.mark.parametrize("shown", list(SHOWN))
 def test_a_pushed_steps_seals_and_tokens_under_its_pushers_tag_tell_who_is_at_fault(shown):
     """The last node refuses what the middle one pushed, returning it under the middle node's tag
-    (protocol/push_tag.py). With the seals the client sent this attempt and the step's shape, the refuser failed;
-    with seals the client never sent, or a token more (the pusher's own input was sealed with the step's tokens),
-    the pusher is at fault; with the seals of an earlier attempt of the step (sent before a failover replaced a node
-    after the pusher), anyone may have sent them again: no proof, the accusation is weighed (Failover.judge)."""
+    (protocol/push_tag.py). With the seals the client sent this attempt after the middle node and the step's shape,
+    the refuser failed; with seals the client never sent after it, or another token count than the seals' attempt,
+    the pusher is at fault (its own input was sealed); a well-formed push with the seals of an earlier attempt of the
+    step (sent before a failover replaced the node after it, or with other tokens) is stale: passed over, the
+    attempt under way follows."""
     session, (first, middle, last) = session_of("direct")
     session.links.swarm = SimpleNamespace(announced=lambda peer_id: None, answer_dtypes=lambda peer_id: ("float32",))
     session.position = 5
     replaced = SimpleNamespace(peer_id="replaced")
     for link in (first, middle, last, replaced):
         link.push_key = push_tag.new_key()
-    earlier = session._seal([first, middle, replaced], STEP, 1)  # before the last node was replaced
+    earlier_tokens = 2 if shown == "earlier-attempt-other-tokens" else 1
+    earlier = session._seal([first, middle, replaced], STEP, earlier_tokens)  # the last node was replaced since
     current = session._seal([first, middle, last], STEP, 1)
-    seals = {"never-sent": ("0" * 64,), "earlier-attempt": earlier[1:]}.get(shown, current[1:])
-    hidden = torch.ones(1, 2 if shown == "a-token-more" else 1, HIDDEN)
-    proto = tensor_to_proto(hidden)
+    seals = {
+        "never-sent": ("0" * 64,),
+        "own-seal-kept": current,
+        "earlier-attempt": earlier[1:],
+        "earlier-attempt-other-tokens": earlier[1:],
+        "earlier-seals-a-token-more": earlier[1:],
+    }.get(shown, current[1:])
+    tokens = 2 if shown in ("a-token-more", "earlier-attempt-other-tokens", "earlier-seals-a-token-more") else 1
+    proto = tensor_to_proto(torch.ones(1, tokens, HIDDEN))
     tag = push_tag.tag_of(middle.push_key, STEP, 5, NO_CODEC, proto, seals)
     evidence = Step(step_id=STEP, position=5, seals=seals, tag=tag)
     reply = ErrorReply.of(BadRequestError("the step's seal does not match"), STEP).model_copy(
         update={"evidence": evidence}
     )
+    refusal = frame(reply, [proto])
+    if SHOWN[shown] is None:
+        session._raise_step_error(last, reply, refusal, step_id=STEP, fed=first, shape=(1, 1, HIDDEN))  # no raise
+        return
     with pytest.raises(LinkFailed) as failed:
-        session._raise_step_error(last, reply, frame(reply, [proto]), step_id=STEP, fed=first, shape=(1, 1, HIDDEN))
-    blamed = {"current": (last, False, None), "earlier-attempt": (middle, False, last)}.get(shown, (middle, True, None))
-    assert (failed.value.link, failed.value.fault, failed.value.accuser) == blamed
+        session._raise_step_error(last, reply, refusal, step_id=STEP, fed=first, shape=(1, 1, HIDDEN))
+    link, fault, accuser = SHOWN[shown]
+    links = {"last": last, "middle": middle}
+    assert (failed.value.link, failed.value.fault, failed.value.accuser) == (links[link], fault, accuser)
