@@ -79,6 +79,9 @@ class _Codec:
     decode: Callable[[torch.Tensor, int, torch.dtype, dict[str, int], torch.device], torch.Tensor]
 
 
+_WIRE_NAMES: dict[torch.dtype, str] = {torch_dtype: name for name, (torch_dtype, _) in WIRE_DTYPES.items()}
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     for name, (torch_dtype, _) in WIRE_DTYPES.items():
         if torch_dtype == dtype:
@@ -314,6 +317,13 @@ def encode(tensor: torch.Tensor, codec: str = "none", **params: int) -> EncodedT
     Raises CodecError for an unknown codec, bad parameters, a dtype not in WIRE_DTYPES, nan or inf with a lossy codec,
     and values beyond the float16 / bfloat16 range with fp16 / bf16.
     """
+    if codec == "none" and not params and tensor.device.type == "cpu" and tensor.dtype in _WIRE_NAMES:
+        # a host tensor, lossless: its bytes as they lie, without the registry's lookups (a decode step's hidden
+        # states are a few KiB, so those lookups were most of its encoding)
+        data = tensor.detach()
+        # numpy writes the elements in order whatever the strides; it has no bfloat16, whose bits are int16's
+        payload = (data.view(torch.int16) if data.dtype == torch.bfloat16 else data).numpy().tobytes()
+        return EncodedTensor(codec="none", dtype=_WIRE_NAMES[tensor.dtype], shape=tuple(tensor.shape), payload=payload)
     payload, name, resolved = _encode(tensor, codec, params)
     return EncodedTensor(
         codec=codec,
@@ -339,6 +349,8 @@ def _encode(tensor: torch.Tensor, codec: str, params: dict[str, int]) -> tuple[t
     resolved = _resolve_params(codec, spec, params)
     name = _dtype_name(tensor.dtype)
     flat = tensor.detach().reshape(-1)  # (elements,)
+    if flat.numel() == 1 and flat.stride(0) != 1:  # one element of a strided view: "contiguous" to torch, yet its
+        flat = flat.clone(memory_format=torch.contiguous_format)  # stride keeps it from being viewed as bytes
     if flat.numel():
         payload = spec.encode(flat, resolved)
     else:
@@ -364,6 +376,46 @@ def decode(
     problem. Decoded values may still be nan or inf with codecs "none", "fp16" and "bf16": check with `all_finite`.
     The payload is bytes (from a peer) or, from `encode_on_device`, a one-dimensional uint8 tensor on any device.
     """
+    if encoded.codec == "none" and device is None and not encoded.params:
+        lossless = _host_raw(encoded, allowed_dtypes, max_elements, rank)
+        if lossless is not None:
+            return lossless
+    return _decode_checked(encoded, allowed_dtypes, max_elements, rank, device)
+
+
+def _host_raw(
+    encoded: EncodedTensor, allowed_dtypes: tuple[str, ...], max_elements: int, rank: int | None
+) -> torch.Tensor | None:
+    """`decode` of a lossless payload of bytes to the CPU, the common case (every hop of a lossless swarm), with the
+    same checks in fewer steps: the dtype allowed, the rank, every dimension a positive int, at most `max_elements`
+    elements, the payload exactly their bytes. None wherever anything is otherwise (an empty tensor, a zero or odd
+    dimension, a wrong length, a payload tensor): `_decode_checked` then decodes it or names what is wrong."""
+    dtype, shape, payload = encoded.dtype, encoded.shape, encoded.payload
+    if type(dtype) is not str or dtype not in allowed_dtypes or dtype not in WIRE_DTYPES:
+        return None
+    if type(shape) is not tuple or len(shape) > MAX_RANK or (rank is not None and len(shape) != rank):
+        return None
+    elements = 1
+    for dim in shape:
+        if type(dim) is not int or dim <= 0:
+            return None
+        elements *= dim
+        if elements > max_elements:
+            return None
+    torch_dtype, width = WIRE_DTYPES[dtype]
+    if type(payload) is not bytes or len(payload) != elements * width:
+        return None
+    return _payload_view(payload).view(torch_dtype).clone().view(shape)  # a copy: the payload's bytes stay the peer's
+
+
+def _decode_checked(
+    encoded: EncodedTensor,
+    allowed_dtypes: tuple[str, ...],
+    max_elements: int,
+    rank: int | None,
+    device: torch.device | str | None,
+) -> torch.Tensor:
+    """`decode` by the codec's registry entry, every check in order (see `decode`)."""
     spec = _codec(encoded.codec)
     params = _resolve_params(encoded.codec, spec, encoded.params)
     if encoded.dtype not in WIRE_DTYPES or encoded.dtype not in allowed_dtypes:
