@@ -10,7 +10,9 @@ codec's round trip against that copy of its payload alone ("roundtrip_vs_host_co
 the transfer any codec pays (a 16 MiB copy over PCIe alone is some twenty device clones of it). On every device the
 codec's own round trip, its payload kept on the device (`encode_on_device`, then `decode` of that payload: no way
 out, as between two spans in one process), is timed in the same repeats: "device_roundtrip_ms" and
-"device_roundtrip_vs_clone".
+"device_roundtrip_vs_clone". Beside them, "blockwise8_kernels": that round trip's kernels called directly, fused
+(the default on a GPU: compression/quantize.py) and not, each against the clone of the same repeats, with the aten
+operations each dispatches (about one kernel launch each on a GPU).
 
 Every operation timed allocates its result, so the allocator's state decides much of a 16 MB clone's time: glibc
 serves a fresh block from new pages (a page fault each 4 KiB: about 4 ms here) or reuses freed memory (about 1 ms),
@@ -46,7 +48,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node.compression.codec import CODECS, decode, encode, encode_on_device, wire_bytes  # noqa: E402
+from nesa_node.compression.codec import (  # noqa: E402
+    CODECS,
+    _extremes,
+    decode,
+    encode,
+    encode_on_device,
+    wire_bytes,
+)
+from nesa_node.compression.quantize import dequantize_linear_into, quantize_linear_into  # noqa: E402
 from nesa_node.devtools.allocator import steady_allocator  # noqa: E402
 
 LINK_BITS_PER_S = 100e6  # the simulated 100 Mbit/s link
@@ -87,6 +97,40 @@ def _host_round_trip(wire: torch.Tensor, device: torch.device) -> torch.Tensor:
 def _device_round_trip(tensor: torch.Tensor, codec: str, device: torch.device) -> torch.Tensor:
     """Encode with the payload kept on the tensor's device, and decode it there."""
     return decode(encode_on_device(tensor, codec), device=device)
+
+
+def _linear_kernels(tensor: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The blockwise8 device round trip's work (encode into scales and codes, the decoder's checks of them, decode),
+    with the codec's kernels `fused` or not: the two ways compared in one run (`blockwise8_kernels`)."""
+    blocks = tensor.reshape(-1, 64)  # (blocks, 64): every shape here is whole blocks of the default size
+    scales = torch.empty(blocks.shape[0], dtype=torch.float32, device=tensor.device)
+    codes = torch.empty(blocks.shape, dtype=torch.int8, device=tensor.device)
+    quantize_linear_into(blocks, scales, codes, fused=fused)
+    _extremes(scales, codes, fused=fused)
+    return dequantize_linear_into(codes, scales, torch.empty(blocks.shape, device=tensor.device), fused=fused)
+
+
+# operations that only allocate or view memory: no kernel runs for them
+_NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "select", "unsqueeze", "squeeze", "alias"}
+_NO_KERNEL |= {"detach", "reshape", "_reshape_alias", "as_strided", "expand", "t", "transpose", "split", "lift_fresh"}
+
+
+def _dispatched_ops(run: Callable[[], object]) -> int:
+    """How many aten operations `run` dispatches that compute (not those that only allocate or view memory): on a
+    GPU one kernel launch each; reads of a value back to the host (`.item()`, `.tolist()`) are not counted."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ not in _NO_KERNEL | {"_local_scalar_dense"}:
+                Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        run()
+    return Count.ops
 
 
 def _inputs(shape: tuple[int, ...], seed: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -131,6 +175,8 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
             runs[f"encode {codec}"] = partial(encode, tensor, codec)
             runs[f"decode {codec}"] = partial(decode, encoded[codec], device=target)
             runs[f"device {codec}"] = partial(_device_round_trip, tensor, codec, target)
+        for fused in (True, False):
+            runs[f"kernels fused={fused}"] = partial(_linear_kernels, tensor, fused)
         if target.type != "cpu":  # the floor of any codec whose bytes leave the device: their way out and back
             for codec in CODECS:
                 wire = torch.empty(len(encoded[codec].payload), dtype=torch.uint8, device=target)
@@ -170,6 +216,20 @@ def codec_table(seed: int = 0, repeats: int = 20, device: str = "cpu") -> dict:
                 copy_s = statistics.median(seconds[f"host copy {codec}"])
                 row["codecs"][codec]["host_copy_ms"] = copy_s * 1e3
                 row["codecs"][codec]["roundtrip_vs_host_copy"] = (encode_s + decode_s) / copy_s
+        row["blockwise8_kernels"] = {
+            f"{'fused' if fused else 'unfused'}_{what}": value
+            for fused in (True, False)
+            for what, value in (
+                (
+                    "vs_clone",
+                    statistics.median(
+                        run / clone_time
+                        for run, clone_time in zip(seconds[f"kernels fused={fused}"], seconds["clone"], strict=True)
+                    ),
+                ),
+                ("ops", _dispatched_ops(partial(_linear_kernels, tensor, fused))),
+            )
+        }
         table["shapes"][label] = row
     return table
 

@@ -177,13 +177,7 @@ def _decode_blocks(
     # the decoded values are at most |scale|, so a finite scale within the dtype's range keeps them finite; the
     # extremes answer all three checks (min and max propagate nan; torch.aminmax measured 20x slower than both)
     linear = code_dtype == torch.int8
-    if raw.device.type == "cpu":
-        lowest, highest = float(scales.min()), float(scales.max())
-        lowest_code = int(codes.min()) if linear else 0
-    else:  # a payload on a GPU (encode_on_device): the three extremes in one transfer, one wait for the device
-        extremes = [scales.min(), scales.max()] + ([codes.min().to(torch.float32)] if linear else [])
-        lowest, highest, *rest = torch.stack(extremes).tolist()
-        lowest_code = int(rest[0]) if linear else 0
+    lowest, highest, lowest_code = _extremes(scales, codes if linear else None, fused=raw.device.type != "cpu")
     if not (math.isfinite(lowest) and math.isfinite(highest)):
         raise CodecError("block scales must be finite")
     if not signed_scales and lowest < 0:
@@ -196,6 +190,21 @@ def _decode_blocks(
         codes = torch.nn.functional.pad(codes, (0, blocks * block_size - elements))
     values = dequantizer(codes.to(device).view(blocks, block_size), scales.to(device), dtype)  # (blocks, block_size)
     return values.view(-1)[:elements]
+
+
+def _extremes(scales: torch.Tensor, codes: torch.Tensor | None, *, fused: bool) -> tuple[float, float, int]:
+    """(least scale, largest scale, least code) of a block payload (least code 0 without `codes`). On the CPU three
+    reductions read directly; `fused` (a payload on a GPU, from encode_on_device) writes them into one small tensor,
+    the scales' two by one min-and-max reduction, and reads it in one transfer: one wait for the device, three
+    kernels where a min, a max, a min, a conversion and a stack took five."""
+    if not fused:
+        return float(scales.min()), float(scales.max()), int(codes.min()) if codes is not None else 0
+    extremes = torch.empty(2 if codes is None else 3, dtype=torch.float32, device=scales.device)
+    torch.aminmax(scales, out=(extremes[0], extremes[1]))
+    if codes is not None:
+        extremes[2].copy_(codes.min())  # int8 -128..127: exact in float32
+    values = extremes.tolist()
+    return values[0], values[1], int(values[2]) if codes is not None else 0
 
 
 def _dequantize_linear(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
