@@ -51,13 +51,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nesa_node import event_loop, openmp_wait  # noqa: E402
+from nesa_node import event_loop, openmp_wait, step_trace  # noqa: E402
 
 openmp_wait.short_spin()  # before torch loads: the baseline and the client as the nodes (see the docstring)
 
 import torch  # noqa: E402
 from client_process import processes_decode  # noqa: E402  (bench/client_process.py, beside this file)
 from spy import Spies  # noqa: E402  (bench/spy.py, beside this file)
+from trace_summary import summarize as summarize_trace  # noqa: E402  (bench/trace_summary.py)
 
 from nesa_node.client.model import DistributedModelForCausalLM  # noqa: E402
 from nesa_node.devtools.launcher import ProcessGroup, split_blocks  # noqa: E402
@@ -441,6 +442,8 @@ def chain_figures(
                         1000 * statistics.median(run["ttft_s"] - alone["ttft_s"] for alone, run in pairs), 2
                     ),
                 )
+            if args.trace:
+                figures[f"{label}_{count}"]["trace"] = traced(model, input_ids, args, pids)
             if args.spy:
                 spies = Spies(Path(args.spy) / f"{prefix}-{label}", {**(pids or {}), "client": os.getpid()})
                 with spies:
@@ -448,6 +451,19 @@ def chain_figures(
                         timed_generate(model, input_ids, args.new_tokens)
                 figures[f"{label}_{count}"]["profile"] = spies.summary()
     return figures
+
+
+def traced(model, input_ids, args, pids) -> dict:
+    """Where a decode step's time went (bench/trace_summary.py) in two generations, this process marking them."""
+    step_trace.start(args.trace)
+    since = time.monotonic_ns()
+    try:
+        for _ in range(2):
+            timed_generate(model, input_ids, args.new_tokens)
+    finally:
+        until = time.monotonic_ns()
+        step_trace.stop()
+    return summarize_trace(args.trace, {**(pids or {}), "client": os.getpid()}, since, until)
 
 
 def on_threads(threads: int, function, *args):
@@ -536,6 +552,14 @@ def main() -> None:
         help="py-spy profiles of every node and the client, raw into DIR/PREFIX[-MODE]/ and summed up in the JSON's "
         "`profile`: of each chain mode's two generations after its timed ones, and with --clients of the concurrent "
         "run (needs py-spy)",
+    )
+    parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        default=None,
+        help="step marks of every node and the client (nesa_node/step_trace.py) into DIR, and in the JSON's `trace`, "
+        "per chain mode, the medians of where a decode step's time went (bench/trace_summary.py) over two generations "
+        "after its timed ones; the nodes mark from their start (a few microseconds a mark)",
     )
     parser.add_argument(
         "--keep-logs", metavar="DIR", default=None, help="copy every node's log to DIR (kept after the run)"
@@ -629,6 +653,8 @@ def main() -> None:
         if args.client_threads:
             torch.set_num_threads(args.client_threads)
 
+        if args.trace:  # the nodes started from here on mark from their start
+            os.environ[step_trace.ENV] = str(Path(args.trace).resolve())
         bootstrap, address_file = group.start("dht", ["dht"])
         peers = group.wait_address(bootstrap, address_file)
         swarms = [(count, f"bench-{count}", []) for count in args.nodes]

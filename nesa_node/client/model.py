@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from nesa_node import event_loop
+from nesa_node import event_loop, step_trace
 from nesa_node.client.async_model import (
     DEFAULT_NEW_TOKENS,
     MAX_AUDITED_RUNS,
@@ -484,9 +484,15 @@ class DistributedModelForCausalLM(PreTrainedModel, GenerationMixin):
         new_tokens = input_ids[:, session.position :]
         if new_tokens.shape[1] == 0:
             raise SessionStateError("no new tokens to process in this inference session")
-        hidden = session.step(self.client.embed(new_tokens))  # (batch, new, hidden)
+        step_trace.mark("forward")
+        embedded = self.client.embed(new_tokens)
+        step_trace.mark("embedded")
+        hidden = session.step(embedded)  # (batch, new, hidden)
+        step_trace.mark("stepped")
         self._history = input_ids.clone()
-        return CausalLMOutputWithPast(logits=self.client.logits(hidden, keep))
+        logits = self.client.logits(hidden, keep)
+        step_trace.mark("logits")
+        return CausalLMOutputWithPast(logits=logits)
 
     def close(self) -> None:
         if not self.runner.loop.is_running():

@@ -48,6 +48,7 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from nesa_node import step_trace
 from nesa_node.errors import BadRequestError, MessageTooLargeError, PeerUnavailableError
 
 MAGIC = b"NLN1"
@@ -189,11 +190,13 @@ class SealedStream:
         sealed = self._send_cipher.encrypt(self._sent.to_bytes(12, "big"), payload, None)
         self._sent += 1
         self.writer.write(len(sealed).to_bytes(LENGTH_BYTES, "big") + sealed)
+        step_trace.mark("send", len(sealed))
 
     async def receive(self) -> bytes | None:
         sealed = await self.read_sealed()
         if sealed is None:
             return None
+        step_trace.mark("receive", len(sealed))
         payload = self.unseal(sealed)
         if payload is None:
             self.close()

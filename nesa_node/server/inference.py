@@ -29,6 +29,7 @@ import time
 import torch
 from hivemind.p2p import P2PContext
 
+from nesa_node import step_trace
 from nesa_node.errors import (
     AdapterBudgetError,
     BadRequestError,
@@ -385,7 +386,9 @@ class InferenceService:
         pushing = False  # whether the step's time ran out handing it on (the next node did not take it)
         try:
             async with asyncio.timeout(self.limits.step_timeout_s):
+                step_trace.mark("compute")
                 output, seconds = await self._compute_step(session, request, step, pushed)
+                step_trace.mark("computed", int(seconds * 1e6))
                 # lossless where the session's codec cannot carry these values (beyond fp16's range)
                 proto, sent_codec = tensor_to_wire(output, session.output_codec)
                 tensors = [proto]
