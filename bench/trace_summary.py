@@ -39,11 +39,12 @@ CLIENT_SEGMENTS = (
 
 
 def read_marks(path: Path, since_ns: int, until_ns: int) -> list[tuple[int, str, int]]:
-    """The marks of one trace file within [since_ns, until_ns], in time order (a torn last line is skipped)."""
+    """The marks of one trace file within [since_ns, until_ns], in time order (a line that is not a time, an event
+    and a number, as a process stopped mid-write may leave, is skipped)."""
     marks = []
     for line in path.read_text().splitlines():
         parts = line.split()
-        if len(parts) != 3:
+        if len(parts) != 3 or not (parts[0].isdigit() and parts[2].isdigit()):
             continue
         at, event, value = int(parts[0]), parts[1], int(parts[2])
         if since_ns <= at <= until_ns:
@@ -61,9 +62,10 @@ def _segments(marks: list[tuple[int, str, int]], pairs) -> dict[str, list[float]
     return found
 
 
-def _medians(found: dict[str, list[float]]) -> dict:
+def _medians(found: dict[str, list[float]], counted: str) -> dict:
+    """The median of each segment, and "steps": how many times the segment `counted` was seen."""
     return {name: round(statistics.median(values), 3) if values else None for name, values in found.items()} | {
-        "steps": max((len(values) for values in found.values()), default=0)
+        "steps": len(found[counted])
     }
 
 
@@ -84,7 +86,7 @@ def summarize(directory: str | Path, pids: dict[str, int], since_ns: int, until_
         else:
             found = _segments(own, NODE_SEGMENTS)
             found["compute_own"] = [value / 1e3 for _, event, value in own if event == "computed"]
-        summary[name] = _medians(found)
+        summary[name] = _medians(found, "embedded_to_sent" if name == "client" else "received_to_compute")
     everything = sorted((at, name, event) for name, own in marks.items() for at, event, _ in own)
     transport, last_send = [], None
     for at, name, event in everything:

@@ -194,11 +194,17 @@ def _decode_blocks(
 
 def _extremes(scales: torch.Tensor, codes: torch.Tensor | None, *, fused: bool) -> tuple[float, float, int]:
     """(least scale, largest scale, least code) of a block payload (least code 0 without `codes`). On the CPU three
-    reductions read directly; `fused` (a payload on a GPU, from encode_on_device) writes them into one small tensor,
+    reductions read directly, elsewhere stacked and read in one transfer; `fused` (the decoder's choice for a payload
+    on a GPU, from encode_on_device) writes them into one small tensor,
     the scales' two by one min-and-max reduction, and reads it in one transfer: one wait for the device, three
     kernels where a min, a max, a min, a conversion and a stack took five."""
     if not fused:
-        return float(scales.min()), float(scales.max()), int(codes.min()) if codes is not None else 0
+        if scales.device.type == "cpu":
+            return float(scales.min()), float(scales.max()), int(codes.min()) if codes is not None else 0
+        # another device without fusing (the codec table's comparison): five kernels, one transfer
+        extremes = [scales.min(), scales.max()] + ([codes.min().to(torch.float32)] if codes is not None else [])
+        lowest, highest, *rest = torch.stack(extremes).tolist()
+        return lowest, highest, int(rest[0]) if rest else 0
     extremes = torch.empty(2 if codes is None else 3, dtype=torch.float32, device=scales.device)
     torch.aminmax(scales, out=(extremes[0], extremes[1]))
     if codes is not None:
@@ -385,7 +391,7 @@ def decode(
     problem. Decoded values may still be nan or inf with codecs "none", "fp16" and "bf16": check with `all_finite`.
     The payload is bytes (from a peer) or, from `encode_on_device`, a one-dimensional uint8 tensor on any device.
     """
-    if encoded.codec == "none" and device is None and not encoded.params:
+    if encoded.codec == "none" and device is None and encoded.params == ():
         lossless = _host_raw(encoded, allowed_dtypes, max_elements, rank)
         if lossless is not None:
             return lossless

@@ -19,6 +19,7 @@ The marks (bench/trace_summary.py reads them):
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import TextIO
 
@@ -46,11 +47,25 @@ def stop() -> None:
 def mark(event: str, value: int = 0) -> None:
     out = _out
     if out is not None:
-        out.write(f"{time.monotonic_ns()} {event} {value}\n")
+        try:
+            out.write(f"{time.monotonic_ns()} {event} {value}\n")
+        except (OSError, ValueError):  # a full disk, or the file closed by `stop` meanwhile: the mark is lost,
+            pass  # never the step it marks
 
+
+def _forget_in_child() -> None:
+    """A forked child marks nothing into its parent's file (it may `start` its own)."""
+    global _out
+    _out = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 if os.environ.get(ENV):
-    start(os.environ[ENV])
+    try:
+        start(os.environ[ENV])
+    except OSError as exc:  # a directory this process cannot write: it runs, without marks
+        sys.stderr.write(f"nesa-node: no step marks, {ENV}={os.environ[ENV]!r}: {exc}\n")
 
 
 __all__ = ["ENV", "mark", "start", "stop"]

@@ -100,15 +100,18 @@ def test_fused_extremes_are_the_three_reductions(scales, codes):
 
 
 @pytest.mark.parametrize("fused", [True, False])
-@pytest.mark.parametrize("rows", [[0], [1], [2], [0, 1], [0, 2], [0, 1, 2]])
+@pytest.mark.parametrize("rows", [[0], [1], [2], [3], [0, 1], [0, 2], [0, 3], [0, 1, 2, 3]])
 def test_blocks_near_the_overflow_of_the_factor_quantize_as_quantize_linear_does(fused, rows):
     # 127 / absmax overflows float32 below an absmax of about 3.7e-37: such blocks (and zero blocks) are redone
-    every = torch.tensor([[3e-36, -1e-36, 0.0, 2e-36], [3e-37, -1e-37, 2e-37, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    # row 3: a factor that stays finite, below the fused path's threshold (it looks for blocks to redo, finds none)
+    every = torch.tensor(
+        [[3e-36, -1e-36, 0.0, 2e-36], [3e-37, -1e-37, 2e-37, 0.0], [0.0, 0.0, 0.0, 0.0], [5e-37, -2.5e-37, 1e-37, 0.0]]
+    )
     blocks = every[rows]
     scales, codes = torch.empty(len(rows)), torch.empty(len(rows), 4, dtype=torch.int8)
     quantize_linear_into(blocks, scales, codes, fused=fused)
-    assert torch.equal(codes, quantize_linear(blocks)[0])
-    expected = {0: [127, -42, 0, 85], 1: [127, -42, 85, 0], 2: [0, 0, 0, 0]}
+    assert torch.equal(codes, torch.cat([quantize_linear(row[None])[0] for row in blocks]))  # each block's own
+    expected = {0: [127, -42, 0, 85], 1: [127, -42, 85, 0], 2: [0, 0, 0, 0], 3: [127, -63, 25, 0]}
     assert codes.tolist() == [expected[row] for row in rows]
 
 
@@ -132,6 +135,10 @@ def test_the_gpus_fused_kernels_give_the_cpus_bytes(dtype, special):
     assert _same(highest, highest_) and (special is None) == math.isfinite(highest_)
     finite = torch.isfinite(scales)
     assert torch.equal(codes[finite], codes_[finite])
+    # the decoder's checks see the same least and largest scale (the codes of a nan block differ: nan's bits do)
+    extremes = _extremes(scales, codes, fused=False)[:2]
+    extremes_ = _extremes(scales_.cuda(), codes_.cuda(), fused=True)[:2]
+    assert all(_same(a, b) for a, b in zip(extremes, extremes_, strict=True))
     if special is None:
         decoded = dequantize_linear_into(codes, scales, torch.empty(blocks.shape, dtype=dtype), fused=False)
         decoded_ = dequantize_linear_into(codes_.cuda(), scales_.cuda(), torch.empty(blocks.shape, dtype=dtype).cuda())

@@ -76,7 +76,7 @@ _dims = st.one_of(st.integers(-2, 6), st.just(1 << 40), st.booleans(), st.just(2
     allowed=st.sampled_from([ALL_WIRE, ("float32",), ("float16", "bfloat16")]),
     max_elements=st.sampled_from([1, 6, 40, 1 << 26]),
     rank=st.sampled_from([None, 0, 1, 2, 3]),
-    params=st.sampled_from([(), (("block_size", 64),)]),
+    params=st.sampled_from([(), (("block_size", 64),), None, 0, False, [], {}]),
     data=st.data(),
 )
 def test_a_payload_from_a_peer_decodes_or_fails_as_by_the_general_path(
@@ -116,3 +116,12 @@ def test_one_element_of_a_strided_view_encodes(codec, dtype):
     tensor = torch.tensor([1.5, -2.0], dtype=dtype)[::2]  # shape (1,), stride (2,)
     for encoded in (encode(tensor, codec), encode_on_device(tensor, codec)):
         assert decode(encoded).tolist() == [1.5]
+
+
+@pytest.mark.parametrize("params", [None, 0, False, [], {}, (("block_size", 64),)])
+def test_codec_parameters_other_than_none_take_the_general_way(params):
+    tensor = torch.randn(2, 3)
+    encoded = EncodedTensor(codec="none", dtype="float32", shape=(2, 3), payload=encode(tensor).payload, params=params)
+    general = _outcome(lambda: _decode_checked(encoded, ALL_WIRE, 1 << 26, None, None))
+    assert _outcome(lambda: decode(encoded)) == general
+    assert general[0] == ("tensor" if params in ([], {}) else "error")

@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,15 +21,8 @@ def summary_module():
     return module
 
 
-@pytest.fixture
-def marking(tmp_path):
-    step_trace.start(tmp_path)
-    yield tmp_path / f"{os.getpid()}.trace"
-    step_trace.stop()
-
-
 def test_marks_go_to_the_process_file_only_between_start_and_stop(tmp_path):
-    assert step_trace._out is None  # off unless asked (NESA_STEP_TRACE is not set for the tests)
+    step_trace.stop()
     step_trace.mark("send", 5)
     assert not list(tmp_path.iterdir())
     step_trace.start(tmp_path / "marks")
@@ -42,6 +37,31 @@ def test_marks_go_to_the_process_file_only_between_start_and_stop(tmp_path):
     first, second = (int(line.split()[0]) for line in lines)
     assert 0 < first <= second
     assert len((tmp_path / "marks" / f"{os.getpid()}.trace").read_text().splitlines()) == 2
+
+
+def test_a_mark_that_cannot_be_written_is_lost_without_an_error(tmp_path):
+    step_trace.start(tmp_path)
+    try:
+        step_trace._out.close()  # as `stop` on another thread, or a failing disk, would leave it
+        step_trace.mark("receive", 3)
+    finally:
+        step_trace.stop()
+    assert (tmp_path / f"{os.getpid()}.trace").read_text() == ""
+
+
+def test_a_directory_that_cannot_be_written_leaves_the_process_running_without_marks(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    script = "from nesa_node import step_trace; step_trace.mark('send', 1); print(step_trace._out is None)"
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, step_trace.ENV: str(blocker / "marks")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "True"
+    assert "no step marks" in done.stderr
 
 
 def _write(path: Path, marks: list[tuple[float, str, int]]) -> None:
@@ -62,7 +82,7 @@ def test_a_chain_of_two_nodes_is_summed_up_segment_by_segment(tmp_path, summary_
     _write(tmp_path / "11.trace", client)
     _write(tmp_path / "12.trace", node_a)
     _write(tmp_path / "13.trace", node_b + [(1000.0, "send", 1)])  # outside the window
-    (tmp_path / "13.trace").write_text((tmp_path / "13.trace").read_text() + "1000000 torn")
+    (tmp_path / "13.trace").write_text((tmp_path / "13.trace").read_text() + "1000000 torn\n1000 send 12x\n")
     pids = {"client": 11, "node0": 12, "node1": 13, "node2": 99}  # node2 left no file
     summary = summary_module.summarize(tmp_path, pids, 0, int(60 * 1e6))
     assert summary["node0"] == {
